@@ -1,0 +1,28 @@
+# Two entry points on a fresh machine (Python 3.11):
+#   make example   -- plans the bundled GRPO step
+#   make test      -- runs the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
+export TORCHDYNAMO_DISABLE := 1
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch is pinned to the CPU wheel that lies on disk; any other spec pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[solver,megatron,dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+example: install
+	$(BIN)/waveplan inspect
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python -m pytest bench --benchmark-only
+
+.PHONY: install example test bench

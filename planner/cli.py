@@ -1,0 +1,65 @@
+"""The `waveplan` command line: one subcommand per module `cmd_*.py`.
+
+Every documented error (`WaveplanError`) and every bad argument exits 2 with one line on
+stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from waveplan.pricing.errors import WaveplanError
+
+# Subcommand modules, each exposing `register(subparsers)` that sets `func` on its parser.
+_COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        print(f"waveplan: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("waveplan")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="waveplan", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"waveplan {_version()}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    for name in _COMMANDS:
+        try:
+            module = importlib.import_module(f"waveplan.planner.cmd_{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"waveplan.planner.cmd_{name}":
+                continue  # not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except WaveplanError as exc:
+        print(f"waveplan: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
