@@ -6,17 +6,17 @@ Sizes are global (unsharded); the pricing layer divides them by the parallel lay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from .errors import ConfigError, bad
 
 
-class MixerKind(str, Enum):
+class MixerKind(StrEnum):
     ATTENTION = "attention"
     GDN = "gdn"
 
 
-class MlpKind(str, Enum):
+class MlpKind(StrEnum):
     DENSE = "dense"
     MOE = "moe"
 
@@ -117,8 +117,12 @@ class LayerSpec:
     mlp: MlpKind
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mixer", MixerKind(self.mixer))
-        object.__setattr__(self, "mlp", MlpKind(self.mlp))
+        for name, kind in (("mixer", MixerKind), ("mlp", MlpKind)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise bad(ConfigError, f"model.layers.{name}", getattr(self, name),
+                          f"unknown kind; known: {', '.join(k.value for k in kind)}") from None
 
 
 @dataclass(frozen=True)
@@ -200,12 +204,14 @@ class ModelGeometry:
                 vocab=data["vocab"], dtype=data.get("dtype", "bf16"),
                 gated_mlp=bool(data.get("gated_mlp", True)),
                 tied_embeddings=bool(data.get("tied_embeddings", False)),
-                layers=tuple(LayerSpec(MixerKind(m), MlpKind(p)) for m, p in data["layers"]),
+                layers=tuple(LayerSpec(*pair) for pair in data["layers"]),
                 attention=AttentionSpec(**data["attention"]) if data.get("attention") else None,
                 gdn=GdnSpec(**data["gdn"]) if data.get("gdn") else None,
                 moe=MoeSpec(**data["moe"]) if data.get("moe") else None,
             )
         except KeyError as exc:
             raise bad(ConfigError, f"model.{exc.args[0]}", None, "missing field") from None
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
             raise ConfigError(f"model: {exc}") from None

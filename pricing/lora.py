@@ -30,6 +30,8 @@ class LoraSlot:
             raise bad(ConfigError, "lora.name", self.name, "must be non-empty")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise bad(ConfigError, f"lora[{self.name}].rank", self.rank, "must be a positive integer")
+        if isinstance(self.targets, str):
+            raise bad(ConfigError, f"lora[{self.name}].targets", self.targets, "must be a list of module names")
         object.__setattr__(self, "targets", tuple(self.targets))
         for target in self.targets:
             if target not in ALL_TARGETS:
@@ -67,10 +69,13 @@ class LoraConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> LoraConfig:
-        return cls(grad_bytes=data.get("grad_bytes", 4), slots=tuple(
-            LoraSlot(name=s["name"], rank=s["rank"], targets=tuple(s["targets"]),
-                     layers=None if s.get("layers") is None else tuple(s["layers"]))
-            for s in data["slots"]))
+        try:
+            return cls(grad_bytes=data.get("grad_bytes", 4), slots=tuple(
+                LoraSlot(name=s["name"], rank=s["rank"], targets=tuple(s.get("targets", ALL_TARGETS)),
+                         layers=None if s.get("layers") is None else tuple(s["layers"]))
+                for s in data["slots"]))
+        except KeyError as exc:
+            raise bad(ConfigError, f"lora.{exc.args[0]}", None, "missing field") from None
 
 
 def module_shapes(geometry: ModelGeometry, layer: int, tp: int) -> dict[str, tuple[int, int]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from .errors import ConfigError, bad
 from .geometry import MixerKind, ModelGeometry
@@ -78,7 +78,7 @@ class ParallelLayout:
                 "sequence_parallel": self.sequence_parallel}
 
 
-class RecomputeMode(str, Enum):
+class RecomputeMode(StrEnum):
     FULL = "full"
     SELECTIVE = "selective"
     NONE = "none"

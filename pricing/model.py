@@ -1,0 +1,207 @@
+"""The memory model of one rank: geometry, layout, recompute, LoRA and coefficients, reduced to
+the per-layer arrays the jitted schedule walk reads.
+
+Fail closed: a configuration outside the seeds' evidence is priced by a conservative bound
+(rows not divided by CP, widths not divided by TP, pipeline stages holding PP micro-batches)
+and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import terms
+from .coefficients import CoefficientTable, load_table
+from .errors import ConfigError, bad
+from .geometry import MixerKind, MlpKind, ModelGeometry
+from .lora import LoraConfig, adapter_param_counts
+from .parallel import ParallelLayout, Recompute, RecomputeMode
+
+DEFAULT_SAFETY = 1.10
+HEAD_MODES = ("chunked:N", "full-native", "full-te")
+
+
+def parse_head(head: str) -> tuple[str, int]:
+    """'chunked:512' -> ('chunked', 512); 'full-native' -> ('full-native', 0)."""
+    if head in ("full-native", "full-te"):
+        return head, 0
+    if head.startswith("chunked:"):
+        rows = head.split(":", 1)[1]
+        if rows.isdigit() and int(rows) > 0:
+            return "chunked", int(rows)
+    raise bad(ConfigError, "head", head, "must be chunked:N (N > 0), full-native or full-te")
+
+
+def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
+    """Why this configuration lies outside the seeds' traces (empty: it is covered).
+
+    Covered: one-layer full recompute at TP1 with CP <= 2 (seeds 001, 002, 004) or TP4 with
+    sequence parallelism and CP1 (seed 000); selective/no recompute of dense models at TP1 with
+    CP <= 2 (seed 003); PP1; MoE with EP <= 2 (seed 004).
+    """
+    gaps = []
+    if parallel.pp > 1:
+        gaps.append(f"PP{parallel.pp} (no trace covers pipeline stages)")
+    if parallel.cp > 2:
+        gaps.append(f"CP{parallel.cp} (traced up to CP2)")
+    if parallel.ep > 2:
+        gaps.append(f"EP{parallel.ep} (traced up to EP2)")
+    if recompute.mode == RecomputeMode.FULL:
+        if not recompute.is_one_layer_full:
+            gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
+        if parallel.tp > 1 and not (parallel.tp == 4 and parallel.sequence_parallel and parallel.cp == 1):
+            gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
+                        "(traced: TP1, or TP4 with SP at CP1)")
+    else:
+        if parallel.tp > 1:
+            gaps.append(f"TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
+        if geometry.moe is not None:
+            gaps.append(f"MoE with {recompute.mode.value} recompute (no trace)")
+    return gaps
+
+
+def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
+    """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths."""
+    att, gdn, moe = geometry.attention, geometry.gdn, geometry.moe
+    return {
+        "H": geometry.hidden,
+        "F": geometry.ffn / tp,
+        "qkv": att.qkv_width / tp if att else 0.0,
+        "core": att.core_width / tp if att else 0.0,
+        "in_proj": gdn.in_proj_width / tp if gdn else 0.0,
+        "conv": gdn.conv_width / tp if gdn else 0.0,
+        "value": gdn.value_width / tp if gdn else 0.0,
+        "expert_ffn": moe.expert_ffn if moe else 0.0,
+        "shared_ffn": moe.shared_expert_ffn / tp if moe else 0.0,
+        "experts": moe.num_experts if moe else 0.0,
+        "top_k": moe.top_k if moe else 0.0,
+        "vocab": math.ceil(geometry.vocab / tp),
+        "rank": 0.0,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PricingModel:
+    """Everything needed to price a wave on one rank, precomputed once per configuration."""
+
+    geometry: ModelGeometry
+    parallel: ParallelLayout
+    recompute: Recompute
+    lora: LoraConfig
+    table: CoefficientTable
+    head: str = "chunked:512"
+    safety: float = DEFAULT_SAFETY
+    # derived (set in __post_init__)
+    basis: str = field(init=False)
+    gaps: tuple[str, ...] = field(init=False)
+    slot_names: tuple[str, ...] = field(init=False)
+    arrays: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.safety, int | float) and math.isfinite(self.safety) and self.safety >= 1.0):
+            raise bad(ConfigError, "safety", self.safety, "must be a finite number >= 1.0")
+        self.parallel.validate_for(self.geometry)
+        parse_head(self.head)
+        gaps = tuple(evidence_gaps(self.geometry, self.parallel, self.recompute))
+        object.__setattr__(self, "gaps", gaps)
+        object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
+        object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
+        object.__setattr__(self, "arrays", self._build_arrays())
+
+    @classmethod
+    def build(cls, geometry: ModelGeometry, *, parallel: ParallelLayout | None = None,
+              recompute: Recompute | None = None, lora: LoraConfig | None = None,
+              backend: str = "te-gpu", head: str = "chunked:512",
+              safety: float = DEFAULT_SAFETY) -> PricingModel:
+        return cls(geometry=geometry, parallel=parallel or ParallelLayout(),
+                   recompute=recompute or Recompute(), lora=lora or LoraConfig(),
+                   table=load_table(backend), head=head, safety=safety)
+
+    @property
+    def conservative(self) -> bool:
+        return bool(self.gaps)
+
+    @property
+    def width_tp(self) -> int:
+        """TP divisor of widths: 1 (no sharding credit) when conservative."""
+        return 1 if self.conservative else self.parallel.tp
+
+    @property
+    def sp_div(self) -> int:
+        return self.parallel.tp if (self.parallel.sequence_parallel and not self.conservative) else 1
+
+    @property
+    def num_stage_layers(self) -> int:
+        return math.ceil(self.geometry.num_layers / self.parallel.pp)
+
+    def _build_arrays(self) -> dict:
+        g, p, t = self.geometry, self.parallel, self.table
+        widths = layer_widths(g, tp=self.width_tp)
+        sp_div = self.sp_div
+        ep_skew = t.scalar("moe_ep_skew") if p.ep > 1 else 1.0
+        n = self.num_stage_layers
+        layers = g.layers[:n]  # the first stage: most layers, and PP in-flight micro-batches
+        mode = self.recompute.mode
+        retained = np.zeros(n)
+        workspace = np.zeros(n)
+        nograd = np.zeros(n)
+        gdn_state = np.zeros(n)
+        widths_r = dict(widths)
+        for i, layer in enumerate(layers):
+            mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
+            mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
+            workspace[i] = mixer + mlp + norms
+            nograd[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            if layer.mixer == MixerKind.GDN:
+                gdn_state[i] = terms.gdn_state_per_segment(t, g.gdn, tp=self.width_tp)
+            widths_r["rank"] = max((s.rank for s in self.lora.slots), default=0)
+            layer_retained = terms.retained_layer_per_row(
+                t, widths_r, layer.mixer, layer.mlp, sp_div=sp_div,
+                selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
+            if mode == RecomputeMode.FULL:
+                retained[i] = terms.boundary_per_row(t, widths, sp_div=sp_div)
+                if self.recompute.num_layers > 1 or self.recompute.method == "block":
+                    # a multi-layer recompute chunk re-materialises num_layers layers at once
+                    workspace[i] += (self.recompute.num_layers - 1) * layer_retained
+            else:
+                retained[i] = layer_retained
+        if p.pp > 1:
+            retained *= p.pp  # 1F1B: the first stage holds PP micro-batches' activations
+        pending = np.zeros((len(self.lora.slots), n))
+        for s, slot in enumerate(self.lora.slots):
+            counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
+            pending[s] = counts * self.lora.grad_bytes
+        kind, chunk = parse_head(self.head)
+        head_ret, head_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
+        head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
+        return {
+            "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
+            "pending": pending,
+            "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
+            "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
+            "head_chunk_rows": chunk,
+            "caller": terms.caller_per_logical_token(t),
+            "first_exec": terms.first_execution_bytes(t),
+            "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in layers),
+        }
+
+    def slot_index(self, name: str) -> int:
+        try:
+            return self.slot_names.index(name)
+        except ValueError:
+            raise bad(ConfigError, "slot", name, f"no such LoRA slot; known: {list(self.slot_names)}") from None
+
+    def to_dict(self) -> dict:
+        """Everything needed to rebuild this model (for reports)."""
+        return {"geometry": self.geometry.to_dict(), "parallel": self.parallel.to_dict(),
+                "recompute": self.recompute.to_dict(), "lora": self.lora.to_dict(),
+                "coefficients": self.table.to_dict(), "head": self.head, "safety": self.safety}
+
+
+def check_rows(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise bad(ConfigError, name, value, "must be an integer >= 0")

@@ -1,0 +1,121 @@
+"""Price one wave: group loads in, raw and admitted bytes with their breakdown out."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError, bad
+from .geometry import MixerKind
+from .model import PricingModel
+from .walk import POINT_NAMES, TERM_NAMES, walk
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupLoad:
+    """One forward call of a wave: the requests of one (slot, grad) class, or one split child.
+
+    `padded_rows` are the packed rows after each packed sequence is padded to the layout's row
+    multiple; `segments` count the prefix tree's nodes plus one root per padding row (seed 000).
+    """
+
+    slot: str = "default"
+    grad: bool = True
+    packed_rows: int
+    padded_rows: int
+    logical_rows: int
+    segments: int
+
+    def __post_init__(self) -> None:
+        for name in ("packed_rows", "padded_rows", "logical_rows", "segments"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise bad(ConfigError, f"group.{name}", value, "must be an integer >= 0")
+        if self.padded_rows < self.packed_rows:
+            raise bad(ConfigError, "group.padded_rows", self.padded_rows,
+                      f"must be >= packed_rows={self.packed_rows}")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    raw_bytes: int
+    admitted_bytes: int
+    terms: dict[str, int]
+    binding: str
+    basis: str
+    reasons: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"raw_bytes": self.raw_bytes, "admitted_bytes": self.admitted_bytes,
+                "terms": dict(self.terms), "binding": self.binding, "basis": self.basis,
+                "reasons": list(self.reasons)}
+
+
+def rank_rows(model: PricingModel, padded_rows: int) -> int:
+    """Gathered rows on the busiest context-parallel rank.
+
+    Megatron's load-balanced split pads each sequence to 2*CP chunks and gives rank r chunks r
+    and 2*CP-1-r, so every rank holds padded/CP rows. A conservative model charges every rank
+    the whole wave (seed 003 explains why dividing is only valid on the traced layouts).
+    """
+    if model.conservative:
+        return padded_rows
+    return -(-padded_rows // model.parallel.cp)
+
+
+def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad], first_slots: frozenset[str]):
+    n = len(groups)
+    rows = np.empty(n)
+    logical = np.empty(n)
+    segments = np.empty(n)
+    grad = np.empty(n, dtype=np.bool_)
+    slot = np.empty(n, dtype=np.int64)
+    carries = np.empty(n, dtype=np.bool_)
+    for k, group in enumerate(groups):
+        rows[k] = rank_rows(model, int(group.padded_rows))
+        logical[k] = group.logical_rows
+        segments[k] = group.segments
+        grad[k] = group.grad
+        slot[k] = model.slot_index(group.slot)
+        carries[k] = group.grad and group.slot in first_slots
+    return rows, logical, segments, grad, slot, carries
+
+
+def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
+                 first_slots: frozenset[str] = frozenset(), profiled: bool = False) -> Breakdown:
+    """Price one wave whose forward calls are `groups` (classes, or split children).
+
+    `first_slots`: slots whose pending adapter gradients this wave allocates (its first gradient
+    wave in the step, seed 004). `profiled`: a learned profile exists, so the first-execution
+    allowance is not charged. Complexity O(groups^2 + groups x layers), jitted.
+    """
+    for name in first_slots:
+        model.slot_index(name)
+    a = model.arrays
+    rows, logical, segments, grad, slot, carries = _group_arrays(model, groups, first_slots)
+    first_exec = 0.0 if profiled or not grad.any() else a["first_exec"]
+    best, values = walk(a["retained"], a["workspace"], a["nograd"], a["gdn_state"], a["pending"],
+                        a["input_grad"], a["head_retained"], a["head_transient"], a["head_const"],
+                        a["caller"], first_exec, rows, logical, segments, grad, slot, carries)
+    raw = int(math.ceil(best[0]))
+    code, layer = int(best[1]), int(best[2])
+    return Breakdown(
+        raw_bytes=raw,
+        admitted_bytes=int(math.ceil(raw * model.safety)),
+        terms={name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)},
+        binding=_binding_name(model, code, layer),
+        basis=model.basis,
+        reasons=model.gaps,
+    )
+
+
+def _binding_name(model: PricingModel, code: int, layer: int) -> str:
+    name = POINT_NAMES[code]
+    if layer >= 0:
+        kind = model.geometry.layers[layer]
+        mixer = "attention" if kind.mixer == MixerKind.ATTENTION else "gdn"
+        return f"{name}:layer{layer}:{mixer}/{kind.mlp.value}"
+    return name

@@ -1,0 +1,145 @@
+"""Pricing terms: each is the bytes per row (or per segment, per token) of one kind of memory.
+
+Rows are the wave's rows on the busiest context-parallel rank after TP padding ("gathered
+rows"). A term that lives on sequence-parallel shards divides its hidden-wide part by
+`sp_div` (TP with sequence parallelism, else 1). Widths already carry the TP split (see
+`pricing.model.layer_widths`). Every function names its evidence; the numbers come from the
+backend's `CoefficientTable`.
+"""
+
+from __future__ import annotations
+
+from .coefficients import CoefficientTable
+from .geometry import GdnSpec, MixerKind, MlpKind
+
+
+def boundary_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
+    """One saved layer boundary (the layer's input) under full recompute.
+
+    rows x H x 2 bytes, or one shard of ceil(rows/TP) rows per rank with sequence parallelism.
+    Evidence: seed 000 (64 x H x 2 bytes per sharded row at TP4), seed 001 (TP1).
+    """
+    return table.per_row("boundary", widths) / sp_div
+
+
+def input_gradient_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
+    """The one input gradient the recomputed layer holds (not one per boundary).
+
+    rows x H x 2 bytes, a shard under sequence parallelism. Evidence: seed 001, seed 000.
+    """
+    return table.per_row("input_gradient", widths) / sp_div
+
+
+def mixer_stage_per_row(table: CoefficientTable, widths: dict, mixer: MixerKind) -> float:
+    """The recomputed mixer's workspace over gathered rows (attention or GDN).
+
+    Projection output, LoRA output and sum, core output and its gradient, by the mixer's
+    widths. Evidence: seed 000's traced decomposition ("the mixer").
+    """
+    name = "attention_stage" if mixer == MixerKind.ATTENTION else "gdn_stage"
+    return table.per_row(name, widths)
+
+
+def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
+    """The recomputed MLP stage over gathered rows.
+
+    Dense: the LoRA-wrapped FC1 stage, 7F, plus the 6F recompile residue (seed 001; 6F/TP at
+    TP4 in seed 000). MoE: per routed row (rows x top-k, times the skew allowance when
+    experts are split over EP ranks, seed 004) hidden copies and the expert FC1 stage, plus
+    the router and the shared expert (fitted to seed 002's controlled measurement).
+    """
+    if mlp == MlpKind.DENSE:
+        return table.per_row("mlp_dense_grad_stage", widths)
+    routed = widths["top_k"] * ep_skew * table.per_row("moe_routed", widths, key="per_routed_row")
+    return routed + table.per_row("moe_router", widths) + table.per_row("moe_shared_expert", widths)
+
+
+def norm_and_residual_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
+    """Norm input gathered over TP (2H) plus residual and norm-output shards.
+
+    Evidence: seed 000 ("the gathered norm input (2H)", "norms and other workspace").
+    """
+    return table.per_row("norm_gathered", widths) + table.per_row("residual_norm_shards", widths) / sp_div
+
+
+def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
+    """A no-grad group's forward transient; groups run one after another.
+
+    Dense: 6F + 6H per row (seed 001). MoE layers have no no-grad evidence, so they are
+    charged their full gradient-stage MoE workspace (conservative).
+    """
+    if mlp == MlpKind.DENSE:
+        return table.per_row("mlp_dense_nograd", widths)
+    return mlp_stage_per_row(table, widths, mlp, ep_skew=ep_skew) + 6 * widths["H"]
+
+
+def gdn_state_per_segment(table: CoefficientTable, gdn: GdnSpec, *, tp: int) -> float:
+    """One GDN layer's recurrent state per segment: initial and final fp32 states plus the conv
+    history, for the layer being recomputed.
+
+    2 x (value heads/TP) x dk x dv x 4 bytes + (kernel - 1) x conv width/TP x 4 bytes; about
+    4.3 MB for Qwen3.6-35B-A3B. Evidence: seed 002 (3.9 MB per extra segment measured), seed 000.
+    """
+    state = table.scalar("gdn_state_bytes")
+    heads = gdn.num_value_heads // tp
+    return (2 * heads * gdn.key_head_dim * gdn.value_head_dim * state
+            + (gdn.conv_kernel - 1) * (gdn.conv_width // tp) * state)
+
+
+def retained_layer_per_row(table: CoefficientTable, widths: dict, mixer: MixerKind, mlp: MlpKind,
+                           *, sp_div: int, selective: bool, ep_skew: float) -> float:
+    """Activations one layer keeps for backward without full recompute (selective or none).
+
+    Hidden-wide tensors live on sequence-parallel shards; a selective core-attention
+    recompute drops the saved core output copy. Evidence: seed 003 (dense CP2, busiest CP
+    rank's layout); MoE parts are structural (no seed measures them).
+    """
+    name = "retained_attention_layer" if mixer == MixerKind.ATTENTION else "retained_gdn_layer"
+    coef = dict(table.terms[name]["per_row"])
+    hidden_part = coef.pop("H", 0) * widths["H"] / sp_div
+    other = sum(c * widths[w] for w, c in coef.items())
+    if mlp == MlpKind.MOE:
+        # replace the dense FFN part by the MoE retained activations
+        other -= coef.get("F", 0) * widths["F"]
+        other += (widths["top_k"] * ep_skew * table.per_row("retained_moe_mlp", widths, key="per_routed_row")
+                  + table.per_row("retained_moe_mlp", widths))
+    if selective and mixer == MixerKind.ATTENTION:
+        other -= table.per_row("selective_core_attn_discount", widths)
+    return hidden_part + other
+
+
+def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[float, float]:
+    """(retained, transient) bytes per gathered row of the output head and loss, by head mode.
+
+    `full-native`: Megatron's cross entropy keeps bf16 logits and an fp32 copy, 6 x vocab/TP
+    bytes, plus the bf16 gradient in backward (DESIGN.md). `full-te`: TE's fused cross entropy
+    writes the gradient in place, 2 x vocab/TP (DESIGN.md). `chunked:N`: nothing per row is
+    retained; the chunk's transient is `head_chunk_bytes`.
+    """
+    if head == "full-native":
+        entry = "head_full_native"
+    elif head == "full-te":
+        entry = "head_full_te"
+    else:
+        return 0.0, 0.0
+    return (table.scalar(entry, "retained_per_row_vocab") * widths["vocab"],
+            table.scalar(entry, "transient_per_row_vocab") * widths["vocab"])
+
+
+def head_chunk_bytes(table: CoefficientTable, widths: dict, chunk_rows: int) -> float:
+    """Transient of one logits chunk of `chunk_rows` rows (bf16 logits, fp32 upcast, fp32
+    softmax/gradient, bf16 gradient), as the seeds' planner computes logits 512 rows at a time."""
+    return chunk_rows * table.scalar("head_chunk", "per_row_vocab") * widths["vocab"]
+
+
+def caller_per_logical_token(table: CoefficientTable) -> float:
+    """Head buffers and the caller's loss memory per active logical token: 6 KiB (seed 002).
+
+    Kept live through the whole wave (conservative: the seed bounds its peak, not its lifetime).
+    """
+    return table.scalar("caller_per_logical_token")
+
+
+def first_execution_bytes(table: CoefficientTable) -> float:
+    """Transients of a wave's first execution, charged while no profile is learned (seed 004)."""
+    return table.scalar("first_execution")
