@@ -57,37 +57,34 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     max_state = float(gdn.max()) if gdn.size else 0.0
     max_ng = float(ng.max()) if ng.size else 0.0
 
-    rows_pts: list[np.ndarray] = []   # per point: row coefficient of each class
-    seg_pts: list[np.ndarray] = []
-    pres_pts: list[np.ndarray] = []
-
-    def add(running: int, row_c: float, seg_c: float, pres_c: float) -> None:
-        rows = np.array([keep if (class_grad[h] and h != running) else 0.0 for h in range(k_classes)])
-        rows[running] = row_c
-        seg = np.zeros(k_classes)
-        seg[running] = seg_c
-        pres = np.zeros(k_classes)
-        pres[running] = pres_c
-        rows_pts.append(rows)
-        seg_pts.append(seg)
-        pres_pts.append(pres)
-
+    # Each point: the running class, its row / segment / presence coefficients.
+    running, row_own, seg_own, pres_own = [], [], [], []
     for g in range(k_classes):
         if not class_grad[g]:
-            add(g, max_ng + head_ret, max_state, head_c)
+            running.append(np.array([g]))
+            row_own.append(np.array([max_ng + head_ret]))
+            seg_own.append(np.array([max_state]))
+            pres_own.append(np.array([head_c]))
             continue
-        for i in range(ret.shape[0]):
-            add(g, cum[i] - ret[i] + ng[i], gdn[i], 0.0)
-            add(g, cum[i] + ws[i] + ig, gdn[i], 0.0)
-        add(g, total + head_ret, 0.0, head_c)
-        add(g, total + head_ret + head_tr + ig, 0.0, head_c)
-
-    if not rows_pts:
+        n = ret.shape[0]
+        running.append(np.full(2 * n + 2, g))
+        row_own.append(np.concatenate([cum - ret + ng, cum + ws + ig,
+                                       [total + head_ret, total + head_ret + head_tr + ig]]))
+        seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
+        pres_own.append(np.concatenate([np.zeros(2 * n), [head_c, head_c]]))
+    if not running:
         empty = np.zeros((0, k_classes))
         return Envelope(np.zeros(0), empty, np.zeros((0, k_classes, 3)))
-    row_c = np.array(rows_pts)
-    seg_c = np.array(seg_pts)
-    pres_c = np.array(pres_pts)
+    run = np.concatenate(running)
+    num_points = run.shape[0]
+    cols = np.arange(num_points)
+    # other gradient classes hold their retained memory (the worst order, no pending gradients)
+    row_c = np.tile(np.where(np.asarray(class_grad, dtype=bool), keep, 0.0), (num_points, 1))
+    row_c[cols, run] = np.concatenate(row_own)
+    seg_c = np.zeros((num_points, k_classes))
+    seg_c[cols, run] = np.concatenate(seg_own)
+    pres_c = np.zeros((num_points, k_classes))
+    pres_c[cols, run] = np.concatenate(pres_own)
     multiple = model.parallel.row_multiple
     cp_div = 1 if model.conservative else model.parallel.cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))
@@ -102,15 +99,11 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
 
 
 def _undominated(const: np.ndarray, pres: np.ndarray, coef: np.ndarray) -> np.ndarray:
-    """Indices of points not dominated (<= in every coefficient) by another point. O(P^2)."""
+    """Indices of points not dominated (<= in every coefficient) by another point; of equal
+    points the first is kept. O(P^2 x dims), vectorised."""
     flat = np.concatenate([const[:, None], pres, coef.reshape(coef.shape[0], -1)], axis=1)
-    keep = []
-    for p in range(flat.shape[0]):
-        dominated = False
-        for q in range(flat.shape[0]):
-            if q != p and np.all(flat[q] >= flat[p]) and (np.any(flat[q] > flat[p]) or q < p):
-                dominated = True
-                break
-        if not dominated:
-            keep.append(p)
-    return np.array(keep, dtype=np.int64)
+    geq = np.all(flat[:, None, :] >= flat[None, :, :], axis=2)  # geq[q, p]: q dominates p
+    gt = np.any(flat[:, None, :] > flat[None, :, :], axis=2)
+    earlier = np.tri(flat.shape[0], k=-1, dtype=bool)           # earlier[q, p]: q < p
+    dominated = (geq & (gt | earlier)).any(axis=0)
+    return np.flatnonzero(~dominated)

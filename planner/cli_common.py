@@ -1,0 +1,80 @@
+"""Arguments shared by the subcommands that price: model, parallel layout, recompute, LoRA."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from waveplan.pricing.errors import ConfigError, bad
+from waveplan.pricing.lora import LoraConfig, LoraSlot
+from waveplan.pricing.model import PricingModel
+from waveplan.pricing.model_source import load_model
+from waveplan.pricing.parallel import ParallelLayout, Recompute
+
+DEFAULT_MODEL = "qwen3.8-27b"
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None = DEFAULT_MODEL,
+                   default_tp: int = 1, default_sp: bool = False) -> None:
+    parser.add_argument("--model", default=default_model,
+                        help=f"preset name or HF config.json (default: {default_model})")
+    parser.add_argument("--tp", type=int, default=default_tp, help="tensor parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=default_sp,
+                        help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                        help="activation recompute (full = full/uniform/1)")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="LoRA rank of the one slot 'default', on every linear layer "
+                             "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
+    parser.add_argument("--head", default="chunked:512",
+                        help="output head: chunked:N, full-native or full-te (default chunked:512)")
+    parser.add_argument("--backend", default="te-gpu",
+                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file")
+    parser.add_argument("--safety", type=float, default=1.10, help="admitted = raw x safety")
+
+
+def model_from_args(args: argparse.Namespace) -> PricingModel:
+    geometry = load_model(args.model)
+    return PricingModel.build(
+        geometry,
+        parallel=ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp),
+        recompute=Recompute(mode=args.recompute),
+        lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
+        backend=args.backend, head=args.head, safety=args.safety)
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def parse_gib(text: str, field: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise bad(ConfigError, field, text, "must be a number of GiB") from None
+    if not math.isfinite(value) or value <= 0 or value > 1 << 20:
+        raise bad(ConfigError, field, text, "must be a finite number of GiB in (0, 1048576]")
+    return value
+
+
+def write_json_atomic(path: str | Path, data: object) -> None:
+    """Write JSON next to `path` and rename it over: a killed writer leaves the old file intact."""
+    path = Path(path)
+    text = json.dumps(data, indent=1, sort_keys=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,111 @@
+"""`waveplan inspect`: a model's geometry and a step's prefix-tree statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.layout import layout
+from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
+
+DEFAULT_MODEL = "qwen3.8-27b"
+DEFAULT_STEP = "grpo-8x8"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "inspect", help="show a model's geometry and a step's statistics",
+        description="Show a model's geometry and a step's prefix-tree statistics.")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="PRESET|config.json",
+                        help=f"a preset name or a Hugging Face config.json (default {DEFAULT_MODEL})")
+    parser.add_argument("--step", default=DEFAULT_STEP, metavar="FILE",
+                        help="a step file (JSON Lines) or a bundled step name "
+                             f"({', '.join(list_bundled_steps())}; default {DEFAULT_STEP})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def resolve_step(spec: str) -> tuple[Step, str]:
+    """(step, where it came from): an existing file wins over a bundled name of the same name."""
+    path = Path(spec)
+    if not path.is_file() and spec.removesuffix(".jsonl") in list_bundled_steps():
+        path = bundled_step(spec)
+    return load_step(path), str(path)
+
+
+def step_stats(step: Step) -> dict:
+    """Step statistics; counts are for full sharing of all the step's requests."""
+    full = layout(step, np.arange(step.num_requests))
+    return {
+        "requests": step.num_requests,
+        "groups": step.num_groups,
+        "packed_tokens": full.packed_rows,
+        "logical_tokens": full.logical_rows,
+        "segments": full.segments,
+        "sequences": full.num_sequences,
+        "slots": list(step.slot_names),
+        "grad_requests": int(step.grads.sum()),
+        "form": "token" if step.is_token_form else "length",
+    }
+
+
+def _layer_kinds(geometry: ModelGeometry) -> str:
+    kinds = Counter(f"{layer.mixer.value}/{layer.mlp.value}" for layer in geometry.layers)
+    return ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+
+
+def geometry_lines(geometry: ModelGeometry) -> list[str]:
+    g = geometry
+    lines = [
+        f"model      {g.name} ({g.dtype})",
+        f"layers     {g.num_layers}: {_layer_kinds(g)}",
+        f"hidden     {g.hidden:,}",
+        f"ffn        {g.ffn:,}" + (" (gated)" if g.gated_mlp and g.ffn else ""),
+        f"vocab      {g.vocab:,}" + (" (tied embeddings)" if g.tied_embeddings else ""),
+    ]
+    if g.attention is not None:
+        a = g.attention
+        lines.append(f"attention  {a.num_heads} heads, {a.num_kv_groups} KV groups, head dim "
+                     f"{a.head_dim}" + (", output gate" if a.output_gate else ""))
+    if g.gdn is not None:
+        d = g.gdn
+        lines.append(f"gdn        {d.num_key_heads} key heads x {d.key_head_dim}, "
+                     f"{d.num_value_heads} value heads x {d.value_head_dim}, "
+                     f"conv kernel {d.conv_kernel}")
+    if g.moe is not None:
+        m = g.moe
+        lines.append(f"moe        {m.num_experts} experts, top {m.top_k}, expert ffn {m.expert_ffn:,}"
+                     + (f", shared expert ffn {m.shared_expert_ffn:,}" if m.shared_expert_ffn else ""))
+    return lines
+
+
+def step_lines(step: Step, source: str, stats: dict) -> list[str]:
+    lengths = step.lengths
+    ratio = stats["logical_tokens"] / stats["packed_tokens"]
+    return [
+        f"step       {source} ({stats['form']} form)",
+        f"requests   {stats['requests']} in {stats['groups']} prefix groups; "
+        f"{stats['grad_requests']} with grad; slots {', '.join(stats['slots'])}",
+        f"lengths    min {lengths.min():,}, median {int(np.median(lengths)):,}, max {lengths.max():,}",
+        f"tokens     {stats['logical_tokens']:,} logical, {stats['packed_tokens']:,} packed "
+        f"(full sharing, {ratio:.2f}x)",
+        f"segments   {stats['segments']} (full sharing; {stats['requests']} without sharing) "
+        f"in {stats['sequences']} packed sequences",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    from waveplan.pricing.model_source import load_model
+
+    geometry = load_model(args.model)
+    step, source = resolve_step(args.step)
+    stats = step_stats(step)
+    if args.json:
+        print(json.dumps({"model": geometry.to_dict(), "step": source, **stats}, indent=2))
+    else:
+        print("\n".join(geometry_lines(geometry) + [""] + step_lines(step, source, stats)))
+    return 0
