@@ -70,6 +70,9 @@ def write_json_atomic(path: str | Path, data: object) -> None:
     text = json.dumps(data, indent=1, sort_keys=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
