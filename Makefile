@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 example: install
-	$(BIN)/waveplan inspect
+	$(BIN)/waveplan plan
 
 test: install
 	$(BIN)/python -m pytest

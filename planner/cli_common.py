@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import tempfile
-from pathlib import Path
 
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
+
+from .atomic_io import write_json_atomic  # noqa: F401  (re-exported for the subcommands)
 
 DEFAULT_MODEL = "qwen3.8-27b"
 
@@ -62,22 +60,3 @@ def parse_gib(text: str, field: str) -> float:
     if not math.isfinite(value) or value <= 0 or value > 1 << 20:
         raise bad(ConfigError, field, text, "must be a finite number of GiB in (0, 1048576]")
     return value
-
-
-def write_json_atomic(path: str | Path, data: object) -> None:
-    """Write JSON next to `path` and rename it over: a killed writer leaves the old file intact."""
-    path = Path(path)
-    text = json.dumps(data, indent=1, sort_keys=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,0 +1,99 @@
+"""A plan: the waves of one step in run order, each with its exact priced breakdown.
+
+`Plan.to_dict()` is the stable, documented form (schema 1); `to_json()` sorts keys so that the
+same inputs give byte-identical JSON except `planning_ms`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+from waveplan.pricing.price import Breakdown, GroupLoad
+
+from .profiles import Signature, Size
+
+PLAN_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class PlanWave:
+    """One wave as it runs. `children` holds request indices (one array for a flat wave);
+    `loads`, `signature` and `static_raw_bytes` are what `Planner.observe` learns from."""
+
+    index: int
+    request_ids: tuple[str, ...]
+    children: tuple[np.ndarray, ...] = field(repr=False)
+    child_ids: tuple[tuple[str, ...], ...]
+    first_slots: frozenset[str]
+    budget_bytes: int
+    breakdown: Breakdown
+    loads: tuple[GroupLoad, ...] = field(repr=False)
+    signature: Signature = field(repr=False)
+    static_raw_bytes: int = field(repr=False)
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.children) > 1
+
+    @property
+    def size(self) -> Size:
+        return Size.of(self.loads)
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.breakdown.raw_bytes
+
+    @property
+    def admitted_bytes(self) -> int:
+        return self.breakdown.admitted_bytes
+
+    def to_dict(self) -> dict:
+        size = self.size
+        b = self.breakdown
+        return {
+            "index": self.index, "requests": list(self.request_ids),
+            "packed_tokens": size.packed_rows, "logical_tokens": size.logical_rows,
+            "segments": size.segments, "raw_bytes": int(b.raw_bytes),
+            "admitted_bytes": int(b.admitted_bytes), "budget_bytes": int(self.budget_bytes),
+            "binding": b.binding, "basis": b.basis, "first_slots": sorted(self.first_slots),
+            "terms": {k: int(v) for k, v in b.terms.items()},
+            "children": [list(c) for c in self.child_ids] if self.is_split else [],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Waves in run order, the lower bound on their count and whether the plan meets it."""
+
+    waves: tuple[PlanWave, ...]
+    packer: str
+    planning_ms: float
+    lower_bound_waves: int
+    proven_optimal: bool
+    budget_bytes: int
+    stats: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_waves(self) -> int:
+        return len(self.waves)
+
+    def __len__(self) -> int:
+        return len(self.waves)
+
+    def __iter__(self):
+        return iter(self.waves)
+
+    def __getitem__(self, i: int) -> PlanWave:
+        return self.waves[i]
+
+    def to_dict(self) -> dict:
+        return {"schema": PLAN_SCHEMA, "packer": self.packer,
+                "planning_ms": round(float(self.planning_ms), 3),
+                "lower_bound_waves": int(self.lower_bound_waves),
+                "proven_optimal": bool(self.proven_optimal),
+                "waves": [w.to_dict() for w in self.waves]}
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=indent)

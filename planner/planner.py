@@ -1,0 +1,253 @@
+"""The per-step API: `Planner(...).plan(step, free_bytes=...)`, then `observe` each wave's peak.
+
+A planner is a fixed pricing configuration (geometry, parallel layout, recompute, LoRA,
+backend, head, safety) plus a mutable store of learned profiles (see `profiles`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from waveplan.pricing.envelope import Envelope
+from waveplan.pricing.errors import ConfigError, bad
+from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.lora import LoraConfig, LoraSlot
+from waveplan.pricing.model import DEFAULT_SAFETY, PricingModel
+from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.presets import load_preset
+from waveplan.pricing.step import Request, Step, load_step
+from waveplan.pricing.wave_pricer import WavePricer
+from waveplan.search import PackerKind, pack
+
+from .atomic_io import write_json_atomic
+from .plan import Plan, PlanWave
+from .profiles import (
+    ProfileAdjust,
+    ProfileStore,
+    config_key,
+    load_profiles,
+    static_raw_without_first_exec,
+)
+
+MAX_BUDGET_BYTES = 2**50  # 1 PiB: anything above is a unit mistake, not a GPU
+
+
+@dataclass
+class _ProfiledPricer(WavePricer):
+    """A WavePricer whose envelope is scaled by the largest learned ratio (> 1), so that the
+    search still packs against an upper bound when profiles raise prices."""
+
+    envelope_scale: float = 1.0
+
+    def envelope(self) -> Envelope:
+        env = super().envelope()
+        if self.envelope_scale <= 1.0:
+            return env
+        s = self.envelope_scale
+        return Envelope(const=env.const * s, presence=env.presence * s, coef=env.coef * s)
+
+
+def _check_bytes(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise bad(ConfigError, field, value, "must be a number of bytes")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0 or v > MAX_BUDGET_BYTES:
+        raise bad(ConfigError, field, value, f"must be a finite number of bytes in (0, {MAX_BUDGET_BYTES}] (1 PiB)")
+    return v
+
+
+def budget_from_free_bytes(free_bytes: object) -> int:
+    """The wave budget: the minimum over ranks (the busiest rank binds)."""
+    if isinstance(free_bytes, Sequence | np.ndarray) and not isinstance(free_bytes, str | bytes):
+        values = list(free_bytes)
+        if not values:
+            raise bad(ConfigError, "free_bytes", values, "needs at least one rank")
+        return int(min(_check_bytes(f"free_bytes[{i}]", v) for i, v in enumerate(values)))
+    return int(_check_bytes("free_bytes", free_bytes))
+
+
+def _peak(peak_bytes: object) -> int:
+    """Observed peak: a number or one per rank (the largest binds)."""
+    if isinstance(peak_bytes, Sequence | np.ndarray) and not isinstance(peak_bytes, str | bytes):
+        values = list(peak_bytes)
+        if not values:
+            raise bad(ConfigError, "peak_bytes", values, "needs at least one rank")
+        return int(math.ceil(max(_check_bytes(f"peak_bytes[{i}]", v) for i, v in enumerate(values))))
+    return int(math.ceil(_check_bytes("peak_bytes", peak_bytes)))
+
+
+def _as_step(step: object) -> Step:
+    if isinstance(step, Step):
+        return step
+    if isinstance(step, str | os.PathLike):
+        return load_step(step)
+    if isinstance(step, Sequence) and all(isinstance(r, Request) for r in step):
+        return Step.from_requests(step)
+    raise bad(ConfigError, "step", type(step).__name__, "must be a Step, a step file or a list of Requests")
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a bad file to `<name>.corrupt` (or `.corrupt.N`): never overwrite evidence."""
+    target = path.with_name(path.name + ".corrupt")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt.{n}")
+        n += 1
+    os.replace(path, target)
+    return target
+
+
+class Planner:
+    """Plans the waves of training steps for one model configuration and learns from peaks.
+
+    Example::
+
+        planner = Planner.from_preset("qwen3.8-27b", tp=4, sequence_parallel=True)
+        plan = planner.plan(step, free_bytes=[40 * 2**30] * 4)
+        for wave in plan.waves:
+            ...run it...
+            planner.observe(wave, peak_bytes=torch_peaks)
+        planner.save_profiles("profiles.json")
+    """
+
+    def __init__(self, *, geometry: ModelGeometry, parallel: ParallelLayout | None = None,
+                 recompute: Recompute | str | None = None, lora: LoraConfig | None = None,
+                 backend: str = "te-gpu", head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                 profiles_path: str | os.PathLike | None = None) -> None:
+        if isinstance(recompute, str):
+            recompute = Recompute(mode=recompute)
+        model = PricingModel.build(geometry, parallel=parallel, recompute=recompute, lora=lora,
+                                   backend=backend, head=head, safety=safety)
+        self._setup(model, None, profiles_path)
+
+    @classmethod
+    def from_preset(cls, name: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+                    sequence_parallel: bool = False, recompute: Recompute | str = "full",
+                    lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = "te-gpu",
+                    head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                    profiles_path: str | os.PathLike | None = None) -> Planner:
+        """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
+        linear layer unless `lora` is given."""
+        return cls(geometry=load_preset(name),
+                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
+                   recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+
+    @classmethod
+    def from_model(cls, model: PricingModel, *, profiles: ProfileStore | None = None,
+                   profiles_path: str | os.PathLike | None = None) -> Planner:
+        """A planner for an already built pricing model (replay uses this)."""
+        self = cls.__new__(cls)
+        self._setup(model, profiles, profiles_path)
+        return self
+
+    def _setup(self, model: PricingModel, profiles: ProfileStore | None,
+               profiles_path: str | os.PathLike | None) -> None:
+        self._model = model
+        self._config = config_key(model)
+        self._profiles_path = None if profiles_path is None else Path(profiles_path)
+        if profiles is None:
+            profiles = self._open_profiles()
+        self._store = profiles
+
+    def _open_profiles(self) -> ProfileStore:
+        path = self._profiles_path
+        if path is None or not path.exists():
+            return ProfileStore()
+        try:
+            return load_profiles(path)
+        except ConfigError as exc:
+            # A bad file must not stop training: keep it for inspection, price statically.
+            moved = _set_aside(path)
+            warnings.warn(f"{exc}; set aside as {moved.name}, continuing from the static model",
+                          RuntimeWarning, stacklevel=3)
+            return ProfileStore()
+
+    # --- properties ---------------------------------------------------------------------
+
+    @property
+    def model(self) -> PricingModel:
+        return self._model
+
+    @property
+    def profiles(self) -> ProfileStore:
+        return self._store
+
+    @property
+    def profiles_path(self) -> Path | None:
+        return self._profiles_path
+
+    # --- planning -----------------------------------------------------------------------
+
+    def pricer(self, step: Step) -> WavePricer:
+        """The step's pricer with the learned profiles applied."""
+        adjust = None
+        scale = 1.0
+        if len(self._store):
+            adjust = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
+            scale = self._store.max_ratio(self._config)
+        return _ProfiledPricer(step=step, model=self._model, adjust=adjust, envelope_scale=scale)
+
+    def plan(self, step: Step | Sequence[Request] | str | os.PathLike, free_bytes, *,
+             packer: PackerKind | str = "auto", time_budget_ms: float = 5.0,
+             atomic_units: Sequence[Sequence[int]] = (), num_waves: int | None = None,
+             seed: int = 0, deterministic: bool = False) -> Plan:
+        """Cut `step` into waves that fit `free_bytes` (bytes free per rank: a number or one per
+        rank; the minimum binds). `atomic_units` are lists of request indices that must share
+        a wave; `num_waves` asks for exactly that many waves. Same inputs, same plan, unless the
+        time budget cuts the search short; `deterministic=True` never reads the clock (the
+        iteration cap implied by `time_budget_ms` alone decides)."""
+        budget = budget_from_free_bytes(free_bytes)
+        if isinstance(time_budget_ms, bool) or not isinstance(time_budget_ms, int | float) \
+                or not math.isfinite(time_budget_ms) or time_budget_ms <= 0:
+            raise bad(ConfigError, "time_budget_ms", time_budget_ms, "must be a finite number > 0")
+        step = _as_step(step)
+        t0 = time.perf_counter()
+        pricer = self.pricer(step)
+        result = pack(step, pricer, budget_bytes=budget, packer=packer, time_budget_ms=time_budget_ms,
+                      atomic_units=atomic_units, num_waves=num_waves, seed=seed,
+                      deterministic=deterministic)
+        ids = step.ids
+        signer = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
+        waves = []
+        for i, w in enumerate(result.waves):
+            loads = tuple(pricer.group_loads(w.children))
+            children = tuple(np.asarray(c, dtype=np.int64) for c in w.children)
+            waves.append(PlanWave(
+                index=i, request_ids=tuple(ids[j] for j in np.sort(np.concatenate(children))),
+                children=children, child_ids=tuple(tuple(ids[j] for j in c) for c in children),
+                first_slots=frozenset(w.first_slots), budget_bytes=budget, breakdown=w.price,
+                loads=loads, signature=signer.signature(loads),
+                static_raw_bytes=static_raw_without_first_exec(w.price)))
+        planning_ms = (time.perf_counter() - t0) * 1e3
+        return Plan(waves=tuple(waves), packer=result.packer, planning_ms=planning_ms,
+                    lower_bound_waves=int(result.lower_bound_waves),
+                    proven_optimal=bool(result.proven_optimal), budget_bytes=budget,
+                    stats=dict(result.stats))
+
+    # --- learning -----------------------------------------------------------------------
+
+    def observe(self, wave: PlanWave, *, peak_bytes) -> None:
+        """Learn from a wave's observed peak (bytes; a number or one per rank, the largest
+        binds). The next plans of the same signature are priced with it."""
+        if not isinstance(wave, PlanWave):
+            raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
+        if wave.signature.config != self._config:
+            raise bad(ConfigError, "wave", wave.index, "was planned for another model configuration")
+        self._store.observe(wave.signature, wave.loads, static_raw_bytes=wave.static_raw_bytes,
+                            peak_bytes=_peak(peak_bytes))
+
+    def save_profiles(self, path: str | os.PathLike | None = None) -> Path:
+        """Write the profiles atomically (to `profiles_path` when `path` is None)."""
+        target = Path(path) if path is not None else self._profiles_path
+        if target is None:
+            raise bad(ConfigError, "path", None, "no path given and the planner has no profiles_path")
+        write_json_atomic(target, self._store.to_dict())
+        return target

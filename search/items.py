@@ -1,0 +1,313 @@
+"""Items and constraints of the packing, built from the step and the pricer's envelope.
+
+The envelope value of a wave at point p is
+    const[p] + sum_k present_k presence[p,k]
+             + sum_k (coef[p,k,0] packed_k + coef[p,k,1] logical_k + coef[p,k,2] segments_k).
+Rewritten per *subgroup* s = (prefix group g, class k): every request i of class k costs
+    w_i[p] = coef[p,k,0] own_rows[i] + coef[p,k,1] num_tokens[i] + coef[p,k,2]
+and every subgroup present in the wave pays its prompt once, its header
+    h_s[p] = coef[p,k,0] prefix_rows[g] + coef[p,k,2],
+and every class present pays presence[p,k]. Everything is divided by cap[p] = budget -
+const[p], so a wave fits iff its load is <= 1 - FIT_EPS at every point: vector bin packing in
+which a group pays its prompt once per wave it appears in. Negative coefficients are clipped
+to 0 (the envelope only grows, so the guarantee holds) and points dominated by another point
+are dropped.
+
+Atoms are the indivisible items: a caller's atomic unit, or a single request.
+Blocks (built in `blocks_for`) are the connected sets of atoms that share prefix groups;
+the greedy keeps a block in one wave when it fits.
+
+Complexity: O(n P + P^2 (1 + 4K)) time and O(n P) memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from waveplan.pricing.errors import InfeasibleError, StepError
+
+FIT_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Items:
+    n: int
+    budget: float
+    points: np.ndarray       # int64[P]  envelope points kept
+    cap: np.ndarray          # float64[P] budget - const[p] (bytes)
+    req_w: np.ndarray        # float64[n, P]
+    sub_of: np.ndarray       # int64[n]
+    sub_class: np.ndarray    # int64[S]
+    sub_group: np.ndarray    # int64[S]
+    sub_hdr: np.ndarray      # float64[S, P]
+    class_hdr: np.ndarray    # float64[K, P]
+    atom_ptr: np.ndarray     # int64[A+1]
+    atom_req: np.ndarray     # int64[n], ascending inside each atom
+    atom_of: np.ndarray      # int64[n]
+    atom_unit: np.ndarray    # bool[A]  (caller's unit vs a single request)
+    atom_w: np.ndarray       # float64[A, P] sum of member w
+    atom_sptr: np.ndarray    # CSR of distinct subgroups per atom
+    atom_s: np.ndarray
+    atom_cptr: np.ndarray    # CSR of distinct classes per atom
+    atom_c: np.ndarray
+    atom_alone: np.ndarray   # float64[A, P] load of the atom alone in a wave
+
+    @property
+    def num_atoms(self) -> int:
+        return len(self.atom_ptr) - 1
+
+    def atom(self, a: int) -> np.ndarray:
+        return self.atom_req[self.atom_ptr[a]:self.atom_ptr[a + 1]]
+
+    def load_of(self, reqs: np.ndarray) -> np.ndarray:
+        """Normalised envelope load (per kept point) of a flat wave holding `reqs`."""
+        reqs = np.asarray(reqs, dtype=np.int64)
+        subs = np.unique(self.sub_of[reqs])
+        classes = np.unique(self.sub_class[subs])
+        return (self.req_w[reqs].sum(axis=0) + self.sub_hdr[subs].sum(axis=0)
+                + self.class_hdr[classes].sum(axis=0))
+
+
+def _prune_points(rows: np.ndarray) -> np.ndarray:
+    """Indices of points not dominated by another (ties keep the first). O(P^2 D)."""
+    P = rows.shape[0]
+    ge = np.all(rows[:, None, :] >= rows[None, :, :], axis=2)   # ge[q, p]: q >= p everywhere
+    gt = np.any(rows[:, None, :] > rows[None, :, :], axis=2)
+    earlier = np.arange(P)[:, None] < np.arange(P)[None, :]
+    dom = ge & (gt | earlier)
+    np.fill_diagonal(dom, False)
+    return np.flatnonzero(~dom.any(axis=0)).astype(np.int64)
+
+
+def _csr_from_pairs(rows: np.ndarray, vals: np.ndarray, nrows: int,
+                    nvals: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (row, val) pairs as CSR (values ascending inside a row)."""
+    key = np.unique(rows * max(nvals, 1) + vals)
+    r = key // max(nvals, 1)
+    ptr = np.zeros(nrows + 1, dtype=np.int64)
+    np.add.at(ptr, r + 1, 1)
+    return np.cumsum(ptr), (key % max(nvals, 1)).astype(np.int64)
+
+
+def _csr_sum(ptr: np.ndarray, idx: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Per CSR row, the sum of table[idx] (rows of table summed)."""
+    out = np.zeros((len(ptr) - 1, table.shape[1]))
+    if len(idx):
+        rows = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+        np.add.at(out, rows, table[idx])
+    return out
+
+
+def normalise_units(n: int, atomic_units, ids) -> list[np.ndarray]:
+    """Validate the caller's atomic units: in range, non-empty, pairwise disjoint."""
+    seen = np.full(n, -1, dtype=np.int64)
+    units = []
+    for u, unit in enumerate(atomic_units):
+        arr = np.unique(np.asarray(list(unit), dtype=np.int64))
+        if len(arr) == 0:
+            raise StepError(f"atomic_units[{u}]=[]: an atomic unit must hold a request")
+        if arr[0] < 0 or arr[-1] >= n:
+            raise StepError(f"atomic_units[{u}]={arr.tolist()!r}: request index out of range "
+                            f"0..{n - 1}")
+        clash = arr[seen[arr] >= 0]
+        if len(clash):
+            raise StepError(f"atomic_units[{u}]: request {ids[int(clash[0])]!r} is already in "
+                            f"atomic_units[{int(seen[clash[0]])}]")
+        seen[arr] = u
+        units.append(arr)
+    return units
+
+
+def build_items(step, pricer, budget_bytes: float, atomic_units=()) -> Items:
+    """Build the normalised packing items. Raises InfeasibleError if the wave constant alone
+    exceeds the budget at some point."""
+    reqs = step.requests
+    n = len(reqs)
+    ids = [r.id for r in reqs]
+    env = pricer.envelope()
+    const = np.asarray(env.const, dtype=np.float64)
+    presence = np.maximum(np.asarray(env.presence, dtype=np.float64), 0.0)
+    coef = np.maximum(np.asarray(env.coef, dtype=np.float64), 0.0)
+    K = int(pricer.num_classes)
+    rows = np.concatenate([const[:, None], presence, coef.reshape(coef.shape[0], -1)], axis=1)
+    points = _prune_points(rows)
+    const, presence, coef = const[points], presence[points], coef[points]
+    cap = float(budget_bytes) - const
+    if np.any(cap <= 0):
+        p = int(points[int(np.argmin(cap))])
+        raise InfeasibleError(f"budget_bytes={int(budget_bytes)}: below the fixed cost of any "
+                              f"wave ({int(const.max())} admitted bytes at envelope point {p})")
+    class_of = np.asarray(pricer.class_of, dtype=np.int64)
+    group_of = np.asarray(step.group_of, dtype=np.int64)
+    prefix = np.asarray(step.prefix_rows, dtype=np.float64)
+    own = np.asarray(step.own_rows, dtype=np.float64)
+    tokens = np.asarray([r.num_tokens for r in reqs], dtype=np.float64)
+    # per-request weights, (n, P)
+    c = coef[:, class_of, :]  # (P, n, 3)
+    req_w = (c[:, :, 0] * own[None, :] + c[:, :, 1] * tokens[None, :] + c[:, :, 2]).T / cap
+    req_w = np.ascontiguousarray(req_w) if n else np.zeros((0, len(points)))
+    # subgroups
+    G = len(prefix)
+    key = group_of * max(K, 1) + class_of
+    sub_keys, sub_of = np.unique(key, return_inverse=True)
+    sub_of = sub_of.astype(np.int64)
+    sub_group = (sub_keys // max(K, 1)).astype(np.int64)
+    sub_class = (sub_keys % max(K, 1)).astype(np.int64)
+    if len(sub_keys):
+        cs = coef[:, sub_class, :]  # (P, S, 3)
+        sub_hdr = np.ascontiguousarray(
+            ((cs[:, :, 0] * prefix[sub_group][None, :] + cs[:, :, 2]).T) / cap)
+    else:
+        sub_hdr = np.zeros((0, len(points)))
+    class_hdr = np.ascontiguousarray(presence.T / cap) if K else np.zeros((0, len(points)))
+    del G
+    # atoms: the caller's units and single requests, numbered by their first request
+    units = normalise_units(n, atomic_units, ids) if len(atomic_units) else []
+    P = len(points)
+    if not units:   # fast path: every atom is one request, atom a == request a
+        ar = np.arange(n, dtype=np.int64)
+        atom_of = atom_req = ar
+        atom_ptr = atom_sptr = atom_cptr = np.arange(n + 1, dtype=np.int64)
+        atom_unit = np.zeros(n, dtype=bool)
+        atom_s, atom_c = sub_of, class_of
+        atom_w = req_w
+        atom_alone = req_w + sub_hdr[sub_of] + class_hdr[class_of] if n else req_w
+    else:
+        atom_of = np.arange(n, dtype=np.int64)
+        for u in units:
+            atom_of[u] = u[0]
+        firsts, atom_of = np.unique(atom_of, return_inverse=True)
+        atom_of = atom_of.astype(np.int64)
+        A = len(firsts)
+        atom_req = np.argsort(atom_of, kind="stable").astype(np.int64)
+        atom_ptr = np.zeros(A + 1, dtype=np.int64)
+        np.add.at(atom_ptr, atom_of + 1, 1)
+        atom_ptr = np.cumsum(atom_ptr)
+        atom_unit = np.zeros(A, dtype=bool)
+        for u in units:
+            atom_unit[atom_of[u[0]]] = True
+        S = len(sub_keys)
+        atom_sptr, atom_s = _csr_from_pairs(atom_of, sub_of, A, S)
+        atom_cptr, atom_c = _csr_from_pairs(atom_of, class_of, A, K)
+        atom_w = np.zeros((A, P))
+        np.add.at(atom_w, atom_of, req_w)
+        atom_alone = atom_w + _csr_sum(atom_sptr, atom_s, sub_hdr) + _csr_sum(
+            atom_cptr, atom_c, class_hdr)
+    return Items(n=n, budget=float(budget_bytes), points=points, cap=cap, req_w=req_w,
+                 sub_of=sub_of, sub_class=sub_class, sub_group=sub_group, sub_hdr=sub_hdr,
+                 class_hdr=class_hdr, atom_ptr=atom_ptr, atom_req=atom_req, atom_of=atom_of,
+                 atom_unit=atom_unit, atom_w=atom_w, atom_sptr=atom_sptr, atom_s=atom_s,
+                 atom_cptr=atom_cptr, atom_c=atom_c, atom_alone=atom_alone)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Connected sets of active atoms sharing prefix groups, for the greedy (CSR arrays)."""
+
+    ptr: np.ndarray      # int64[B+1]
+    atoms: np.ndarray    # atoms of each block, decreasing size inside the block
+    w: np.ndarray        # float64[B, P]
+    sptr: np.ndarray
+    s: np.ndarray
+    cptr: np.ndarray
+    c: np.ndarray
+    alone: np.ndarray    # float64[B, P]
+    size: np.ndarray     # float64[B] max_p alone load (sort key)
+
+    @property
+    def count(self) -> int:
+        return len(self.ptr) - 1
+
+
+def atom_size(items: Items) -> np.ndarray:
+    """Sort key of an atom: its largest normalised alone load."""
+    if items.num_atoms == 0:
+        return np.zeros(0)
+    return items.atom_alone.max(axis=1) if items.atom_alone.shape[1] else np.zeros(items.num_atoms)
+
+
+def blocks_for(items: Items, active: np.ndarray) -> Blocks:
+    """Blocks of the active atoms: atoms joined when they share a prefix group (units can
+    join several groups). O(n log n + P n) vectorised, plus a Python loop over the units."""
+    active = np.asarray(active, dtype=np.int64)
+    if not items.atom_unit.any():
+        return _blocks_by_group(items, active)
+    P = len(items.points)
+    group_of_sub = items.sub_group
+    G = int(group_of_sub.max()) + 1 if len(group_of_sub) else 0
+    parent = np.arange(G, dtype=np.int64)
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first_group = np.zeros(items.num_atoms, dtype=np.int64)
+    if items.num_atoms:
+        first_group = group_of_sub[items.atom_s[items.atom_sptr[:-1]]]
+    for a in np.flatnonzero(items.atom_unit):
+        gs = np.unique(group_of_sub[items.atom_s[items.atom_sptr[a]:items.atom_sptr[a + 1]]])
+        r0 = find(int(gs[0]))
+        for g in gs[1:]:
+            r = find(int(g))
+            if r != r0:
+                lo, hi = min(r, r0), max(r, r0)
+                parent[hi] = lo
+                r0 = lo
+    roots = np.asarray([find(int(g)) for g in range(G)], dtype=np.int64) if items.atom_unit.any() \
+        else np.arange(G, dtype=np.int64)
+    broot = roots[first_group[active]] if len(active) else np.zeros(0, dtype=np.int64)
+    uroots, block_of = np.unique(broot, return_inverse=True)
+    nb = len(uroots)
+    size = atom_size(items)
+    order = np.lexsort((active, -size[active], block_of)) if len(active) else np.zeros(0, int)
+    flat = active[order].astype(np.int64)
+    ptr = np.zeros(nb + 1, dtype=np.int64)
+    np.add.at(ptr, block_of + 1, 1)
+    ptr = np.cumsum(ptr)
+    w = np.zeros((nb, P))
+    if len(active):
+        np.add.at(w, block_of, items.atom_w[active])
+    # distinct subgroups / classes per block
+    block_of_atom = np.full(items.num_atoms, -1, dtype=np.int64)
+    block_of_atom[active] = block_of
+    entry_atom = np.repeat(np.arange(items.num_atoms), np.diff(items.atom_sptr))
+    mask = block_of_atom[entry_atom] >= 0
+    srows = block_of_atom[entry_atom[mask]]
+    svals = items.atom_s[mask]
+    S = len(items.sub_class)
+    K = items.class_hdr.shape[0]
+    sptr, s_flat = _csr_from_pairs(srows, svals, nb, S)
+    crows = np.repeat(np.arange(nb), np.diff(sptr))
+    cptr, c_flat = _csr_from_pairs(crows, items.sub_class[s_flat], nb, K)
+    alone = w + _csr_sum(sptr, s_flat, items.sub_hdr) + _csr_sum(cptr, c_flat, items.class_hdr)
+    bsize = alone.max(axis=1) if nb and P else np.zeros(nb)
+    return Blocks(ptr=ptr, atoms=flat, w=w, sptr=sptr, s=s_flat, cptr=cptr, c=c_flat,
+                  alone=alone, size=bsize)
+
+
+def _blocks_by_group(items: Items, active: np.ndarray) -> Blocks:
+    """Fast path without atomic units: a block is the active requests of one prefix group."""
+    P = len(items.points)
+    S = len(items.sub_class)
+    K = items.class_hdr.shape[0]
+    sub = items.sub_of[active]
+    grp = items.sub_group[sub]
+    ug, block_of = np.unique(grp, return_inverse=True)
+    nb = len(ug)
+    size = atom_size(items)
+    order = np.lexsort((active, -size[active], block_of))
+    flat = active[order]
+    ptr = np.zeros(nb + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum(np.bincount(block_of, minlength=nb))
+    w = np.zeros((nb, P))
+    np.add.at(w, block_of, items.req_w[active])
+    sptr, s_flat = _csr_from_pairs(block_of, sub, nb, S)
+    crows = np.repeat(np.arange(nb), np.diff(sptr))
+    cptr, c_flat = _csr_from_pairs(crows, items.sub_class[s_flat], nb, K)
+    alone = w + _csr_sum(sptr, s_flat, items.sub_hdr) + _csr_sum(cptr, c_flat, items.class_hdr)
+    bsize = alone.max(axis=1) if nb and P else np.zeros(nb)
+    return Blocks(ptr=ptr, atoms=flat, w=w, sptr=sptr, s=s_flat, cptr=cptr, c=c_flat,
+                  alone=alone, size=bsize)

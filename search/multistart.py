@@ -1,0 +1,96 @@
+"""Randomised multistart, run only when the greedy leaves a gap to the lower bound.
+
+Each iteration perturbs the block order (size x exp(0.35 N(0,1))), draws a placement rule and
+mode, runs the greedy and then tries to empty the lightest waves (`greedy.eliminate`). The
+random stream is numba's, seeded from (`seed`, chunk index), so a given number of iterations
+always gives the same plan.
+
+Iterations run in chunks. With `deterministic=True` the number of chunks is fixed from the
+time budget (`ITERS_PER_MS`, scaled down for large steps) and the clock is never read; with
+`deterministic=False` chunks run until the time budget, the iteration cap or the target is
+reached, so a run that hits its time budget can depend on the machine's speed (a run that
+stops on the cap or the target does not).
+
+Complexity: O(iterations x greedy run + eliminate), see `greedy`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numba import njit
+
+from .greedy import LIMIT, eliminate, greedy_run, kernel_args
+from .items import Blocks, Items, atom_size
+
+CHUNK = 4
+ITERS_PER_MS = 16          # for a step of REF_ATOMS atoms; scaled by REF_ATOMS / atoms
+REF_ATOMS = 64
+MAX_ITERS = 4096
+
+
+@njit(cache=True)
+def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, bptr, batoms, bw,
+                     bsptr, bs, bcptr, bc, balone, aw, asptr, as_, acptr, ac, aalone, sub_hdr,
+                     class_hdr, num_atoms, limit, best_assign, best_nw):
+    """Run `n_iter` randomised greedy + eliminate iterations; returns (best_assign, best_nw,
+    iterations done)."""
+    np.random.seed(seed)
+    nb = bsize.shape[0]
+    key = np.empty(nb)
+    done = 0
+    for _it in range(n_iter):
+        for i in range(nb):
+            key[i] = -bsize[i] * np.exp(0.35 * np.random.standard_normal())
+        order = np.argsort(key, kind="mergesort")
+        if fixed > 0:
+            rule = 3 if np.random.random() < 0.5 else np.random.randint(0, 3)
+            mode = 0
+        else:
+            rule = np.random.randint(0, 3)
+            mode = np.random.randint(0, 2)
+        assign, nw = greedy_run(order, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr,
+                                bc, balone, aw, asptr, as_, acptr, ac, aalone, sub_hdr,
+                                class_hdr, num_atoms, limit)
+        done += 1
+        if nw > 0 and fixed == 0:
+            nw = eliminate(assign, nw, active, asize, 8, aw, asptr, as_, acptr, ac, sub_hdr,
+                           class_hdr, limit)
+        if nw > 0 and (best_nw < 0 or nw < best_nw):
+            best_nw = nw
+            best_assign = assign.copy()
+        if best_nw > 0 and best_nw <= target:
+            break
+    return best_assign, best_nw, done
+
+
+def iteration_cap(time_budget_ms: float, num_atoms: int) -> int:
+    """Iterations the deterministic mode runs for a time budget (also the cap otherwise)."""
+    scale = REF_ATOMS / max(REF_ATOMS, num_atoms)
+    return int(min(MAX_ITERS, max(CHUNK, round(time_budget_ms * ITERS_PER_MS * scale))))
+
+
+def run_multistart(items: Items, blocks: Blocks, active: np.ndarray, *, target: int,
+                   best_assign: np.ndarray | None, best_nw: int, seed: int,
+                   deadline: float | None, max_iters: int, fixed: int = 0
+                   ) -> tuple[np.ndarray | None, int, int]:
+    """Improve (best_assign, best_nw) towards `target`. `deadline` (perf_counter seconds) is
+    ignored when None (deterministic mode). Returns (assign, waves, iterations)."""
+    if best_assign is None:
+        best_assign = -np.ones(items.num_atoms, dtype=np.int64)
+        best_nw = -1
+    args = kernel_args(items, blocks)
+    asize = atom_size(items)
+    iters, chunk = 0, 0
+    while iters < max_iters and not (best_nw > 0 and best_nw <= target):
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        n = min(CHUNK, max_iters - iters)
+        s = (int(seed) * 1_000_003 + chunk * 7919 + 12345) % (2**31 - 1)
+        best_assign, best_nw, done = multistart_chunk(
+            n, s, target, fixed, blocks.size, active, asize, *args[:-1], LIMIT,
+            best_assign, best_nw)
+        iters += done
+        chunk += 1
+    return (best_assign if best_nw > 0 else None), best_nw, iters

@@ -1,0 +1,178 @@
+"""Which wave carries each slot's pending adapter gradients, and the run order.
+
+A slot's pending adapter gradients are allocated in the first wave (in run order) that holds
+a gradient request of that slot, so that wave's `first_slots` is exactly the set of slots whose
+gradient requests it is the first to hold.
+
+Rule: slots with gradient requests are taken in sorted order. For a slot not yet covered, the
+candidate waves are those holding one of its gradient requests, by increasing exact price
+(most room first); the first that still fits when re-priced with first_slots = (its gradient
+slots not yet covered) is appended to the *leading* waves, and every slot it holds gradients
+of is covered. If none fits, the roomiest candidate is repaired: its atoms are moved out
+(atoms without the slot's gradients first, largest first) into other waves where they fit
+exactly, or into a new wave (unless the wave count is fixed), until it fits; a split unit
+climbs the ladder instead. If even one atom cannot carry the gradients, InfeasibleError.
+
+Run order: the leading waves in the order they were chosen (so each slot's first wave runs
+before every other wave of that slot), then the remaining waves by their smallest request
+index. Their first_slots are empty.
+
+Complexity: O(W) exact prices per slot when a fitting wave exists, O(W x atoms of the
+repaired wave) otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from waveplan.pricing.errors import InfeasibleError
+
+from .items import Items
+from .ladder import run_ladder, unit_label
+from .reprice import Draft, price_draft
+
+
+class SlotInfo:
+    """Gradient slot of each request (None when the request has no gradient)."""
+
+    def __init__(self, pricer, n: int):
+        class_of = np.asarray(pricer.class_of, dtype=np.int64)
+        self.names = sorted({pricer.class_slot[k] for k in range(pricer.num_classes)
+                             if pricer.class_grad[k]})
+        index = {s: i for i, s in enumerate(self.names)}
+        per_class = np.asarray([index[pricer.class_slot[k]] if pricer.class_grad[k] else -1
+                                for k in range(pricer.num_classes)] or [-1], dtype=np.int64)
+        self.code = per_class[class_of] if n else np.zeros(0, dtype=np.int64)
+
+    def of(self, reqs: np.ndarray) -> set[str]:
+        codes = np.unique(self.code[np.asarray(reqs, dtype=np.int64)])
+        return {self.names[c] for c in codes if c >= 0}
+
+    def all(self) -> list[str]:
+        present = np.unique(self.code)
+        return [self.names[c] for c in present if c >= 0]
+
+
+def _price_with(d: Draft, items: Items, pricer, fs: frozenset[str]):
+    return pricer.price(d.parts(items), first_slots=fs)
+
+
+def _move_out(d: Draft, a: int, others: list[Draft], items: Items, pricer, budget: int,
+              allow_new: bool) -> Draft | None:
+    """Put atom a into another flat draft where it fits exactly (lightest first), or a new
+    draft. Returns the new draft if one was opened, raises if not allowed."""
+    for o in sorted(others, key=lambda o: o.price.admitted_bytes):
+        if o.fixed or o is d:
+            continue
+        cand = Draft(sorted(o.atoms + [a]))
+        if price_draft(cand, items, pricer).admitted_bytes <= budget:
+            o.atoms, o.price = cand.atoms, cand.price
+            return None
+    if not allow_new:
+        raise InfeasibleError("no room to move requests out of a wave without adding a wave")
+    nd = Draft([a])
+    price_draft(nd, items, pricer)
+    return nd
+
+
+def assign_first_slots(drafts: list[Draft], items: Items, pricer, step, budget: int,
+                       *, allow_new_waves: bool = True) -> list[Draft]:
+    """Set first_slots and return the drafts in run order (see module docstring)."""
+    info = SlotInfo(pricer, items.n)
+    drafts = list(drafts)
+    covered: set[str] = set()
+    leading: list[Draft] = []
+    for slot in info.all():
+        if slot in covered:
+            continue
+        cands = [d for d in drafts if d not in leading and slot in info.of(d.reqs(items))]
+        cands.sort(key=lambda d: (d.price.admitted_bytes, int(d.reqs(items)[0])))
+        chosen = None
+        for d in cands:
+            fs = frozenset(info.of(d.reqs(items)) - covered)
+            price = _price_with(d, items, pricer, fs)
+            if price.admitted_bytes <= budget:
+                d.first_slots, d.price = fs, price
+                chosen = d
+                break
+        if chosen is None:
+            chosen = _repair(_repair_candidate(cands, slot, covered, info, items, pricer,
+                                               budget), slot, drafts, leading, covered, info, items, pricer,
+                             step, budget, allow_new_waves)
+        leading.append(chosen)
+        covered |= set(chosen.first_slots)
+    rest = [d for d in drafts if d not in leading]
+    for d in rest:
+        if d.first_slots:
+            d.first_slots = frozenset()
+            price_draft(d, items, pricer)
+    rest.sort(key=lambda d: int(d.reqs(items)[0]))
+    return leading + rest
+
+
+def _repair_candidate(cands: list[Draft], slot: str, covered: set[str], info: SlotInfo,
+                      items: Items, pricer, budget: int) -> Draft:
+    """The roomiest candidate whose lightest carrier of `slot` fits alone with the pending
+    gradients (a unit may still climb the ladder); else the roomiest one."""
+    for d in cands:
+        if d.fixed:
+            return d
+        carriers = [a for a in d.atoms if slot in info.of(items.atom(a))]
+        a = min(carriers, key=lambda a: (float(items.atom_alone[a].max()), a))
+        if items.atom_unit[a]:
+            return d
+        fs = frozenset(info.of(items.atom(a)) - covered)
+        if pricer.price([items.atom(a)], first_slots=fs).admitted_bytes <= budget:
+            return d
+    return cands[0]
+
+
+def _repair(d: Draft, slot: str, drafts: list[Draft], leading: list[Draft], covered: set[str],
+            info: SlotInfo, items: Items, pricer, step, budget: int, allow_new: bool) -> Draft:
+    if d.fixed:
+        fs = frozenset(info.of(d.reqs(items)) - covered)
+        children, price = run_ladder(step, pricer, d.reqs(items), budget, first_slots=fs,
+                                     start_k=len(d.children) if d.children else 1)
+        d.children = children if len(children) > 1 else None
+        d.price, d.first_slots = price, fs
+        return d
+    others = [o for o in drafts if o is not d and o not in leading]
+
+    def carries(a: int) -> bool:
+        return slot in info.of(items.atom(a))
+
+    def size(a: int) -> float:
+        return float(items.atom_alone[a].max())
+
+    while True:
+        fs = frozenset(info.of(d.reqs(items)) - covered)
+        price = _price_with(d, items, pricer, fs)
+        if price.admitted_bytes <= budget:
+            d.first_slots, d.price = fs, price
+            return d
+        if len(d.atoms) == 1:
+            a = d.atoms[0]
+            if items.atom_unit[a]:
+                children, price = run_ladder(step, pricer, items.atom(a), budget,
+                                             first_slots=fs, start_k=2)
+                d.children, d.price, d.first_slots, d.fixed = children, price, fs, True
+                return d
+            raise InfeasibleError(
+                f"request {unit_label(step, items.atom(a))}: does not fit with the pending "
+                f"adapter gradients of slot(s) {sorted(fs)}; price {price.admitted_bytes} "
+                f"admitted bytes > budget_bytes={int(budget)}")
+        movable = sorted(d.atoms, key=lambda a: (carries(a), -size(a), a))
+        if carries(movable[0]):
+            # only carriers left: keep the smallest carrier, move the largest one
+            movable = sorted(d.atoms, key=lambda a: (-size(a), a))
+        a = movable[0]
+        d.atoms = sorted(x for x in d.atoms if x != a)
+        price_draft(d, items, pricer)
+        try:
+            nd = _move_out(d, a, others, items, pricer, budget, allow_new)
+        except InfeasibleError as exc:
+            raise InfeasibleError(
+                f"slot {slot!r}: its pending adapter gradients fit no wave, and moving "
+                f"requests out would add a wave beyond num_waves") from exc
+        if nd is not None:
+            drafts.append(nd)
+            others.append(nd)
