@@ -1,0 +1,117 @@
+"""`waveplan trace`: measure the activation peak of a step run as one wave.
+
+Every request of STEP runs as one packed wave (its full `num_tokens`; no prefix sharing)
+through a Megatron-core model with the geometry of `--model`, LoRA adapters trainable, in
+one forward and one backward (`waveplan.pricing.trace.trace_wave`). Needs torch and
+megatron-core (`pip install 'waveplan[megatron]'`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from waveplan.pricing.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "trace", help="measure a step's activation peak as one wave on a Megatron-core model",
+        description="Run every request of STEP as one packed wave (full lengths, no prefix "
+                    "sharing) through a Megatron-core model with the model's geometry: one "
+                    "forward and one backward, LoRA adapters trainable, base frozen, loss = "
+                    "Megatron's cross entropy on the full logits. Peaks are bytes above the "
+                    "weights (what a wave adds). cpu-fake traces full-size models at no memory "
+                    "cost. Needs torch and megatron-core.")
+    parser.add_argument("step", help="step file (JSON Lines) or a bundled step name")
+    parser.add_argument("--model", required=True, metavar="PRESET|config.json",
+                        help="a preset name or a Hugging Face config.json")
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="trace only the first N decoder layers (default: all)")
+    parser.add_argument("--device", choices=("cpu-fake", "cpu", "cuda"), default="cpu-fake",
+                        help="cpu-fake: fake tensors (default); cpu: real tensors; cuda: a GPU")
+    parser.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                        help="activation recompute (default full, uniform, 1 layer)")
+    parser.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                        help="LoRA rank on every linear layer (default 16; 0: no adapters)")
+    parser.add_argument("--no-decoder-pass", action="store_true",
+                        help="skip the second, decoder-only pass (no head and loss)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _load_step(spec: str):
+    from waveplan.pricing.step import bundled_step, list_bundled_steps, load_step
+
+    path = Path(spec)
+    if not path.is_file() and spec.removesuffix(".jsonl") in list_bundled_steps():
+        path = bundled_step(spec)
+    return load_step(path)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:8.3f} GiB"
+
+
+def run(args) -> int:
+    from waveplan.pricing.model_source import load_model
+    from waveplan.pricing.parallel import Recompute
+
+    if args.layers is not None and args.layers <= 0:
+        raise ConfigError(f"--layers={args.layers}: must be a positive integer")
+    if args.lora_rank < 0:
+        raise ConfigError(f"--lora-rank={args.lora_rank}: must be >= 0")
+    geometry = load_model(args.model)
+    step = _load_step(args.step)
+    for name in ("torch", "megatron.core"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"waveplan trace needs torch and megatron-core ({name} is not "
+                              "installed): pip install 'waveplan[megatron]'")
+    import warnings
+
+    from waveplan.pricing.trace import trace_wave
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+    seq_lens = [int(r.num_tokens) for r in step.requests]
+    layers = args.layers
+    if layers is not None and layers >= geometry.num_layers:
+        layers = None
+    result = trace_wave(geometry, seq_lens=seq_lens, num_layers=layers, device=args.device,
+                        recompute=Recompute(mode=args.recompute),
+                        lora_rank=args.lora_rank or None,
+                        decoder_only=not args.no_decoder_pass)
+    notes = list(result.notes)
+    if any(not r.grad for r in step.requests):
+        notes.append("requests with grad=false were traced with gradients like the others")
+    notes.append("each request runs its full num_tokens (no prefix sharing)")
+    out = result.to_dict()
+    out["notes"] = notes
+    out["model"] = geometry.name
+    if args.json:
+        print(json.dumps(out, sort_keys=False))
+        return 0
+    print(f"trace {geometry.name}: {result.num_layers} of {result.model_layers} layers, "
+          f"{result.tokens} tokens in {len(result.seq_lens)} sequences ({result.packed}), "
+          f"device {result.device}, recompute {result.recompute['mode']}, "
+          f"LoRA rank {result.lora_rank or 'none'}, head {result.head}")
+    rows = [("peak forward", result.peak_forward_bytes),
+            ("peak backward", result.peak_backward_bytes),
+            ("peak", result.peak_bytes),
+            ("decoder-only peak", result.decoder_peak_bytes),
+            ("head adds", result.head_bytes),
+            ("baseline (not in peaks)", result.baseline_bytes)]
+    for label, value in rows:
+        shown = "-" if value is None else f"{value:>15,d} B"
+        print(f"  {label:<24}{shown:>19}  {_gib(value)}")
+    print(f"  counted: {result.counted}")
+    for note in notes:
+        print(f"  note: {note}")
+    return 0
