@@ -1,0 +1,35 @@
+"""`waveplan calibrate`: fit a backend's coefficient table to traced wave peaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate", help="fit a coefficient table to traced wave peaks (JSON Lines)",
+        description="Fit one scale factor per group of terms of the BASE table to the traced "
+                    "peaks in TRACES (records {cell, trace} as bench/validation_study.py "
+                    "writes them), then raise the fit so no traced cell, whole peak or "
+                    "decoder-only, is under-priced. Writes the table atomically.")
+    parser.add_argument("traces", help="trace records, JSON Lines")
+    parser.add_argument("--base", default="te-gpu", help="base table: backend name or JSON file")
+    parser.add_argument("--backend", default="torch-cpu", help="backend name of the fitted table")
+    parser.add_argument("--out", required=True, help="where to write the fitted table (JSON)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from waveplan.pricing import calibrate
+
+    records = calibrate.read_traces(args.traces)
+    base = calibrate.load_base(args.base)
+    table = calibrate.fit_table(records, base, backend=args.backend,
+                                source_label=f"{Path(args.traces).name} (cpu-fake)")
+    calibrate.write_table(table, args.out, description=(
+        f"fitted by `waveplan calibrate` from {len(records)} traced cells of "
+        f"{Path(args.traces).name}, base table {args.base}"))
+    ratios = calibrate._ratios(table, {}, records)
+    print(f"wrote {args.out}: {len(records)} cells, min estimate/trace {min(ratios):.4f}, "
+          f"max {max(ratios):.4f}")
+    return 0
