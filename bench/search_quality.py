@@ -24,7 +24,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from bench_search import FACTOR, bench_case  # noqa: E402
-
 from waveplan.search import PackerKind, pack  # noqa: E402
 
 BASELINES = (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK)

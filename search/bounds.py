@@ -11,6 +11,10 @@ all normalised by the capacity (budget - const) at point p.
    waves.
 2. Total size per point: waves >= ceil(sum_k (M_k c_k[p] + sum_s (m_s h_s[p] + W_s[p]))),
    the cheapest way each group can pay (at least once, or m_s times).
+   Every wave also holds at least one class and one subgroup, so it pays at least
+   min_c[p] = min_k c_k[p] and min_h[p] = min_s h_s[p]: with W waves the class mass is
+   >= max(sum_k M_k c_k, W min_c) (same for prompts), and each choice of the max gives a
+   valid bound W >= mass / (1 - the per-wave floors chosen); the largest is kept.
 3. Big atoms: atoms whose own weight exceeds 1/2 at one point cannot share a wave.
 
 The bound is the maximum of these (plus one wave per atom that runs alone: split or
@@ -68,8 +72,19 @@ def lower_bound(items: Items, active: np.ndarray) -> int:
     M = np.maximum(m_max, _ceil(mk).max(axis=1) if P else 0.0)
     used = m_max > 0
     M = np.where(used, M, 0.0)
-    total = (M[:, None] * items.class_hdr).sum(axis=0) + per_class.sum(axis=0)
-    lb = int(max(1.0, float(_ceil(total / lim).max()) if P else 1.0, float(M.max())))
+    class_mass = (M[:, None] * items.class_hdr[:len(M)]).sum(axis=0)
+    hdr_mass = (m[:, None] * h).sum(axis=0)
+    w_mass = Ws.sum(axis=0)
+    # every wave holds >= 1 class and >= 1 subgroup: it pays at least the cheapest of each
+    min_c = items.class_hdr[used].min(axis=0)
+    min_h = h.min(axis=0)
+    best = np.zeros(P)
+    for hc in (0, 1):
+        for cc in (0, 1):
+            room = lim - hc * min_h - cc * min_c
+            mass = w_mass + (1 - hc) * hdr_mass + (1 - cc) * class_mass
+            best = np.maximum(best, np.where(room > 0, mass / np.where(room > 0, room, 1.0), 0))
+    lb = int(max(1.0, float(_ceil(best).max()) if P else 1.0, float(M.max())))
     own = items.atom_w[active]
     big = int((own > 0.5).sum(axis=0).max()) if P else 0
     return max(lb, big)

@@ -124,7 +124,6 @@ def build_items(step, pricer, budget_bytes: float, atomic_units=()) -> Items:
     exceeds the budget at some point."""
     reqs = step.requests
     n = len(reqs)
-    ids = [r.id for r in reqs]
     env = pricer.envelope()
     const = np.asarray(env.const, dtype=np.float64)
     presence = np.maximum(np.asarray(env.presence, dtype=np.float64), 0.0)
@@ -142,7 +141,9 @@ def build_items(step, pricer, budget_bytes: float, atomic_units=()) -> Items:
     group_of = np.asarray(step.group_of, dtype=np.int64)
     prefix = np.asarray(step.prefix_rows, dtype=np.float64)
     own = np.asarray(step.own_rows, dtype=np.float64)
-    tokens = np.asarray([r.num_tokens for r in reqs], dtype=np.float64)
+    lengths = getattr(step, "lengths", None)
+    tokens = (np.asarray(lengths, dtype=np.float64) if lengths is not None
+              else np.asarray([r.num_tokens for r in reqs], dtype=np.float64))
     # per-request weights, (n, P)
     c = coef[:, class_of, :]  # (P, n, 3)
     req_w = (c[:, :, 0] * own[None, :] + c[:, :, 1] * tokens[None, :] + c[:, :, 2]).T / cap
@@ -163,7 +164,8 @@ def build_items(step, pricer, budget_bytes: float, atomic_units=()) -> Items:
     class_hdr = np.ascontiguousarray(presence.T / cap) if K else np.zeros((0, len(points)))
     del G
     # atoms: the caller's units and single requests, numbered by their first request
-    units = normalise_units(n, atomic_units, ids) if len(atomic_units) else []
+    units = (normalise_units(n, atomic_units, [r.id for r in reqs]) if len(atomic_units)
+             else [])
     P = len(points)
     if not units:   # fast path: every atom is one request, atom a == request a
         ar = np.arange(n, dtype=np.int64)

@@ -251,8 +251,21 @@ def _run(kind: PackerKind, step, pricer, *, budget_bytes, time_budget_ms, atomic
         children = tuple(np.sort(c).astype(np.int64) for c in d.parts(items))
         waves.append(PackedWave(children=children, first_slots=frozenset(d.first_slots),
                                 price=d.price))
-    bound = lower + F
-    proven = len(waves) <= bound
-    stats["lower_bound_envelope"] = bound
+    stats["lower_bound_envelope"] = lower + F
+    bound = _valid_lower_bound(pricer, budget, lower + F, F, len(active))
     stats["time_ms"] = (time.perf_counter() - t0) * 1e3
-    return SearchResult(tuple(waves), min(bound, len(waves)), proven, kind.value, stats)
+    return SearchResult(tuple(waves), min(bound, len(waves)), len(waves) <= bound, kind.value, stats)
+
+
+def _valid_lower_bound(pricer, budget: int, envelope_bound: int, num_fixed: int, num_active: int) -> int:
+    """The wave count no plan can go below, under exact prices.
+
+    The envelope bound only holds for plans packed against the envelope (exact re-pricing can
+    merge below it), so a pricer that offers `lower_bound_waves` (a bound on its exact price,
+    see pricing.envelope's lower envelope) is trusted instead. A pricer without one keeps the
+    envelope bound. Split units run alone, so each is a wave of its own.
+    """
+    exact = getattr(pricer, "lower_bound_waves", None)
+    if exact is None:
+        return envelope_bound
+    return max(int(exact(budget)), num_fixed + (1 if num_active else 0))

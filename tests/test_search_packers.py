@@ -7,7 +7,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from search_fakes import grpo_step, make_step, pricers
-
 from waveplan.pricing.errors import InfeasibleError
 from waveplan.search import PackerKind, check_plan, pack
 from waveplan.search.ladder import split_children
