@@ -44,9 +44,13 @@ class Envelope:
         return float(vals.max()) if vals.size else 0.0
 
 
-def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: Sequence[str]) -> Envelope:
+def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: Sequence[str], *,
+                   lower: bool = False) -> Envelope:
     """Envelope over gradient classes (one forward call each). O(K^2 x L) to build, then pruned
-    of points dominated coefficient-wise by another point."""
+    of points dominated coefficient-wise by another point.
+
+    `lower=True` gives the matching lower envelope in true packed rows (see below), used to
+    bound the number of waves of any plan from below."""
     a = model.arrays
     k_classes = len(class_grad)
     ret, ws, ng, gdn = a["retained"], a["workspace"], a["nograd"], a["gdn_state"]
@@ -85,6 +89,16 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     seg_c[cols, run] = np.concatenate(seg_own)
     pres_c = np.zeros((num_points, k_classes))
     pres_c[cols, run] = np.concatenate(pres_own)
+    if lower:
+        # Valid below the exact price of any wave in which some class is present: rows are
+        # at least packed/CP, pads and segments are dropped (>= 0), and so are presence and
+        # first-execution charges. Packed rows are subadditive over a partition of the step,
+        # so summing this over waves bounds the wave count from below.
+        coef = np.zeros((row_c.shape[0], k_classes, 3))
+        coef[:, :, 0] = row_c / (1 if model.conservative else model.parallel.cp)
+        coef[:, :, 1] = a["caller"]
+        s = model.safety
+        return Envelope(const=np.zeros(row_c.shape[0]), presence=np.zeros_like(pres_c), coef=coef * s)
     multiple = model.parallel.row_multiple
     cp_div = 1 if model.conservative else model.parallel.cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))

@@ -61,6 +61,21 @@ class WavePricer:
             self._envelope = cache[key]
         return self._envelope
 
+    def lower_bound_waves(self, budget_bytes: float) -> int:
+        """A wave count no plan can go below: for every walk point, the step's total lower-envelope
+        mass (true full-sharing packed rows per class, logical rows) over the budget. O(P x K)."""
+        n = len(self.step.requests)
+        if n == 0:
+            return 0
+        lower = build_envelope(self.model, self.class_grad, self.class_slot, lower=True)
+        counts = np.zeros((self.num_classes, 3))
+        for k in range(self.num_classes):
+            members = np.flatnonzero(self.class_of == k)
+            total = layout(self.step, members, shared=True)
+            counts[k, 0], counts[k, 1] = total.packed_rows, total.logical_rows
+        mass = np.einsum("pkc,kc->p", lower.coef, counts)
+        return max(1, int(np.ceil(mass.max() / budget_bytes - 1e-9)))
+
     def group_loads(self, children: Sequence[np.ndarray]) -> list[GroupLoad]:
         """One load per (child, class): each runs as its own forward call. O(requests)."""
         multiple = self.model.parallel.row_multiple

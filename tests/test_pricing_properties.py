@@ -132,3 +132,27 @@ def test_cp_busiest_rank_rows():
     half = price_groups(cp1, [GroupLoad(slot="a", packed_rows=2050, padded_rows=2050, logical_rows=4097,
                                         segments=1)])
     assert price_groups(cp2, [load]).raw_bytes == pytest.approx(half.raw_bytes, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=models, step=steps(), data=st.data())
+def test_lower_envelope_never_above_exact_price(model, step, data):
+    from waveplan.pricing.envelope import build_envelope
+
+    pricer = WavePricer.build(step, model)
+    lower = build_envelope(model, pricer.class_grad, pricer.class_slot, lower=True)
+    n = len(step.requests)
+    sub = np.sort(np.array(data.draw(st.permutations(range(n)))[:data.draw(st.integers(1, n))]))
+    exact = pricer.price([sub]).admitted_bytes
+    counts = np.zeros((pricer.num_classes, 3))
+    for k in range(pricer.num_classes):
+        members = sub[pricer.class_of[sub] == k]
+        if members.size:
+            from waveplan.pricing.layout import layout
+
+            total = layout(step, members)
+            counts[k, :2] = total.packed_rows, total.logical_rows
+    assert np.einsum("pkc,kc->p", lower.coef, counts).max() <= exact
+    # and the bound on waves never exceeds a trivial plan's count (one request per wave)
+    budget = max(pricer.price([np.array([i])]).admitted_bytes for i in range(n))
+    assert pricer.lower_bound_waves(budget) <= n
