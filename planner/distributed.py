@@ -1,0 +1,200 @@
+"""Planning across the ranks of an initialised `torch.distributed` job.
+
+Every rank calls `plan_distributed` with its own step and free memory; the ranks agree on the
+budget, the wave count and the plan, or all raise the same documented error. torch is imported
+lazily: `waveplan` itself does not need it.
+
+Collectives, in order (`W` = `group`, every rank of the job; `MP` = this rank's
+model-parallel group, the TP x CP x PP ranks that run a wave together; `DP` = this rank's
+data-parallel group, one rank per model-parallel replica):
+
+1. local check of `free_bytes`                   -> error flag: all_reduce MAX over W
+2. budget:     all_reduce MIN (int64) over MP; then each rank plans -> error flag over W
+3. wave count: all_reduce MAX (int64) over DP; each rank with fewer waves re-plans with
+   `num_waves=max` (the search balances the requests over the extra waves; no empty or
+   over-budget wave is ever added)                -> error flag over W
+4. plan hash:  all_gather of the sha256 of `plan.to_json()` without `planning_ms` over MP;
+   all must agree (same inputs, same plan)       -> error flag over W
+
+Error flag: one all_reduce MAX of a 0/1 flag over W after each local step and before the next
+collective, so a failing rank never leaves its peers blocked. When it is set, one all_gather of
+a fixed-size message buffer over W follows; every rank then raises the error of the lowest
+failing rank: the same class (`ConfigError`, `StepError`, `InfeasibleError`, `WaveplanError`,
+`DistributedPlanError`) and the same message, prefixed with `rank R: `. An exception that is
+not a `WaveplanError` becomes a `DistributedPlanError` naming its type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
+
+from .plan import Plan
+from .planner import Planner, budget_from_free_bytes
+
+_MSG_BYTES = 1024
+
+
+class DistributedPlanError(WaveplanError):
+    """Ranks that should agree do not (different plans for the same inputs), or a rank failed
+    with an undocumented exception; raised on every rank alike."""
+
+
+_CODES: tuple[type[WaveplanError], ...] = (WaveplanError, ConfigError, StepError, InfeasibleError,
+                                           DistributedPlanError)
+
+
+def plan_hash(plan: Plan) -> str:
+    """sha256 of the plan's JSON without `planning_ms` (the only field that may differ)."""
+    data = plan.to_dict()
+    data.pop("planning_ms", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _rank_lists(spec: object, field: str) -> list[list[int]] | None:
+    if spec is None or not isinstance(spec, Sequence) or isinstance(spec, str | bytes):
+        return None
+    lists = [list(r) for r in spec]
+    if not lists or any(not r for r in lists) or any(
+            isinstance(x, bool) or not isinstance(x, int) for r in lists for x in r):
+        raise ConfigError(f"{field}={spec!r}: must be a process group or a non-empty list of "
+                          f"non-empty lists of ranks")
+    return lists
+
+
+def _resolve(dist, spec, field: str, rank: int, world: int, world_group):
+    """A process group for `spec` (a group, or rank lists: one group per list, made with
+    `dist.new_group` on every rank in the same order). Returns (group, ranks or None)."""
+    lists = _rank_lists(spec, field)
+    if lists is None:
+        return spec, None
+    flat = sorted(x for r in lists for x in r)
+    if flat != list(range(world)):
+        raise ConfigError(f"{field}={lists!r}: the lists must partition ranks 0..{world - 1}")
+    mine = None
+    for r in lists:
+        g = dist.new_group(ranks=sorted(r)) if len(r) < world else world_group
+        if rank in r:
+            mine = (g, sorted(r))
+    return mine
+
+
+def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_parallel_group=None,
+                     dp_group=None, **plan_kwargs) -> Plan:
+    """Plan `step` on every rank so that the model-parallel peers share one budget and one plan
+    and every data-parallel replica runs the same number of waves (see the module docstring for
+    the collectives and the error protocol).
+
+    `group`: every rank taking part (default: the world). `model_parallel_group`: this rank's
+    TP x CP x PP group, as a process group or as rank lists partitioning `group` (default: each
+    rank alone). `dp_group`: this rank's data-parallel group, likewise (default: derived from
+    rank lists of `model_parallel_group`, the i-th rank of every list together; otherwise
+    every rank of `group`, which is right only when each model-parallel group is one rank).
+    `plan_kwargs` go to `Planner.plan`; `deterministic` defaults to True so that model-parallel
+    peers with the same inputs compute byte-identical plans. Ranks are global ranks of the
+    default group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError("torch.distributed: no process group is initialised "
+                          "(call torch.distributed.init_process_group first)")
+    world_group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank()
+    world = dist.get_world_size(world_group)
+    plan_kwargs.setdefault("deterministic", True)
+
+    def flag(exc: BaseException | None) -> None:
+        """All ranks: raise the lowest failing rank's error if any rank failed."""
+        t = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
+        if int(t.item()) == 0:
+            return
+        buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        if exc is not None:
+            if isinstance(exc, WaveplanError):
+                cls = next(c for c in reversed(_CODES) if isinstance(exc, c))
+                text = str(exc)
+            else:
+                cls, text = DistributedPlanError, f"{type(exc).__name__}: {exc}"
+            payload = f"rank {rank}: {text}".encode()[:_MSG_BYTES - 3]
+            buf[0] = 1
+            buf[1] = _CODES.index(cls)
+            buf[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.zeros_like(buf) for _ in range(world)]
+        dist.all_gather(out, buf, group=world_group)
+        first = next(b for b in out if int(b[0]) == 1)
+        raw = bytes(first[2:].tolist()).rstrip(b"\0").decode(errors="replace")
+        err = _CODES[int(first[1])](raw)
+        raise err from exc
+
+    def step_local(fn):
+        try:
+            value, exc = fn(), None
+        except Exception as e:  # every rank must learn of it; re-raised documented below
+            value, exc = None, e
+        flag(exc)
+        return value
+
+    # 0. groups (rank lists need dist.new_group, itself a collective on every rank)
+    def groups():
+        mp, mp_ranks = _resolve(dist, model_parallel_group, "model_parallel_group", rank, world,
+                                world_group)
+        dp_spec = dp_group
+        if dp_spec is None and mp_ranks is not None:
+            lists = _rank_lists(model_parallel_group, "model_parallel_group")
+            sizes = {len(r) for r in lists}
+            if len(sizes) != 1:
+                raise ConfigError(f"model_parallel_group={lists!r}: groups of different sizes; "
+                                  f"give dp_group")
+            dp_spec = [[sorted(r)[i] for r in lists] for i in range(sizes.pop())]
+        if dp_spec is None:
+            dp = world_group if model_parallel_group is None else None
+        else:
+            dp, _ = _resolve(dist, dp_spec, "dp_group", rank, world, world_group)
+        return mp, dp
+
+    mp, dp = step_local(groups)
+    if dp is None:
+        flag(ConfigError("dp_group=None: give dp_group when model_parallel_group is a process group"))
+
+    # 1. budget: MIN over the model-parallel group
+    budget = step_local(lambda: budget_from_free_bytes(free_bytes))
+    t = torch.tensor([budget], dtype=torch.int64)
+    if mp is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mp)
+    budget = int(t.item())
+
+    # 2. plan locally
+    plan = step_local(lambda: planner.plan(step, budget, **plan_kwargs))
+
+    # 3. wave count: MAX over the data-parallel group; fewer -> re-plan, balanced
+    t = torch.tensor([plan.num_waves], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp)
+    target = int(t.item())
+    if plan.num_waves < target:
+        kwargs = dict(plan_kwargs, num_waves=target)
+        plan = step_local(lambda: planner.plan(step, budget, **kwargs))
+    else:
+        step_local(lambda: None)
+
+    # 4. same inputs, same plan: all_gather of the hash over the model-parallel group
+    if mp is not None:
+        mine = torch.frombuffer(bytearray(bytes.fromhex(plan_hash(plan))), dtype=torch.uint8).clone()
+        size = dist.get_world_size(mp)
+        out = [torch.zeros_like(mine) for _ in range(size)]
+        dist.all_gather(out, mine, group=mp)
+        hashes = [bytes(o.tolist()).hex() for o in out]
+        mismatch = None
+        if len(set(hashes)) > 1:
+            mismatch = DistributedPlanError(
+                f"plan_hash: model-parallel peers planned differently ({', '.join(h[:12] for h in hashes)}): "
+                f"their steps, free memory, planner settings or plan options differ")
+        flag(mismatch)
+    else:
+        flag(None)
+    return plan

@@ -1,0 +1,113 @@
+"""plan_distributed on 4 gloo processes (DP2 x TP2), timeout-guarded so a hang fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+GIB = 2**30
+TIMEOUT_S = 50
+
+WORKER = textwrap.dedent("""
+    import faulthandler, json, os, sys
+    faulthandler.dump_traceback_later(40, exit=True)
+    import numpy as np
+    import torch.distributed as dist
+    from waveplan.planner import Planner
+    from waveplan.planner.distributed import plan_distributed, plan_hash
+    from waveplan.pricing.step import Request, Step
+    from waveplan.search import PackedWave, SearchResult, check_plan
+
+    rank, world, port, case, out = int(sys.argv[1]), 4, sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    dp_rank = rank // 2  # ranks {0,1} and {2,3} are TP groups (they share data)
+    planner = Planner.from_preset("qwen3-8b", tp=2, sequence_parallel=True, recompute="full")
+    if dp_rank == 0:  # many short requests, a generous budget
+        reqs = [Request(id=f"a{i}", num_tokens=1024 + 64 * i, prompt=f"p{i // 4}",
+                        num_prompt_tokens=512) for i in range(24)]
+        free = [60 * 2**30, 55 * 2**30][rank % 2]
+    else:  # few long requests, a tight budget
+        reqs = [Request(id=f"b{i}", num_tokens=8192 + 2048 * i) for i in range(6)]
+        free = [24 * 2**30, 20 * 2**30][rank % 2]
+    if case == "infeasible" and rank == 2:
+        reqs = reqs + [Request(id="huge", num_tokens=4_000_000)]
+    if case == "infeasible" and rank == 3:
+        reqs = reqs + [Request(id="huge", num_tokens=4_000_000)]
+    step = Step.from_requests(reqs)
+    result = {"rank": rank}
+    try:
+        plan = plan_distributed(planner, step, free, model_parallel_group=[[0, 1], [2, 3]],
+                                time_budget_ms=20.0)
+        view = SearchResult(tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
+                                             first_slots=w.first_slots, price=w.breakdown)
+                                  for w in plan.waves),
+                            plan.lower_bound_waves, plan.proven_optimal, plan.packer)
+        check_plan(step, planner.pricer(step), view, budget_bytes=plan.budget_bytes)
+        result.update(waves=plan.num_waves, hash=plan_hash(plan), budget=plan.budget_bytes)
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, case: str) -> list[dict]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [open(tmp_path / f"r{r}.log", "wb") for r in range(4)]  # files: a full pipe cannot block
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), case,
+                               str(tmp_path / f"r{r}.json")], env=env,
+                              stdout=logs[r], stderr=subprocess.STDOUT)
+             for r in range(4)]
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+    finally:
+        for f in logs:
+            f.close()
+    logs = [(tmp_path / f"r{r}.log").read_text(errors="replace")[-3000:] for r in range(4)]
+    if any(p.returncode is None or p.returncode < 0 for p in procs):
+        pytest.fail(f"plan_distributed hung ({case}): a rank did not finish in {TIMEOUT_S} s\n"
+                    + "\n".join(logs))
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-3000:]}"
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.slow
+def test_dp2_tp2_agree_on_wave_count_and_tp_peers_share_a_plan(tmp_path):
+    res = _run(tmp_path, "ok")
+    assert all("error" not in r for r in res), res
+    assert len({r["waves"] for r in res}) == 1, res  # both DP groups: same wave count
+    assert res[0]["hash"] == res[1]["hash"] and res[2]["hash"] == res[3]["hash"]
+    assert res[0]["budget"] == 55 * GIB and res[2]["budget"] == 20 * GIB  # MIN over TP
+
+
+@pytest.mark.slow
+def test_one_infeasible_dp_rank_makes_every_rank_raise_the_same_error(tmp_path):
+    res = _run(tmp_path, "infeasible")
+    assert {r.get("error") for r in res} == {"InfeasibleError"}, res
+    assert len({r["message"] for r in res}) == 1, res
+    assert res[0]["message"].startswith("rank 2: ")
