@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 
+from waveplan.pricing.atomic_io import write_json_atomic  # noqa: F401  (re-exported for the subcommands)
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
-
-from .atomic_io import write_json_atomic  # noqa: F401  (re-exported for the subcommands)
 
 DEFAULT_MODEL = "qwen3.8-27b"
 

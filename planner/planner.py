@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.geometry import ModelGeometry
@@ -26,7 +27,6 @@ from waveplan.pricing.step import Request, Step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import PackerKind, pack
 
-from .atomic_io import write_json_atomic
 from .plan import Plan, PlanWave
 from .profiles import (
     ProfileAdjust,

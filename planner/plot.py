@@ -7,11 +7,11 @@ global backend; files are written atomically (temp file in the same folder, then
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from collections.abc import Mapping
 from pathlib import Path
 
+from waveplan.pricing.atomic_io import write_bytes_atomic
 from waveplan.pricing.errors import ConfigError, bad
 
 GIB = 2**30
@@ -30,26 +30,10 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _default_mode() -> int:
-    """The mode open() gives a new file: 0666 less the umask (read by setting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _save(fig, path: str | Path) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            fig.savefig(handle, format="png")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _default_mode())  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def _wave_price(i: int, wave: object) -> Mapping:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.coefficients import table_from_dict
 from waveplan.pricing.errors import ConfigError, StepError, WaveplanError, bad
 from waveplan.pricing.geometry import ModelGeometry
@@ -20,7 +21,6 @@ from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.step import Request, Step
 
-from .atomic_io import write_json_atomic
 from .plan import Plan
 from .planner import Planner
 from .profiles import ProfileStore

@@ -14,15 +14,14 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from waveplan.pricing.atomic_io import write_text_atomic
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, bad
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.step import Request, Step, load_step
@@ -264,29 +263,6 @@ class StudyResult:
                              "" if r.above_bound is None else r.above_bound,
                              int(r.proven_optimal), f"{r.plan_ms:.3f}", r.error])
         write_text_atomic(path, buffer.getvalue())
-
-
-def _default_mode() -> int:
-    """The mode open() gives a new file: 0666 less the umask (read by setting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write next to `path` and rename over it: a killed writer leaves the old file intact."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _default_mode())  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --- running ----------------------------------------------------------------------------------

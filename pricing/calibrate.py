@@ -24,10 +24,9 @@ import copy
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
+from .atomic_io import write_text_atomic
 from .coefficients import CoefficientTable, load_table, table_from_dict
 from .errors import ConfigError, bad
 
@@ -303,26 +302,7 @@ def write_table(table: CoefficientTable, path: str | Path, *, description: str =
     path = Path(path)
     doc = table_document(table, description=description)
     table_from_dict(json.loads(json.dumps(doc)))  # validates before anything is replaced
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(_format(doc))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
+    write_text_atomic(path, _format(doc))
 
 
 def _format(doc: dict) -> str:

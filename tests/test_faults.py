@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 from waveplan.planner import Planner
-from waveplan.planner.atomic_io import write_json_atomic
+from waveplan.pricing.atomic_io import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = textwrap.dedent("""
     import sys
-    from waveplan.planner.atomic_io import write_json_atomic
+    from waveplan.pricing.atomic_io import write_json_atomic
     path = sys.argv[1]
     big = {"schema": 1, "blob": ["x" * 1000] * 20000}  # ~20 MB of JSON per write
     print("ready", flush=True)
