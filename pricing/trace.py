@@ -506,22 +506,13 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
             results[name] = peaks
             for p in model.parameters():
                 p.grad = None
-    full = results["full"]
-    dec = results.get("decoder")
-    return TraceResult(
-        peak_forward_bytes=int(full["forward"]), peak_backward_bytes=int(full["backward"]),
-        peak_bytes=int(max(full["forward"], full["backward"])),
-        baseline_bytes=int(full["baseline"]),
-        decoder_peak_forward_bytes=None if dec is None else int(dec["forward"]),
-        decoder_peak_backward_bytes=None if dec is None else int(dec["backward"]),
-        num_layers=len(layers), model_layers=geometry.num_layers, tokens=sum(lens),
-        seq_lens=lens, device=device, recompute=recompute.to_dict(), lora_rank=lora_rank,
-        head=head, packed="thd" if packed else "concatenated",
+    return _result(
+        results, geometry=geometry, num_layers=len(layers), lens=lens, device=device,
+        recompute=recompute, lora_rank=lora_rank, head=head, packed=packed, notes=notes,
         counted=("live untyped storages created by aten ops during the step (fake tensors), "
                  "above weights, buffers and inputs" if fake else
                  "live untyped storages created by aten ops during the step (real CPU "
-                 "tensors), above weights, buffers and inputs"),
-        notes=tuple(notes))
+                 "tensors), above weights, buffers and inputs"))
 
 
 def _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout, decoder_only,
@@ -571,6 +562,15 @@ def _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout, deco
             for p in model.parameters():
                 p.grad = None
             torch.cuda.empty_cache()
+    return _result(
+        results, geometry=geometry, num_layers=len(layers), lens=lens, device="cuda",
+        recompute=recompute, lora_rank=lora_rank, head=head, packed=packed, notes=notes,
+        counted="torch.cuda.max_memory_allocated() above the allocation before the step")
+
+
+def _result(results: dict, *, geometry, num_layers, lens, device, recompute, lora_rank, head,
+            packed, notes, counted) -> TraceResult:
+    """A TraceResult from the per-pass peaks ("full", and "decoder" when it ran)."""
     full = results["full"]
     dec = results.get("decoder")
     return TraceResult(
@@ -579,8 +579,7 @@ def _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout, deco
         baseline_bytes=int(full["baseline"]),
         decoder_peak_forward_bytes=None if dec is None else int(dec["forward"]),
         decoder_peak_backward_bytes=None if dec is None else int(dec["backward"]),
-        num_layers=len(layers), model_layers=geometry.num_layers, tokens=sum(lens),
-        seq_lens=lens, device="cuda", recompute=recompute.to_dict(), lora_rank=lora_rank,
-        head=head, packed="thd" if packed else "concatenated",
-        counted="torch.cuda.max_memory_allocated() above the allocation before the step",
+        num_layers=num_layers, model_layers=geometry.num_layers, tokens=sum(lens),
+        seq_lens=lens, device=device, recompute=recompute.to_dict(), lora_rank=lora_rank,
+        head=head, packed="thd" if packed else "concatenated", counted=counted,
         notes=tuple(notes))
