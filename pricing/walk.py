@@ -28,14 +28,24 @@ POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-f
 
 
 @njit(cache=True)
-def _offer(best, point, total, code, layer, group):
+def _start(point, others, caller_bytes, first_exec):
+    """A new walk point: the terms every point carries, the rest zero."""
+    point[:] = 0.0
+    point[6] = others
+    point[8] = caller_bytes
+    point[9] = first_exec
+
+
+@njit(cache=True)
+def _offer(best, out, point, code, layer, group):
+    """Keep the point (and where it is) if it is the highest so far."""
+    total = point.sum()
     if total > best[0]:
         best[0] = total
         best[1] = code
         best[2] = layer
         best[3] = group
-        return True
-    return False
+        out[:] = point
 
 
 @njit(cache=True)
@@ -62,7 +72,6 @@ def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, 
 
     total_retained = retained.sum()
     cum = np.cumsum(retained)
-    max_nograd = 0.0
     max_state = gdn_state.max() if n_layers > 0 else 0.0
     n_slots = pending.shape[0]
     suffix = np.zeros((n_slots, n_layers + 1))
@@ -74,9 +83,7 @@ def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, 
         if grad[g]:
             per_slot[slot[g]] += 1
 
-    const = first_exec
-    for g in range(n_groups):
-        const += caller * logical[g]
+    caller_bytes = caller * logical.sum()
 
     keep = np.zeros(n_groups)   # retained memory of a grad group not yet run
     done = np.zeros(n_groups)   # pending gradients a grad group leaves after its backward
@@ -96,62 +103,41 @@ def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, 
             ng = 0.0
             for i in range(n_layers):
                 ng = max(ng, rows[g] * nograd[i])
-            point[:] = 0.0
+            _start(point, others_all, caller_bytes, first_exec)
             point[7] = ng
             point[4] = segments[g] * max_state
             point[5] = rows[g] * head_ret + head_const
-            point[6] = others_all
-            point[8] = const - first_exec
-            point[9] = first_exec
-            if _offer(best, point, point.sum(), 4, -1, g):
-                out[:] = point
-            max_nograd = max(max_nograd, ng)
+            _offer(best, out, point, 4, -1, g)
             continue
         others = others_all - max(keep[g], done[g])
         s = slot[g]
         shared_slot = per_slot[s] > 1
         # forward: layer i runs with boundaries 0..i-1 saved and the layer's own transient
         for i in range(n_layers):
-            point[:] = 0.0
+            _start(point, others, caller_bytes, first_exec)
             point[0] = rows[g] * (cum[i] - retained[i])
             point[1] = rows[g] * nograd[i]
             point[4] = segments[g] * gdn_state[i]
-            point[6] = others
-            point[8] = const - first_exec
-            point[9] = first_exec
-            if _offer(best, point, point.sum(), 2, i, g):
-                out[:] = point
-        point[:] = 0.0
+            _offer(best, out, point, 2, i, g)
+        _start(point, others, caller_bytes, first_exec)
         point[0] = rows[g] * total_retained
         point[5] = rows[g] * head_ret + head_const
-        point[6] = others
-        point[8] = const - first_exec
-        point[9] = first_exec
-        if _offer(best, point, point.sum(), 3, -1, g):
-            out[:] = point
+        _offer(best, out, point, 3, -1, g)
         # backward of the head
-        point[:] = 0.0
+        _start(point, others, caller_bytes, first_exec)
         point[0] = rows[g] * total_retained
         point[2] = rows[g] * input_grad
         point[3] = suffix[s, 0] if (carries[g] and shared_slot) else 0.0
         point[5] = rows[g] * (head_ret + head_tr) + head_const
-        point[6] = others
-        point[8] = const - first_exec
-        point[9] = first_exec
-        if _offer(best, point, point.sum(), 1, -1, g):
-            out[:] = point
+        _offer(best, out, point, 1, -1, g)
         # backward, layer n-1 down to 0
         for i in range(n_layers - 1, -1, -1):
-            point[:] = 0.0
+            _start(point, others, caller_bytes, first_exec)
             point[0] = rows[g] * cum[i]
             point[1] = rows[g] * workspace[i]
             point[2] = rows[g] * input_grad
             if carries[g]:
                 point[3] = suffix[s, 0] if shared_slot else suffix[s, i]
             point[4] = segments[g] * gdn_state[i]
-            point[6] = others
-            point[8] = const - first_exec
-            point[9] = first_exec
-            if _offer(best, point, point.sum(), 0, i, g):
-                out[:] = point
+            _offer(best, out, point, 0, i, g)
     return best, out
