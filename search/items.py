@@ -279,11 +279,17 @@ def blocks_for(items: Items, active: np.ndarray) -> Blocks:
     mask = block_of_atom[entry_atom] >= 0
     srows = block_of_atom[entry_atom[mask]]
     svals = items.atom_s[mask]
-    S = len(items.sub_class)
-    K = items.class_hdr.shape[0]
-    sptr, s_flat = _csr_from_pairs(srows, svals, nb, S)
+    return _finish_blocks(items, ptr, flat, w, srows, svals)
+
+
+def _finish_blocks(items: Items, ptr, flat, w, srows, svals) -> Blocks:
+    """Blocks from their atoms and weights: the subgroups (prompts) and classes each block
+    touches, as CSR, and what the block costs alone. O(entries + blocks x P)."""
+    nb = len(ptr) - 1
+    P = len(items.points)
+    sptr, s_flat = _csr_from_pairs(srows, svals, nb, len(items.sub_class))
     crows = np.repeat(np.arange(nb), np.diff(sptr))
-    cptr, c_flat = _csr_from_pairs(crows, items.sub_class[s_flat], nb, K)
+    cptr, c_flat = _csr_from_pairs(crows, items.sub_class[s_flat], nb, items.class_hdr.shape[0])
     alone = w + _csr_sum(sptr, s_flat, items.sub_hdr) + _csr_sum(cptr, c_flat, items.class_hdr)
     bsize = alone.max(axis=1) if nb and P else np.zeros(nb)
     return Blocks(ptr=ptr, atoms=flat, w=w, sptr=sptr, s=s_flat, cptr=cptr, c=c_flat,
@@ -293,8 +299,6 @@ def blocks_for(items: Items, active: np.ndarray) -> Blocks:
 def _blocks_by_group(items: Items, active: np.ndarray) -> Blocks:
     """Fast path without atomic units: a block is the active requests of one prefix group."""
     P = len(items.points)
-    S = len(items.sub_class)
-    K = items.class_hdr.shape[0]
     sub = items.sub_of[active]
     grp = items.sub_group[sub]
     ug, block_of = np.unique(grp, return_inverse=True)
@@ -306,10 +310,4 @@ def _blocks_by_group(items: Items, active: np.ndarray) -> Blocks:
     ptr[1:] = np.cumsum(np.bincount(block_of, minlength=nb))
     w = np.zeros((nb, P))
     np.add.at(w, block_of, items.req_w[active])
-    sptr, s_flat = _csr_from_pairs(block_of, sub, nb, S)
-    crows = np.repeat(np.arange(nb), np.diff(sptr))
-    cptr, c_flat = _csr_from_pairs(crows, items.sub_class[s_flat], nb, K)
-    alone = w + _csr_sum(sptr, s_flat, items.sub_hdr) + _csr_sum(cptr, c_flat, items.class_hdr)
-    bsize = alone.max(axis=1) if nb and P else np.zeros(nb)
-    return Blocks(ptr=ptr, atoms=flat, w=w, sptr=sptr, s=s_flat, cptr=cptr, c=c_flat,
-                  alone=alone, size=bsize)
+    return _finish_blocks(items, ptr, flat, w, block_of, sub)
