@@ -21,7 +21,6 @@ from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
 
 DEFAULT_SAFETY = 1.10
-HEAD_MODES = ("chunked:N", "full-native", "full-te")
 
 
 def parse_head(head: str) -> tuple[str, int]:
@@ -149,7 +148,7 @@ class PricingModel:
         workspace = np.zeros(n)
         nograd = np.zeros(n)
         gdn_state = np.zeros(n)
-        widths_r = dict(widths)
+        widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         for i, layer in enumerate(layers):
             mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
@@ -158,7 +157,6 @@ class PricingModel:
             nograd[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             if layer.mixer == MixerKind.GDN:
                 gdn_state[i] = terms.gdn_state_per_segment(t, g.gdn, tp=self.width_tp)
-            widths_r["rank"] = max((s.rank for s in self.lora.slots), default=0)
             layer_retained = terms.retained_layer_per_row(
                 t, widths_r, layer.mixer, layer.mlp, sp_div=sp_div,
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
@@ -201,7 +199,3 @@ class PricingModel:
                 "recompute": self.recompute.to_dict(), "lora": self.lora.to_dict(),
                 "coefficients": self.table.to_dict(), "head": self.head, "safety": self.safety}
 
-
-def check_rows(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise bad(ConfigError, name, value, "must be an integer >= 0")

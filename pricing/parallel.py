@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from .errors import ConfigError, bad
-from .geometry import MixerKind, ModelGeometry
+from .geometry import ModelGeometry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +43,10 @@ class ParallelLayout:
         return m * self.tp if self.sequence_parallel else m
 
     def validate_for(self, geometry: ModelGeometry) -> None:
-        """Check that the geometry can be sharded this way; names the field that cannot."""
+        """Check that the geometry can be sharded this way; names the field that cannot.
+
+        A vocabulary not divisible by TP is allowed (Megatron pads it; pricing rounds up), and
+        so is CP > 2 (priced conservatively, see `pricing.model.evidence_gaps`)."""
         if geometry.attention is not None:
             att = geometry.attention
             if att.num_heads % self.tp:
@@ -60,18 +63,12 @@ class ParallelLayout:
                     raise bad(ConfigError, "parallel.tp", self.tp, f"must divide gdn.{name}={value}")
         if geometry.ffn and geometry.ffn % self.tp:
             raise bad(ConfigError, "parallel.tp", self.tp, f"must divide model.ffn={geometry.ffn}")
-        if geometry.vocab % self.tp:
-            # Megatron pads the vocabulary; pricing rounds it up, so this is allowed.
-            pass
         if geometry.moe is not None and geometry.moe.num_experts % self.ep:
             raise bad(ConfigError, "parallel.ep", self.ep,
                       f"must divide moe.num_experts={geometry.moe.num_experts}")
         if self.pp > geometry.num_layers:
             raise bad(ConfigError, "parallel.pp", self.pp,
                       f"exceeds the model's {geometry.num_layers} layers")
-        if self.cp > 1 and geometry.count(MixerKind.GDN) and self.cp > 2:
-            # Allowed, but priced conservatively (see pricing); nothing to reject here.
-            pass
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "ep": self.ep, "dp": self.dp,
