@@ -53,13 +53,16 @@ class WavePricer:
 
     def envelope(self) -> Envelope:
         if self._envelope is None:
-            # the envelope depends only on the model and the class mix: share it across steps
-            cache = self.model.arrays.setdefault("envelopes", {})
-            key = (self.class_grad, self.class_slot)
-            if key not in cache:
-                cache[key] = build_envelope(self.model, self.class_grad, self.class_slot)
-            self._envelope = cache[key]
+            self._envelope = self._cached_envelope(lower=False)
         return self._envelope
+
+    def _cached_envelope(self, *, lower: bool) -> Envelope:
+        # an envelope depends only on the model and the class mix: share it across steps
+        cache = self.model.arrays.setdefault("envelopes", {})
+        key = (self.class_grad, self.class_slot, lower)
+        if key not in cache:
+            cache[key] = build_envelope(self.model, self.class_grad, self.class_slot, lower=lower)
+        return cache[key]
 
     def lower_bound_waves(self, budget_bytes: float) -> int:
         """A wave count no plan can go below: for every walk point, the step's total lower-envelope
@@ -67,7 +70,7 @@ class WavePricer:
         n = len(self.step.requests)
         if n == 0:
             return 0
-        lower = build_envelope(self.model, self.class_grad, self.class_slot, lower=True)
+        lower = self._cached_envelope(lower=True)
         counts = np.zeros((self.num_classes, 3))
         for k in range(self.num_classes):
             members = np.flatnonzero(self.class_of == k)
