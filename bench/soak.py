@@ -4,6 +4,11 @@ Every case must either give a plan that passes `check_plan` and is deterministic
 with `deterministic=True`: the same JSON except planning_ms), or raise a documented
 `WaveplanError`. Anything else is a failure (recorded with its reproducer arguments).
 
+The draws are weighted so that most cases plan: layouts valid for the preset, every step slot
+with an adapter, budgets 1..20 times a budget at which every request fits alone. A minority (see the P_*
+constants) draws invalid layouts, absolute budgets, unknown slots and `num_waves` with a
+baseline packer, which end in documented errors.
+
     .venv/bin/python bench/soak.py --minutes 5 --out bench/results/soak.txt
 """
 
@@ -20,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 from waveplan.planner import Planner
+from waveplan.planner.planner import MAX_BUDGET_BYTES
 from waveplan.pricing.errors import WaveplanError
+from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.step import Request, Step
 from waveplan.search import PackedWave, SearchResult, check_plan
 
@@ -30,6 +37,14 @@ LAYOUTS = ((1, 1, 1, 1, False), (2, 1, 1, 1, True), (4, 1, 1, 1, True), (8, 1, 1
            (2, 2, 1, 1, True), (1, 1, 2, 1, False), (2, 1, 2, 1, False), (4, 2, 1, 1, True),
            (1, 1, 1, 2, False), (2, 1, 1, 4, True), (3, 1, 1, 1, False))  # tp, cp, pp, ep, sp
 PACKERS = ("auto", "auto", "auto", "greedy", "exact", "ffd", "kk", "uniform-width")
+BASELINES = ("ffd", "kk", "uniform-width")  # no num_waves: a documented ConfigError
+SLOTS = ("default", "b", "c")  # every planner has these LoRA slots
+# Most cases should plan: the minority below is drawn on purpose to end in documented errors.
+P_INVALID_LAYOUT = 0.08      # any layout of LAYOUTS, valid for the preset or not
+P_ABSOLUTE_BUDGET = 0.08     # 10 MiB..8 GiB regardless of the step (often infeasible)
+P_UNKNOWN_SLOT = 0.02        # a request in a slot without an adapter
+P_BASELINE_NUM_WAVES = 0.1   # num_waves kept with a baseline packer
+P_LONG_TAIL = 0.15           # completions around e^8.5 tokens, up to 200k
 
 
 @dataclass
@@ -37,6 +52,8 @@ class Stats:
     cases: int = 0
     plans: int = 0
     documented_errors: int = 0
+    errors_by_class: dict[str, int] = field(default_factory=dict)
+    invalid_layouts: int = 0
     worst_ms: float = 0.0
     worst_case: str = ""
     failures: list[str] = field(default_factory=list)
@@ -50,8 +67,10 @@ def _as_result(plan) -> SearchResult:
 
 def _random_step(rng: random.Random) -> Step:
     n = rng.choice((1, 2, 3, 5, 8, 13, 24, 40, 64, 100))
-    slots = ["default"] if rng.random() < 0.7 else ["default", "b", "c"][: rng.randint(1, 3)]
-    long_tail = rng.random() < 0.3
+    slots = ["default"] if rng.random() < 0.7 else list(SLOTS[: rng.randint(1, 3)])
+    if rng.random() < P_UNKNOWN_SLOT:
+        slots.append("unknown")
+    long_tail = rng.random() < P_LONG_TAIL
     if rng.random() < 0.15:  # token form
         reqs = []
         base = [rng.randrange(1000) for _ in range(rng.choice((16, 256, 2048)))]
@@ -78,14 +97,17 @@ def _random_step(rng: random.Random) -> Step:
 
 
 _PLANNERS: dict[tuple, Planner | Exception] = {}
+_FIXED: dict[tuple, int] = {}
+_VALID: dict[str, list[tuple]] = {}
 
 
 def _planner(key: tuple) -> Planner:
     if key not in _PLANNERS:
         preset, (tp, cp, pp, ep, sp), recompute, rank = key
+        lora = LoraConfig(slots=tuple(LoraSlot(name=s, rank=rank) for s in SLOTS))
         try:
             _PLANNERS[key] = Planner.from_preset(preset, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
-                                                 recompute=recompute, lora_rank=rank)
+                                                 recompute=recompute, lora=lora)
         except WaveplanError as exc:
             _PLANNERS[key] = exc
     value = _PLANNERS[key]
@@ -94,32 +116,83 @@ def _planner(key: tuple) -> Planner:
     return value
 
 
+def _valid_layouts(preset: str) -> list[tuple]:
+    """The layouts of LAYOUTS that the preset accepts (validity does not depend on recompute or
+    LoRA)."""
+    if preset not in _VALID:
+        ok = []
+        for layout in LAYOUTS:
+            try:
+                _planner((preset, layout, "full", 16))
+            except WaveplanError:
+                continue
+            ok.append(layout)
+        _VALID[preset] = ok
+    return _VALID[preset]
+
+
+def _fixed_cost(key: tuple) -> int:
+    """Admitted bytes of the cheapest wave: one 1-token gradient request with its pending
+    gradients."""
+    if key not in _FIXED:
+        planner = _planner(key)
+        step = Step.from_requests([Request(id="x", num_tokens=1)])
+        _FIXED[key] = planner.pricer(step).price([np.asarray([0])],
+                                                 first_slots=frozenset({"default"})).admitted_bytes
+    return _FIXED[key]
+
+
+def _base_budget(key: tuple, planner: Planner, step: Step) -> int:
+    """A budget at which (nearly always) every request fits alone: the largest exact price of
+    the three longest requests alone, pending gradients included, and the fixed cost. Budgets
+    are drawn as multiples of it, so that most cases can plan."""
+    pricer = planner.pricer(step)
+    worst = _fixed_cost(key)
+    for i in np.argsort(-step.lengths, kind="stable")[:3]:
+        r = step.requests[int(i)]
+        fs = frozenset({r.slot}) if r.grad else frozenset()
+        worst = max(worst, pricer.price([np.asarray([int(i)])], first_slots=fs).admitted_bytes)
+    return worst
+
+
 def one_case(rng: random.Random, stats: Stats) -> None:
-    key = (rng.choice(PRESETS), rng.choice(LAYOUTS), rng.choice(("full", "full", "selective", "none")),
-           rng.choice((8, 16, 64)))
+    preset = rng.choice(PRESETS)
+    invalid_layout = rng.random() < P_INVALID_LAYOUT
+    layout = rng.choice(LAYOUTS if invalid_layout else _valid_layouts(preset))
+    key = (preset, layout, rng.choice(("full", "full", "selective", "none")), rng.choice((8, 16, 64)))
     case_seed = rng.randrange(2**31)
     crng = random.Random(case_seed)
-    budget = crng.choice((crng.uniform(1, 8), crng.uniform(8, 40), crng.uniform(40, 140))) * GIB
+    absolute = crng.random() < P_ABSOLUTE_BUDGET
+    factor = crng.choice((crng.uniform(1.0, 1.5), crng.uniform(1.5, 4), crng.uniform(4, 20)))
     packer = crng.choice(PACKERS)
-    desc = f"key={key} case_seed={case_seed} budget={budget / GIB:.2f}GiB packer={packer}"
     stats.cases += 1
+    budget = crng.uniform(0.01, 8) * GIB
+    desc = f"key={key} case_seed={case_seed} budget={budget / GIB:.2f}GiB packer={packer}"
     try:
         planner = _planner(key)
         step = _random_step(crng)
+        if not absolute:
+            budget = min(float(MAX_BUDGET_BYTES), _base_budget(key, planner, step) * factor)
+            desc = (f"key={key} case_seed={case_seed} budget={budget / GIB:.2f}GiB "
+                    f"(x{factor:.2f}) packer={packer}")
         n = len(step.requests)
         kwargs = dict(packer=packer, time_budget_ms=crng.choice((1.0, 5.0, 20.0)), seed=crng.randrange(100),
                       deterministic=True)
         if crng.random() < 0.2 and n >= 2:
             size = crng.randint(2, min(4, n))
             kwargs["atomic_units"] = [sorted(crng.sample(range(n), size))]
-        if crng.random() < 0.2:
+        if crng.random() < 0.2 and (packer not in BASELINES or crng.random() < P_BASELINE_NUM_WAVES):
             kwargs["num_waves"] = crng.randint(1, max(1, min(n, 8)))
         t0 = time.perf_counter()
         plan = planner.plan(step, budget, **kwargs)
         ms = (time.perf_counter() - t0) * 1e3
         again = planner.plan(step, budget, **kwargs)
-    except WaveplanError:
+    except WaveplanError as exc:
         stats.documented_errors += 1
+        name = type(exc).__name__
+        stats.errors_by_class[name] = stats.errors_by_class.get(name, 0) + 1
+        if invalid_layout and layout not in _valid_layouts(preset):
+            stats.invalid_layouts += 1
         return
     except Exception:
         stats.failures.append(f"{desc}: {traceback.format_exc(limit=3)}")
@@ -162,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"soak seed={args.seed}: {stats.cases} cases in {elapsed:.0f} s "
              f"({stats.plans} plans checked, {stats.documented_errors} documented WaveplanErrors, "
              f"{len(stats.failures)} failures)",
+             "documented errors by class: " + (", ".join(
+                 f"{k} {v}" for k, v in sorted(stats.errors_by_class.items())) or "none")
+             + f" ({stats.invalid_layouts} of them from invalid layouts)",
              f"worst planning time: {stats.worst_ms:.1f} ms ({stats.worst_case})"]
     lines += [f"FAILURE: {f}" for f in stats.failures[:20]]
     text = "\n".join(lines) + "\n"

@@ -14,7 +14,8 @@ data-parallel group, one rank per model-parallel replica):
    `num_waves=max` (the search balances the requests over the extra waves; no empty or
    over-budget wave is ever added)                -> error flag over W
 4. plan hash:  all_gather of the sha256 of `plan.to_json()` without `planning_ms` over MP;
-   all must agree (same inputs, same plan)       -> error flag over W
+   all must agree (same inputs, same plan)       -> error flag over W; a mismatch is a
+   `DistributedPlanError` naming each distinct hash and the global ranks that planned it
 
 Error flag: one all_reduce MAX of a 0/1 flag over W after each local step and before the next
 collective, so a failing rank never leaves its peers blocked. When it is set, one all_gather of
@@ -52,6 +53,23 @@ def plan_hash(plan: Plan) -> str:
     data = plan.to_dict()
     data.pop("planning_ms", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _hash_mismatch(hashes: Sequence[str], ranks: Sequence[int]) -> DistributedPlanError | None:
+    """The error for model-parallel peers whose plan hashes differ (None when all agree): names
+    each distinct hash (first 12 hex digits) with the global ranks that planned it, the
+    majority first."""
+    by_hash: dict[str, list[int]] = {}
+    for h, r in zip(hashes, ranks, strict=True):
+        by_hash.setdefault(h, []).append(int(r))
+    if len(by_hash) <= 1:
+        return None
+    parts = sorted(by_hash.items(), key=lambda kv: (-len(kv[1]), kv[1]))
+    detail = "; ".join(f"ranks {rs} planned {h[:12]}" for h, rs in parts)
+    return DistributedPlanError(
+        f"plan_hash: model-parallel peers {sorted(int(r) for r in ranks)} planned differently "
+        f"({detail}): their steps, planner settings or plan options differ (every peer of a "
+        f"model-parallel group must plan the same step with the same settings)")
 
 
 def _rank_lists(spec: object, field: str) -> list[list[int]] | None:
@@ -189,12 +207,7 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
         out = [torch.zeros_like(mine) for _ in range(size)]
         dist.all_gather(out, mine, group=mp)
         hashes = [bytes(o.tolist()).hex() for o in out]
-        mismatch = None
-        if len(set(hashes)) > 1:
-            mismatch = DistributedPlanError(
-                f"plan_hash: model-parallel peers planned differently ({', '.join(h[:12] for h in hashes)}): "
-                f"their steps, free memory, planner settings or plan options differ")
-        flag(mismatch)
+        flag(_hash_mismatch(hashes, dist.get_process_group_ranks(mp)))
     else:
         flag(None)
     return plan

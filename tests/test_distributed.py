@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,6 +43,11 @@ WORKER = textwrap.dedent("""
         reqs = reqs + [Request(id="huge", num_tokens=4_000_000)]
     if case == "infeasible" and rank == 3:
         reqs = reqs + [Request(id="huge", num_tokens=4_000_000)]
+    if case == "mismatch" and rank == 1:  # a TP peer of rank 0 with another step
+        reqs = reqs[:-1] + [Request(id="other", num_tokens=300)]
+    if case == "mismatch" and rank == 3:  # a TP peer of rank 2 with another safety margin
+        planner = Planner.from_preset("qwen3-8b", tp=2, sequence_parallel=True, recompute="full",
+                                      safety=1.5)
     step = Step.from_requests(reqs)
     result = {"rank": rank}
     try:
@@ -57,6 +63,11 @@ WORKER = textwrap.dedent("""
         result.update(error=type(exc).__name__, message=str(exc))
     with open(out, "w") as f:
         json.dump(result, f)
+    # every rank gets here (plan_distributed returns or raises on all alike); without the
+    # barrier a rank may tear down while a gloo peer is still sending, which sometimes
+    # aborts the process ("terminate called without an active exception") after the test
+    # has its results
+    dist.barrier()
     dist.destroy_process_group()
 """)
 
@@ -111,3 +122,27 @@ def test_one_infeasible_dp_rank_makes_every_rank_raise_the_same_error(tmp_path):
     assert {r.get("error") for r in res} == {"InfeasibleError"}, res
     assert len({r["message"] for r in res}) == 1, res
     assert res[0]["message"].startswith("rank 2: ")
+
+
+@pytest.mark.slow
+def test_tp_peers_with_different_inputs_make_every_rank_raise_the_same_error(tmp_path):
+    # the same-inputs assumption broken in both TP groups: rank 1 plans another step, rank 3
+    # another safety margin; their hashes differ from their peers'. Every rank raises the
+    # error of the lowest failing rank (0), which names the ranks and their hashes.
+    res = _run(tmp_path, "mismatch")
+    assert {r.get("error") for r in res} == {"DistributedPlanError"}, res
+    assert len({r["message"] for r in res}) == 1, res
+    msg = res[0]["message"]
+    assert msg.startswith("rank 0: plan_hash: model-parallel peers [0, 1] planned differently"), msg
+    assert re.search(r"ranks \[0\] planned [0-9a-f]{12}; ranks \[1\] planned [0-9a-f]{12}", msg), msg
+
+
+def test_hash_mismatch_names_each_hash_with_its_ranks():
+    from waveplan.planner.distributed import DistributedPlanError, _hash_mismatch
+
+    a, b = "a" * 64, "b" * 64
+    assert _hash_mismatch([a, a, a], [4, 5, 6]) is None
+    err = _hash_mismatch([a, b, a, a], [8, 9, 10, 11])
+    assert isinstance(err, DistributedPlanError)
+    assert str(err).startswith("plan_hash: model-parallel peers [8, 9, 10, 11] planned differently "
+                               f"(ranks [8, 10, 11] planned {a[:12]}; ranks [9] planned {b[:12]})")
