@@ -8,10 +8,11 @@ from pathlib import Path
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="fit a coefficient table to traced wave peaks (JSON Lines)",
-        description="Fit one scale factor per group of terms of the BASE table to the traced "
-                    "peaks in TRACES (records {cell, trace} as bench/validation_study.py "
-                    "writes them), then raise the fit so no traced cell, whole peak or "
-                    "decoder-only, is under-priced. Writes the table atomically.")
+        description="Fit the factors of the BASE table's term groups to the traced peaks in "
+                    "TRACES (records {cell, trace} as bench/validation_study.py writes them) "
+                    "as a linear programme: minimise the mean estimate/trace ratio with every "
+                    "cell, whole peak and decoder-only, covered with a 0.5% margin. "
+                    "Writes the table atomically.")
     parser.add_argument("traces", help="trace records, JSON Lines")
     parser.add_argument("--base", default="te-gpu", help="base table: backend name or JSON file")
     parser.add_argument("--backend", default="torch-cpu", help="backend name of the fitted table")

@@ -4,15 +4,33 @@ A trace record is one JSON object per line: `{"cell": {...}, "trace": TraceResul
 where the cell names the model (preset name), `num_layers` traced, `recompute` mode,
 `lora_rank` and `seq_lens` (what `bench/validation_study.py trace` writes).
 
-The fit keeps the base table's structure and multiplies each *group* of terms by one scale
-factor (`GROUPS`): few parameters, so a handful of traces cannot over-fit. Each cell is priced
-with the real pricing model (one gradient group of the wave's packed rows, head
-"full-native", `profiled=True`) on the geometry cut to the traced layer count. The
-decoder-only peak of a cell is priced the same way with the head's per-row terms set to
-zero (the walk then charges no logits), against the trace's decoder-only pass. The scales
-minimise the median over-estimate (log coordinate search, no scipy); then every scale is
-raised by one common factor until no training cell, whole peak or decoder-only, is under its
-trace: the fitted table never under-prices the cells it was fitted on.
+The fit keeps the base table's structure. Each *group* of terms (`GROUPS`) gets one factor:
+a scale of the base table's coefficients, or, for the terms a base table may lack (`UNITS`:
+query/key norms, the final norm, a retained layer's forward peak and backward transient, a
+MoE layer's forward transient; all neutral in te-gpu), a multiple of a structural unit read
+off cpu-fake traces (bench/results/validation_anatomy.txt). About twenty factors.
+
+Each cell is priced as the trace ran it: one gradient group of the wave's rows, head
+"full-native", `profiled=True`, the geometry cut to the traced layer count, adapter
+gradients of 2 bytes (bf16 parameters, plain autograd), and one GDN segment when the trace
+concatenated the sequences into one row. The decoder-only peak of a cell is priced the same
+way with the head's logits terms (per row x vocab) set to zero — the final norm stays, as the
+trace's decoder-only pass runs it — against the trace's decoder-only pass.
+
+Every walk point of a one-group wave is an affine function of the factors (`cell_points`),
+so the fit is a linear programme: minimise the mean over the fit cells, whole and
+decoder-only peaks, of estimate / measured, plus `TIE_BREAK` x the total distance of the
+factors from 1 (a factor leaves the base structure only where that buys a tighter fit), with
+every estimate at least `1 + margin` x its trace. An estimate is a maximum over points, so
+that constraint is imposed at one point per cell (a sufficient condition); `fit_scales`
+chooses the points by several starts and a local search. The programme is solved by OR-Tools'
+GLOP when it is installed (the `solver` extra), else by a small dense simplex
+(`_simplex`); no scipy. The fitted table never under-prices the cells it was fitted on, by
+construction, and a last check after rounding makes sure of it.
+
+`MARGIN` (0.5 %): cpu-fake cells that differ only in LoRA rank or in how the tokens split into
+sequences differ by up to about 0.4 % in ways the terms do not capture, so a fit held exactly
+at its cells left some held-out cells a few tenths of a percent under.
 
 CPU traces have no first-execution transients and no caller loss buffers (the full-native
 head is traced), so `first_execution` and `caller_per_logical_token` are set to 0.
@@ -26,31 +44,71 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from .atomic_io import write_text_atomic
 from .coefficients import CoefficientTable, load_table, table_from_dict
 from .errors import ConfigError, bad
 
+_RET_ATT, _RET_GDN = "retained_attention_layer:per_row", "retained_gdn_layer:per_row"
+# group -> the base terms it scales ("term", "term:key" for one key of the entry, or
+# "term:key:width" for one coefficient)
 GROUPS: dict[str, tuple[str, ...]] = {
     "boundary": ("boundary",),
     "input_gradient": ("input_gradient",),
-    "retained": ("retained_attention_layer", "retained_gdn_layer", "selective_core_attn_discount"),
-    "retained_moe": ("retained_moe_mlp",),
-    "dense_stage": ("mlp_dense_grad_stage", "mlp_dense_nograd", "residual_norm_shards", "norm_gathered"),
+    "norms": ("residual_norm_shards", "norm_gathered"),
+    "dense_stage": ("mlp_dense_grad_stage", "mlp_dense_nograd"),
     "attention_stage": ("attention_stage",),
     "gdn_stage": ("gdn_stage",),
+    "gdn_state": ("gdn_state_bytes:value",),
     "moe_stage": ("moe_routed", "moe_router", "moe_shared_expert"),
+    "retained": tuple(f"{_RET_ATT}:{w}" for w in ("H", "qkv", "core", "rank")),
+    "retained_gdn": tuple(f"{_RET_GDN}:{w}" for w in ("H", "in_proj", "conv", "value", "rank")),
+    "retained_ffn": (f"{_RET_ATT}:F", f"{_RET_GDN}:F"),
+    "selective_discount": ("selective_core_attn_discount",),
+    "retained_moe": ("retained_moe_mlp",),
     "head": ("head_full_native:retained_per_row_vocab", "head_full_te:retained_per_row_vocab",
              "head_chunk"),
     "head_transient": ("head_full_native:transient_per_row_vocab",
                        "head_full_te:transient_per_row_vocab"),
 }
-# A group's scale stays within these bounds (before the common raise): structural terms such
-# as the saved boundary (rows x H x 2) are real memory even where short traces cannot see them.
-SCALE_BOUNDS = (0.5, 4.0)
+# group -> (term, its structural unit entry, evidence): terms a base table may lack. The
+# fitted entry is factor x unit. Units are the cpu-fake anatomy's decomposition
+# (bench/results/validation_anatomy.txt).
+UNITS: dict[str, tuple[str, dict, str]] = {
+    "qk_norm": ("qk_norm", {"per_row": {"qkv": 2, "core": 2}},
+                "query/key norms keep their inputs in fp32: 4 bytes x (query + key widths)"),
+    "final_norm": ("final_norm", {"per_row": {"H": 4}},
+                   "the final norm's input kept in fp32 for its backward (4H per row)"),
+    "final_norm_backward": ("final_norm_backward", {"per_row": {"H": 20}},
+                            "the final norm's fp32 backward intermediates (20H per row)"),
+    "moe_nograd": ("moe_nograd", {"per_routed_row": {"H": 6}, "per_row": {"experts": 8}},
+                   "a MoE layer's forward transient: the permuted rows, the experts' outputs "
+                   "and their concatenation (3 x 2H per routed row) and the router's fp32 "
+                   "probabilities"),
+    "retained_forward": ("retained_forward", {"value": 1.0, "per_routed_row": {"H": 6},
+                                              "per_row": {"experts": 8}},
+                         "a retained layer's forward peak: its own retained activations "
+                         "(value = the fraction live) plus, for MoE, the permuted rows, the "
+                         "experts' outputs and their concatenation (3 x 2H per routed row) and "
+                         "the router's fp32 probabilities"),
+    "retained_backward": ("retained_backward",
+                          {"per_row": {"F": 4, "rank": 40}, "per_routed_row": {"H": 2}},
+                          "a retained layer's backward transient: the MLP's gradients (4F "
+                          "dense, 2H per routed row MoE) plus rank-wide LoRA gradients"),
+}
+ALL_GROUPS = tuple(GROUPS) + tuple(UNITS)
+FACTOR_BOUNDS = (0.0, 8.0)
+# the L1 pull towards factor 1, per unit of factor, against the mean estimate/measured ratio:
+# a factor leaves 1 only where each unit of change lowers the mean over-estimate by > 0.1 %
+TIE_BREAK = 0.001
+# every fit cell's estimate is at least (1 + MARGIN) x its trace (see the module doc)
+MARGIN = 0.005
 ZEROED = {"first_execution": "value", "caller_per_logical_token": "value"}
 _NUMERIC_KEYS = ("per_row", "per_routed_row")
-_SCALARS = ("per_row_vocab", "retained_per_row_vocab", "transient_per_row_vocab")
+_SCALARS = ("value", "per_row_vocab", "retained_per_row_vocab", "transient_per_row_vocab")
 HEAD = "full-native"
+LOGITS_GROUPS = ("head", "head_transient")
 
 
 def load_base(backend: str = "te-gpu") -> CoefficientTable:
@@ -109,36 +167,77 @@ def _geometry(name: str, num_layers: int):
     return _GEOMETRY_CACHE[key]
 
 
-def _price(table: CoefficientTable, cell: dict) -> int:
+def _wave(record: dict) -> tuple[int, int]:
+    """(rows, GDN segments) of a traced wave, as the trace ran it: sequences concatenated into
+    one causal row (GDN hybrids) are one segment; packed (THD) sequences one each."""
+    cell, trace = record["cell"], record.get("trace", {})
+    lens = [int(n) for n in trace.get("seq_lens") or cell["seq_lens"]]
+    segments = 1 if trace.get("packed") == "concatenated" else len(lens)
+    return sum(lens), segments
+
+
+def _model(table: CoefficientTable, cell: dict):
     from .lora import LoraConfig, LoraSlot
     from .model import PricingModel
-    from .parallel import Recompute
-    from .price import GroupLoad, price_groups
+    from .parallel import ParallelLayout, Recompute
 
     geometry = _geometry(cell["model"], int(cell["num_layers"]))
-    model = PricingModel(geometry=geometry, parallel=_layout(), recompute=Recompute(mode=cell["recompute"]),
-                         lora=LoraConfig(slots=(LoraSlot(rank=int(cell["lora_rank"]) or 1),)),
-                         table=table, head=HEAD, safety=1.0)
-    rows = int(sum(cell["seq_lens"]))
-    group = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows,
-                      segments=len(cell["seq_lens"]))
+    # the traced adapters are bf16 parameters with plain autograd gradients: 2 bytes each
+    return PricingModel(geometry=geometry, parallel=ParallelLayout(),
+                        recompute=Recompute(mode=cell["recompute"]),
+                        lora=LoraConfig(slots=(LoraSlot(rank=int(cell["lora_rank"]) or 1),),
+                                        grad_bytes=2),
+                        table=table, head=HEAD, safety=1.0)
+
+
+def _price(table: CoefficientTable, record: dict) -> int:
+    from .price import GroupLoad, price_groups
+
+    rows, segments = _wave(record)
+    group = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows, segments=segments)
+    model = _model(table, record["cell"])
     return price_groups(model, [group], first_slots=frozenset({"default"}), profiled=True).raw_bytes
 
 
-def _layout():
-    from .parallel import ParallelLayout
-
-    return ParallelLayout()
-
-
 def decoder_table(table: CoefficientTable) -> CoefficientTable:
-    """The same table with the head's per-row terms zeroed (prices the decoder-only peak)."""
-    return _scaled(table, {"head": 0.0, "head_transient": 0.0}, note=None)
+    """The same table with the head's logits terms zeroed (prices the decoder-only peak: the
+    decoder's own final norm stays)."""
+    return _scaled(table, {g: 0.0 for g in LOGITS_GROUPS}, note=None)
 
 
 def estimate(table: CoefficientTable, record: dict) -> dict:
     """Raw estimates of one trace record: whole peak and decoder-only peak, in bytes."""
-    return {"peak": _price(table, record["cell"]), "decoder": _price(decoder_table(table), record["cell"])}
+    return {"peak": _price(table, record), "decoder": _price(decoder_table(table), record)}
+
+
+def point_phases(num_layers: int) -> np.ndarray:
+    """True for the forward-pass points of `cell_points` (layers' forward points and the head's
+    forward), False for the backward ones."""
+    n = num_layers
+    return np.array([True] * (2 * n) + [False] * n + [True, False, False])
+
+
+def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
+    """Every walk point of the record's one-group wave, in bytes (`pricing.walk`'s schedule;
+    the head's backward split in its logits and final-norm moments). Its maximum is the
+    wave's raw price (tests check it against `price_groups`). O(layers)."""
+    rows, segments = _wave(record)
+    a = _model(table, record["cell"]).arrays
+    ret, ws, gdn = a["retained"], a["workspace"], a["gdn_state"]
+    cum = np.cumsum(ret)
+    total = float(ret.sum())
+    suffix = np.cumsum(a["pending"][0][::-1])[::-1] if a["pending"].size else np.zeros(len(ret))
+    parts, ig, const = a["head_parts"], a["input_grad"], a["head_const"]
+    head_ret = parts["logits_retained"] + parts["norm_saved"]
+    fwd = a["forward_parts"]
+    # in this order (`point_phases` says which pass each runs in)
+    points = [rows * (cum - ret + fwd["nograd"]) + segments * gdn,
+              rows * (cum - ret + fwd["retained_forward"]) + segments * gdn,
+              rows * (cum + ws + ig) + suffix + segments * gdn,
+              [rows * (total + head_ret) + const,
+               rows * (total + ig + head_ret + parts["logits_transient"]) + const,
+               rows * (total + ig + head_ret + parts["norm_backward"]) + const]]
+    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a["caller"] * rows
 
 
 # --- scaling a table ------------------------------------------------------------------------
@@ -146,15 +245,18 @@ def estimate(table: CoefficientTable, record: dict) -> dict:
 
 def _scaled(base: CoefficientTable, scales: dict[str, float], *, note: str | None,
             backend: str | None = None) -> CoefficientTable:
+    """`base` with each group's coefficients multiplied by its scale (default 1) and each
+    unit group's term set to factor x unit (default: the base's own entry, or none)."""
     terms = copy.deepcopy(base.terms)
     for group, names in GROUPS.items():
         s = scales.get(group, 1.0)
         for spec in names:
-            name, _, only = spec.partition(":")
+            name, only, width = (spec.split(":") + ["", ""])[:3]
             entry = terms[name]
             for key in _NUMERIC_KEYS:
                 if key in entry and only in ("", key):
-                    entry[key] = {w: _round(c * s) for w, c in entry[key].items()}
+                    entry[key] = {w: _round(c * s) if width in ("", w) else c
+                                  for w, c in entry[key].items()}
             for key in _SCALARS:
                 if key in entry and only in ("", key):
                     entry[key] = _round(entry[key] * s)
@@ -162,13 +264,24 @@ def _scaled(base: CoefficientTable, scales: dict[str, float], *, note: str | Non
                 entry["source"] = f"{note}: group '{group}' x {s:.4f} of the base ({entry['source']})"
             elif note is not None:
                 entry["source"] += f"; group '{group}' x {s:.4f}"
+    for group, (name, unit, evidence) in UNITS.items():
+        if group not in scales:
+            continue
+        s = scales[group]
+        entry = {key: ({w: _round(c * s) for w, c in coefs.items()} if isinstance(coefs, dict)
+                       else _round(coefs * s)) for key, coefs in unit.items()}
+        entry["source"] = (f"{note}: group '{group}' = {s:.4f} x the structural unit "
+                           f"{json.dumps(unit)}: {evidence}" if note is not None else "fit")
+        terms[name] = entry
     if note is not None:
         for name, key in ZEROED.items():
             terms[name] = {key: 0, "source": f"{note}: 0 (CPU traces show no first-execution "
                                              f"transients or caller loss buffers; the full-native "
                                              f"head is traced and priced by head_full_native)"}
+        fitted = {spec.split(":")[0] for g in GROUPS.values() for spec in g} | set(ZEROED) \
+            | {UNITS[g][0] for g in UNITS if g in scales}
         for name in terms:
-            if name not in ZEROED and not any(spec.split(":")[0] == name for g in GROUPS.values() for spec in g):
+            if name not in fitted:
                 terms[name] = dict(terms[name], source=f"{note}: kept from the base "
                                                        f"({terms[name]['source']})")
     else:
@@ -185,105 +298,369 @@ def _round(x: float) -> float:
 
 
 def _ratios(base: CoefficientTable, scales: dict, records: list[dict]) -> list[float]:
+    """estimate / measured of every record, whole peak then decoder-only, under `scales`."""
     table = _scaled(base, scales, note=None)
     dec = decoder_table(table)
     out = []
     for rec in records:
-        out.append(_price(table, rec["cell"]) / rec["trace"]["peak_bytes"])
-        out.append(_price(dec, rec["cell"]) / rec["trace"]["decoder_peak_bytes"])
+        out.append(_price(table, rec) / rec["trace"]["peak_bytes"])
+        out.append(_price(dec, rec) / rec["trace"]["decoder_peak_bytes"])
     return out
-
-
-def _objective(ratios: list[float]) -> float:
-    """Median over-estimate after the common raise that lifts the lowest ratio to 1 (with a
-    small weight on the mean, to break ties)."""
-    lo = min(ratios)
-    if lo <= 0:
-        return math.inf
-    rel = sorted(r / lo for r in ratios)
-    med = rel[len(rel) // 2]
-    return med + 0.25 * sum(rel) / len(rel)
 
 
 def _used_groups(records: list[dict]) -> list[str]:
     from .geometry import MixerKind, MlpKind
+    from .model import has_qk_norm
 
-    used = {"boundary", "input_gradient", "head", "head_transient", "dense_stage"}
+    used = {"boundary", "input_gradient", "head", "head_transient", "norms", "final_norm",
+            "final_norm_backward"}
     for rec in records:
         cell = rec["cell"]
         g = _geometry(cell["model"], int(cell["num_layers"]))
-        if any(s.mixer == MixerKind.ATTENTION for s in g.layers):
-            used.add("attention_stage")
-        if any(s.mixer == MixerKind.GDN for s in g.layers):
-            used.add("gdn_stage")
-        if any(s.mlp == MlpKind.MOE for s in g.layers):
-            used.add("moe_stage")
-            if cell["recompute"] != "full":
-                used.add("retained_moe")
+        attention = any(s.mixer == MixerKind.ATTENTION for s in g.layers)
+        gdn = any(s.mixer == MixerKind.GDN for s in g.layers)
+        if attention:
+            used |= {"attention_stage", "qk_norm"} if has_qk_norm(g) else {"attention_stage"}
+        if gdn:
+            used |= {"gdn_stage", "gdn_state"}
+        moe = any(s.mlp == MlpKind.MOE for s in g.layers)
+        dense = any(s.mlp == MlpKind.DENSE for s in g.layers)
+        if moe:
+            used |= {"moe_stage", "moe_nograd"}
+        if dense:
+            used.add("dense_stage")
         if cell["recompute"] != "full":
-            used.add("retained")
-    return [g for g in GROUPS if g in used]
+            used |= {"retained_backward", "retained_forward"}
+            for flag, group in ((attention, "retained"), (gdn, "retained_gdn"), (dense, "retained_ffn"),
+                                (moe, "retained_moe"),
+                                (attention and cell["recompute"] == "selective", "selective_discount")):
+                if flag:
+                    used.add(group)
+    return [g for g in ALL_GROUPS if g in used]
 
 
-def fit_scales(records: list[dict], base: CoefficientTable, *, rounds: int = 6) -> dict[str, float]:
-    """Per-group scales (see the module doc), raised so no record is under-priced."""
+class _Linear:
+    """The walk points of every (record, whole | decoder) pair as affine functions of the
+    fitted factors: points = const + coef @ factors (one row per point)."""
+
+    def __init__(self, base: CoefficientTable, records: list[dict], groups: list[str]) -> None:
+        self.groups = groups
+        zero = {g: 0.0 for g in groups}
+        tables = [_scaled(base, zero, note=None)]
+        tables += [_scaled(base, dict(zero, **{g: 1.0}), note=None) for g in groups]
+        self.items = []  # (const[P], coef[P, G], measured)
+        self.classes: dict[tuple, list[int]] = {}  # items whose points correspond
+        self.phase_points: list[np.ndarray] = []
+        for rec in records:
+            for decoder, measured in ((False, rec["trace"]["peak_bytes"]),
+                                      (True, rec["trace"]["decoder_peak_bytes"])):
+                pts = [cell_points(decoder_table(t) if decoder else t, rec) for t in tables]
+                const = pts[0]
+                coef = np.stack([p - const for p in pts[1:]], axis=1)
+                keep = _undominated(const, coef)
+                const, coef = const[keep], coef[keep]
+                cell = rec["cell"]
+                phases = point_phases(int(cell["num_layers"]))[keep]
+                tr = rec["trace"]
+                forward = decoder and tr.get("decoder_peak_forward_bytes", 0) > tr.get(
+                    "decoder_peak_backward_bytes", 0)
+                # the points of the pass the trace's peak fell in (decoder-only: the whole
+                # step's walk folds the loss's forward peak into the head's backward point)
+                self.phase_points.append(np.flatnonzero(phases == forward) if decoder and
+                                         (phases == forward).any() else np.arange(len(keep)))
+                key = (cell["model"], int(cell["num_layers"]), cell["recompute"], decoder, const.shape[0])
+                self.classes.setdefault(key, []).append(len(self.items))
+                self.items.append((const, coef, float(measured)))
+
+    def ratios(self, x: np.ndarray) -> np.ndarray:
+        return np.array([(c + k @ x).max() / m for c, k, m in self.items])
+
+    def binding(self, x: np.ndarray, *, by_phase: bool = False) -> list[int]:
+        """The highest point of each item (`by_phase`: among the points of the pass where its
+        trace peaked)."""
+        if not by_phase:
+            return [int(np.argmax(c + k @ x)) for c, k, _ in self.items]
+        return [int(p[np.argmax((c + k @ x)[p])]) for (c, k, _), p in zip(self.items, self.phase_points,
+                                                                          strict=True)]
+
+
+def _undominated(const: np.ndarray, coef: np.ndarray) -> list[int]:
+    """Indices of the points not dominated: no larger than another point for every factor >= 0
+    (coefficient-wise)."""
+    flat = np.concatenate([const[:, None], coef], axis=1)
+    keep = []
+    for p in range(flat.shape[0]):
+        dominated = False
+        for q in range(flat.shape[0]):
+            if q != p and np.all(flat[q] >= flat[p] - 1e-9) and (np.any(flat[q] > flat[p] + 1e-9) or q < p):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(p)
+    return keep
+
+
+def _lp(lin: _Linear, binding: list[int], margin: float) -> np.ndarray | None:
+    """One linear programme at fixed binding points; the factors, or None if infeasible.
+
+    Variables: factors x (G), one ratio bound t per item (K), deviations u, v >= 0 with
+    x - 1 = u - v. Minimise mean t + TIE_BREAK x sum (u + v) subject to every point / measured
+    <= t, the binding point / measured >= 1 + margin, and FACTOR_BOUNDS.
+    """
+    n_g, n_k = len(lin.groups), len(lin.items)
+    n = n_g + n_k + 2 * n_g
+    rows, rhs = [], []
+    for k, ((const, coef, m), b) in enumerate(zip(lin.items, binding, strict=True)):
+        for p in range(const.shape[0]):
+            row = np.zeros(n)
+            row[:n_g] = coef[p] / m
+            row[n_g + k] = -1.0
+            rows.append(row)
+            rhs.append(-const[p] / m)
+        row = np.zeros(n)
+        row[:n_g] = -coef[b] / m
+        rows.append(row)
+        rhs.append(const[b] / m - (1.0 + margin))
+    for g in range(n_g):
+        row = np.zeros(n)
+        row[g] = 1.0
+        rows.append(row)
+        rhs.append(FACTOR_BOUNDS[1])
+    eq = np.zeros((n_g, n))
+    for g in range(n_g):
+        eq[g, g] = 1.0
+        eq[g, n_g + n_k + g] = -1.0
+        eq[g, n_g + n_k + n_g + g] = 1.0
+    cost = np.concatenate([np.zeros(n_g), np.full(n_k, 1.0 / n_k), np.full(2 * n_g, TIE_BREAK)])
+    x = solve_lp(cost, np.array(rows), np.array(rhs), eq, np.ones(n_g))
+    return None if x is None else x[:n_g]
+
+
+def solve_lp(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray,
+             b_eq: np.ndarray) -> np.ndarray | None:
+    """min c.z subject to a_ub z <= b_ub, a_eq z = b_eq, z >= 0; None if infeasible.
+
+    OR-Tools' GLOP when it is installed (the optional `solver` extra), else `_simplex`."""
+    try:
+        from ortools.linear_solver import pywraplp
+    except ImportError:
+        return _simplex(c, a_ub, b_ub, a_eq, b_eq)
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    if solver is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
+        return _simplex(c, a_ub, b_ub, a_eq, b_eq)
+    z = [solver.NumVar(0.0, solver.infinity(), "") for _ in range(c.shape[0])]
+    for a, b, is_eq in ((a_ub, b_ub, False), (a_eq, b_eq, True)):
+        for i in range(a.shape[0]):
+            cols = np.flatnonzero(a[i])
+            lo = float(b[i]) if is_eq else -solver.infinity()
+            ct = solver.Constraint(lo, float(b[i]))
+            for j in cols:
+                ct.SetCoefficient(z[j], float(a[i, j]))
+    objective = solver.Objective()
+    for j in np.flatnonzero(c):
+        objective.SetCoefficient(z[j], float(c[j]))
+    objective.SetMinimization()
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return None
+    return np.array([v.solution_value() for v in z])
+
+
+def _simplex(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray,
+             b_eq: np.ndarray, *, max_iter: int = 50_000) -> np.ndarray | None:
+    """min c.z subject to a_ub z <= b_ub, a_eq z = b_eq, z >= 0: a dense two-phase tableau
+    simplex (Dantzig's rule, Bland's rule after degenerate steps). None if infeasible."""
+    m_ub, n = a_ub.shape
+    m_eq = a_eq.shape[0]
+    m = m_ub + m_eq
+    # rows: [a_ub | I_slack] z = b_ub, [a_eq | 0] z = b_eq; flip rows with negative rhs
+    a = np.zeros((m, n + m_ub))
+    a[:m_ub, :n] = a_ub
+    a[:m_ub, n:] = np.eye(m_ub)
+    a[m_ub:, :n] = a_eq
+    b = np.concatenate([b_ub, b_eq]).astype(np.float64)
+    neg = b < 0
+    a[neg] *= -1
+    b[neg] *= -1
+    # artificial variables where the slack cannot start the basis
+    need = np.flatnonzero(neg | (np.arange(m) >= m_ub))
+    width = n + m_ub + need.size
+    tab = np.zeros((m + 1, width + 1))
+    tab[:m, :n + m_ub] = a
+    tab[need, n + m_ub + np.arange(need.size)] = 1.0
+    tab[:m, -1] = b
+    basis = np.empty(m, dtype=np.int64)
+    basis[:] = n + np.arange(m)
+    basis[need] = n + m_ub + np.arange(need.size)
+    # phase 1: minimise the artificials
+    tab[-1, :] = 0.0
+    tab[-1, n + m_ub:width] = 1.0
+    for r in need:
+        tab[-1] -= tab[r]
+    if not _pivot_loop(tab, basis, width, max_iter):
+        return None
+    if tab[-1, -1] < -1e-7:
+        return None
+    # drive remaining artificials out of the basis where possible, then drop their columns
+    for r in range(m):
+        if basis[r] >= n + m_ub:
+            cols = np.flatnonzero(np.abs(tab[r, :n + m_ub]) > 1e-9)
+            if cols.size:
+                _pivot(tab, basis, r, int(cols[0]))
+    keep = basis < n + m_ub
+    tab = np.concatenate([tab[:m][keep], tab[-1:]], axis=0)
+    basis = basis[keep]
+    tab = np.concatenate([tab[:, :n + m_ub], tab[:, -1:]], axis=1)
+    # phase 2
+    tab[-1, :] = 0.0
+    tab[-1, :n] = c
+    for r, j in enumerate(basis):
+        if tab[-1, j] != 0.0:
+            tab[-1] -= tab[-1, j] * tab[r]
+    if not _pivot_loop(tab, basis, n + m_ub, max_iter):
+        return None
+    z = np.zeros(n + m_ub)
+    z[basis] = tab[:-1, -1]
+    return z[:n]
+
+
+def _pivot(tab: np.ndarray, basis: np.ndarray, r: int, j: int) -> None:
+    tab[r] /= tab[r, j]
+    col = tab[:, j].copy()
+    col[r] = 0.0
+    tab -= np.outer(col, tab[r])
+    basis[r] = j
+
+
+def _pivot_loop(tab: np.ndarray, basis: np.ndarray, width: int, max_iter: int) -> bool:
+    """Pivot until optimal (True) or unbounded / out of iterations (False)."""
+    eps = 1e-10
+    degenerate = 0
+    for _ in range(max_iter):
+        reduced = tab[-1, :width]
+        if degenerate > 50:   # Bland: the first improving column, the first tied row
+            cand = np.flatnonzero(reduced < -eps)
+            if cand.size == 0:
+                return True
+            j = int(cand[0])
+        else:
+            j = int(np.argmin(reduced))
+            if reduced[j] >= -eps:
+                return True
+        colj = tab[:-1, j]
+        pos = colj > eps
+        if not pos.any():
+            return False
+        ratio = np.full(colj.shape, np.inf)
+        ratio[pos] = tab[:-1, -1][pos] / colj[pos]
+        best = ratio.min()
+        ties = np.flatnonzero(ratio <= best + 1e-12)
+        r = int(ties[np.argmin(basis[ties])]) if degenerate > 50 else int(ties[0])
+        degenerate = degenerate + 1 if best <= 1e-12 else 0
+        _pivot(tab, basis, r, j)
+    return False
+
+
+def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = MARGIN,
+               passes: int = 4) -> dict[str, float]:
+    """The groups' factors (see the module doc): no record is under-priced.
+
+    The binding point of a cell depends on the factors, and a programme whose cells are held
+    at the wrong points (say, a hybrid's attention layer where a GDN layer binds) is feasible
+    but poor. So: solve at the points that bind under the base (all factors 1) and under the
+    base with each group in turn x 4 (the highest points, and the highest among the points of
+    the pass where a decoder-only trace peaked), re-solve each at the points that bind under its solution
+    until they settle, keep the best; then move cells held at their bound to other points (a
+    whole class of like cells at once, then single cells), keeping a move when the total
+    improves (a local search, `passes` rounds at most). Deterministic.
+    O((groups + cells x points) x passes) programmes.
+    """
     if not records:
         raise bad(ConfigError, "traces", "[]", "need at least one trace record to fit")
     groups = _used_groups(records)
-    scales = {g: 1.0 for g in GROUPS}
-    best = _objective(_ratios(base, scales, records))
-    step = 0.5
-    for _ in range(rounds):
-        for g in groups:
-            improved = True
-            while improved:
-                improved = False
-                for factor in (math.exp(step), math.exp(-step)):
-                    new = scales[g] * factor
-                    if not SCALE_BOUNDS[0] <= new <= SCALE_BOUNDS[1]:
-                        continue
-                    trial = dict(scales, **{g: new})
-                    value = _objective(_ratios(base, trial, records))
-                    if value < best - 1e-6:
-                        scales, best, improved = trial, value, True
-                        break
-        step /= 2
-    # the common raise: iterate (pending adapter gradients are not scaled, so one raise by the
-    # lowest ratio may fall a hair short)
-    for _ in range(20):
-        lo = min(_ratios(base, scales, records))
-        if lo >= 1.0:
+    lin = _Linear(base, records, groups)
+
+    def value(x: np.ndarray) -> float:
+        return float(lin.ratios(x).mean()) + TIE_BREAK * float(np.abs(x - 1.0).sum())
+
+    def solve(binding: list[int]) -> np.ndarray | None:
+        sol = _lp(lin, binding, margin)
+        if sol is None:
+            return None
+        x = np.clip(sol, *FACTOR_BOUNDS)
+        return x if lin.ratios(x).min() >= 1.0 + margin - 1e-9 else None
+
+    def settle(binding: list[int]) -> tuple[np.ndarray | None, list[int]]:
+        best_x, best_b = None, binding
+        for _ in range(8):
+            x = solve(binding)
+            if x is None:
+                break
+            if best_x is None or value(x) < value(best_x) - 1e-12:
+                best_x, best_b = x, binding
+            nxt = lin.binding(x)
+            if nxt == binding:
+                break
+            binding = nxt
+        return best_x, best_b
+
+    x, binding, best = None, None, math.inf
+    for start in range(len(groups) + 1):
+        x0 = np.ones(len(groups))
+        if start:
+            x0[start - 1] = 4.0
+        for by_phase in (False, True):
+            sx, sb = settle(lin.binding(x0, by_phase=by_phase))
+            if sx is not None and value(sx) < best - 1e-12:
+                x, binding, best = sx, sb, value(sx)
+    if x is None:
+        # the base structure cannot cover the traces from its factors alone: raise them all
+        x = np.ones(len(groups))
+        x = x / lin.ratios(x).min() * (1.0 + margin)
+        return {g: float(v) for g, v in zip(groups, x, strict=True)}
+    for _ in range(passes):
+        improved = False
+        # moves: every item of a class (same model, layers, recompute and peak) to one point,
+        # then single items; only items held at their bound can gain from a move
+        moves = [(ks, p) for ks in lin.classes.values()
+                 for p in range(lin.items[ks[0]][0].shape[0])]
+        moves += [([k], p) for k in range(len(lin.items)) for p in range(lin.items[k][0].shape[0])]
+        for ks, p in moves:
+            if all(binding[k] == p for k in ks):
+                continue
+            if not any((lin.items[k][0][binding[k]] + lin.items[k][1][binding[k]] @ x) / lin.items[k][2]
+                       <= 1.0 + margin + 1e-6 for k in ks):
+                continue
+            trial = list(binding)
+            for k in ks:
+                trial[k] = p
+            tx, tb = settle(trial)
+            if tx is not None and value(tx) < best - 1e-9:
+                x, binding, best, improved = tx, tb, value(tx), True
+        if not improved:
             break
-        scales = {g: s / lo * 1.0005 for g, s in scales.items()}
-    else:  # pragma: no cover - the raise converges in a few iterations
-        raise bad(ConfigError, "traces", len(records), "could not raise the fit above every trace")
-    return scales
+    return {g: float(v) for g, v in zip(groups, x, strict=True)}
 
 
 def fit_table(traces: list[dict], base_table: CoefficientTable, *, backend: str = "torch-cpu",
-              source_label: str = "traces") -> CoefficientTable:
+              source_label: str = "traces", margin: float = MARGIN) -> CoefficientTable:
     """A table for `backend` fitted to `traces` (records as `read_traces` returns)."""
     for n, rec in enumerate(traces):
         _check_record(rec, f"record {n}")
-    scales = fit_scales(traces, base_table)
+    scales = fit_scales(traces, base_table, margin=margin)
     note = f"fitted by waveplan.pricing.calibrate to {len(traces)} traced cells of {source_label}"
     table = _scaled(base_table, scales, note=note, backend=backend)
-    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
     # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
-    ratios = _ratios(table, {}, traces)
-    if min(ratios) < 1.0:
-        table = _scaled(table, {g: 1.0 / min(ratios) * 1.0001 for g in GROUPS}, note=None, backend=backend)
-        table = CoefficientTable(backend=backend, terms=_with_sources(table.terms, note, scales))
-        object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    for _ in range(5):
+        lo = min(_ratios(table, {}, traces))
+        if lo >= 1.0 + margin:
+            break
+        raise_by = (1.0 + margin) / lo * 1.00001
+        scales = {g: s * raise_by for g, s in scales.items()}
+        table = _scaled(base_table, scales, note=note, backend=backend)
+    else:  # pragma: no cover - one raise covers a rounding error
+        raise bad(ConfigError, "traces", len(traces), "could not raise the fit above every trace")
+    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
     return table
-
-
-def _with_sources(terms: dict, note: str, scales: dict) -> dict:
-    out = copy.deepcopy(terms)
-    for entry in out.values():
-        if not entry.get("source"):
-            entry["source"] = note
-    return out
 
 
 def table_document(table: CoefficientTable, *, description: str = "") -> dict:

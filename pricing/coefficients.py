@@ -26,6 +26,16 @@ REQUIRED_TERMS = (
     "retained_attention_layer", "retained_gdn_layer", "retained_moe_mlp",
     "selective_core_attn_discount",
 )
+# Terms a table may omit, and what the pricing charges without them (neutral: the te-gpu
+# table omits them all; the torch-cpu table is fitted with them, see `pricing.calibrate`).
+OPTIONAL_TERMS = {
+    "qk_norm": "0: no query/key-norm copies beyond the attention stage",
+    "final_norm": "0: the head terms cover the final norm's saved input",
+    "final_norm_backward": "0: the head terms cover the final norm's backward",
+    "retained_forward": "the no-grad transient alone at a retained layer's forward point",
+    "retained_backward": "the recomputed layer's full stage workspace in a retained layer's backward",
+    "moe_nograd": "the MoE gradient-stage workspace plus 6H as a MoE layer's forward transient",
+}
 _COEF_KEYS = ("per_row", "per_routed_row")
 _SCALAR_KEYS = ("value", "per_row_vocab", "retained_per_row_vocab", "transient_per_row_vocab")
 

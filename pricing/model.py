@@ -62,6 +62,16 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     return gaps
 
 
+def has_qk_norm(geometry: ModelGeometry) -> bool:
+    """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
+    geometry says (a live Megatron model does), else the Megatron builder's own default
+    (`megatron_build`: on for Qwen models)."""
+    flag = (geometry.extra or {}).get("qk_layernorm")
+    if flag is not None:
+        return bool(flag)
+    return "qwen" in geometry.name.lower()
+
+
 def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
     """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths."""
     att, gdn, moe = geometry.attention, geometry.gdn, geometry.moe
@@ -148,18 +158,25 @@ class PricingModel:
         workspace = np.zeros(n)
         nograd = np.zeros(n)
         gdn_state = np.zeros(n)
+        nograd_plain = np.zeros(n)  # the no-grad transient and a retained layer's own forward
+        retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
+        qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
         for i, layer in enumerate(layers):
             mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
+            if layer.mixer == MixerKind.ATTENTION:
+                mixer += qk_norm
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
-            nograd[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             if layer.mixer == MixerKind.GDN:
                 gdn_state[i] = terms.gdn_state_per_segment(t, g.gdn, tp=self.width_tp)
             layer_retained = terms.retained_layer_per_row(
                 t, widths_r, layer.mixer, layer.mlp, sp_div=sp_div,
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
+            if layer.mixer == MixerKind.ATTENTION:
+                layer_retained += qk_norm
             if mode == RecomputeMode.FULL:
                 retained[i] = terms.boundary_per_row(t, widths, sp_div=sp_div)
                 if self.recompute.num_layers > 1 or self.recompute.method == "block":
@@ -167,6 +184,12 @@ class PricingModel:
                     workspace[i] += (self.recompute.num_layers - 1) * layer_retained
             else:
                 retained[i] = layer_retained
+                own = terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
+                                                     layer_retained=layer_retained)
+                retained_fwd[i] = own
+                nograd[i] = max(nograd[i], own)
+                workspace[i] = terms.retained_backward_per_row(t, widths_r, layer.mlp, ep_skew=ep_skew,
+                                                               stage=workspace[i])
         if p.pp > 1:
             retained *= p.pp  # 1F1B: the first stage holds PP micro-batches' activations
         pending = np.zeros((len(self.lora.slots), n))
@@ -174,14 +197,23 @@ class PricingModel:
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
             pending[s] = counts * self.lora.grad_bytes
         kind, chunk = parse_head(self.head)
-        head_ret, head_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
+        logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
+        # the final norm's saved input lives beside the head's; its backward runs after the
+        # head's backward has released the logits, so the transient is the larger of the two
+        norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
+        head_ret = logits_ret + norm_saved
+        head_tr = max(logits_tr, norm_bwd)
         return {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
             "pending": pending,
             "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
             "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
             "head_chunk_rows": chunk,
+            # the head's parts before they are combined (calibration reads them)
+            "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
+                           "norm_saved": norm_saved, "norm_backward": norm_bwd},
+            "forward_parts": {"nograd": nograd_plain, "retained_forward": retained_fwd},
             "caller": terms.caller_per_logical_token(t),
             "first_exec": terms.first_execution_bytes(t),
             "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in layers),

@@ -62,14 +62,33 @@ def norm_and_residual_per_row(table: CoefficientTable, widths: dict, *, sp_div: 
     return table.per_row("norm_gathered", widths) + table.per_row("residual_norm_shards", widths) / sp_div
 
 
+def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
+    """What an attention layer with query/key norms (Qwen3) keeps of them for backward.
+
+    A plain torch RMSNorm keeps its input upcast to fp32: 4 bytes x (query + key widths) per
+    row = 2 x qkv + 2 x core (queries are `core` wide, keys (qkv - core) / 2). Entry `qk_norm`,
+    charged to attention layers whose geometry has query/key norms, both as retained activations
+    and in the recomputed layer's workspace; 0 (neutral) in te-gpu, whose attention stage was
+    sized on the seeds' traces. Evidence: cpu-fake traces (bench/results/validation_anatomy.txt:
+    the q_layernorm and k_layernorm fp32 copies of qwen3-8b, absent in llama-3.1-8b).
+    """
+    return table.per_row("qk_norm", widths) if "qk_norm" in table.terms else 0.0
+
+
 def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
     """A no-grad group's forward transient; groups run one after another.
 
-    Dense: 6F + 6H per row (seed 001). MoE layers have no no-grad evidence, so they are
-    charged their full gradient-stage MoE workspace (conservative).
+    Dense: 6F + 6H per row (seed 001). MoE: entry `moe_nograd` where a table has it (per
+    routed row x top-k x EP skew, plus per row: on the CPU the permuted rows, the experts'
+    outputs and their concatenation, 3 x 2H per routed row, and the router's fp32
+    probabilities; bench/results/validation_anatomy.txt); otherwise (te-gpu: no seed measures
+    it) the full gradient-stage MoE workspace plus 6H (conservative).
     """
     if mlp == MlpKind.DENSE:
         return table.per_row("mlp_dense_nograd", widths)
+    if "moe_nograd" in table.terms:
+        return (widths["top_k"] * ep_skew * table.per_row("moe_nograd", widths, key="per_routed_row")
+                + table.per_row("moe_nograd", widths))
     return mlp_stage_per_row(table, widths, mlp, ep_skew=ep_skew) + 6 * widths["H"]
 
 
@@ -106,6 +125,77 @@ def retained_layer_per_row(table: CoefficientTable, widths: dict, mixer: MixerKi
     if selective and mixer == MixerKind.ATTENTION:
         other -= table.per_row("selective_core_attn_discount", widths)
     return hidden_part + other
+
+
+def retained_backward_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float,
+                              stage: float) -> float:
+    """Backward transient of a layer whose activations are retained (selective or no recompute),
+    over the retained activations it frees as its backward runs.
+
+    Entry `retained_backward`: dense layers `per_row` x widths (the MLP's gradient tensors,
+    4F on the CPU, plus rank-wide LoRA gradients); MoE layers `per_routed_row` x top-k x the EP
+    skew (2H per routed row: the permuted rows' gradient) plus the same rank part. A table
+    without the entry charges the recomputed layer's full stage workspace `stage` (te-gpu:
+    no seed measures this transient, so the full-recompute stage is the neutral bound).
+    Evidence: the per-layer backward windows of cpu-fake no-recompute traces
+    (bench/results/validation_anatomy.txt: 4F + 480 B for qwen3-8b, 4F + 672 B for the
+    qwen3.8-27b hybrid's attention and GDN layers alike, 2H per routed row + 672 B for
+    qwen3-30b-a3b). `per_row` may hold F (dense layers), shared_ffn (MoE layers) and rank.
+    """
+    if "retained_backward" not in table.terms:
+        return stage
+    coef = table.terms["retained_backward"].get("per_row", {})
+    rank_part = coef.get("rank", 0.0) * widths["rank"]
+    if mlp == MlpKind.DENSE:
+        return rank_part + coef.get("F", 0.0) * widths["F"]
+    routed = widths["top_k"] * ep_skew * table.per_row("retained_backward", widths, key="per_routed_row")
+    return rank_part + routed + coef.get("shared_ffn", 0.0) * widths["shared_ffn"]
+
+
+def retained_forward_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float,
+                             layer_retained: float) -> float:
+    """A layer's forward peak under selective or no recompute, over the retained activations
+    of the layers below it.
+
+    The layer's own activations build up as it runs, so at its peak (the MLP, last) it holds
+    `value` x its retained bytes, plus the MLP's forward transient: `per_row` x widths for a
+    dense MLP (F) and, for MoE, `per_routed_row` x top-k x EP skew plus `per_row` (experts,
+    shared_ffn): on the CPU the permuted rows, the experts' outputs and their concatenation,
+    3 x 2H per routed row. The walk charges the larger of this and the no-grad transient
+    (`pricing.model`). Entry `retained_forward`; a table without it charges the no-grad
+    transient alone (te-gpu: no seed measures a forward peak; the head binds). Evidence:
+    cpu-fake traces (bench/results/validation_anatomy.txt: the no-recompute decoder-only peak
+    of qwen3-30b-a3b at the last layer's expert concatenation; dense layers peak at the final
+    norm with every layer's activations live).
+    """
+    if "retained_forward" not in table.terms:
+        return 0.0
+    entry = table.terms["retained_forward"]
+    coef = entry.get("per_row", {})
+    own = entry.get("value", 0.0) * layer_retained
+    if mlp == MlpKind.DENSE:
+        return own + coef.get("F", 0.0) * widths["F"]
+    routed = widths["top_k"] * ep_skew * table.per_row("retained_forward", widths, key="per_routed_row")
+    return own + routed + coef.get("experts", 0.0) * widths["experts"] \
+        + coef.get("shared_ffn", 0.0) * widths["shared_ffn"]
+
+
+def final_norm_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> tuple[float, float]:
+    """(saved, backward transient) bytes per row of the decoder's final norm.
+
+    Saved: what the final norm keeps for its backward from the head's forward until its own
+    backward (a plain torch RMSNorm keeps its input upcast to fp32, 4H). Backward transient:
+    its fp32 backward intermediates (about 20H on the CPU), which run after the head's
+    backward has released the logits, so the walk charges the larger of this and the head's
+    transient (`pricing.model`). Hidden-wide: a shard under sequence parallelism. Entries
+    `final_norm` and `final_norm_backward`; 0 (neutral) in te-gpu, whose head terms were sized
+    to cover the traced peaks. Evidence: cpu-fake traces (bench/results/validation_anatomy.txt:
+    the final norm's fp32 input copy live at the head peak; the no-recompute decoder-only peak
+    at the final norm's backward).
+    """
+    saved = table.per_row("final_norm", widths) if "final_norm" in table.terms else 0.0
+    backward = table.per_row("final_norm_backward", widths) if "final_norm_backward" in table.terms else 0.0
+    return saved / sp_div, backward / sp_div
 
 
 def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[float, float]:

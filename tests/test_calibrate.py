@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from waveplan.planner.cli import main
 from waveplan.pricing import calibrate
@@ -57,3 +58,89 @@ def test_cli_calibrate(tmp_path, capsys):
     assert main(["calibrate", str(bad), "--out", str(tmp_path / "x.json")]) == 2
     assert main(["calibrate", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x.json")]) == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def _grid() -> list[dict]:
+    if not TRACES.exists():
+        pytest.skip("bench/results/traces_cpu_fake.jsonl not present")
+    return [json.loads(line) for line in TRACES.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def test_shipped_table_covers_every_committed_trace():
+    """torch-cpu is fitted to every committed cell with calibrate.MARGIN of headroom."""
+    table = load_table("torch-cpu")
+    for rec in _grid():
+        est = calibrate.estimate(table, rec)
+        assert est["peak"] >= rec["trace"]["peak_bytes"] * (1 + calibrate.MARGIN) * 0.99999
+        assert est["decoder"] >= rec["trace"]["decoder_peak_bytes"] * (1 + calibrate.MARGIN) * 0.99999
+
+
+@pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
+def test_cell_points_are_the_walk(backend):
+    """calibrate's affine points of a one-group wave: their maximum is the walk's price."""
+    table = load_table(backend)
+    seen = set()
+    for rec in _grid():
+        kind = (rec["cell"]["model"], rec["cell"]["recompute"])
+        if kind in seen:
+            continue
+        seen.add(kind)
+        for t in (table, calibrate.decoder_table(table)):
+            assert abs(calibrate.cell_points(t, rec).max() - calibrate._price(t, rec)) <= 1.0
+    assert len(seen) >= 12
+
+
+def test_decoder_table_zeroes_the_logits_not_the_final_norm():
+    dec = calibrate.decoder_table(load_table("torch-cpu"))
+    assert dec.scalar("head_full_native", "retained_per_row_vocab") == 0
+    assert dec.scalar("head_full_native", "transient_per_row_vocab") == 0
+    assert dec.terms["final_norm"]["per_row"] == load_table("torch-cpu").terms["final_norm"]["per_row"]
+
+
+def test_concatenated_traces_price_one_gdn_segment():
+    rec = next(r for r in _grid() if r["trace"].get("packed") == "concatenated"
+               and len(r["cell"]["seq_lens"]) > 1)
+    rows, segments = calibrate._wave(rec)
+    assert rows == sum(rec["cell"]["seq_lens"]) and segments == 1
+
+
+def _lp_case():
+    # max x + y st x + 2y <= 4, 3x + y <= 6, x + y >= 1, x - y = 0.4 -> x = 1.6, y = 1.2
+    c = np.array([-1.0, -1.0])
+    a_ub = np.array([[1.0, 2.0], [3.0, 1.0], [-1.0, -1.0]])
+    b_ub = np.array([4.0, 6.0, -1.0])
+    a_eq = np.array([[1.0, -1.0]])
+    b_eq = np.array([0.4])
+    return c, a_ub, b_ub, a_eq, b_eq
+
+
+def test_simplex_solves_a_small_programme():
+    z = calibrate._simplex(*_lp_case())
+    assert z is not None and np.allclose(z, [1.6, 1.2])
+    c, a_ub, b_ub, a_eq, _ = _lp_case()
+    assert calibrate._simplex(c, a_ub, b_ub, a_eq, np.array([5.0])) is None  # infeasible
+
+
+def test_simplex_agrees_with_glop_on_a_fit():
+    pytest.importorskip("ortools")
+    records = [r for r in _grid() if r["cell"]["model"] in ("qwen3-8b", "qwen3-30b-a3b")][::3]
+    base = load_table("te-gpu")
+    groups = calibrate._used_groups(records)
+    lin = calibrate._Linear(base, records, groups)
+    captured = {}
+
+    def spy(*args):
+        captured["args"] = args
+        return calibrate._simplex(*args)
+
+    original = calibrate.solve_lp
+    calibrate.solve_lp = spy
+    try:
+        x = calibrate._lp(lin, lin.binding(np.ones(len(groups))), calibrate.MARGIN)
+    finally:
+        calibrate.solve_lp = original
+    glop = original(*captured["args"])
+    c = captured["args"][0]
+    ours = calibrate._simplex(*captured["args"])
+    assert x is not None and glop is not None
+    assert c @ ours == pytest.approx(c @ glop, rel=1e-7, abs=1e-9)

@@ -1,0 +1,92 @@
+"""The terms the torch-cpu table adds (pricing.terms, pricing.coefficients.OPTIONAL_TERMS): each
+is charged where its docstring says, and a table without them (te-gpu) prices as before."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from waveplan.pricing import terms
+from waveplan.pricing.coefficients import OPTIONAL_TERMS, load_table
+from waveplan.pricing.geometry import MixerKind
+from waveplan.pricing.model import PricingModel, has_qk_norm, layer_widths
+from waveplan.pricing.parallel import Recompute
+from waveplan.pricing.presets import load_preset
+
+
+def test_te_gpu_carries_none_of_the_optional_terms():
+    table = load_table("te-gpu")
+    assert not set(OPTIONAL_TERMS) & set(table.terms)
+    cpu = load_table("torch-cpu")
+    assert set(OPTIONAL_TERMS) <= set(cpu.terms)
+    assert all("fitted" in cpu.source(name) for name in OPTIONAL_TERMS)
+
+
+def test_qk_norm_follows_the_geometry():
+    qwen, llama = load_preset("qwen3-8b"), load_preset("llama-3.1-8b")
+    assert has_qk_norm(qwen) and not has_qk_norm(llama)
+    assert not has_qk_norm(dataclasses.replace(qwen, extra={"qk_layernorm": False}))
+    assert has_qk_norm(dataclasses.replace(llama, extra={"qk_layernorm": True}))
+    cpu = load_table("torch-cpu")
+    for geometry, charged in ((qwen, True), (llama, False)):
+        model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode="none"))
+        widths = layer_widths(geometry, tp=1)
+        qk = terms.qk_norm_per_row(cpu, widths)
+        assert qk > 0
+        plain = dataclasses.replace(geometry, extra={"qk_layernorm": False})
+        without = PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode="none"))
+        diff = model.arrays["retained"] - without.arrays["retained"]
+        assert np.allclose(diff, qk if charged else 0.0)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.8-27b"])
+def test_head_points_carry_the_final_norm(preset):
+    geometry = load_preset(preset)
+    model = PricingModel.build(geometry, backend="torch-cpu", head="full-native")
+    a, t = model.arrays, model.table
+    widths = layer_widths(geometry, tp=1)
+    saved, backward = terms.final_norm_per_row(t, widths, sp_div=1)
+    logits_ret, logits_tr = terms.head_per_row(t, widths, "full-native")
+    assert saved > 0 and backward > 0
+    assert a["head_retained"] == pytest.approx(logits_ret + saved)
+    # the final norm's backward runs after the logits are released: the larger, not the sum
+    assert a["head_transient"] == pytest.approx(max(logits_tr, backward))
+    chunked = PricingModel.build(geometry, backend="torch-cpu", head="chunked:512").arrays
+    assert chunked["head_retained"] == pytest.approx(saved)
+    assert chunked["head_transient"] == pytest.approx(backward)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.6-35b-a3b"])
+def test_retained_layers_use_their_own_forward_and_backward_terms(preset):
+    geometry = load_preset(preset)
+    full = PricingModel.build(geometry, backend="torch-cpu").arrays
+    for mode in ("selective", "none"):
+        model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode=mode))
+        a = model.arrays
+        # a retained layer's backward holds less than a recomputed layer's stage
+        assert np.all(a["workspace"] < full["workspace"])
+        fwd = a["forward_parts"]
+        assert np.allclose(a["nograd"], np.maximum(fwd["nograd"], fwd["retained_forward"]))
+        assert np.all(fwd["retained_forward"] >= load_table("torch-cpu").scalar("retained_forward")
+                      * a["retained"] - 1e-6)
+
+
+def test_te_gpu_prices_retained_layers_as_before():
+    """Without the optional terms: the stage workspace in backward, the no-grad transient in
+    forward, the head terms alone."""
+    geometry = load_preset("qwen3.8-27b")
+    t = load_table("te-gpu")
+    widths = layer_widths(geometry, tp=1)
+    for mode in ("selective", "none"):
+        a = PricingModel.build(geometry, recompute=Recompute(mode=mode)).arrays
+        for i, layer in enumerate(geometry.layers):
+            stage = (terms.mixer_stage_per_row(t, widths, layer.mixer)
+                     + terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=1.0)
+                     + terms.norm_and_residual_per_row(t, widths, sp_div=1))
+            assert a["workspace"][i] == pytest.approx(stage)
+            assert a["nograd"][i] == pytest.approx(
+                terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=1.0))
+            if layer.mixer == MixerKind.ATTENTION:
+                assert terms.qk_norm_per_row(t, widths) == 0.0
+    a = PricingModel.build(geometry, head="full-native").arrays
+    assert a["head_retained"] == pytest.approx(6 * geometry.vocab)
+    assert a["head_transient"] == pytest.approx(2 * geometry.vocab)
