@@ -6,6 +6,7 @@ backend, head, safety) plus a mutable store of learned profiles (see `profiles`)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -51,7 +52,11 @@ class _ProfiledPricer(WavePricer):
         if self.envelope_scale <= 1.0:
             return env
         s = self.envelope_scale
-        return Envelope(const=env.const * s, presence=env.presence * s, coef=env.coef * s)
+        return dataclasses.replace(
+            env, const=env.const * s, presence=env.presence * s, coef=env.coef * s,
+            pad=None if env.pad is None else env.pad * s,
+            seg=None if env.seg is None else env.seg * s,
+            pending=None if env.pending is None else env.pending * s)
 
 
 def _check_bytes(field: str, value: object) -> float:

@@ -12,6 +12,12 @@ groups + members) is never below the exact admitted price. The bounds used:
 - true radix-tree segments <= 2 x the two-level count (at most one inner node per leaf), plus
   one root per padding row;
 - pending gradients are not in the envelope: the search prices the wave that carries them.
+
+The per-segment coefficient is that sum of charges, coef[..., 2] = (multiple - 1) x pad + 2 x seg,
+with `pad` the price of one padding row (a row on the busiest rank plus one root segment) and
+`seg` the price of one true segment. Both are kept beside it, so a caller that knows more about
+a step's trees (how many packed sequences a group can form, its exact padding, its exact
+segments) can charge them instead of the generic bound (`waveplan.search.items` does).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from .model import PricingModel
 
 # Absorbs the integer rounding of raw and admitted bytes.
 _ROUNDING_MARGIN = 4.0
+# Keeps the lower envelope below the exact price through floating-point rounding (relative).
+_LOWER_MARGIN = 1e-12
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,15 @@ class Envelope:
     const: np.ndarray     # float64[P]
     presence: np.ndarray  # float64[P, K]
     coef: np.ndarray      # float64[P, K, 3]: per packed row, per logical row, per segment
+    # the parts of coef[..., 2] (None when unknown, e.g. a scaled copy): per padding row and
+    # per true segment, and the row multiple each packed sequence is padded to
+    pad: np.ndarray | None = None   # float64[P, K]
+    seg: np.ndarray | None = None   # float64[P, K]
+    multiple: int = 1
+    # lower envelope only: what the point's running class adds when its wave carries that
+    # class's slot's pending adapter gradients (its adapter gradients of the layers >= the
+    # point's layer, backward points only), float64[P, K]
+    pending: np.ndarray | None = None
 
     @property
     def num_points(self) -> int:
@@ -62,13 +79,14 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     max_ng = float(ng.max()) if ng.size else 0.0
 
     # Each point: the running class, its row / segment / presence coefficients.
-    running, row_own, seg_own, pres_own = [], [], [], []
+    running, row_own, seg_own, pres_own, pend_own = [], [], [], [], []
     for g in range(k_classes):
         if not class_grad[g]:
             running.append(np.array([g]))
             row_own.append(np.array([max_ng + head_ret]))
             seg_own.append(np.array([max_state]))
             pres_own.append(np.array([head_c]))
+            pend_own.append(np.zeros(1))
             continue
         n = ret.shape[0]
         running.append(np.full(2 * n + 2, g))
@@ -76,9 +94,13 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
                                        [total + head_ret, total + head_ret + head_tr + ig]]))
         seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
         pres_own.append(np.concatenate([np.zeros(2 * n), [head_c, head_c]]))
+        grads = a["pending"][model.slot_index(class_slot[g])]
+        suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
+        pend_own.append(np.concatenate([np.zeros(n), suffix, [0.0, 0.0]]))
     if not running:
         empty = np.zeros((0, k_classes))
-        return Envelope(np.zeros(0), empty, np.zeros((0, k_classes, 3)))
+        return Envelope(np.zeros(0), empty, np.zeros((0, k_classes, 3)), empty, empty,
+                        model.parallel.row_multiple)
     run = np.concatenate(running)
     num_points = run.shape[0]
     cols = np.arange(num_points)
@@ -90,32 +112,52 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     pres_c = np.zeros((num_points, k_classes))
     pres_c[cols, run] = np.concatenate(pres_own)
     if lower:
-        # Valid below the exact price of any wave in which some class is present: rows are
-        # at least packed/CP, pads and segments are dropped (>= 0), and so are presence and
-        # first-execution charges. Packed rows are subadditive over a partition of the step,
-        # so summing this over waves bounds the wave count from below.
+        # Valid below the exact price of any flat wave in which some class is present: rows
+        # are at least packed/CP, pads and segments are dropped (>= 0), and so is the
+        # first-execution charge (it needs a gradient group; the caller adds it where it
+        # applies). The presence charge (the head constant at a class's head points) is paid
+        # whenever the class is present, so it is kept. Packed rows are subadditive over a
+        # partition of the step, so summing this over waves bounds the wave count from below.
+        # A wave whose single group of class k carries its slot's pending gradients also
+        # holds, at k's backward point of layer i, the adapter gradients of layers >= i.
         coef = np.zeros((row_c.shape[0], k_classes, 3))
         coef[:, :, 0] = row_c / (1 if model.conservative else model.parallel.cp)
         coef[:, :, 1] = a["caller"]
-        s = model.safety
-        return Envelope(const=np.zeros(row_c.shape[0]), presence=np.zeros_like(pres_c), coef=coef * s)
+        pend = np.zeros((num_points, k_classes))
+        pend[cols, run] = np.concatenate(pend_own)
+        s = model.safety * (1.0 - _LOWER_MARGIN)
+        return Envelope(const=np.zeros(row_c.shape[0]), presence=pres_c * s, coef=coef * s,
+                        pending=pend * s)
     multiple = model.parallel.row_multiple
     cp_div = 1 if model.conservative else model.parallel.cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))
     coef[:, :, 0] = row_c / cp_div
     coef[:, :, 1] = a["caller"]
-    coef[:, :, 2] = row_c * (multiple - 1) / cp_div + seg_c * (multiple + 1)
-    const = np.full(row_c.shape[0], a["first_exec"])
-    keep_idx = _undominated(const, pres_c, coef)
+    pad = row_c / cp_div + seg_c       # a padding row: one more row, one more root segment
+    coef[:, :, 2] = pad * (multiple - 1) + 2.0 * seg_c
+    # The first-execution allowance is paid once by a wave with a gradient group, so it is a
+    # presence charge: of the running class at its own points, and of every gradient class at
+    # a no-grad class's points (over-charged when several gradient classes share a wave).
+    # A constant would refuse no-grad waves that fit.
+    grad_cols = np.flatnonzero(np.asarray(class_grad, dtype=bool))
+    own_grad = np.asarray(class_grad, dtype=bool)[run]
+    pres_c[cols[own_grad], run[own_grad]] += a["first_exec"]
+    if grad_cols.size:
+        pres_c[np.ix_(cols[~own_grad], grad_cols)] += a["first_exec"]
+    const = np.zeros(row_c.shape[0])
+    keep_idx = _undominated(const, pres_c, coef, pad, seg_c)
     s = model.safety
     return Envelope(const=const[keep_idx] * s + _ROUNDING_MARGIN, presence=pres_c[keep_idx] * s,
-                    coef=coef[keep_idx] * s)
+                    coef=coef[keep_idx] * s, pad=pad[keep_idx] * s, seg=seg_c[keep_idx] * s,
+                    multiple=int(multiple))
 
 
-def _undominated(const: np.ndarray, pres: np.ndarray, coef: np.ndarray) -> np.ndarray:
+def _undominated(const: np.ndarray, pres: np.ndarray, coef: np.ndarray,
+                 *extra: np.ndarray) -> np.ndarray:
     """Indices of points not dominated (<= in every coefficient) by another point; of equal
     points the first is kept. O(P^2 x dims), vectorised."""
-    flat = np.concatenate([const[:, None], pres, coef.reshape(coef.shape[0], -1)], axis=1)
+    flat = np.concatenate([const[:, None], pres, coef.reshape(coef.shape[0], -1), *extra],
+                          axis=1)
     geq = np.all(flat[:, None, :] >= flat[None, :, :], axis=2)  # geq[q, p]: q dominates p
     gt = np.any(flat[:, None, :] > flat[None, :, :], axis=2)
     earlier = np.tri(flat.shape[0], k=-1, dtype=bool)           # earlier[q, p]: q < p

@@ -21,20 +21,101 @@ The bound is the maximum of these (plus one wave per atom that runs alone: split
 envelope-oversized atoms). It is valid for plans packed against the envelope; exact
 re-pricing may merge below it, in which case the search reports the plan's count.
 
-Complexity: O(n P + S P).
+Complexity: O(n P + S P), jitted.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .items import FIT_EPS, Items
 
 _ROUND = 1e-9
 
 
-def _ceil(x: np.ndarray | float) -> np.ndarray:
-    return np.ceil(np.asarray(x) - _ROUND)
+@njit(cache=True)
+def _ceil(x):
+    return np.ceil(x - _ROUND)
+
+
+@njit(cache=True)
+def _bound(reqs, req_sptr, req_s, class_of, sub_class, req_w, sub_hdr, class_hdr,
+           atom_w_active, lim):
+    """The bound of the module docstring for the requests `reqs` (those of the active atoms)
+    and the active atoms' own weights. A request counts towards every subgroup it holds
+    (nested prompts of a tree step: W_s is then the weight of the requests under s).
+    O(n P (1 + subgroups per request) + S P)."""
+    S = sub_hdr.shape[0]
+    K = class_hdr.shape[0]
+    P = req_w.shape[1]
+    W = np.zeros((S, P))
+    present = np.zeros(S, dtype=np.bool_)
+    per_class = np.zeros((K, P))
+    w_mass = np.zeros(P)
+    for i in reqs:
+        k = class_of[i]
+        for p in range(P):
+            per_class[k, p] += req_w[i, p]
+            w_mass[p] += req_w[i, p]
+        for t in range(req_sptr[i], req_sptr[i + 1]):
+            s = req_s[t]
+            present[s] = True
+            for p in range(P):
+                W[s, p] += req_w[i, p]
+    m_max = np.zeros(K)
+    hdr_mass = np.zeros(P)
+    min_h = np.full(P, np.inf)
+    for s in range(S):
+        if not present[s]:
+            continue
+        k = sub_class[s]
+        ms = 1.0
+        for p in range(P):
+            room = lim - sub_hdr[s, p] - class_hdr[k, p]
+            if room > 0:
+                need = W[s, p] / room
+            else:
+                need = 1.0   # cannot happen for atoms that fit alone; keep the bound trivial
+            ms = max(ms, _ceil(need))
+        m_max[k] = max(m_max[k], ms)
+        for p in range(P):
+            per_class[k, p] += ms * sub_hdr[s, p]
+            hdr_mass[p] += ms * sub_hdr[s, p]
+            min_h[p] = min(min_h[p], sub_hdr[s, p])
+    M = np.zeros(K)
+    class_mass = np.zeros(P)
+    min_c = np.full(P, np.inf)
+    lb = 1.0
+    for k in range(K):
+        if m_max[k] <= 0:
+            continue
+        Mk = m_max[k]
+        for p in range(P):
+            room = lim - class_hdr[k, p]
+            Mk = max(Mk, _ceil(per_class[k, p] / room) if room > 0 else 1.0)
+        M[k] = Mk
+        lb = max(lb, Mk)
+        for p in range(P):
+            class_mass[p] += Mk * class_hdr[k, p]
+            min_c[p] = min(min_c[p], class_hdr[k, p])
+    for p in range(P):
+        best = 0.0
+        for hc in range(2):
+            for cc in range(2):
+                room = lim - hc * min_h[p] - cc * min_c[p]
+                mass = w_mass[p] + (1 - hc) * hdr_mass[p] + (1 - cc) * class_mass[p]
+                if room > 0:
+                    best = max(best, mass / room)
+        lb = max(lb, _ceil(best))
+    big = 0
+    for p in range(P):
+        c = 0
+        for j in range(atom_w_active.shape[0]):
+            if atom_w_active[j, p] > 0.5:
+                c += 1
+        big = max(big, c)
+    return max(lb, float(big))
 
 
 def lower_bound(items: Items, active: np.ndarray) -> int:
@@ -42,49 +123,8 @@ def lower_bound(items: Items, active: np.ndarray) -> int:
     active = np.asarray(active, dtype=np.int64)
     if len(active) == 0:
         return 0
-    lim = 1.0 - FIT_EPS
     reqs = np.concatenate([items.atom(int(a)) for a in active]) if items.atom_unit.any() \
         else items.atom_req[items.atom_ptr[active]]
-    S = len(items.sub_class)
-    K = items.class_hdr.shape[0]
-    P = len(items.points)
-    W = np.zeros((S, P))
-    np.add.at(W, items.sub_of[reqs], items.req_w[reqs])
-    present = np.zeros(S, dtype=bool)
-    present[items.sub_of[reqs]] = True
-    subs = np.flatnonzero(present)
-    h = items.sub_hdr[subs]
-    ck = items.class_hdr[items.sub_class[subs]]
-    room = lim - h - ck
-    Ws = W[subs]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        need = np.where(room > 0, Ws / np.where(room > 0, room, 1.0), np.where(Ws > 0, np.inf, 0))
-    need = np.where(np.isfinite(need), need, 1.0)
-    m = np.maximum(1.0, _ceil(need).max(axis=1)) if P else np.ones(len(subs))
-    per_sub = m[:, None] * h + Ws                       # (S', P)
-    per_class = np.zeros((K, P))
-    np.add.at(per_class, items.sub_class[subs], per_sub)
-    m_max = np.zeros(K)
-    np.maximum.at(m_max, items.sub_class[subs], m)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        room_k = lim - items.class_hdr
-        mk = np.where(room_k > 0, per_class / np.where(room_k > 0, room_k, 1.0), 1.0)
-    M = np.maximum(m_max, _ceil(mk).max(axis=1) if P else 0.0)
-    used = m_max > 0
-    M = np.where(used, M, 0.0)
-    class_mass = (M[:, None] * items.class_hdr[:len(M)]).sum(axis=0)
-    hdr_mass = (m[:, None] * h).sum(axis=0)
-    w_mass = Ws.sum(axis=0)
-    # every wave holds >= 1 class and >= 1 subgroup: it pays at least the cheapest of each
-    min_c = items.class_hdr[used].min(axis=0)
-    min_h = h.min(axis=0)
-    best = np.zeros(P)
-    for hc in (0, 1):
-        for cc in (0, 1):
-            room = lim - hc * min_h - cc * min_c
-            mass = w_mass + (1 - hc) * hdr_mass + (1 - cc) * class_mass
-            best = np.maximum(best, np.where(room > 0, mass / np.where(room > 0, room, 1.0), 0))
-    lb = int(max(1.0, float(_ceil(best).max()) if P else 1.0, float(M.max())))
-    own = items.atom_w[active]
-    big = int((own > 0.5).sum(axis=0).max()) if P else 0
-    return max(lb, big)
+    return int(_bound(reqs, items.req_sptr, items.req_s, items.class_of, items.sub_class,
+                      items.req_w, items.sub_hdr, items.class_hdr, items.atom_w[active],
+                      1.0 - FIT_EPS))

@@ -11,16 +11,27 @@ holds an atom (exact wave counts).
 `solve_waves` asks for B = best - 1, best - 2, ... down to the lower bound, so each answer
 either improves the plan or proves the current one optimal.
 
-Determinism: one worker, a fixed `random_seed`, and a deterministic time limit
-(`max_deterministic_time`), never a wall-clock limit. `ortools` is imported lazily (about
-0.4 s the first time).
+Determinism and time: one worker, a fixed `random_seed`, and a deterministic time limit
+(`max_deterministic_time`), never a wall-clock limit, so the same call gives the same answer
+on any machine. The caller gives a wall-clock budget `budget_s`; it is turned into model
+sizes and deterministic seconds with constants calibrated on the development machine (2
+shared cores; `bench/search_quality.py --calibrate` re-fits them): 318 solves of
+generated GRPO and single-request steps (2-100 atoms, 1-40 waves, deterministic limits
+0.0005-0.02 s) gave wall = 2.2e-6 x terms + 2.3 x det + 4.6e-3 s (least squares; a model has
+atoms x waves x (points + 2) terms), with small models costing 1.4e-5 s per term (median,
+2.1e-5 at the 90th percentile) when presolve dominates. The constants below round these up:
+- BUILD_S_PER_TERM per term (building in Python plus presolve) and SOLVE_OVERHEAD_S per solve;
+- WALL_PER_DET wall seconds per deterministic second of search;
+- the deterministic time actually used, not the limit, is charged (a tiny limit can be
+  overrun 2.5x), and it is reproducible, so the accounting is too.
+`solve_waves` charges every model it builds and every solve against `budget_s` this way and
+stops when the estimate runs out: the exact packer stays near its time budget (a slower
+machine overruns it in proportion; the plan stays the same). `ortools` is imported lazily
+(about 0.4 s the first time, not charged).
 
-Size rule (`fits_size_rule`): the model is built only when
-atoms x waves <= MAX_CELLS and atoms x waves x (points + 2) <= MAX_TERMS; larger models could
-not be solved within the planning budget.
-
-Complexity: model size O(B (A + S + K) P); solving is exponential in the worst case, bounded
-by the deterministic time limit.
+Size rule (`fits_size_rule`): the model is built only when atoms x waves <= MAX_CELLS,
+atoms x waves x (points + 2) <= MAX_TERMS and, with a budget, its estimated building cost
+fits in it.
 """
 
 from __future__ import annotations
@@ -32,11 +43,29 @@ from .items import FIT_EPS, Items
 SCALE = 10**8
 MAX_CELLS = 4000
 MAX_TERMS = 40000
+BUILD_S_PER_TERM = 1e-5     # wall seconds per model term: building plus presolve
+SOLVE_OVERHEAD_S = 1e-3     # wall seconds of set-up per solve
+WALL_PER_DET = 3.0          # wall seconds per deterministic second of search
+MIN_DET = 1e-4              # a solve needs room for at least this many deterministic seconds
 
 
-def fits_size_rule(num_atoms: int, waves: int, points: int) -> bool:
+def model_terms(num_atoms: int, waves: int, points: int) -> int:
+    return num_atoms * waves * (points + 2)
+
+
+def build_cost_s(num_atoms: int, waves: int, points: int) -> float:
+    """Estimated wall seconds to build one model and start its solve."""
+    return BUILD_S_PER_TERM * model_terms(num_atoms, waves, points) + SOLVE_OVERHEAD_S
+
+
+def fits_size_rule(num_atoms: int, waves: int, points: int,
+                   budget_s: float | None = None) -> bool:
+    """The static size rule and, with a budget, room for the model and a minimal solve."""
     cells = num_atoms * waves
-    return cells <= MAX_CELLS and cells * (points + 2) <= MAX_TERMS
+    if cells > MAX_CELLS or model_terms(num_atoms, waves, points) > MAX_TERMS:
+        return False
+    return budget_s is None or (build_cost_s(num_atoms, waves, points)
+                                + WALL_PER_DET * MIN_DET <= budget_s)
 
 
 def _solve(items: Items, active: np.ndarray, B: int, det_time: float, seed: int,
@@ -71,15 +100,19 @@ def _solve(items: Items, active: np.ndarray, B: int, det_time: float, seed: int,
         for b in range(B):
             m.AddImplication(y[j][b], z[kj][b])
     for b in range(B):
-        xs = [(i, x[i][b]) for i in range(A) if x[i][b] is not None]
+        # the variables of wave b and their weights at every point, as one weighted sum per
+        # point (LinearExpr.WeightedSum: building with Python's sum() cost more than solving)
+        rows = np.arange(b, A)
+        var_b = [x[i][b] for i in rows] + [y[j][b] for j in range(len(subs))] \
+            + [z[j][b] for j in range(len(classes))]
         if nonempty:
-            m.AddBoolOr([v for _, v in xs])
+            m.AddBoolOr(var_b[:len(rows)])
+        weights = np.concatenate([W[rows], H, C], axis=0)       # (vars of b, P)
         for p in range(P):
-            terms = [int(W[i, p]) * v for i, v in xs if W[i, p]]
-            terms += [int(H[j, p]) * y[j][b] for j in range(len(subs)) if H[j, p]]
-            terms += [int(C[j, p]) * z[j][b] for j in range(len(classes)) if C[j, p]]
-            if terms:
-                m.Add(sum(terms) <= SCALE)
+            nz = np.flatnonzero(weights[:, p])
+            if len(nz):
+                m.Add(cp_model.LinearExpr.WeightedSum([var_b[t] for t in nz],
+                                                      weights[nz, p].tolist()) <= SCALE)
     if hint is not None:
         for i in range(A):
             hb = int(hint[order[i]])
@@ -118,30 +151,35 @@ def float_fits(items: Items, active: np.ndarray, assign: np.ndarray, waves: int)
 
 
 def solve_waves(items: Items, active: np.ndarray, *, best_assign: np.ndarray | None,
-                best_nw: int, lower: int, det_time: float, seed: int,
+                best_nw: int, lower: int, budget_s: float, seed: int,
                 exact_count: int | None = None) -> tuple[np.ndarray | None, int, int, str]:
-    """Improve or prove. Returns (assign, waves, proven lower bound, status) where status is
+    """Improve or prove within an estimated `budget_s` wall seconds (see the module
+    docstring). Returns (assign, waves, proven lower bound, status) where status is
     'optimal' (plan == proven bound), 'improved', 'unknown', 'too-large' or 'feasible'.
     With `exact_count`, looks for exactly that many non-empty waves."""
     active = np.asarray(active, dtype=np.int64)
     P = len(items.points)
     A = len(active)
     if exact_count is not None:
-        if not fits_size_rule(A, exact_count, P):
+        if not fits_size_rule(A, exact_count, P, budget_s):
             return best_assign, best_nw, lower, "too-large"
-        st, assign, nw, _ = _solve(items, active, exact_count, det_time, seed, True, None)
+        det = (budget_s - build_cost_s(A, exact_count, P)) / WALL_PER_DET
+        st, assign, nw, _ = _solve(items, active, exact_count, det, seed, True, None)
         if st == "feasible" and float_fits(items, active, assign, nw):
             return assign, nw, lower, "feasible"
         return None, -1, lower, st
     status = "unknown"
-    left = det_time
+    left = float(budget_s)
     B = best_nw - 1
     improved = False
-    while B >= lower and left > 1e-3:
-        if not fits_size_rule(A, B, P):
-            return best_assign, best_nw, lower, "improved" if improved else "too-large"
-        st, assign, nw, used = _solve(items, active, B, left, seed, False, None)
-        left -= max(used, 1e-3)
+    while B >= lower:
+        if not fits_size_rule(A, B, P, left):
+            if not fits_size_rule(A, B, P):
+                status = "too-large"
+            break
+        left -= build_cost_s(A, B, P)
+        st, assign, nw, used = _solve(items, active, B, left / WALL_PER_DET, seed, False, None)
+        left -= WALL_PER_DET * max(used, MIN_DET)
         if st == "feasible" and float_fits(items, active, assign, nw):
             best_assign, best_nw, improved = assign, nw, True
             B = nw - 1

@@ -10,8 +10,13 @@ wave does not hold yet, so a prompt is paid once per wave it appears in.
 Placement rules: 0 first fit, 1 best fit (tightest wave after), 2 cheapest increase (favours
 waves that already hold the prompt), 3 worst fit (least loaded after; used for exact counts).
 
-`pack_greedy` runs several orders x rules x modes and keeps the fewest waves (first found on
-ties), stopping as soon as a run meets the lower bound.
+A wave leaves a class's list of open waves once not even the lightest atom of that class
+fits it any more, and a piece only looks at the waves open to its (first) class: most
+waves of a large step are full, so this keeps a run near O(M x open waves).
+
+`pack_greedy` runs several modes x orders x rules, empties light waves after each run
+(`local.eliminate`) and keeps the fewest waves (first found on ties), stopping as soon as a
+run meets the lower bound.
 
 Complexity of one run: O(M W P (1 + s)) for M pieces placed, W open waves, P envelope points
 and s distinct subgroups per piece; memory O(W (P + S + K)).
@@ -24,103 +29,27 @@ import time
 import numpy as np
 from numba import njit
 
-from .items import FIT_EPS, Blocks, Items
+from .items import FIT_EPS, Blocks, Items, atom_size
+from .kernels import add_atom, delta, grow
+from .local import eliminate
 
 LIMIT = 1.0 - FIT_EPS
+ELIMINATE_CANDIDATES = 8   # lightest waves tried per round of `eliminate`
 
 
 @njit(cache=True)
-def _grow(load, scnt, ccnt, need):
-    cap = load.shape[0]
-    if need <= cap:
-        return load, scnt, ccnt
-    new = max(need, 2 * cap)
-    l2 = np.zeros((new, load.shape[1]))
-    s2 = np.zeros((new, scnt.shape[1]), dtype=np.int32)
-    c2 = np.zeros((new, ccnt.shape[1]), dtype=np.int32)
-    l2[:cap] = load
-    s2[:cap] = scnt
-    c2[:cap] = ccnt
-    return l2, s2, c2
-
-
-@njit(cache=True)
-def _delta(load, scnt, ccnt, b, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
-           sub_hdr, class_hdr, out, limit):
-    """out = load of wave b after adding the piece; returns max(out), or a value > limit as
-    soon as the request weights alone overflow (out is then incomplete)."""
-    P = load.shape[1]
-    for p in range(P):
-        v = load[b, p] + w[p]
-        if v > limit:
-            return v
-        out[p] = v
-    for j in range(s_lo, s_hi):
-        s = s_arr[j]
-        if scnt[b, s] == 0:
-            for p in range(P):
-                out[p] += sub_hdr[s, p]
-    for j in range(c_lo, c_hi):
-        k = c_arr[j]
-        if ccnt[b, k] == 0:
-            for p in range(P):
-                out[p] += class_hdr[k, p]
-    m = -1e300
-    for p in range(P):
-        if out[p] > m:
-            m = out[p]
-    return m
-
-
-@njit(cache=True)
-def _add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
-    P = load.shape[1]
-    for p in range(P):
-        load[b, p] += aw[a, p]
-    for j in range(asptr[a], asptr[a + 1]):
-        s = as_[j]
-        if scnt[b, s] == 0:
-            for p in range(P):
-                load[b, p] += sub_hdr[s, p]
-        scnt[b, s] += 1
-    for j in range(acptr[a], acptr[a + 1]):
-        k = ac[j]
-        if ccnt[b, k] == 0:
-            for p in range(P):
-                load[b, p] += class_hdr[k, p]
-        ccnt[b, k] += 1
-
-
-@njit(cache=True)
-def _remove_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
-    P = load.shape[1]
-    for p in range(P):
-        load[b, p] -= aw[a, p]
-    for j in range(asptr[a], asptr[a + 1]):
-        s = as_[j]
-        scnt[b, s] -= 1
-        if scnt[b, s] == 0:
-            for p in range(P):
-                load[b, p] -= sub_hdr[s, p]
-    for j in range(acptr[a], acptr[a + 1]):
-        k = ac[j]
-        ccnt[b, k] -= 1
-        if ccnt[b, k] == 0:
-            for p in range(P):
-                load[b, p] -= class_hdr[k, p]
-
-
-@njit(cache=True)
-def _choose(nw, rule, load, scnt, ccnt, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
+def _choose(opened, n_open, rule, load, scnt, ccnt, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
             sub_hdr, class_hdr, tmp, limit):
-    """Wave for a piece under `rule`, or -1 when no open wave holds it."""
+    """Wave for a piece under `rule` among the open waves (ascending), or -1 when none holds
+    it. Ties go to the lowest wave."""
     best = -1
     best_key = 0.0
     best_key2 = 0.0
     P = load.shape[1]
-    for b in range(nw):
-        m = _delta(load, scnt, ccnt, b, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
-                   sub_hdr, class_hdr, tmp, limit)
+    for j in range(n_open):
+        b = opened[j]
+        m = delta(load, scnt, ccnt, b, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
+                  sub_hdr, class_hdr, tmp, limit)
         if m > limit:
             continue
         if rule == 0:
@@ -146,10 +75,49 @@ def _choose(nw, rule, load, scnt, ccnt, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
 
 
 @njit(cache=True)
+def _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit):
+    """Drop wave b from the open list of each class k whose lightest atom (wmin[k], plus the
+    class header when k is not in the wave yet) overflows some point of b: no piece holding
+    class k can go there any more, so later pieces skip it. O(K P + W) per call."""
+    P = load.shape[1]
+    for k in range(wmin.shape[0]):
+        full = False
+        for p in range(P):
+            v = load[b, p] + wmin[k, p]
+            if ccnt[b, k] == 0:
+                v += class_hdr[k, p]
+            if v > limit:
+                full = True
+                break
+        if full:
+            m = 0
+            for j in range(n_open[k]):
+                if opened[k, j] != b:
+                    opened[k, m] = opened[k, j]
+                    m += 1
+            n_open[k] = m
+
+
+@njit(cache=True)
+def _open_wave(opened, n_open, b):
+    """A new wave is open to every class (it has the highest index: the lists stay sorted)."""
+    if b >= opened.shape[1]:
+        bigger = np.empty((opened.shape[0], 2 * b + 2), dtype=np.int64)
+        bigger[:, :opened.shape[1]] = opened
+        opened = bigger
+    for k in range(opened.shape[0]):
+        opened[k, n_open[k]] = b
+        n_open[k] += 1
+    return opened
+
+
+@njit(cache=True)
 def greedy_run(border, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr, bc, balone,
-               aw, asptr, as_, acptr, ac, aalone, sub_hdr, class_hdr, num_atoms, limit):
+               aw, asptr, as_, acptr, ac, aalone, sub_hdr, class_hdr, num_atoms, wmin, limit):
     """One greedy pass. Returns (atom_wave[num_atoms] with -1 for atoms not packed, waves);
-    waves = -1 when `fixed` > 0 waves cannot hold everything (some may stay empty)."""
+    waves = -1 when `fixed` > 0 waves cannot hold everything (some may stay empty).
+    `wmin[k, p]`: the lightest atom weight of class k at each point (inf for a class with
+    no atom); a piece only looks at the waves still open to its first class."""
     P = sub_hdr.shape[1]
     S = sub_hdr.shape[0]
     K = class_hdr.shape[0]
@@ -159,205 +127,78 @@ def greedy_run(border, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr, bc
     ccnt = np.zeros((cap0, K), dtype=np.int32)
     atom_wave = -np.ones(num_atoms, dtype=np.int64)
     nw = fixed if fixed > 0 else 0
+    opened = np.empty((max(K, 1), cap0), dtype=np.int64)
+    n_open = np.zeros(max(K, 1), dtype=np.int64)
+    for b in range(nw):
+        opened = _open_wave(opened, n_open, b)
     tmp = np.empty(P)
     for bi in range(border.shape[0]):
         blk = border[bi]
-        b = _choose(nw, rule, load, scnt, ccnt, bw[blk], bsptr[blk], bsptr[blk + 1], bs,
-                    bcptr[blk], bcptr[blk + 1], bc, sub_hdr, class_hdr, tmp, limit)
+        k0 = bc[bcptr[blk]] if bcptr[blk + 1] > bcptr[blk] else 0
+        b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, bw[blk], bsptr[blk],
+                    bsptr[blk + 1], bs, bcptr[blk], bcptr[blk + 1], bc, sub_hdr, class_hdr,
+                    tmp, limit)
         whole_alone = True
         for p in range(P):
             if balone[blk, p] > limit:
                 whole_alone = False
         if b < 0 and fixed == 0 and mode == 0 and whole_alone:
-            load, scnt, ccnt = _grow(load, scnt, ccnt, nw + 1)
+            load, scnt, ccnt = grow(load, scnt, ccnt, nw + 1)
             b = nw
             nw += 1
+            opened = _open_wave(opened, n_open, b)
         if b >= 0:
             for j in range(bptr[blk], bptr[blk + 1]):
                 a = batoms[j]
-                _add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
+                add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
                 atom_wave[a] = b
+            _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit)
             continue
         for j in range(bptr[blk], bptr[blk + 1]):
             a = batoms[j]
-            b = _choose(nw, rule, load, scnt, ccnt, aw[a], asptr[a], asptr[a + 1], as_,
-                        acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp, limit)
+            k0 = ac[acptr[a]] if acptr[a + 1] > acptr[a] else 0
+            b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, aw[a], asptr[a],
+                        asptr[a + 1], as_, acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp,
+                        limit)
             if b < 0:
                 if fixed > 0:
                     return atom_wave, -1
-                load, scnt, ccnt = _grow(load, scnt, ccnt, nw + 1)
+                load, scnt, ccnt = grow(load, scnt, ccnt, nw + 1)
                 b = nw
                 nw += 1
-            _add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
+                opened = _open_wave(opened, n_open, b)
+            add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
             atom_wave[a] = b
+            _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit)
     return atom_wave, nw
-
-
-@njit(cache=True)
-def build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
-    P = sub_hdr.shape[1]
-    load = np.zeros((max(nw, 1), P))
-    scnt = np.zeros((max(nw, 1), sub_hdr.shape[0]), dtype=np.int32)
-    ccnt = np.zeros((max(nw, 1), class_hdr.shape[0]), dtype=np.int32)
-    for i in range(active.shape[0]):
-        a = active[i]
-        _add_atom(atom_wave[a], a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                  class_hdr)
-    return load, scnt, ccnt
-
-
-@njit(cache=True)
-def eliminate(atom_wave, nw, active, asize, candidates, aw, asptr, as_, acptr, ac,
-              sub_hdr, class_hdr, limit):
-    """Empty light waves by moving their atoms into other waves (cheapest increase), up to
-    `candidates` lightest waves per round, until no wave can be emptied. Returns the new
-    number of waves (atom_wave is updated in place, waves renumbered densely).
-    O(rounds * candidates * A_w * W * P)."""
-    load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
-                                   sub_hdr, class_hdr)
-    P = sub_hdr.shape[1]
-    tmp = np.empty(P)
-    order_a = active[np.argsort(-asize[active], kind="mergesort")]
-    moved_a = np.empty(active.shape[0], dtype=np.int64)
-    moved_to = np.empty(active.shape[0], dtype=np.int64)
-    while nw > 1:
-        weight = np.zeros(nw)
-        for b in range(nw):
-            for p in range(P):
-                weight[b] += load[b, p]
-        worder = np.argsort(weight, kind="mergesort")
-        done = False
-        for ci in range(min(candidates, nw)):
-            c = worder[ci]
-            nm = 0
-            ok = True
-            for i in range(order_a.shape[0]):
-                a = order_a[i]
-                if atom_wave[a] != c:
-                    continue
-                # choose among waves != c: cheapest increase
-                best = -1
-                best_key = 0.0
-                wa = aw[a]
-                for b in range(nw):
-                    if b == c:
-                        continue
-                    m = _delta(load, scnt, ccnt, b, wa, asptr[a], asptr[a + 1], as_,
-                               acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp, limit)
-                    if m > limit:
-                        continue
-                    inc = 0.0
-                    for p in range(P):
-                        inc += tmp[p] - load[b, p]
-                    if best < 0 or inc < best_key:
-                        best = b
-                        best_key = inc
-                if best < 0:
-                    ok = False
-                    break
-                _remove_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                             class_hdr)
-                _add_atom(best, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                          class_hdr)
-                atom_wave[a] = best
-                moved_a[nm] = a
-                moved_to[nm] = best
-                nm += 1
-            if ok:
-                last = nw - 1
-                if c != last:
-                    for i in range(active.shape[0]):
-                        a = active[i]
-                        if atom_wave[a] == last:
-                            atom_wave[a] = c
-                    load[c] = load[last]
-                    scnt[c] = scnt[last]
-                    ccnt[c] = ccnt[last]
-                nw -= 1
-                done = True
-                break
-            for j in range(nm - 1, -1, -1):
-                a = moved_a[j]
-                _remove_atom(moved_to[j], a, load, scnt, ccnt, aw, asptr, as_, acptr, ac,
-                             sub_hdr, class_hdr)
-                _add_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                          class_hdr)
-                atom_wave[a] = c
-        if not done:
-            break
-    return nw
-
-
-@njit(cache=True)
-def balance(atom_wave, nw, active, max_moves, aw, asptr, as_, acptr, ac, sub_hdr,
-            class_hdr, limit):
-    """Move atoms out of the most loaded wave while that lowers the largest load, keeping
-    every wave non-empty. In place; returns the number of moves. O(max_moves * A * W * P)."""
-    load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
-                                   sub_hdr, class_hdr)
-    P = sub_hdr.shape[1]
-    tmp = np.empty(P)
-    rem = np.empty(P)
-    count = np.zeros(nw, dtype=np.int64)
-    for i in range(active.shape[0]):
-        count[atom_wave[active[i]]] += 1
-    moves = 0
-    while moves < max_moves:
-        top = 0
-        top_m = -1e300
-        for b in range(nw):
-            m = load[b].max()
-            if m > top_m:
-                top_m = m
-                top = b
-        if count[top] <= 1:
-            break
-        best_a = -1
-        best_b = -1
-        best_val = top_m - 1e-12
-        for i in range(active.shape[0]):
-            a = active[i]
-            if atom_wave[a] != top:
-                continue
-            # load of `top` without a
-            _remove_atom(top, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                         class_hdr)
-            for p in range(P):
-                rem[p] = load[top, p]
-            _add_atom(top, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
-            rm = rem.max()
-            wa = aw[a]
-            for b in range(nw):
-                if b == top:
-                    continue
-                m = _delta(load, scnt, ccnt, b, wa, asptr[a], asptr[a + 1], as_,
-                           acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp, limit)
-                if m > limit:
-                    continue
-                val = max(m, rm)
-                if val < best_val:
-                    best_val = val
-                    best_a = a
-                    best_b = b
-        if best_a < 0:
-            break
-        _remove_atom(top, best_a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                     class_hdr)
-        _add_atom(best_b, best_a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                  class_hdr)
-        atom_wave[best_a] = best_b
-        count[top] -= 1
-        count[best_b] += 1
-        moves += 1
-    return moves
 
 
 def kernel_args(items: Items, blocks: Blocks) -> tuple:
     """The array arguments shared by every kernel call, in `greedy_run` order after `fixed`."""
+    wmin = class_min_weights(items, blocks.atoms)
     return (blocks.ptr, blocks.atoms, blocks.w, blocks.sptr, blocks.s, blocks.cptr, blocks.c,
             blocks.alone, items.atom_w, items.atom_sptr, items.atom_s, items.atom_cptr,
             items.atom_c, items.atom_alone, items.sub_hdr, items.class_hdr, items.num_atoms,
-            LIMIT)
+            wmin, LIMIT)
+
+
+def class_min_weights(items: Items, atoms: np.ndarray) -> np.ndarray:
+    """float64[K, P]: per class, the smallest weight at each point of an atom holding that
+    class (inf where no atom does). An atom of several classes counts for each of them."""
+    return _class_min(np.asarray(atoms, dtype=np.int64), items.atom_w, items.atom_cptr,
+                      items.atom_c, max(items.class_hdr.shape[0], 1))
+
+
+@njit(cache=True)
+def _class_min(atoms, aw, acptr, ac, K):
+    out = np.full((K, aw.shape[1]), np.inf)
+    for a in atoms:
+        for j in range(acptr[a], acptr[a + 1]):
+            k = ac[j]
+            for p in range(aw.shape[1]):
+                if aw[a, p] < out[k, p]:
+                    out[k, p] = aw[a, p]
+    return out
 
 
 def atom_args(items: Items) -> tuple:
@@ -365,44 +206,105 @@ def atom_args(items: Items) -> tuple:
             items.sub_hdr, items.class_hdr)
 
 
-def block_orders(blocks: Blocks, items: Items) -> list[np.ndarray]:
-    """Deterministic block orders: decreasing largest load, decreasing total load,
-    decreasing total load weighted towards the tightest point."""
-    nb = blocks.count
-    if nb == 0:
-        return [np.zeros(0, dtype=np.int64)]
-    idx = np.arange(nb)
-    by_max = np.lexsort((idx, -blocks.size))
-    by_sum = np.lexsort((idx, -blocks.alone.sum(axis=1)))
-    tight = blocks.alone.sum(axis=0)
-    key = blocks.alone @ (tight / max(float(tight.sum()), 1e-300))
-    by_tight = np.lexsort((idx, -key))
-    out = []
-    for o in (by_max, by_sum, by_tight):
-        o = o.astype(np.int64)
-        if not any(np.array_equal(o, x) for x in out):
-            out.append(o)
+@njit(cache=True)
+def balanced_order(alone, size):
+    """Blocks grouped by their dominant point (where their alone load is largest), each group
+    by decreasing size (ties: index); the next block always comes from the group with the
+    most size left. Consecutive blocks then stress different points, so the waves a greedy
+    fills mix complementary blocks (e.g. two slots whose gradient classes peak at different
+    walk points) instead of stacking blocks that all peak at the same point.
+    O(B (log B + P))."""
+    nb, P = alone.shape
+    dom = np.zeros(nb, dtype=np.int64)
+    for b in range(nb):
+        for p in range(1, P):
+            if alone[b, p] > alone[b, dom[b]]:
+                dom[b] = p
+    by_size = np.argsort(-size, kind="mergesort")       # stable: ties by index
+    heads = np.zeros(P + 1, dtype=np.int64)
+    for b in range(nb):
+        heads[dom[b] + 1] += 1
+    for p in range(P):
+        heads[p + 1] += heads[p]
+    fill = heads[:P].copy()
+    lists = np.empty(nb, dtype=np.int64)
+    rem = np.zeros(P)
+    for j in range(nb):
+        b = by_size[j]
+        lists[fill[dom[b]]] = b
+        fill[dom[b]] += 1
+        rem[dom[b]] += size[b]
+    pos = heads[:P].copy()
+    out = np.empty(nb, dtype=np.int64)
+    for j in range(nb):
+        best = -1
+        for p in range(P):
+            if pos[p] < heads[p + 1] and (best < 0 or rem[p] > rem[best]):
+                best = p
+        b = lists[pos[best]]
+        pos[best] += 1
+        rem[best] -= size[b]
+        out[j] = b
     return out
 
 
+def block_orders(blocks: Blocks, items: Items):
+    """Deterministic block orders, best first, each computed only when the previous runs did
+    not meet the bound: balanced across dominant points (`balanced_order`, the best single
+    order on generated GRPO steps), decreasing largest load, decreasing total load,
+    decreasing total load weighted towards the tightest point. Duplicates are skipped."""
+    nb = blocks.count
+    if nb == 0:
+        yield np.zeros(0, dtype=np.int64)
+        return
+    idx = np.arange(nb)
+
+    def by_tight():
+        tight = blocks.alone.sum(axis=0)
+        return np.lexsort((idx, -(blocks.alone @ (tight / max(float(tight.sum()), 1e-300)))))
+
+    makers = (lambda: balanced_order(blocks.alone, blocks.size),
+              lambda: np.lexsort((idx, -blocks.size)),
+              lambda: np.lexsort((idx, -blocks.alone.sum(axis=1))), by_tight)
+    seen: list[np.ndarray] = []
+    for make in makers:
+        o = make().astype(np.int64)
+        if not any(np.array_equal(o, x) for x in seen):
+            seen.append(o)
+            yield o
+
+
 def pack_greedy(items: Items, blocks: Blocks, target: int, fixed: int = 0,
-                deadline: float | None = None) -> tuple[np.ndarray | None, int, int]:
-    """Best of the deterministic greedy runs. Returns (atom_wave, waves, runs); waves = -1
-    (and atom_wave None) when `fixed` > 0 waves could not be filled by any run. With a
-    `deadline` (perf_counter seconds), no new run starts after it once a plan exists."""
-    rules = (3, 1, 2, 0) if fixed else (1, 2, 0)
-    modes = (0,) if fixed else (0, 1)
+                deadline: float | None = None, max_runs: int | None = None
+                ) -> tuple[np.ndarray | None, int, int]:
+    """Best of the deterministic greedy runs, each followed (without a fixed count) by
+    `eliminate`, which empties light waves into the others. Returns (atom_wave, waves, runs);
+    waves = -1 (and atom_wave None) when `fixed` > 0 waves could not be filled by any run.
+    With a `deadline` (perf_counter seconds), no new run starts after it once a plan exists;
+    with `max_runs` (the deterministic budget), no more than that many runs once a plan exists.
+
+    Run order, best first on generated steps (a short budget only runs the first few): the
+    block orders of `block_orders`, atom-by-atom runs (mode 1) before block-whole runs (mode
+    0), then the rules. Ties keep the first plan."""
+    rules = (3, 1, 2, 0) if fixed else (2, 0, 1)
+    modes = (0,) if fixed else (1, 0)
     args = kernel_args(items, blocks)
+    active = np.sort(blocks.atoms)
+    asize = atom_size(items)
     best, best_nw, runs = None, -1, 0
     for order in block_orders(blocks, items):
         for mode in modes:
             for rule in rules:
                 aw, nw = greedy_run(order, rule, mode, fixed, *args)
                 runs += 1
+                if nw > target and fixed == 0 and nw > 1:
+                    nw = eliminate(aw, nw, active, asize, ELIMINATE_CANDIDATES,
+                                   *atom_args(items), LIMIT)
                 if nw > 0 and (best_nw < 0 or nw < best_nw):
                     best, best_nw = aw, nw
                 if best_nw > 0 and best_nw <= target:
                     return best, best_nw, runs
-                if best_nw > 0 and deadline is not None and time.perf_counter() >= deadline:
+                if best_nw > 0 and ((max_runs is not None and runs >= max_runs) or (
+                        deadline is not None and time.perf_counter() >= deadline)):
                     return best, best_nw, runs
     return best, best_nw, runs

@@ -3,7 +3,7 @@
 
 Children are formed group-aware: groups in decreasing packed size, each request to the child
 whose packed rows grow least (a prompt is paid again only in a child that lacks it), ties to
-the lighter child. Each rung is priced exactly with `pricer.price(children)`; the first that
+the lighter child. Each rung is priced exactly (`exact_price(pricer, children)`); the first that
 fits wins. When no rung fits, `InfeasibleError` names the unit's request ids, its cheapest
 price over all rungs and the budget.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 from waveplan.pricing.errors import InfeasibleError
+
+from .prices import exact_price
 
 
 def split_children(step, idx: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
@@ -65,7 +67,7 @@ def run_ladder(step, pricer, idx: np.ndarray, budget: int, *,
     cheapest = None
     for k in range(max(1, start_k), len(idx) + 1):
         children = (idx,) if k == 1 else split_children(step, idx, k)
-        price = pricer.price(list(children), first_slots=first_slots)
+        price = exact_price(pricer, list(children), first_slots)
         if cheapest is None or price.admitted_bytes < cheapest:
             cheapest = price.admitted_bytes
         if price.admitted_bytes <= budget:

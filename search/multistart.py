@@ -5,10 +5,10 @@ mode, runs the greedy and then tries to empty the lightest waves (`greedy.elimin
 random stream is numba's, seeded from (`seed`, chunk index), so a given number of iterations
 always gives the same plan.
 
-Iterations run in chunks. With `deterministic=True` the number of chunks is fixed from the
-time budget (`ITERS_PER_MS`, scaled down for large steps) and the clock is never read; with
-`deterministic=False` chunks run until the time budget, the iteration cap or the target is
-reached, so a run that hits its time budget can depend on the machine's speed (a run that
+Iterations run in chunks. With `deterministic=True` the number of iterations is fixed from
+what is left of the time budget (`iteration_cap`, see `budget`) and the clock is never read;
+with `deterministic=False` chunks run until the deadline, the iteration cap or the target is
+reached, so a run that hits its deadline can depend on the machine's speed (a run that
 stops on the cap or the target does not).
 
 Complexity: O(iterations x greedy run + eliminate), see `greedy`.
@@ -21,19 +21,19 @@ import time
 import numpy as np
 from numba import njit
 
-from .greedy import LIMIT, eliminate, greedy_run, kernel_args
+from .budget import runs_within
+from .greedy import LIMIT, greedy_run, kernel_args
 from .items import Blocks, Items, atom_size
+from .local import eliminate
 
 CHUNK = 4
-ITERS_PER_MS = 16          # for a step of REF_ATOMS atoms; scaled by REF_ATOMS / atoms
-REF_ATOMS = 64
 MAX_ITERS = 4096
 
 
 @njit(cache=True)
 def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, bptr, batoms, bw,
                      bsptr, bs, bcptr, bc, balone, aw, asptr, as_, acptr, ac, aalone, sub_hdr,
-                     class_hdr, num_atoms, limit, best_assign, best_nw):
+                     class_hdr, num_atoms, wmin, limit, best_assign, best_nw):
     """Run `n_iter` randomised greedy + eliminate iterations; returns (best_assign, best_nw,
     iterations done)."""
     np.random.seed(seed)
@@ -52,7 +52,7 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, bptr, ba
             mode = np.random.randint(0, 2)
         assign, nw = greedy_run(order, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr,
                                 bc, balone, aw, asptr, as_, acptr, ac, aalone, sub_hdr,
-                                class_hdr, num_atoms, limit)
+                                class_hdr, num_atoms, wmin, limit)
         done += 1
         if nw > 0 and fixed == 0:
             nw = eliminate(assign, nw, active, asize, 8, aw, asptr, as_, acptr, ac, sub_hdr,
@@ -65,10 +65,10 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, bptr, ba
     return best_assign, best_nw, done
 
 
-def iteration_cap(time_budget_ms: float, num_atoms: int) -> int:
-    """Iterations the deterministic mode runs for a time budget (also the cap otherwise)."""
-    scale = REF_ATOMS / max(REF_ATOMS, num_atoms)
-    return int(min(MAX_ITERS, max(CHUNK, round(time_budget_ms * ITERS_PER_MS * scale))))
+def iteration_cap(budget_us: float, num_atoms: int, waves: int, points: int) -> int:
+    """Iterations that fit in `budget_us` microseconds (`budget.run_cost_us`): what the
+    deterministic mode runs, and a cap otherwise. O(1)."""
+    return int(min(MAX_ITERS, runs_within(budget_us, num_atoms, waves, points)))
 
 
 def run_multistart(items: Items, blocks: Blocks, active: np.ndarray, *, target: int,

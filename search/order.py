@@ -8,10 +8,13 @@ Rule: slots with gradient requests are taken in sorted order. For a slot not yet
 candidate waves are those holding one of its gradient requests, by increasing exact price
 (most room first); the first that still fits when re-priced with first_slots = (its gradient
 slots not yet covered) is appended to the *leading* waves, and every slot it holds gradients
-of is covered. If none fits, the roomiest candidate is repaired: its atoms are moved out
-(atoms without the slot's gradients first, largest first) into other waves where they fit
-exactly, or into a new wave (unless the wave count is fixed), until it fits; a split unit
-climbs the ladder instead. If even one atom cannot carry the gradients, InfeasibleError.
+of is covered. If none fits, one of the slot's lightest gradient atoms moves into the
+roomiest wave that then fits with the pending gradients (a wave carrying another slot's often
+has room: their peaks are at different walk points; `_bring_carrier`). Otherwise the
+roomiest candidate is repaired: its atoms move into other waves where they fit exactly (atoms without the
+slot's gradients first, smallest first), and only when none fits anywhere the largest goes
+into a new wave (unless the wave count is fixed), until it fits; a split unit climbs the ladder instead. If even
+one atom cannot carry the gradients, InfeasibleError.
 
 Run order: the leading waves in the order they were chosen (so each slot's first wave runs
 before every other wave of that slot), then the remaining waves by their smallest request
@@ -28,7 +31,11 @@ from waveplan.pricing.errors import InfeasibleError
 
 from .items import Items
 from .ladder import run_ladder, unit_label
+from .prices import exact_price
 from .reprice import Draft, price_draft
+
+CARRIER_TRIES = 3   # gradient atoms tried as the carrier moved to a roomier wave
+ROOM_TRIES = 64     # exact prices spent looking for room for one atom of a repaired wave
 
 
 class SlotInfo:
@@ -44,8 +51,8 @@ class SlotInfo:
         self.code = per_class[class_of] if n else np.zeros(0, dtype=np.int64)
 
     def of(self, reqs: np.ndarray) -> set[str]:
-        codes = np.unique(self.code[np.asarray(reqs, dtype=np.int64)])
-        return {self.names[c] for c in codes if c >= 0}
+        codes = self.code[np.asarray(reqs, dtype=np.int64)]
+        return {self.names[c] for c in set(codes.tolist()) if c >= 0}
 
     def all(self) -> list[str]:
         present = np.unique(self.code)
@@ -53,7 +60,7 @@ class SlotInfo:
 
 
 def _price_with(d: Draft, items: Items, pricer, fs: frozenset[str]):
-    return pricer.price(d.parts(items), first_slots=fs)
+    return exact_price(pricer, d.parts(items), fs)
 
 
 def _move_out(d: Draft, a: int, others: list[Draft], items: Items, pricer, budget: int,
@@ -95,10 +102,14 @@ def assign_first_slots(drafts: list[Draft], items: Items, pricer, step, budget: 
                 chosen = d
                 break
         if chosen is None:
+            chosen = _bring_carrier(slot, drafts, leading, covered, info, items, pricer, budget,
+                                    allow_new_waves)
+        if chosen is None:
             chosen = _repair(_repair_candidate(cands, slot, covered, info, items, pricer,
                                                budget), slot, drafts, leading, covered, info, items, pricer,
                              step, budget, allow_new_waves)
-        leading.append(chosen)
+        if chosen not in leading:
+            leading.append(chosen)
         covered |= set(chosen.first_slots)
     rest = [d for d in drafts if d not in leading]
     for d in rest:
@@ -107,6 +118,69 @@ def assign_first_slots(drafts: list[Draft], items: Items, pricer, step, budget: 
             price_draft(d, items, pricer)
     rest.sort(key=lambda d: int(d.reqs(items)[0]))
     return leading + rest
+
+
+def _bring_carrier(slot: str, drafts: list[Draft], leading: list[Draft], covered: set[str],
+                   info: SlotInfo, items: Items, pricer, budget: int,
+                   may_drop: bool) -> Draft | None:
+    """No wave holding `slot`'s gradients has room for its pending gradients: move one of its
+    lightest gradient atoms (holding no other slot's gradients) into the roomiest flat wave
+    that fits with them, so that wave carries them. Pending gradients of different slots peak
+    at different walk points, so a wave that already carries one slot's often has room for
+    another's. A wave emptied by the move is dropped (only with `may_drop`: not under an exact
+    wave count). Returns the carrier, or None.
+    O(CARRIER_TRIES x waves) exact prices."""
+    carriers = sorted(((a, d) for d in drafts if not d.fixed and d not in leading
+                       for a in d.atoms if info.of(items.atom(a)) == {slot}),
+                      key=lambda t: (float(items.atom_alone[t[0]].max()), t[0]))
+    targets = sorted((d for d in drafts if not d.fixed),
+                     key=lambda d: (d.price.admitted_bytes, int(d.reqs(items)[0])))
+    for a, src in carriers[:CARRIER_TRIES]:
+        if len(src.atoms) == 1 and not may_drop:
+            continue
+        for w in targets:
+            if w is src:
+                continue
+            cand = Draft(sorted(w.atoms + [a]))
+            fs = frozenset(w.first_slots) | frozenset(info.of(cand.reqs(items)) - covered)
+            price = _price_with(cand, items, pricer, fs)
+            if price.admitted_bytes > budget:
+                continue
+            w.atoms, w.first_slots, w.price = cand.atoms, fs, price
+            src.atoms = [x for x in src.atoms if x != a]
+            if src.atoms:
+                price_draft(src, items, pricer)
+            else:
+                drafts.remove(src)
+            return w
+    return None
+
+
+def _move_to_room(d: Draft, others: list[Draft], carries, items: Items, pricer,
+                  budget: int) -> bool:
+    """Move one atom of d into another flat wave where it fits exactly: non-carriers first,
+    smallest first (they are the likeliest to fit the room left), always keeping one carrier
+    in d; the roomiest wave first. Only a move no wave has room for opens a new wave (the
+    caller's fallback). At most ROOM_TRIES exact prices. Returns whether an atom moved."""
+    keep = min((a for a in d.atoms if carries(a)),
+               key=lambda a: (float(items.atom_alone[a].max()), a), default=None)
+    order = sorted((a for a in d.atoms if a != keep),
+                   key=lambda a: (carries(a), float(items.atom_alone[a].max()), a))
+    targets = sorted((o for o in others if not o.fixed),
+                     key=lambda o: (o.price.admitted_bytes, int(o.reqs(items)[0])))
+    tries = 0
+    for a in order:
+        for o in targets:
+            if tries >= ROOM_TRIES:
+                return False
+            tries += 1
+            cand = Draft(sorted(o.atoms + [a]))
+            if price_draft(cand, items, pricer).admitted_bytes <= budget:
+                o.atoms, o.price = cand.atoms, cand.price
+                d.atoms = sorted(x for x in d.atoms if x != a)
+                price_draft(d, items, pricer)
+                return True
+    return False
 
 
 def _repair_candidate(cands: list[Draft], slot: str, covered: set[str], info: SlotInfo,
@@ -121,7 +195,7 @@ def _repair_candidate(cands: list[Draft], slot: str, covered: set[str], info: Sl
         if items.atom_unit[a]:
             return d
         fs = frozenset(info.of(items.atom(a)) - covered)
-        if pricer.price([items.atom(a)], first_slots=fs).admitted_bytes <= budget:
+        if exact_price(pricer, [items.atom(a)], fs).admitted_bytes <= budget:
             return d
     return cands[0]
 
@@ -160,6 +234,8 @@ def _repair(d: Draft, slot: str, drafts: list[Draft], leading: list[Draft], cove
                 f"request {unit_label(step, items.atom(a))}: does not fit with the pending "
                 f"adapter gradients of slot(s) {sorted(fs)}; price {price.admitted_bytes} "
                 f"admitted bytes > budget_bytes={int(budget)}")
+        if _move_to_room(d, others, carries, items, pricer, budget):
+            continue
         movable = sorted(d.atoms, key=lambda a: (carries(a), -size(a), a))
         if carries(movable[0]):
             # only carriers left: keep the smallest carrier, move the largest one

@@ -1,9 +1,11 @@
 """Exact re-pricing of packed waves, repair of any wave priced over the budget, and merging
 where the exact price leaves room.
 
-Every wave leaving the search has been priced by `pricer.price` (with its children and
-first_slots) and its admitted bytes are <= budget: a wave over the budget is split by moving
-its largest atoms into a new wave until both fit.
+Every wave leaving the search has been priced exactly (with its children and first_slots) and
+its admitted bytes are <= budget: a wave over the budget is split by moving its largest atoms
+into a new wave until both fit. Inside the search an exact price is only its admitted bytes
+(`exact_price`: the pricer's `admitted` when it has one, an `Admitted`); `finalise` gives
+the waves that leave the search their full price (`pricer.price`, with the breakdown).
 
 Merging (only while the plan is above the bound): pairs of flat waves, lightest first, are
 tried when an estimate (the envelope of the union x the larger exact/envelope ratio of the
@@ -21,8 +23,10 @@ import numpy as np
 
 from .items import Items
 from .ladder import run_ladder
+from .prices import Admitted, exact_price
+from .reprice_jit import merge_candidates, wave_loads_jit
 
-MERGE_TRIES_PER_WAVE = 2
+MERGE_TRIES_PER_WAVE = 6   # exact prices per wave (the fast path makes each a few us)
 
 
 @dataclass
@@ -68,7 +72,14 @@ def drafts_from_assign(items: Items, active: np.ndarray, assign: np.ndarray,
 
 
 def price_draft(d: Draft, items: Items, pricer) -> object:
-    d.price = pricer.price(d.parts(items), first_slots=d.first_slots)
+    d.price = exact_price(pricer, d.parts(items), d.first_slots)
+    return d.price
+
+
+def finalise(d: Draft, items: Items, pricer) -> object:
+    """The draft's full price (`pricer.price`); reuses the one it carries when it is full."""
+    if isinstance(d.price, Admitted):
+        d.price = pricer.price(d.parts(items), first_slots=d.first_slots)
     return d.price
 
 
@@ -110,30 +121,23 @@ def reprice_all(drafts: list[Draft], items: Items, pricer, step, budget: int) ->
 
 
 def wave_loads(drafts: list[Draft], items: Items) -> np.ndarray:
-    """Normalised envelope load (W, P) of each flat draft, vectorised. O(n log n + W P)."""
+    """Normalised envelope load (W, P) of each flat draft. O(n P), jitted."""
     W = len(drafts)
-    P = len(items.points)
     if W == 0:
-        return np.zeros((0, P))
+        return np.zeros((0, len(items.points)))
     reqs = [d.reqs(items) for d in drafts]
-    wave = np.repeat(np.arange(W), [len(r) for r in reqs])
-    req = np.concatenate(reqs)
-    loads = np.zeros((W, P))
-    np.add.at(loads, wave, items.req_w[req])
-    S = max(len(items.sub_class), 1)
-    K = max(items.class_hdr.shape[0], 1)
-    ws = np.unique(wave * S + items.sub_of[req])
-    np.add.at(loads, ws // S, items.sub_hdr[ws % S])
-    wk = np.unique((ws // S) * K + items.sub_class[ws % S])
-    np.add.at(loads, wk // K, items.class_hdr[wk % K])
-    return loads
+    ptr = np.zeros(W + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in reqs], out=ptr[1:])
+    return wave_loads_jit(np.concatenate(reqs), ptr, items.req_w, items.req_sptr,
+                          items.req_s, items.sub_class, items.sub_hdr, items.class_hdr)
 
 
 def merge_waves(drafts: list[Draft], items: Items, pricer, budget: int, lower: int,
                 max_prices: int | None = None) -> tuple[list[Draft], int]:
-    """Merge pairs of flat drafts whose union fits when priced exactly. Candidates are pairs
-    whose estimate (envelope of the sum of the two loads x the smaller exact/envelope ratio)
-    is within budget, cheapest estimate first. Returns (drafts, exact prices spent).
+    """Merge pairs of flat drafts whose union fits when priced exactly, until the plan has
+    `lower` waves (a valid bound: no merge can go below it). Candidates are pairs whose
+    estimate (envelope of the sum of the two loads x the smaller exact/envelope ratio) is
+    within budget, cheapest estimate first. Returns (drafts, exact prices spent).
     O(W^2 P) estimates + at most `max_prices` (default MERGE_TRIES_PER_WAVE x W) prices."""
     flat = [d for d in drafts if not d.fixed]
     fixed = [d for d in drafts if d.fixed]
@@ -142,27 +146,20 @@ def merge_waves(drafts: list[Draft], items: Items, pricer, budget: int, lower: i
     limit = max_prices if max_prices is not None else MERGE_TRIES_PER_WAVE * len(drafts)
     const = items.budget - items.cap
     spent = 0
-    while spent < limit and len(flat) >= 2:
+    while spent < limit and len(flat) >= 2 and len(flat) + len(fixed) > lower:
         loads = wave_loads(flat, items)
         env = np.max(const[None, :] + loads * items.cap[None, :], axis=1)
         exact = np.asarray([d.price.admitted_bytes for d in flat], dtype=np.float64)
         ratio = np.minimum(exact / np.maximum(env, 1.0), 1.0)
-        pair = np.max(const[None, None, :] + (loads[:, None, :] + loads[None, :, :])
-                      * items.cap[None, None, :], axis=2)
-        est = pair * np.minimum(ratio[:, None], ratio[None, :])
-        iu, ju = np.triu_indices(len(flat), k=1)
-        ok = est[iu, ju] <= budget
-        if not ok.any():
+        cand = merge_candidates(loads, const, items.cap, ratio, float(budget))
+        if len(cand) == 0:
             break
-        cand = np.flatnonzero(ok)
-        cand = cand[np.argsort(est[iu[cand], ju[cand]], kind="stable")]
         alive = np.ones(len(flat), dtype=bool)
         merged = []
-        for c in cand:
-            i, j = int(iu[c]), int(ju[c])
+        for i, j in cand.tolist():
             if not (alive[i] and alive[j]):
                 continue
-            if spent >= limit:
+            if spent >= limit or len(flat) + len(fixed) - len(merged) <= lower:
                 break
             m = Draft(sorted(flat[i].atoms + flat[j].atoms))
             spent += 1
@@ -176,15 +173,16 @@ def merge_waves(drafts: list[Draft], items: Items, pricer, budget: int, lower: i
 
 
 def dissolve_lightest(drafts: list[Draft], items: Items, pricer, budget: int,
-                      max_prices: int) -> tuple[list[Draft], int]:
+                      max_prices: int, lower: int = 0) -> tuple[list[Draft], int]:
     """Rebalance: try to empty the lightest flat wave by moving its atoms (largest first)
     into the other flat waves (roomiest first) where the exact price still fits; repeat while
-    it works. A failed attempt is rolled back. Returns (drafts, exact prices spent).
+    it works and the plan is above `lower` (a valid bound). A failed attempt is rolled back.
+    Returns (drafts, exact prices spent).
     At most `max_prices` prices: O(max_prices) time."""
     spent = 0
     drafts = list(drafts)
     const = items.budget - items.cap
-    while spent < max_prices:
+    while spent < max_prices and len(drafts) > lower:
         flat = [d for d in drafts if not d.fixed]
         if len(flat) < 2:
             break

@@ -257,3 +257,69 @@ def singles_step(tokens: Sequence[int], *, slot: str = "a", grad: bool = True) -
     """Each request alone in its prefix group, no prompt."""
     return make_step([(0, [t]) for t in tokens], slots=[slot] * len(tokens),
                      grads=[grad] * len(tokens))
+
+
+_MODELS: dict = {}
+
+
+def layout_model(preset: str, *, tp: int = 1, cp: int = 1, pp: int = 1, sp: bool = False,
+                 recompute: str = "full"):
+    """A real pricing model with slots a/b/c under a parallel layout (cached)."""
+    key = (preset, tp, cp, pp, sp, recompute)
+    if key not in _MODELS:
+        from waveplan.pricing.lora import LoraConfig, LoraSlot
+        from waveplan.pricing.model import PricingModel
+        from waveplan.pricing.parallel import ParallelLayout, Recompute
+        from waveplan.pricing.presets import load_preset
+        slots = LoraConfig(slots=(LoraSlot(name="a"), LoraSlot(name="b", rank=64),
+                                  LoraSlot(name="c")))
+        _MODELS[key] = PricingModel.build(
+            load_preset(preset), parallel=ParallelLayout(tp=tp, cp=cp, pp=pp,
+                                                         sequence_parallel=sp),
+            recompute=Recompute(mode=recompute), lora=slots)
+    return _MODELS[key]
+
+
+# layouts whose padding, busiest CP rank, GDN states and conservative bounds the envelope and
+# the step-aware items must cover: TP4+SP (rows to a multiple of 4), CP2 (of 4 and half the
+# rows per rank), TP4+SP+CP2 (of 16), PP2 (conservative), a GDN hybrid and a MoE model
+LAYOUT_MODELS = (("qwen3-8b", {}), ("qwen3.8-27b", {"tp": 4, "sp": True}),
+                 ("qwen3.8-27b", {"tp": 4, "sp": True, "cp": 2}), ("llama-3.1-8b", {"cp": 2}),
+                 ("qwen3-30b-a3b", {"tp": 2, "sp": True}), ("qwen3-8b", {"pp": 2}),
+                 ("qwen3.8-27b", {"recompute": "selective"}))
+
+
+def token_step(seed: int, n: int, *, slots: Sequence[str] = ("a", "b")):
+    """A token-form step with nested sharing: requests keep random prefixes of a few shared
+    bases (a system prompt inside a prompt inside a conversation), some are duplicates or
+    prefixes of others."""
+    from waveplan.pricing.step import Request, Step
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, 50, size=int(rng.integers(1, 400))).tolist() for _ in range(3)]
+    reqs = []
+    for i in range(n):
+        base = bases[int(rng.integers(0, len(bases)))]
+        keep = int(rng.integers(0, len(base) + 1))
+        extra = rng.integers(0, 50, size=int(rng.integers(0 if keep else 1, 300))).tolist()
+        if i and rng.random() < 0.1:
+            tokens = list(reqs[int(rng.integers(0, i))].tokens)      # a duplicate
+        else:
+            tokens = base[:keep] + extra
+        reqs.append(Request.from_tokens(f"t{i}", np.asarray(tokens, dtype=np.int64),
+                                        slot=slots[int(rng.integers(0, len(slots)))],
+                                        grad=bool(rng.random() < 0.85)))
+    return Step.from_requests(reqs)
+
+
+def sft_step(seed: int, n: int, *, slots: Sequence[str] = ("a",)):
+    """A length-form SFT step: every request its own prompt, nothing shared."""
+    from waveplan.pricing.step import Request, Step
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        prompt = int(np.clip(600 * np.exp(0.7 * rng.standard_normal()), 64, 4096))
+        completion = int(np.clip(900 * np.exp(0.9 * rng.standard_normal()), 64, 8192))
+        reqs.append(Request(id=f"s{i}", prompt=f"p{i}", num_prompt_tokens=prompt,
+                            num_tokens=prompt + completion,
+                            slot=slots[int(rng.integers(0, len(slots)))]))
+    return Step.from_requests(reqs)

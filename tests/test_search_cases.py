@@ -164,18 +164,26 @@ def test_exact_count_balances_and_refuses(pname, make):
 
 def test_first_gradient_wave_gets_most_room_and_runs_first():
     # waves {4000 a, 3000 b} and {2500 b, 2000 a}: the roomier one carries a's gradients
+    from waveplan.search.items import build_items
+    from waveplan.search.order import assign_first_slots
+    from waveplan.search.reprice import Draft, price_draft
+
     step = make_step([(0, [4000]), (0, [2000]), (0, [3000]), (0, [2500])],
                      slots=["a", "a", "b", "b"], grads=[True, True, False, False])
     pricer = LinearPricer(step, first_cost=1000)
     budget = 7001
+    items = build_items(step, pricer, budget, reserve_pending=None)
+    drafts = [Draft([0, 2]), Draft([1, 3])]
+    for d in drafts:
+        price_draft(d, items, pricer)
+    waves = assign_first_slots(drafts, items, pricer, step, budget)
+    assert [w.atoms for w in waves] == [[1, 3], [0, 2]]
+    assert waves[0].first_slots == frozenset({"a"}) and not waves[1].first_slots
+    assert waves[0].price.admitted_bytes == 5500
+    # and the search leaves room for them from the start: two waves, a's first
     res = pack(step, pricer, budget_bytes=budget)
     check_plan(step, pricer, res, budget_bytes=budget)
-    assert len(res.waves) == 2
-    first = res.waves[0]
-    assert first.first_slots == frozenset({"a"})
-    assert sorted(first.children[0].tolist()) == [1, 3]
-    assert first.price.admitted_bytes == 5500
-    assert not res.waves[1].first_slots
+    assert len(res.waves) == 2 and res.waves[0].first_slots == frozenset({"a"})
 
 
 def test_first_gradient_wave_repair_picks_a_wave_that_can_carry():

@@ -147,3 +147,127 @@ def test_split_children_partition(step, k):
     assert len(children) == k
     assert all(len(c) > 0 for c in children)
     assert np.array_equal(np.sort(np.concatenate(children)), idx)
+
+
+SFT_MODELS = [("qwen3.8-27b", {"tp": 4, "sp": True}), ("qwen3.8-27b", {"tp": 4, "sp": True, "cp": 2}),
+              ("llama-3.1-8b", {"tp": 2, "sp": True, "cp": 2}), ("qwen3-8b", {})]
+
+
+@pytest.mark.parametrize("preset,kw", SFT_MODELS, ids=[f"{p}-{sorted(k.items())}"
+                                                       for p, k in SFT_MODELS])
+@pytest.mark.parametrize("gen", ["sft", "token"])
+def test_auto_never_needs_more_waves_than_a_baseline(preset, kw, gen):
+    """Generated SFT steps (nothing shared: the envelope's padding and segment bounds are
+    what a token-budget packer checked exactly does not pay) and token-form steps with nested
+    prompts, at tight and loose budgets: auto <= uniform-width, ffd and kk on every step."""
+    from search_fakes import layout_model, sft_step, token_step
+    from waveplan.pricing.wave_pricer import WavePricer
+
+    model = layout_model(preset, **kw)
+    for seed in range(4):
+        step = sft_step(seed, 96) if gen == "sft" else token_step(seed, 64)
+        for factor in (1.3, 3.0):
+            pricer = WavePricer.build(step, model)
+            budget = feasible_budget(step, pricer, factor)
+            auto = _run_checked(step, pricer, PackerKind.AUTO, budget, deterministic=True)
+            for kind in (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK):
+                base = _run_checked(step, WavePricer.build(step, model), kind, budget)
+                assert len(auto.waves) <= len(base.waves), (seed, factor, kind)
+                assert auto.lower_bound_waves <= len(base.waves)
+
+
+@pytest.mark.parametrize("n", [32, 64, 128])
+def test_skipping_merges_at_the_valid_bound_keeps_the_plan(n, monkeypatch):
+    """A plan that meets the valid bound skips exact-price merging; forcing the merging on
+    (a bound of 1) must leave such a plan as it is: nothing can merge below the bound."""
+    from search_fakes import real_pricer
+    from waveplan.search import packers
+
+    def plan():
+        out = []
+        for seed in range(6):
+            step, pricer = real_pricer(grpo_step(seed, n))
+            budget = feasible_budget(step, pricer, 4.0)
+            res = pack(step, pricer, budget_bytes=budget, deterministic=True)
+            check_plan(step, pricer, res, budget_bytes=budget)
+            out.append((res.proven_optimal, [(sorted(w.first_slots), [c.tolist() for c in
+                                                                     w.children])
+                                             for w in res.waves]))
+        return out
+
+    skipped = plan()
+    assert any(proven for proven, _ in skipped)
+    real = packers._valid_lower_bound
+    monkeypatch.setattr(packers, "_valid_lower_bound", lambda *a: 1)
+    forced = plan()
+    monkeypatch.setattr(packers, "_valid_lower_bound", real)
+    for (proven, waves), (_, waves_forced) in zip(skipped, forced, strict=True):
+        if proven:
+            assert waves == waves_forced
+
+
+def test_exact_solver_charges_its_time_budget(monkeypatch):
+    """CP-SAT's wall-clock share becomes model sizes and deterministic seconds: no model when
+    building it would not fit, and a solve limited to what is left after building it."""
+    from search_fakes import LinearPricer, singles_step
+    from waveplan.search import exact_cpsat
+    from waveplan.search.items import build_items
+
+    step = singles_step([3000, 3000, 2000, 2000, 2000, 2000])
+    items = build_items(step, LinearPricer(step), 7001)
+    active = np.arange(6)
+    calls = []
+
+    def fake_solve(items, active, B, det, seed, nonempty, hint):
+        calls.append((B, det))
+        return "unknown", None, 0, det
+
+    monkeypatch.setattr(exact_cpsat, "_solve", fake_solve)
+    assign = np.asarray([0, 1, 2, 0, 1, 2])
+    build = exact_cpsat.build_cost_s(6, 2, len(items.points))
+    too_small = build + exact_cpsat.WALL_PER_DET * exact_cpsat.MIN_DET * 0.5
+    res = exact_cpsat.solve_waves(items, active, best_assign=assign, best_nw=3, lower=2,
+                                  budget_s=too_small, seed=0)
+    assert calls == [] and res[1] == 3
+    exact_cpsat.solve_waves(items, active, best_assign=assign, best_nw=3, lower=2,
+                            budget_s=0.05, seed=0)
+    assert len(calls) == 1 and calls[0][0] == 2
+    assert calls[0][1] == pytest.approx((0.05 - build) / exact_cpsat.WALL_PER_DET)
+
+
+def test_deterministic_budget_limits_greedy_runs():
+    """Without the clock, the time budget still decides how many greedy runs a step gets
+    (estimated from its size), and the plan is the same every time."""
+    from search_fakes import real_pricer
+
+    step, pricer = real_pricer(grpo_step(2, 512))
+    budget = feasible_budget(step, pricer, 4.0)
+    small = [pack(step, pricer, budget_bytes=budget, deterministic=True, time_budget_ms=0.5)
+             for _ in range(2)]
+    large = pack(step, pricer, budget_bytes=budget, deterministic=True, time_budget_ms=200.0)
+    assert small[0].stats["greedy_runs"] == 1
+    assert large.stats["greedy_runs"] > 1 or large.proven_optimal
+    assert [[c.tolist() for c in w.children] for w in small[0].waves] == \
+        [[c.tolist() for c in w.children] for w in small[1].waves]
+    assert len(large.waves) <= len(small[0].waves)
+
+
+@pytest.mark.parametrize("kind", list(PackerKind), ids=[k.value for k in PackerKind])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 40), factor=st.floats(1.0, 5.0),
+       data=st.data())
+def test_token_steps_with_nested_prompts_keep_invariants(kind, seed, n, factor, data):
+    """Token-form steps (radix-tree items, nested prompts), with atomic units and, for the
+    search packers, an exact wave count."""
+    from search_fakes import layout_model, token_step
+    from waveplan.pricing.wave_pricer import WavePricer
+
+    step = token_step(seed, n)
+    pricer = WavePricer.build(step, layout_model("qwen3.8-27b", tp=4, sp=True))
+    budget = feasible_budget(step, pricer, factor)
+    units = data.draw(units_for(n))
+    count = None
+    if kind not in (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK) and \
+            data.draw(st.booleans()):
+        count = data.draw(st.integers(1, n))
+    _run_checked(step, pricer, kind, budget, units, num_waves=count, deterministic=True)

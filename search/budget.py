@@ -1,0 +1,39 @@
+"""How the search spends its time budget, in both modes.
+
+The budget covers the whole search. Exact re-pricing, the pending-gradient order and the
+final breakdowns cost about POST_US_PER_WAVE per wave (measured on generated GRPO steps of
+32-2048 requests with the real pricer); that much is set aside from the start, using the
+lower bound for the wave count, and the rest goes to the greedy runs, then the multistart.
+
+Without `deterministic`, the greedy and the multistart stop at the wall-clock deadline. With
+it, the clock is never read: the number of greedy runs and multistart iterations comes from
+an estimate of their cost, RUN_US_BASE + RUN_US_PER_UNIT x atoms x (waves + points)
+microseconds each (a greedy run with its `eliminate`, or a multistart iteration, its share
+of the chunked kernel call included). Measured on generated GRPO steps and soak steps of
+2-512 atoms, 1-121 waves, 2-6 points: 0.024-0.05 us per unit on large steps (least squares
+and medians), 0.07 on the slowest soak steps, about 10 us per iteration on tiny ones; the
+constants sit near the slow end, so a deterministic plan rarely overruns its budget
+(`bench/search_quality.py --calibrate` re-fits them). The count is the same on any
+machine.
+"""
+
+from __future__ import annotations
+
+POST_US_PER_WAVE = 60.0
+RUN_US_BASE = 10.0
+RUN_US_PER_UNIT = 0.06
+
+
+def search_us(time_budget_ms: float, waves: int) -> float:
+    """Microseconds left for the greedy and the multistart."""
+    return max(0.0, 1e3 * time_budget_ms - POST_US_PER_WAVE * max(waves, 0))
+
+
+def run_cost_us(atoms: int, waves: int, points: int) -> float:
+    """Estimated microseconds of one greedy run (with `eliminate`) or multistart iteration."""
+    return RUN_US_BASE + RUN_US_PER_UNIT * atoms * (max(waves, 1) + points)
+
+
+def runs_within(us: float, atoms: int, waves: int, points: int) -> int:
+    """How many runs of that cost fit in `us` microseconds (0 when none does)."""
+    return int(max(0.0, us) // run_cost_us(atoms, waves, points))
