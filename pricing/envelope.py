@@ -128,6 +128,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         s = model.safety * (1.0 - _LOWER_MARGIN)
         return Envelope(const=np.zeros(row_c.shape[0]), presence=pres_c * s, coef=coef * s,
                         pending=pend * s)
+    const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
+                                                          class_grad, float(a["first_exec"]))
     multiple = model.parallel.row_multiple
     cp_div = 1 if model.conservative else model.parallel.cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))
@@ -135,21 +137,34 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     coef[:, :, 1] = a["caller"]
     pad = row_c / cp_div + seg_c       # a padding row: one more row, one more root segment
     coef[:, :, 2] = pad * (multiple - 1) + 2.0 * seg_c
-    # The first-execution allowance is paid once by a wave with a gradient group, so it is a
-    # presence charge: of the running class at its own points, and of every gradient class at
-    # a no-grad class's points (over-charged when several gradient classes share a wave).
-    # A constant would refuse no-grad waves that fit.
-    grad_cols = np.flatnonzero(np.asarray(class_grad, dtype=bool))
-    own_grad = np.asarray(class_grad, dtype=bool)[run]
-    pres_c[cols[own_grad], run[own_grad]] += a["first_exec"]
-    if grad_cols.size:
-        pres_c[np.ix_(cols[~own_grad], grad_cols)] += a["first_exec"]
-    const = np.zeros(row_c.shape[0])
     keep_idx = _undominated(const, pres_c, coef, pad, seg_c)
     s = model.safety
     return Envelope(const=const[keep_idx] * s + _ROUNDING_MARGIN, presence=pres_c[keep_idx] * s,
                     coef=coef[keep_idx] * s, pad=pad[keep_idx] * s, seg=seg_c[keep_idx] * s,
                     multiple=int(multiple))
+
+
+def _first_execution_points(row_c: np.ndarray, seg_c: np.ndarray, pres_c: np.ndarray,
+                            run: np.ndarray, class_grad: Sequence[bool], first_exec: float):
+    """The first-execution allowance, paid once by a wave with a gradient group: a constant
+    at a gradient class's points (they bind only when that class runs); a no-gradient
+    class's point becomes one copy per gradient class k that charges it as k's presence, so
+    their max pays it exactly when some gradient class shares the wave. (A constant there
+    refused no-gradient waves that fit; the uncharged original is dominated by its copies
+    and pruned, unless the step has no gradient class.) Returns const, rows, segments and
+    presence per point; O(P x K)."""
+    grad = np.asarray(class_grad, dtype=bool)
+    own_grad = grad[run]
+    const = np.where(own_grad, first_exec, 0.0)
+    grad_cols = np.flatnonzero(grad)
+    ng_points = np.flatnonzero(~own_grad)
+    if grad_cols.size == 0 or ng_points.size == 0:
+        return const, row_c, seg_c, pres_c
+    rep = np.repeat(ng_points, grad_cols.size)
+    extra = pres_c[rep].copy()
+    extra[np.arange(rep.size), np.tile(grad_cols, ng_points.size)] += first_exec
+    return (np.concatenate([const, np.zeros(rep.size)]), np.concatenate([row_c, row_c[rep]]),
+            np.concatenate([seg_c, seg_c[rep]]), np.concatenate([pres_c, extra]))
 
 
 def _undominated(const: np.ndarray, pres: np.ndarray, coef: np.ndarray,
