@@ -179,9 +179,20 @@ def bounds_of(cu) -> list[int]:
     return list(known) if known is not None else [int(x) for x in cu.tolist()]
 
 
+# id(cu_seqlens) -> [(start, end, parent (start, end) or None)] of a prefix-tree packing
+_TREES: dict[int, list[tuple[int, int, tuple[int, int] | None]]] = {}
+
+
+def tree_of(cu) -> list[tuple[int, int, tuple[int, int] | None]] | None:
+    """The prefix-tree segments registered for a cu_seqlens tensor (None: plain THD)."""
+    return _TREES.get(id(cu))
+
+
 @contextlib.contextmanager
 def _thd_rope_patch():
-    """Megatron's THD RoPE reads cu_seqlens with `.tolist()`; use the known bounds instead."""
+    """Megatron's THD RoPE reads cu_seqlens with `.tolist()`; use the known bounds instead.
+    A prefix-tree packing (`run_training_wave`) continues each segment's positions after its
+    parent's rows."""
     import torch
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -189,11 +200,14 @@ def _thd_rope_patch():
 
     def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
             mscale=1.0, cp_group=None):
-        bounds = bounds_of(cu_seqlens)
-        lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
-        freqs_packed = torch.cat([freqs[:n] for n in lens], dim=0)
+        tree = tree_of(cu_seqlens)
+        if tree is None:
+            bounds = bounds_of(cu_seqlens)
+            tree = [(a, b, None) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+        parts = [freqs[(0 if parent is None else parent[1] - parent[0]):][:b - a]
+                 for a, b, parent in tree]
         return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), freqs_packed, rotary_interleaved=rotary_interleaved,
+            t.unsqueeze(1), torch.cat(parts, dim=0), rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 
     rope_utils._apply_rotary_pos_emb_thd = thd
@@ -640,15 +654,6 @@ class WaveMeasurement:
                     "tensors), above parameters, buffers, accumulated gradients and inputs")
 
 
-# id(cu_seqlens) -> [(start, end, parent (start, end) or None)] of a prefix-tree packing
-_TREES: dict[int, list[tuple[int, int, tuple[int, int] | None]]] = {}
-
-
-def tree_of(cu) -> list[tuple[int, int, tuple[int, int] | None]] | None:
-    """The prefix-tree segments registered for a cu_seqlens tensor (None: plain THD)."""
-    return _TREES.get(id(cu))
-
-
 def _tree_attention_class():
     import torch
     import torch.nn.functional as F
@@ -715,36 +720,6 @@ def use_prefix_tree_attention(model) -> int:
         elif type(module) is _TREE_SDPA:
             switched += 1
     return switched
-
-
-@contextlib.contextmanager
-def _tree_rope_patch():
-    """THD RoPE from known bounds (as `_thd_rope_patch`), with each tree segment's
-    positions continuing after its parent's rows."""
-    import torch
-    from megatron.core.models.common.embeddings import rope_utils
-
-    original = rope_utils._apply_rotary_pos_emb_thd
-
-    def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
-            mscale=1.0, cp_group=None):
-        tree = tree_of(cu_seqlens)
-        if tree is None:
-            bounds = bounds_of(cu_seqlens)
-            tree = [(a, b, None) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
-        parts = []
-        for a, b, parent in tree:
-            start = 0 if parent is None else parent[1] - parent[0]
-            parts.append(freqs[start:start + b - a])
-        return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), torch.cat(parts, dim=0), rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
-
-    rope_utils._apply_rotary_pos_emb_thd = thd
-    try:
-        yield
-    finally:
-        rope_utils._apply_rotary_pos_emb_thd = original
 
 
 def _pack_groups(torch, groups, device):
@@ -840,7 +815,7 @@ def run_training_wave(model, children, *, loss_scale: float = 1.0) -> WaveMeasur
     loss_sum = 0.0
     model.train()
     try:
-        with tracker, _tree_rope_patch():
+        with tracker, _thd_rope_patch():
             tracker.reset_peak()
             for (ids, pos, labels, weights), packed, _, _ in packs:
                 out = model(ids, pos, None, labels=labels, packed_seq_params=packed)
