@@ -222,6 +222,24 @@ def soak(*, cases: int | None = None, seed: int = 0, time_limit_s: float = 300.0
     return stats
 
 
+def _warm_up() -> None:
+    """Import OR-Tools and load the numba kernels once, so the worst planning time is a
+    planning time, not the process's one-time start-up (a new configuration's first plan
+    still builds its pricer and envelope, and counts)."""
+    planner = Planner.from_preset("qwen3-8b")
+    step = Step.from_requests([Request(id=f"w{i}", num_tokens=512 * (i + 1), prompt=f"p{i % 2}",
+                                       num_prompt_tokens=256) for i in range(6)])
+    for packer in ("exact", "auto"):
+        planner.plan(step, 3 * GIB, packer=packer, deterministic=True)
+    try:  # the exact packer imports CP-SAT lazily, only when a gap is left
+        from ortools.sat.python import cp_model
+    except ImportError:
+        return
+    model = cp_model.CpModel()
+    model.Add(model.NewIntVar(0, 1, "x") >= 1)
+    cp_model.CpSolver().Solve(model)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -229,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    _warm_up()
     t0 = time.monotonic()
     stats = soak(cases=args.cases, seed=args.seed, time_limit_s=args.minutes * 60)
     elapsed = time.monotonic() - t0
