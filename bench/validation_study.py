@@ -35,6 +35,29 @@ MOE_WAVES = ([1024], [2048], [512] * 4, [1024] * 4, [256] * 16)
 # GDN kernel makes these the slow cells: 6-40 s each on this machine's CPU).
 HYBRID_WAVES = ([1024], [2048], [512, 512, 1024], [1024] * 4, [4096], [2048, 6144])
 HYBRID_MOE_WAVES = ([1024], [2048], [512] * 4, [4096])
+# Small dense models, shapes inline (no preset has them): the training-loop example's model
+# (examples/train_lora_cpu.py: hidden 128, FFN 384, vocab 512, 4 heads in 2 groups) and two
+# larger small ones. At these widths the per-row terms that do not scale with the hidden size
+# (rank-wide LoRA tensors, per-head softmax statistics, per-segment tensors) weigh several
+# percent, which the full-size cells above cannot constrain.
+SMALL_MODELS = (
+    # (label, hidden, ffn, vocab, heads, groups)
+    ("small-h128", 128, 384, 512, 4, 2),
+    ("small-h256", 256, 768, 2048, 8, 4),
+    ("small-h512", 512, 1536, 4096, 8, 2),
+)
+SMALL_WAVES = ([436], [200, 312], [64] * 7, [128, 96, 160, 52], [1024], [100] * 10)
+
+
+def small_geometry(label: str, num_layers: int) -> dict:
+    """The inline geometry (`ModelGeometry.to_dict()` form) of a small model."""
+    _, hidden, ffn, vocab, heads, groups = next(m for m in SMALL_MODELS if m[0] == label)
+    return {"name": label, "hidden": hidden, "ffn": ffn, "vocab": vocab, "dtype": "bf16",
+            "gated_mlp": True, "tied_embeddings": False,
+            "layers": [["attention", "dense"]] * num_layers,
+            "attention": {"num_heads": heads, "num_kv_groups": groups,
+                          "head_dim": hidden // heads, "output_gate": False},
+            "gdn": None, "moe": None}
 
 
 def cells() -> list[dict]:
@@ -67,12 +90,36 @@ def cells() -> list[dict]:
             out.append({"model": "qwen3.6-35b-a3b", "num_layers": 4, "recompute": rc,
                         "lora_rank": RANKS[i % 4], "seq_lens": list(lens)})
             i += 1
+    for label, *_ in SMALL_MODELS:
+        for rc in RECOMPUTES:
+            for w, lens in enumerate(SMALL_WAVES):
+                if (w + len(rc)) % 3 == 2:  # drop two waves per combination: 4 per combo
+                    continue
+                layers = 2 + i % 2
+                out.append({"model": label, "geometry": small_geometry(label, layers),
+                            "num_layers": layers, "recompute": rc, "lora_rank": RANKS[i % 4],
+                            "seq_lens": list(lens)})
+                i += 1
     return out
 
 
 def cell_key(cell: dict) -> str:
-    return json.dumps([cell["model"], cell["num_layers"], cell["recompute"], cell["lora_rank"],
-                       list(cell["seq_lens"])])
+    key = [cell["model"], cell["num_layers"], cell["recompute"], cell["lora_rank"],
+           list(cell["seq_lens"])]
+    if "geometry" in cell:  # inline shapes: a changed geometry is a new cell
+        key.append(cell["geometry"])
+    return json.dumps(key, sort_keys=True)
+
+
+def cell_model(cell: dict):
+    """The geometry `trace_wave` runs: the inline one, else the named preset."""
+    if "geometry" in cell:
+        from waveplan.pricing.geometry import ModelGeometry
+
+        return ModelGeometry.from_dict(cell["geometry"])
+    from waveplan.pricing.presets import load_preset
+
+    return load_preset(cell["model"])
 
 
 def load_traces(path: Path = TRACES) -> list[dict]:
@@ -87,7 +134,6 @@ def load_traces(path: Path = TRACES) -> list[dict]:
 
 def cmd_trace(args) -> int:
     from waveplan.pricing.parallel import Recompute
-    from waveplan.pricing.presets import load_preset
     from waveplan.pricing.trace import trace_wave
 
     done = {cell_key(r["cell"]) for r in load_traces(args.traces)}
@@ -97,7 +143,7 @@ def cmd_trace(args) -> int:
     args.traces.parent.mkdir(parents=True, exist_ok=True)
     for n, cell in enumerate(todo, 1):
         t0 = time.perf_counter()
-        res = trace_wave(load_preset(cell["model"]), seq_lens=cell["seq_lens"],
+        res = trace_wave(cell_model(cell), seq_lens=cell["seq_lens"],
                          num_layers=cell["num_layers"], device="cpu-fake",
                          recompute=Recompute(mode=cell["recompute"]),
                          lora_rank=cell["lora_rank"], head="full-native")

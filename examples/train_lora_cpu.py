@@ -9,7 +9,10 @@ measures its peak, and `Planner.observe` learns from that peak. After the step's
 AdamW updates the adapters. The printed table shows, per wave, the estimate it was planned
 with, the measured peak, and the estimate after `observe`: the estimates tighten towards
 the measurements and the planning estimate (admitted, with the safety factor) never falls
-below a measured peak.
+below a measured peak. The static estimate alone (the table, before any observation) covers
+every measured peak too: the table's calibration cells include this model's shape, and the
+prefix-tree attention (`pricing.trace.run_training_wave`) keeps, as a varlen flash kernel
+does, only the packed queries/keys/values, not per-segment copies joined to the prompt's.
 
 The planner's geometry, layout, recompute and LoRA settings are read from the live model
 (`geometry_from_megatron`); prices use the `torch-cpu` coefficient table (fitted to traces

@@ -1,7 +1,8 @@
 """Fit a backend's coefficient table to traced wave peaks (`waveplan calibrate`).
 
 A trace record is one JSON object per line: `{"cell": {...}, "trace": TraceResult.to_dict()}`
-where the cell names the model (preset name), `num_layers` traced, `recompute` mode,
+where the cell names the model (preset name; or a label, with the shapes inline as
+`geometry`, a `ModelGeometry.to_dict()` object), `num_layers` traced, `recompute` mode,
 `lora_rank` and `seq_lens` (what `bench/validation_study.py trace` writes).
 
 The fit keeps the base table's structure. Each *group* of terms (`GROUPS`) gets one factor:
@@ -144,6 +145,15 @@ def _check_record(rec: object, where: str) -> None:
     for key in ("model", "num_layers", "recompute", "lora_rank", "seq_lens"):
         if key not in cell:
             raise bad(ConfigError, "traces", where, f"cell lacks '{key}'")
+    if "geometry" in cell:
+        if not isinstance(cell["geometry"], dict):
+            raise bad(ConfigError, "traces", where, "cell.geometry must be a model geometry object")
+        from .geometry import ModelGeometry
+
+        try:
+            ModelGeometry.from_dict(cell["geometry"])
+        except (ConfigError, KeyError, TypeError, ValueError) as exc:
+            raise bad(ConfigError, "traces", where, f"cell.geometry is not a model geometry: {exc}") from None
     for key in ("peak_bytes", "decoder_peak_bytes"):
         value = trace.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -157,12 +167,22 @@ def _check_record(rec: object, where: str) -> None:
 _GEOMETRY_CACHE: dict = {}
 
 
-def _geometry(name: str, num_layers: int):
-    key = (name, num_layers)
+def cell_geometry(cell: dict):
+    """The traced geometry of a cell, cut to its traced layer count: the inline `geometry`
+    (a `ModelGeometry.to_dict()` object, for shapes no preset has, e.g. small models) when
+    the cell carries one, else the preset or model file that `model` names."""
+    inline = cell.get("geometry")
+    num_layers = int(cell["num_layers"])
+    key = (json.dumps(inline, sort_keys=True) if inline is not None else cell["model"], num_layers)
     if key not in _GEOMETRY_CACHE:
-        from .model_source import load_model
+        if inline is not None:
+            from .geometry import ModelGeometry
 
-        g = load_model(name)
+            g = ModelGeometry.from_dict(inline)
+        else:
+            from .model_source import load_model
+
+            g = load_model(cell["model"])
         _GEOMETRY_CACHE[key] = dataclasses.replace(g, layers=g.layers[:num_layers])
     return _GEOMETRY_CACHE[key]
 
@@ -181,7 +201,7 @@ def _model(table: CoefficientTable, cell: dict):
     from .model import PricingModel
     from .parallel import ParallelLayout, Recompute
 
-    geometry = _geometry(cell["model"], int(cell["num_layers"]))
+    geometry = cell_geometry(cell)
     # the traced adapters are bf16 parameters with plain autograd gradients: 2 bytes each
     return PricingModel(geometry=geometry, parallel=ParallelLayout(),
                         recompute=Recompute(mode=cell["recompute"]),
@@ -316,7 +336,7 @@ def _used_groups(records: list[dict]) -> list[str]:
             "final_norm_backward"}
     for rec in records:
         cell = rec["cell"]
-        g = _geometry(cell["model"], int(cell["num_layers"]))
+        g = cell_geometry(cell)
         attention = any(s.mixer == MixerKind.ATTENTION for s in g.layers)
         gdn = any(s.mixer == MixerKind.GDN for s in g.layers)
         if attention:

@@ -657,6 +657,7 @@ class WaveMeasurement:
 def _tree_attention_class():
     import torch
     import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
 
     from .megatron_build import sdpa_attention_class
 
@@ -683,19 +684,29 @@ def _tree_attention_class():
                     outs.append(self._one(q, key[a:b].unsqueeze(0),
                                           value[a:b].unsqueeze(0)).squeeze(0))
                     continue
-                pa, pb = parent
-                k = torch.cat([key[pa:pb], key[a:b]]).unsqueeze(0).transpose(1, 2)
-                v = torch.cat([value[pa:pb], value[a:b]]).unsqueeze(0).transpose(1, 2)
-                rows, cols = b - a, (pb - pa) + (b - a)
-                mask = torch.ones(rows, cols, dtype=torch.bool, device=query.device) \
-                    .tril(diagonal=pb - pa)
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k, v, attn_mask=mask, scale=self.softmax_scale,
-                    dropout_p=self.dropout_p if self.training else 0.0,
-                    enable_gqa=q.shape[2] != k.shape[1])
-                outs.append(out.transpose(1, 2).squeeze(0))
+                # the parent's keys/values joined to the segment's and the mask are built
+                # inside a checkpoint: autograd keeps only views of the packed q/k/v (as a
+                # varlen flash kernel keeps them), and backward rebuilds them for one segment
+                # at a time, so the measured peak holds no per-segment copies the planner
+                # does not price
+                outs.append(checkpoint(self._child, q, key, value, a, b, parent,
+                                       use_reentrant=False, preserve_rng_state=False))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
             return out.reshape(out.shape[0], -1)
+
+        def _child(self, q, key, value, a, b, parent):
+            """One segment with a parent: all of the parent's rows, causal over its own."""
+            pa, pb = parent
+            k = torch.cat([key[pa:pb], key[a:b]]).unsqueeze(0).transpose(1, 2)
+            v = torch.cat([value[pa:pb], value[a:b]]).unsqueeze(0).transpose(1, 2)
+            rows, cols = b - a, (pb - pa) + (b - a)
+            mask = torch.ones(rows, cols, dtype=torch.bool, device=q.device) \
+                .tril(diagonal=pb - pa)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=mask, scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                enable_gqa=q.shape[2] != k.shape[1])
+            return out.transpose(1, 2).squeeze(0)
 
     return TreeSdpaAttention
 

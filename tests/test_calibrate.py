@@ -144,3 +144,20 @@ def test_simplex_agrees_with_glop_on_a_fit():
     ours = calibrate._simplex(*captured["args"])
     assert x is not None and glop is not None
     assert c @ ours == pytest.approx(c @ glop, rel=1e-7, abs=1e-9)
+
+
+def test_small_cells_carry_their_geometry_inline():
+    """Small-model cells (no preset) carry their shapes inline; the calibration prices them
+    with that geometry, and one that is not a geometry is a ConfigError."""
+    from waveplan.pricing.errors import ConfigError
+
+    small = [r for r in _grid() if "geometry" in r["cell"]]
+    assert {r["cell"]["geometry"]["hidden"] for r in small} >= {128, 256, 512}
+    rec = next(r for r in small if r["cell"]["geometry"]["hidden"] == 128)
+    g = calibrate.cell_geometry(rec["cell"])
+    assert g.hidden == 128 and g.num_layers == rec["cell"]["num_layers"]
+    assert calibrate.estimate(load_table("torch-cpu"), rec)["peak"] >= rec["trace"]["peak_bytes"]
+    bad = json.loads(json.dumps(rec))
+    bad["cell"]["geometry"]["hidden"] = "wide"
+    with pytest.raises(ConfigError):
+        calibrate.fit_table([bad], calibrate.load_base())

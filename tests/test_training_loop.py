@@ -14,6 +14,10 @@ runs, so "observed so far" means the waves of earlier steps. Asserted:
   not asserted >= the peak: it falls below when a new wave's measured/static ratio exceeds
   every ratio seen before (r extrapolates, it does not bound);
 * the raw estimate after observing a wave >= that wave's peak (the floor at equal size);
+* the static estimate (the torch-cpu table alone, no profile), raw and so admitted, >= the
+  wave's measured peak on every wave: the table's calibration evidence includes this model's
+  shape (bench/validation_study.py, small cells), and the prefix-tree attention keeps no
+  per-segment key/value copies or masks the planner does not price (pricing/trace.py);
 * tightening: where the rule's premise holds (the wave's ratio <= r <= 1), the estimate lies
   between the peak and the static estimate; summed over the profiled waves, the estimates
   are strictly closer to the peaks than the static ones.
@@ -103,6 +107,12 @@ def test_profiled_estimates_follow_the_rule_and_never_admit_below_the_peak(run):
         assert w.raw_after >= w.measured, (w.step, w.wave)
         assert w.admitted_after >= w.measured
     assert profiled == len(run.waves) - run.waves_per_step[0] > 0
+
+
+def test_static_estimates_never_fall_below_the_peak(run):
+    for w in run.waves:
+        assert w.static_raw >= w.measured, (w.step, w.wave, w.static_raw, w.measured)
+        assert math.ceil(w.static_raw * 1.10) >= w.measured
 
 
 def test_estimates_tighten(run):
