@@ -153,7 +153,7 @@ def _tiny_model():
 def test_a_prefix_tree_wave_trains_like_its_sequences_run_apart():
     import torch
     from waveplan.pricing.megatron_shim import init_single_process
-    from waveplan.pricing.trace import PromptGroup, run_training_wave
+    from waveplan.pricing.training_wave import PromptGroup, run_training_wave
 
     gen = torch.Generator().manual_seed(0)
     prompt = tuple(torch.randint(0, 512, (40,), generator=gen).tolist())
@@ -194,7 +194,8 @@ def test_a_prefix_tree_wave_trains_like_its_sequences_run_apart():
 def test_a_plain_training_wave_measures_what_the_tracer_measures():
     from waveplan.pricing.megatron_shim import init_single_process
     from waveplan.pricing.parallel import Recompute
-    from waveplan.pricing.trace import PromptGroup, run_training_wave, trace_wave
+    from waveplan.pricing.trace import trace_wave
+    from waveplan.pricing.training_wave import PromptGroup, run_training_wave
 
     lens = [200, 312]
     with init_single_process(1):
