@@ -10,8 +10,12 @@ candidate waves are those holding one of its gradient requests, by increasing ex
 slots not yet covered) is appended to the *leading* waves, and every slot it holds gradients
 of is covered. If none fits, one of the slot's lightest gradient atoms moves into the
 roomiest wave that then fits with the pending gradients (a wave carrying another slot's often
-has room: their peaks are at different walk points; `_bring_carrier`). Otherwise the
-roomiest candidate is repaired: its atoms move into other waves where they fit exactly (atoms without the
+has room: their peaks are at different walk points; `_bring_carrier`). Otherwise atoms are
+exchanged pairwise between a candidate (roomiest first) and the flat waves that run later,
+each exchange priced exactly, until the candidate fits with the pending gradients
+(`_swap_carrier`; undone if it never does). Since an exchange changes the waves the later
+slots choose from, a plan that used one is kept only when it has fewer waves than the same
+rule without exchanges. Otherwise the roomiest candidate is repaired: its atoms move into other waves where they fit exactly (atoms without the
 slot's gradients first, smallest first), and only when none fits anywhere the largest goes
 into a new wave (unless the wave count is fixed), until it fits; a split unit climbs the ladder instead. If even
 one atom cannot carry the gradients, InfeasibleError.
@@ -21,7 +25,8 @@ before every other wave of that slot), then the remaining waves by their smalles
 index. Their first_slots are empty.
 
 Complexity: O(W) exact prices per slot when a fitting wave exists, O(W x atoms of the
-repaired wave) otherwise.
+repaired wave) otherwise, plus at most SWAP_TRIES exact prices per slot for the exchanges
+(and the rule once more without them when one was kept).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from .prices import exact_price
 from .reprice import Draft, price_draft
 
 CARRIER_TRIES = 3   # gradient atoms tried as the carrier moved to a roomier wave
+SWAP_TRIES = 256    # exact prices spent exchanging requests to make a carrier fit, per slot
+SWAP_NEAR = 4       # partners tried per request of the carrier and wave, on either side
+ROOM_SLACK = 1.25   # an exchange's estimated gain may pass the partner's room by this factor
 ROOM_TRIES = 64     # exact prices spent looking for room for one atom of a repaired wave
 
 
@@ -85,6 +93,26 @@ def assign_first_slots(drafts: list[Draft], items: Items, pricer, step, budget: 
                        *, allow_new_waves: bool = True) -> list[Draft]:
     """Set first_slots and return the drafts in run order (see module docstring)."""
     info = SlotInfo(pricer, items.n)
+    copies = [_copy(d) for d in drafts]
+    swapped = [False]
+    out = _assign(drafts, items, pricer, step, budget, allow_new_waves, info, swapped)
+    if swapped[0]:
+        # an exchange changes the waves the later slots choose from: keep it only when the
+        # plan is no longer than without exchanges
+        plain = _assign(copies, items, pricer, step, budget, allow_new_waves, info, None)
+        if len(plain) <= len(out):
+            return plain
+    return out
+
+
+def _copy(d: Draft) -> Draft:
+    return Draft(list(d.atoms), d.children, d.price, d.first_slots, d.fixed)
+
+
+def _assign(drafts: list[Draft], items: Items, pricer, step, budget: int, allow_new_waves: bool,
+            info: SlotInfo, swapped: list[bool] | None) -> list[Draft]:
+    """`assign_first_slots`; exchanges (`_swap_carrier`) only when `swapped` is given, which
+    records whether one was kept."""
     drafts = list(drafts)
     covered: set[str] = set()
     leading: list[Draft] = []
@@ -104,6 +132,10 @@ def assign_first_slots(drafts: list[Draft], items: Items, pricer, step, budget: 
         if chosen is None:
             chosen = _bring_carrier(slot, drafts, leading, covered, info, items, pricer, budget,
                                     allow_new_waves)
+        if chosen is None and swapped is not None:
+            chosen = _swap_carrier(slot, cands, drafts, leading, covered, info, items, pricer,
+                                   budget)
+            swapped[0] = swapped[0] or chosen is not None
         if chosen is None:
             chosen = _repair(_repair_candidate(cands, slot, covered, info, items, pricer,
                                                budget), slot, drafts, leading, covered, info, items, pricer,
@@ -154,6 +186,106 @@ def _bring_carrier(slot: str, drafts: list[Draft], leading: list[Draft], covered
                 drafts.remove(src)
             return w
     return None
+
+
+def _swap_carrier(slot: str, cands: list[Draft], drafts: list[Draft], leading: list[Draft],
+                  covered: set[str], info: SlotInfo, items: Items, pricer,
+                  budget: int) -> Draft | None:
+    """No wave holding `slot`'s gradients fits with its pending gradients, and no carrier
+    moves: exchange atoms between a candidate d (roomiest first) and the flat waves that run
+    later (see `_exchange`). Returns d once it fits with them; else every exchange is undone
+    and the next candidate is tried; None when none fits. At most SWAP_TRIES exact prices."""
+    v = (items.atom_w * items.cap).max(axis=1)
+    tries = [0]
+    for d in cands:
+        if tries[0] >= SWAP_TRIES:
+            break
+        others = [o for o in drafts if o is not d and not o.fixed and o not in leading]
+        if d.fixed or len(d.atoms) < 2 or not others:
+            continue
+        saved = [(w, w.atoms, w.price) for w in [d] + others]
+        if _exchange(d, slot, others, covered, info, items, pricer, budget, v, tries):
+            return d
+        for w, atoms, price in saved:   # d still does not fit: undo every exchange
+            w.atoms, w.price = atoms, price
+        d.first_slots = frozenset()
+    return None
+
+
+def _exchange(d: Draft, slot: str, others: list[Draft], covered: set[str], info: SlotInfo,
+              items: Items, pricer, budget: int, v: np.ndarray, tries: list[int]) -> bool:
+    """Exchange atoms until d fits with the pending gradients of the slots it holds first.
+
+    One exchange moves an atom x of d (never its last gradient atom of `slot`) into another
+    wave o and an atom y of o (or nothing) into d. It is kept when d, priced exactly with the
+    pending gradients of every uncovered slot it then holds, costs less than before and o
+    still fits. Candidate pairs come from the envelope weights v (bytes, shared prompts left
+    out): the gain v[x] - v[y] should match the smaller of d's excess and o's room and may
+    not pass ROOM_SLACK x o's room; for each x the SWAP_NEAR nearest y on either side are
+    candidates, best match first. Deterministic; `tries` counts exact prices (SWAP_TRIES).
+    Returns whether d fits."""
+    fs = frozenset(info.of(d.reqs(items)) - covered)
+    cur = _price_with(d, items, pricer, fs).admitted_bytes
+    tries[0] += 1
+    carries = {a: slot in info.of(items.atom(a)) for a in d.atoms}
+    for o in others:
+        carries.update((a, slot in info.of(items.atom(a))) for a in o.atoms)
+    tried: set[tuple[int, int, int]] = set()
+    while tries[0] < SWAP_TRIES:
+        excess = cur - budget
+        xs = np.asarray(d.atoms, dtype=np.int64)
+        if sum(carries[a] for a in d.atoms) == 1:
+            xs = xs[[not carries[a] for a in d.atoms]]
+        vx = v[xs]
+        cand = []   # (match, x, y, wave)
+        for oi, o in enumerate(others):
+            room = budget - o.price.admitted_bytes
+            if room <= 0:
+                continue
+            goal = min(excess, room)
+            ys = np.asarray([-1] + o.atoms, dtype=np.int64)
+            vy = np.concatenate([[0.0], v[ys[1:]]])
+            order = np.lexsort((ys, vy))
+            ys, vy = ys[order], vy[order]
+            pos = np.searchsorted(vy, vx - goal)
+            for off in range(-SWAP_NEAR, SWAP_NEAR):
+                j = pos + off
+                ok = (j >= 0) & (j < len(ys))
+                jj = j[ok]
+                gain = vx[ok] - vy[jj]
+                keep = (gain > 0) & (gain <= ROOM_SLACK * room)
+                for x, y, m in zip(xs[ok][keep].tolist(), ys[jj][keep].tolist(),
+                                   np.abs(gain[keep] - goal).tolist(), strict=True):
+                    cand.append((m, x, y, oi))
+        cand.sort()
+        moved = False
+        for _, x, y, oi in cand:
+            if tries[0] >= SWAP_TRIES:
+                return False
+            if (x, y, oi) in tried:
+                continue
+            tried.add((x, y, oi))
+            o = others[oi]
+            nd = Draft(sorted([a for a in d.atoms if a != x] + ([y] if y >= 0 else [])))
+            nfs = frozenset(info.of(nd.reqs(items)) - covered)
+            price = _price_with(nd, items, pricer, nfs)
+            tries[0] += 1
+            if price.admitted_bytes >= cur:
+                continue
+            no = Draft(sorted([a for a in o.atoms if a != y] + [x]))
+            tries[0] += 1
+            if price_draft(no, items, pricer).admitted_bytes > budget:
+                continue
+            o.atoms, o.price = no.atoms, no.price
+            d.atoms, d.first_slots, d.price = nd.atoms, nfs, price
+            cur = price.admitted_bytes
+            moved = True
+            break
+        if cur <= budget:
+            return True
+        if not moved:
+            return False
+    return False
 
 
 def _move_to_room(d: Draft, others: list[Draft], carries, items: Items, pricer,

@@ -271,3 +271,28 @@ def test_token_steps_with_nested_prompts_keep_invariants(kind, seed, n, factor, 
             data.draw(st.booleans()):
         count = data.draw(st.integers(1, n))
     _run_checked(step, pricer, kind, budget, units, num_waves=count, deterministic=True)
+
+
+# token-form steps whose pending gradients are large (slot a ~10%, slot b ~42% of a budget of
+# 2x the largest single-request price): each wave the greedy packs holds both slots' gradient
+# requests, so the wave that runs first must carry both. Before the pairwise exchanges of
+# `order._swap_carrier` auto needed 3 waves on these seeds where uniform-width needed 2.
+PENDING_SEEDS = (0, 2, 16, 22, 38, 44, 69, 79, 113)
+
+
+def test_auto_large_pending_gradients_never_loses_to_a_baseline():
+    from search_fakes import layout_model, token_step
+    from waveplan.pricing.wave_pricer import WavePricer
+
+    model = layout_model("qwen3.8-27b", tp=4, sp=True)
+    for seed in PENDING_SEEDS:
+        step = token_step(seed, 64)
+        pricer = WavePricer.build(step, model)
+        budget = feasible_budget(step, pricer, 2.0)
+        assert pricer.pending_bytes("b") > 0.4 * budget
+        auto = _run_checked(step, pricer, PackerKind.AUTO, budget, deterministic=True)
+        for kind in (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK):
+            base = _run_checked(step, WavePricer.build(step, model), kind, budget)
+            assert len(auto.waves) <= len(base.waves), (seed, kind)
+        assert len(auto.waves) == 2, seed
+        assert auto.waves[0].first_slots == frozenset({"a", "b"})
