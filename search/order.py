@@ -20,6 +20,10 @@ slot's gradients first, smallest first), and only when none fits anywhere the la
 into a new wave (unless the wave count is fixed), until it fits; a split unit climbs the ladder instead. If even
 one atom cannot carry the gradients, InfeasibleError.
 
+When the repair added waves, `dissolve_after_order` (called by the packer) empties the light
+waves that carry no pending gradients into the others, each priced exactly with its
+first_slots, never letting a slot's gradients run before its first wave.
+
 Run order: the leading waves in the order they were chosen (so each slot's first wave runs
 before every other wave of that slot), then the remaining waves by their smallest request
 index. Their first_slots are empty.
@@ -384,3 +388,65 @@ def _repair(d: Draft, slot: str, drafts: list[Draft], leading: list[Draft], cove
         if nd is not None:
             drafts.append(nd)
             others.append(nd)
+
+
+def dissolve_after_order(drafts: list[Draft], items: Items, pricer, budget: int,
+                         max_prices: int, lower: int = 0) -> tuple[list[Draft], int]:
+    """Empty waves the order step left light, with the pending gradients priced in.
+
+    The order step may add waves (a repaired carrier's atoms that fit nowhere before the
+    carriers had their pending gradients); the waves it leaves are often light. Take the
+    waves that carry no pending gradients (they run after every carrier), lightest first,
+    and move each of its atoms (largest first) into another flat wave (roomiest first) where
+    it still fits, priced exactly with that wave's first_slots. An atom may join a leading
+    wave only when its gradient slots are carried by that wave or one running before it, so
+    every slot's first wave stays its first. A wave that does not empty is rolled back and
+    the next lightest one is tried. Stops at `lower` waves (a valid bound) or after
+    `max_prices` exact prices. Returns (drafts in run order, exact prices spent)."""
+    info = SlotInfo(pricer, items.n)
+    drafts = list(drafts)
+    spent = 0
+    tried: set[int] = set()
+    while spent < max_prices and len(drafts) > lower:
+        # slots carried by each wave or one running before it
+        covered, seen = [], set()
+        for d in drafts:
+            seen |= set(d.first_slots)
+            covered.append(frozenset(seen))
+        srcs = [d for d in drafts if not d.fixed and not d.first_slots and id(d) not in tried]
+        if not srcs:
+            break
+        c = min(srcs, key=lambda d: (d.price.admitted_bytes, int(d.reqs(items)[0])))
+        tried.add(id(c))
+        targets = [(d, cov) for d, cov in zip(drafts, covered, strict=True)
+                   if d is not c and not d.fixed]
+        moves = []
+        ok = True
+        for a in sorted(c.atoms, key=lambda a: (-_alone(items, a), a)):
+            slots = info.of(items.atom(a))
+            placed = False
+            for t, cov in sorted(targets, key=lambda tc: (tc[0].price.admitted_bytes,
+                                                          int(tc[0].reqs(items)[0]))):
+                if not slots <= cov or spent >= max_prices:
+                    continue
+                cand = Draft(sorted(t.atoms + [a]), first_slots=t.first_slots)
+                spent += 1
+                if price_draft(cand, items, pricer).admitted_bytes <= budget:
+                    moves.append((t, t.atoms, t.price))
+                    t.atoms, t.price = cand.atoms, cand.price
+                    placed = True
+                    break
+            if not placed:
+                ok = False
+                break
+        if ok:
+            drafts = [d for d in drafts if d is not c]
+            tried.clear()
+            continue
+        for t, atoms, price in reversed(moves):
+            t.atoms, t.price = atoms, price
+    return drafts, spent
+
+
+def _alone(items: Items, a: int) -> float:
+    return float(items.atom_alone[a].max()) if items.atom_alone.shape[1] else 0.0

@@ -14,8 +14,10 @@ Pipeline (AUTO):
    already meets the valid bound (the exact price may leave room the envelope did not),
    merging pairs of waves and emptying the lightest wave into the others (`reprice`; GREEDY
    only merges).
-5. pending gradients and run order (`order`). When that step had to add waves, AUTO packs
-   once more with room for the pending gradients' upper bound and keeps the better plan.
+5. pending gradients and run order (`order`). When that step had to add waves, AUTO and
+   EXACT first empty the light waves it left into the others, priced with their pending
+   gradients (`order.dissolve_after_order`); if waves were still added, AUTO packs once more
+   with room for the pending gradients' upper bound and keeps the better plan.
 6. the full price (breakdown) of every wave that leaves the search (`reprice.finalise`);
    inside, exact prices are admitted bytes from the pricer's fast path (`prices`). Should
    the two disagree, the search runs again on full prices only.
@@ -59,7 +61,7 @@ from .items import Items, atom_size, blocks_for, build_items
 from .ladder import run_ladder
 from .local import balance
 from .multistart import iteration_cap, run_multistart
-from .order import assign_first_slots
+from .order import assign_first_slots, dissolve_after_order
 from .reprice import (
     Draft,
     dissolve_lightest,
@@ -288,6 +290,11 @@ def _run(kind: PackerKind, step, pricer, *, budget_bytes, time_budget_ms, atomic
     before_order = len(drafts)
     drafts = assign_first_slots(drafts, items, pricer, step, budget,
                                 allow_new_waves=num_waves is None)
+    if (len(drafts) > max(bound, before_order) and num_waves is None
+            and kind not in _BASELINES and kind != PackerKind.GREEDY):
+        # the order step added waves: empty the light ones, pending gradients priced in
+        drafts, _ = dissolve_after_order(drafts, items, pricer, budget,
+                                         DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8, bound)
     stats["order_added"] = len(drafts) - before_order
     if (reserve == "measured" and kind == PackerKind.AUTO and num_waves is None
             and len(drafts) > max(bound, before_order)):

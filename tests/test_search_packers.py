@@ -296,3 +296,30 @@ def test_auto_large_pending_gradients_never_loses_to_a_baseline():
             assert len(auto.waves) <= len(base.waves), (seed, kind)
         assert len(auto.waves) == 2, seed
         assert auto.waves[0].first_slots == frozenset({"a", "b"})
+
+
+# token-form steps at a tight budget (1.3x the largest single-request price, 24 requests)
+# where the order step's repair of a carrier left a light extra wave: before
+# `order.dissolve_after_order` auto needed one wave more than kk or uniform-width on these.
+ORDER_LOSSES = (("qwen3-8b", {}, 6), ("qwen3.8-27b", {"tp": 4, "sp": True}, 8),
+                ("llama-3.1-8b", {"cp": 2}, 6), ("llama-3.1-8b", {"cp": 2}, 7))
+
+
+@pytest.mark.parametrize("preset,kw,seed", ORDER_LOSSES,
+                         ids=[f"{p}-{sorted(k.items())}-{s}" for p, k, s in ORDER_LOSSES])
+def test_auto_order_step_added_waves_never_lose_to_a_baseline(preset, kw, seed):
+    from search_fakes import layout_model, token_step
+    from waveplan.pricing.wave_pricer import WavePricer
+
+    model = layout_model(preset, **kw)
+    step = token_step(seed, 24)
+    pricer = WavePricer.build(step, model)
+    budget = feasible_budget(step, pricer, 1.3)
+    auto = _run_checked(step, pricer, PackerKind.AUTO, budget, deterministic=True)
+    again = _run_checked(step, WavePricer.build(step, model), PackerKind.AUTO, budget,
+                         deterministic=True)
+    assert [[c.tolist() for c in w.children] for w in auto.waves] == \
+        [[c.tolist() for c in w.children] for w in again.waves]
+    for kind in (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK):
+        base = _run_checked(step, WavePricer.build(step, model), kind, budget)
+        assert len(auto.waves) <= len(base.waves), kind
