@@ -235,35 +235,39 @@ def _exchange(d: Draft, slot: str, others: list[Draft], covered: set[str], info:
     for o in others:
         carries.update((a, slot in info.of(items.atom(a))) for a in o.atoms)
     tried: set[tuple[int, int, int]] = set()
+    sorted_partners: dict[int, tuple[list[int], np.ndarray, np.ndarray]] = {}
     while tries[0] < SWAP_TRIES:
         excess = cur - budget
         xs = np.asarray(d.atoms, dtype=np.int64)
         if sum(carries[a] for a in d.atoms) == 1:
             xs = xs[[not carries[a] for a in d.atoms]]
         vx = v[xs]
-        cand = []   # (match, x, y, wave)
+        parts: list[tuple[np.ndarray, ...]] = []   # (match, x, y, wave) arrays
         for oi, o in enumerate(others):
             room = budget - o.price.admitted_bytes
             if room <= 0:
                 continue
             goal = min(excess, room)
-            ys = np.asarray([-1] + o.atoms, dtype=np.int64)
-            vy = np.concatenate([[0.0], v[ys[1:]]])
-            order = np.lexsort((ys, vy))
-            ys, vy = ys[order], vy[order]
+            hit = sorted_partners.get(oi)
+            if hit is None or hit[0] is not o.atoms:   # o's atoms change only by an exchange
+                ys = np.asarray([-1] + o.atoms, dtype=np.int64)
+                vy = np.concatenate([[0.0], v[ys[1:]]])
+                order = np.lexsort((ys, vy))
+                hit = sorted_partners[oi] = (o.atoms, ys[order], vy[order])
+            _, ys, vy = hit
             pos = np.searchsorted(vy, vx - goal)
-            for off in range(-SWAP_NEAR, SWAP_NEAR):
-                j = pos + off
-                ok = (j >= 0) & (j < len(ys))
-                jj = j[ok]
-                gain = vx[ok] - vy[jj]
-                keep = (gain > 0) & (gain <= ROOM_SLACK * room)
-                for x, y, m in zip(xs[ok][keep].tolist(), ys[jj][keep].tolist(),
-                                   np.abs(gain[keep] - goal).tolist(), strict=True):
-                    cand.append((m, x, y, oi))
-        cand.sort()
+            j = pos[:, None] + np.arange(-SWAP_NEAR, SWAP_NEAR)[None, :]   # all offsets at once
+            jc = np.clip(j, 0, len(ys) - 1)
+            gain = vx[:, None] - vy[jc]
+            keep = (j >= 0) & (j < len(ys)) & (gain > 0) & (gain <= ROOM_SLACK * room)
+            parts.append((np.abs(gain[keep] - goal), np.broadcast_to(xs[:, None], j.shape)[keep],
+                          ys[jc][keep], np.full(int(keep.sum()), oi, dtype=np.int64)))
+        if not parts:
+            return False
+        m, cx, cy, co = (np.concatenate(col) for col in zip(*parts, strict=True))
+        best = np.lexsort((co, cy, cx, m))   # by match, then x, y, wave: deterministic
         moved = False
-        for _, x, y, oi in cand:
+        for x, y, oi in zip(cx[best].tolist(), cy[best].tolist(), co[best].tolist(), strict=True):
             if tries[0] >= SWAP_TRIES:
                 return False
             if (x, y, oi) in tried:
