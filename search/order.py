@@ -41,7 +41,7 @@ from waveplan.pricing.errors import InfeasibleError
 from .items import Items
 from .ladder import run_ladder, unit_label
 from .prices import exact_price
-from .reprice import Draft, price_draft
+from .reprice import Draft, empty_wave, price_draft
 
 CARRIER_TRIES = 3   # gradient atoms tried as the carrier moved to a roomier wave
 SWAP_TRIES = 256    # exact prices spent exchanging requests to make a carrier fit, per slot
@@ -424,31 +424,19 @@ def dissolve_after_order(drafts: list[Draft], items: Items, pricer, budget: int,
         tried.add(id(c))
         targets = [(d, cov) for d, cov in zip(drafts, covered, strict=True)
                    if d is not c and not d.fixed]
-        moves = []
-        ok = True
-        for a in sorted(c.atoms, key=lambda a: (-_alone(items, a), a)):
+
+        def allowed(a: int, targets=targets):
             slots = info.of(items.atom(a))
-            placed = False
             for t, cov in sorted(targets, key=lambda tc: (tc[0].price.admitted_bytes,
                                                           int(tc[0].reqs(items)[0]))):
-                if not slots <= cov or spent >= max_prices:
-                    continue
-                cand = Draft(sorted(t.atoms + [a]), first_slots=t.first_slots)
-                spent += 1
-                if price_draft(cand, items, pricer).admitted_bytes <= budget:
-                    moves.append((t, t.atoms, t.price))
-                    t.atoms, t.price = cand.atoms, cand.price
-                    placed = True
-                    break
-            if not placed:
-                ok = False
-                break
-        if ok:
+                if slots <= cov:   # the atom's slots already carried by t or a wave before it
+                    yield t
+
+        emptied, spent = empty_wave(c, sorted(c.atoms, key=lambda a: (-_alone(items, a), a)),
+                                    allowed, items, pricer, budget, spent, max_prices)
+        if emptied:
             drafts = [d for d in drafts if d is not c]
             tried.clear()
-            continue
-        for t, atoms, price in reversed(moves):
-            t.atoms, t.price = atoms, price
     return drafts, spent
 
 

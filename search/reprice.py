@@ -190,30 +190,44 @@ def dissolve_lightest(drafts: list[Draft], items: Items, pricer, budget: int,
         r_min = min(d.price.admitted_bytes / max(e, 1.0) for d, e in zip(flat, env, strict=True))
         flat.sort(key=lambda d: (d.price.admitted_bytes, int(d.reqs(items)[0])))
         c, others = flat[0], flat[1:]
-        moves = []
-        ok = True
-        for a in sorted(c.atoms, key=lambda a: (-_size(items, a), a)):
-            placed = False
+
+        def targets(a: int, others=others, r_min=r_min):
             grow = r_min * float(np.min(items.atom_w[a] * items.cap))  # optimistic increase
-            for t in sorted(others, key=lambda d: d.price.admitted_bytes):
+            for t in sorted(others, key=lambda w: w.price.admitted_bytes):
                 if t.price.admitted_bytes + grow > budget:
-                    break
-                if spent >= max_prices:
-                    break
-                cand = Draft(sorted(t.atoms + [a]))
-                spent += 1
-                if price_draft(cand, items, pricer).admitted_bytes <= budget:
-                    moves.append((t, t.atoms, t.price))
-                    t.atoms, t.price = cand.atoms, cand.price
-                    placed = True
-                    break
-            if not placed:
-                ok = False
-                break
-        if ok:
-            drafts = [d for d in drafts if d is not c]
-            continue
-        for t, atoms, price in reversed(moves):
-            t.atoms, t.price = atoms, price
-        break
+                    return   # the rest are fuller still
+                yield t
+
+        emptied, spent = empty_wave(c, sorted(c.atoms, key=lambda a: (-_size(items, a), a)),
+                                    targets, items, pricer, budget, spent, max_prices)
+        if not emptied:
+            break
+        drafts = [d for d in drafts if d is not c]
     return drafts, spent
+
+
+def empty_wave(c: Draft, atoms, targets, items: Items, pricer, budget: int, spent: int,
+               max_prices: int) -> tuple[bool, int]:
+    """Move every atom of wave c, in the order `atoms`, into the first wave of `targets(a)`
+    (an iterable per atom, in the caller's order) where it fits at its exact price, priced
+    with that wave's first_slots. When an atom fits nowhere, every move is undone. Stops at
+    `max_prices` prices in all (`spent` so far). Returns (whether c emptied, prices spent);
+    c itself is left for the caller to drop. O(atoms x targets) prices at most."""
+    moves = []
+    for a in atoms:
+        placed = False
+        for t in targets(a):
+            if spent >= max_prices:
+                break
+            cand = Draft(sorted(t.atoms + [a]), first_slots=t.first_slots)
+            spent += 1
+            if price_draft(cand, items, pricer).admitted_bytes <= budget:
+                moves.append((t, t.atoms, t.price))
+                t.atoms, t.price = cand.atoms, cand.price
+                placed = True
+                break
+        if not placed:
+            for t, atoms_before, price in reversed(moves):
+                t.atoms, t.price = atoms_before, price
+            return False, spent
+    return True, spent
