@@ -90,24 +90,23 @@ class FakePrice:
 _POINTS = ("forward", "backward", "head")
 
 
+def _classes(step):
+    """The fakes' gradient classes: the step's distinct (slot, grad) pairs, sorted; returns
+    (class_slot, class_grad, class_of)."""
+    keys = sorted({(r.slot, bool(r.grad)) for r in step.requests})
+    index = {k: i for i, k in enumerate(keys)}
+    return (tuple(k[0] for k in keys), tuple(k[1] for k in keys),
+            np.asarray([index[(r.slot, bool(r.grad))] for r in step.requests], dtype=np.int64))
+
+
 class FakePricer:
     """Protocol double. `slack` in [0, 0.2]: how much lower than the envelope `price` is."""
 
     def __init__(self, step, *, slack: float = 0.05, first_cost: float = 2.0e8,
                  retained: float = 0.6, scale: float = 1.0):
         self.step = step
-        keys = []
-        for r in step.requests:
-            key = (r.slot, bool(r.grad))
-            if key not in keys:
-                keys.append(key)
-        keys.sort()
-        self.class_slot = tuple(k[0] for k in keys)
-        self.class_grad = tuple(k[1] for k in keys)
-        self.num_classes = len(keys)
-        index = {k: i for i, k in enumerate(keys)}
-        self.class_of = np.asarray([index[(r.slot, bool(r.grad))] for r in step.requests],
-                                   dtype=np.int64)
+        self.class_slot, self.class_grad, self.class_of = _classes(step)
+        self.num_classes = len(self.class_slot)
         self.slack = slack
         self.first_cost = first_cost
         self.retained = retained
@@ -226,13 +225,8 @@ class LinearPricer:
 
     def __init__(self, step, *, per_token: float = 1.0, first_cost: float = 0.0):
         self.step = step
-        keys = sorted({(r.slot, bool(r.grad)) for r in step.requests})
-        self.class_slot = tuple(k[0] for k in keys)
-        self.class_grad = tuple(k[1] for k in keys)
-        self.num_classes = len(keys)
-        index = {k: i for i, k in enumerate(keys)}
-        self.class_of = np.asarray([index[(r.slot, bool(r.grad))] for r in step.requests],
-                                   dtype=np.int64)
+        self.class_slot, self.class_grad, self.class_of = _classes(step)
+        self.num_classes = len(self.class_slot)
         self.per_token = per_token
         self.first_cost = first_cost
         self._tok = np.asarray([r.num_tokens for r in step.requests], dtype=np.float64)
