@@ -11,7 +11,7 @@ with, the measured peak, and the estimate after `observe`: the estimates tighten
 the measurements and the planning estimate (admitted, with the safety factor) never falls
 below a measured peak. The static estimate alone (the table, before any observation) covers
 every measured peak too: the table's calibration cells include this model's shape, and the
-prefix-tree attention (`pricing.training_wave.run_training_wave`) keeps, as a varlen flash kernel
+prefix-tree attention (`pricing.measure.training_wave.run_training_wave`) keeps, as a varlen flash kernel
 does, only the packed queries/keys/values, not per-segment copies joined to the prompt's.
 
 The planner's geometry, layout, recompute and LoRA settings are read from the live model
@@ -136,7 +136,7 @@ def make_step(config: TrainConfig, step: int, rng):
 
 def wave_children(step, wave, prompts, completions):
     """The wave's forward calls as `PromptGroup` lists (one per child, prompts in order)."""
-    from waveplan.pricing.training_wave import PromptGroup
+    from waveplan.pricing.measure.training_wave import PromptGroup
 
     children = []
     for child in wave.children:
@@ -165,7 +165,7 @@ def build_model(config: TrainConfig):
     `init_single_process`."""
     import torch
     from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
-    from waveplan.pricing.megatron_build import build_gpt
+    from waveplan.pricing.measure.megatron_build import build_gpt
     from waveplan.pricing.parallel import Recompute
 
     torch.manual_seed(config.seed)
@@ -202,9 +202,9 @@ def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], N
            check_plans: bool) -> None:
     import torch
     from waveplan.planner import Planner
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_shim import init_single_process
-    from waveplan.pricing.training_wave import run_training_wave
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_shim import init_single_process
+    from waveplan.pricing.measure.training_wave import run_training_wave
     from waveplan.search import check_plan
 
     with init_single_process(1):

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from waveplan.pricing import calibrate
+    from waveplan.pricing.measure import calibrate
 
     records = calibrate.read_traces(args.traces)
     base = calibrate.load_base(args.base)

@@ -2,7 +2,7 @@
 
 Every request of STEP runs as one packed wave (its full `num_tokens`; no prefix sharing)
 through a Megatron-core model with the geometry of `--model`, LoRA adapters trainable, in
-one forward and one backward (`waveplan.pricing.trace.trace_wave`). Needs torch and
+one forward and one backward (`waveplan.pricing.measure.trace.trace_wave`). Needs torch and
 megatron-core (`pip install 'waveplan[megatron]'`).
 """
 
@@ -76,7 +76,7 @@ def run(args) -> int:
                               "installed): pip install 'waveplan[megatron]'")
     import warnings
 
-    from waveplan.pricing.trace import trace_wave
+    from waveplan.pricing.measure.trace import trace_wave
 
     warnings.filterwarnings("ignore", category=UserWarning)
 

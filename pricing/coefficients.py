@@ -27,7 +27,7 @@ REQUIRED_TERMS = (
     "selective_core_attn_discount",
 )
 # Terms a table may omit, and what the pricing charges without them (neutral: the te-gpu
-# table omits them all; the torch-cpu table is fitted with them, see `pricing.calibrate`).
+# table omits them all; the torch-cpu table is fitted with them, see `pricing.measure.calibrate`).
 OPTIONAL_TERMS = {
     "qk_norm": "0: no query/key-norm copies beyond the attention stage",
     "final_norm": "0: the head terms cover the final norm's saved input",

@@ -65,7 +65,7 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
     geometry says (a live Megatron model does), else the Megatron builder's own default
-    (`megatron_build`: on for Qwen models)."""
+    (`measure.megatron_build`: on for Qwen models)."""
     flag = (geometry.extra or {}).get("qk_layernorm")
     if flag is not None:
         return bool(flag)

@@ -32,7 +32,7 @@ TINY = ModelGeometry(name="tiny", hidden=256, ffn=768, vocab=1024, layers=((A, D
 
 
 def _trace(geometry, **kw):
-    from waveplan.pricing.trace import trace_wave
+    from waveplan.pricing.measure.trace import trace_wave
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import re
 
-from .errors import ConfigError, bad
-from .geometry import AttentionSpec, GdnSpec, LayerSpec, MixerKind, MlpKind, ModelGeometry, MoeSpec
-from .lora import ALL_TARGETS, LoraConfig, LoraSlot, module_shapes
-from .parallel import ParallelLayout, Recompute, RecomputeMode
+from ..errors import ConfigError, bad
+from ..geometry import AttentionSpec, GdnSpec, LayerSpec, MixerKind, MlpKind, ModelGeometry, MoeSpec
+from ..lora import ALL_TARGETS, LoraConfig, LoraSlot, module_shapes
+from ..parallel import ParallelLayout, Recompute, RecomputeMode
 
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")

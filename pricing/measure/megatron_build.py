@@ -14,8 +14,9 @@ LoRA adapters are `LoraLinear` wrappers around Megatron's linear modules: traina
 (rank x in) and B (out x rank), frozen base. Every base weight is frozen; MoE expert
 linears are not wrapped (as in `lora.adapter_param_counts`).
 
-Call inside `megatron_shim.init_single_process(...)`. torch and megatron are imported
-lazily: importing `waveplan.pricing` never needs them.
+Call inside `megatron_shim.init_single_process(...)`. This module imports torch (megatron
+lazily, inside the functions): only code that builds a model imports it, so importing
+`waveplan.pricing` or `waveplan.pricing.measure` never needs either.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import torch  # noqa: E402  (this module is only imported when torch is wanted)
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .errors import ConfigError, bad  # noqa: E402
-from .geometry import MixerKind, MlpKind, ModelGeometry  # noqa: E402
-from .lora import ALL_TARGETS  # noqa: E402
-from .parallel import ParallelLayout, Recompute, RecomputeMode  # noqa: E402
+from ..errors import ConfigError, bad  # noqa: E402
+from ..geometry import MixerKind, MlpKind, ModelGeometry  # noqa: E402
+from ..lora import ALL_TARGETS  # noqa: E402
+from ..parallel import ParallelLayout, Recompute, RecomputeMode  # noqa: E402
+from .thd import bounds_of  # noqa: E402
 
 # Megatron-core's attribute name -> waveplan's target name (they are the same today).
 _COLUMN, _ROW = "column", "row"
@@ -137,8 +139,6 @@ def _sdpa_attention_class():
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None):
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-                from .trace import bounds_of
-
                 cu = packed_seq_params.cu_seqlens_q_padded
                 if cu is None:
                     cu = packed_seq_params.cu_seqlens_q
