@@ -1,7 +1,7 @@
 """The memory model of one rank: geometry, layout, recompute, LoRA and coefficients, reduced to
 the per-layer arrays the jitted schedule walk reads.
 
-Fail closed: a configuration outside the seeds' evidence is priced by a conservative bound
+Fail closed (docs/memory-model.md#basis): an unmeasured configuration gets a conservative bound
 (rows not divided by CP, widths not divided by TP, pipeline stages holding PP micro-batches)
 and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
 """
@@ -35,11 +35,11 @@ def parse_head(head: str) -> tuple[str, int]:
 
 
 def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
-    """Why this configuration lies outside the seeds' traces (empty: it is covered).
+    """Why this configuration lies outside the measured evidence (empty: it is covered).
 
-    Covered: one-layer full recompute at TP1 with CP <= 2 (seeds 001, 002, 004) or TP4 with
-    sequence parallelism and CP1 (seed 000); selective/no recompute of dense models at TP1 with
-    CP <= 2 (seed 003); PP1; MoE with EP <= 2 (seed 004).
+    Covered (docs/memory-model.md#basis): one-layer full recompute at TP1 with CP <= 2 or TP4 with
+    sequence parallelism and CP1; selective/no recompute of dense models at TP1 with
+    CP <= 2; PP1; MoE with EP <= 2.
     """
     gaps = []
     if parallel.pp > 1:

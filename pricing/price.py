@@ -19,7 +19,7 @@ class GroupLoad:
     """One forward call of a wave: the requests of one (slot, grad) class, or one split child.
 
     `padded_rows` are the packed rows after each packed sequence is padded to the layout's row
-    multiple; `segments` count the prefix tree's nodes plus one root per padding row (seed 000).
+    multiple; `segments`: tree nodes plus one root per padding row (docs/memory-model.md#layouts).
     """
 
     slot: str = "default"
@@ -59,7 +59,7 @@ def rank_rows(model: PricingModel, padded_rows: int) -> int:
 
     Megatron's load-balanced split pads each sequence to 2*CP chunks and gives rank r chunks r
     and 2*CP-1-r, so every rank holds padded/CP rows. A conservative model charges every rank
-    the whole wave (seed 003 explains why dividing is only valid on the traced layouts).
+    the whole wave (docs/memory-model.md#layouts: dividing holds only on the traced layouts).
     """
     if model.conservative:
         return padded_rows
@@ -89,7 +89,7 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     """Price one wave whose forward calls are `groups` (classes, or split children).
 
     `first_slots`: slots whose pending adapter gradients this wave allocates (its first gradient
-    wave in the step, seed 004). `profiled`: a learned profile exists, so the first-execution
+    wave in the step, docs/memory-model.md#pending-gradients). `profiled`: a profile exists, so the first-execution
     allowance is not charged. Complexity O(groups^2 + groups x layers), jitted.
     """
     for name in first_slots:

@@ -1,17 +1,17 @@
 """The schedule walk: one wave's per-rank memory at every point of a full-recompute (or
 retained-activation) forward and backward, jitted with numba. The peak is their maximum.
 
-Schedule (DESIGN.md, "The memory model"):
+Schedule (docs/memory-model.md#schedule; the #anchors below are sections of that file):
 - every gradient group runs its forward, saving per layer its retained rows (boundaries under
   full recompute) and, after the head, what the loss keeps; no-grad groups run forward only,
-  one after another (seed 001);
-- then the gradient groups run their backward one after another (seed 004): the head, then
+  one after another (#nograd-transient);
+- then the gradient groups run their backward one after another (#other-groups): the head, then
   layer L-1 down to 0, where the recomputed layer holds its stage workspace, one input
-  gradient, the GDN states of its segments (seeds 000, 002), the boundaries of layers 0..i and
+  gradient, the GDN states of its segments (#gdn-states), the boundaries of layers 0..i and
   the adapter gradients of layers >= i if the group carries its slot's pending gradients.
 - While group g runs, a group already run holds its pending gradients and a group not yet run
   holds its retained memory; the worst order charges each other group max(gradients,
-  retained) (seed 004, closed form; `brute_force_orders` in the tests checks it).
+  retained) (#other-groups, closed form; `brute_force_orders` in the tests checks it).
 Groups of a slot that has several gradient groups in the wave (split children) charge that
 slot's whole gradient once, in each of them, and none as "already run" (conservative).
 """

@@ -1,4 +1,4 @@
-"""The seeds' numbers as tests (each test names its seed)."""
+"""The measured figures of docs/memory-model.md#evidence as tests (test_seedNNN: source NNN)."""
 
 import dataclasses
 import itertools
@@ -97,7 +97,7 @@ def test_seed002_controlled_measurement_covered(name, measured):
 @pytest.mark.parametrize("mode,busiest_rows,observed_gib,previous_gib", [
     ("selective", 4096, 62.918, 117.374), ("selective", 2048, 31.518, 69.123)])
 def test_seed003_dense_cp2_cells(mode, busiest_rows, observed_gib, previous_gib):
-    # 27B pair at CP2: the seed fixes the 4k pair's busiest rank at 4,096 rows; we read the
+    # 27B pair at CP2: source 003 fixes the 4k pair's busiest rank at 4,096 rows; we read the
     # 2k pair the same way (2,048 rows on the busiest rank, padded rows = 2 x that).
     model = PricingModel.build(load_preset("qwen3.8-27b"), parallel=ParallelLayout(cp=2),
                                recompute=Recompute(mode=mode))

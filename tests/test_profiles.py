@@ -1,4 +1,4 @@
-"""Learning from observed peaks: the pricing rules of profiles, seed 002, and profile files."""
+"""Learning from observed peaks: profile pricing (docs/memory-model.md#learned-profiles), profile files."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_raised_profile_replans_within_budget(planner_factory):
 
 
 def test_seed_002_single_request_profile_does_not_price_shared_batch_by_logical_tokens(planner_factory):
-    """Seed 002: after a single-request calibration step (sharing ratio 1.0), the first shared
+    """docs/memory-model.md#learned-profiles: after a single-request step (sharing 1.0), the first shared
     batch (16,205 packed / 109,065 logical tokens) was priced by its logical tokens: 56.3 GiB
     predicted against 6.9 GiB observed."""
     planner = planner_factory()
