@@ -4,7 +4,7 @@ The options (packer, time budget, atomic units, wave count, seed, determinism) a
 `SearchOptions` (`options`); the pricer is read through its contract (`contract`), its
 optional capabilities resolved once per search. Each step below is a named stage of
 `_search`: `_bound` (1-2), `_pack` (3-4: `_greedy`, `_improve`, `_exact`, `_merge`, or
-`_pack_exact_count`, a baseline), `_order` (5), `_retry_with_bound_room` and `_finish` (6).
+`_pack_exact_count`, a baseline), `_order` and `_retry_with_bound_room` (5), `_finish` (6).
 
 Pipeline (AUTO):
 1. items and constraints from the envelope and the step's trees (`items`; one request per
@@ -12,7 +12,7 @@ Pipeline (AUTO):
    unit or request) that does not fit alone is priced exactly alone, and if that is over
    the budget climbs the split ladder (`ladder`); such atoms run alone.
 2. lower bounds: the envelope's (`bounds`), the greedy's target, and the bound valid under
-   exact prices (the pricer's `lower_bound_waves`), which decides step 4.
+   exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules, stopping at the envelope bound;
    only if a gap is left: randomised multistart (`multistart`), then CP-SAT (`exact_cpsat`)
    when the instance passes its size rule and `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
