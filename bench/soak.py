@@ -29,7 +29,7 @@ from waveplan.planner.planner import MAX_BUDGET_BYTES
 from waveplan.pricing.errors import WaveplanError
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.step import Request, Step
-from waveplan.search import PackedWave, SearchResult, check_plan
+from waveplan.search import check_plan
 
 GIB = 2**30
 PRESETS = ("qwen3-8b", "llama-3.1-8b", "qwen3.8-27b", "qwen3-30b-a3b", "qwen3.6-35b-a3b")
@@ -57,12 +57,6 @@ class Stats:
     worst_ms: float = 0.0
     worst_case: str = ""
     failures: list[str] = field(default_factory=list)
-
-
-def _as_result(plan) -> SearchResult:
-    waves = tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                             first_slots=w.first_slots, price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)
 
 
 def _random_step(rng: random.Random) -> Step:
@@ -201,7 +195,7 @@ def one_case(rng: random.Random, stats: Stats) -> None:
     if ms > stats.worst_ms:
         stats.worst_ms, stats.worst_case = ms, f"{desc} n={n} kwargs={kwargs}"
     try:
-        check_plan(step, planner.pricer(step), _as_result(plan), budget_bytes=plan.budget_bytes,
+        check_plan(step, planner.pricer(step), plan, budget_bytes=plan.budget_bytes,
                    atomic_units=kwargs.get("atomic_units", ()), num_waves=kwargs.get("num_waves"))
         a, b = plan.to_dict(), again.to_dict()
         a.pop("planning_ms")

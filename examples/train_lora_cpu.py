@@ -149,14 +149,6 @@ def wave_children(step, wave, prompts, completions):
     return children
 
 
-def _search_result(plan):
-    from waveplan.search import PackedWave, SearchResult
-
-    waves = tuple(PackedWave(children=tuple(w.children), first_slots=w.first_slots,
-                             price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)
-
-
 # --- the loop ---------------------------------------------------------------------------------
 
 
@@ -227,7 +219,7 @@ def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], N
             step, prompts, completions = make_step(config, s, rng)
             plan = planner.plan(step, free_bytes=config.budget_bytes, deterministic=True)
             if check_plans:
-                check_plan(step, planner.pricer(step), _search_result(plan),
+                check_plan(step, planner.pricer(step), plan,
                            budget_bytes=config.budget_bytes)
                 result.plans_checked += 1
             loss_tokens = sum(len(c) - 1 for c in completions.values())

@@ -6,9 +6,10 @@ import argparse
 import math
 
 from waveplan.pricing.atomic_io import write_json_atomic  # noqa: F401  (re-exported for the subcommands)
+from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import PricingModel
+from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 
@@ -30,11 +31,13 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
     parser.add_argument("--lora-rank", type=int, default=16,
                         help="LoRA rank of the one slot 'default', on every linear layer "
                              "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
-    parser.add_argument("--head", default="chunked:512",
-                        help="output head: chunked:N, full-native or full-te (default chunked:512)")
-    parser.add_argument("--backend", default="te-gpu",
-                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file")
-    parser.add_argument("--safety", type=float, default=1.10, help="admitted = raw x safety")
+    parser.add_argument("--head", default=DEFAULT_HEAD,
+                        help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
+    parser.add_argument("--backend", default=DEFAULT_BACKEND,
+                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file "
+                             f"(default {DEFAULT_BACKEND})")
+    parser.add_argument("--safety", type=float, default=DEFAULT_SAFETY,
+                        help=f"admitted = raw x safety (default {DEFAULT_SAFETY:g})")
 
 
 def model_from_args(args: argparse.Namespace) -> PricingModel:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from waveplan.pricing.coefficients import DEFAULT_BACKEND
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -14,7 +16,8 @@ def register(subparsers) -> None:
                     "cell, whole peak and decoder-only, covered with a 0.5% margin. "
                     "Writes the table atomically.")
     parser.add_argument("traces", help="trace records, JSON Lines")
-    parser.add_argument("--base", default="te-gpu", help="base table: backend name or JSON file")
+    parser.add_argument("--base", default=DEFAULT_BACKEND,
+                        help=f"base table: backend name or JSON file (default {DEFAULT_BACKEND})")
     parser.add_argument("--backend", default="torch-cpu", help="backend name of the fitted table")
     parser.add_argument("--out", required=True, help="where to write the fitted table (JSON)")
     parser.set_defaults(func=run)

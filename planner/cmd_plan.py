@@ -8,7 +8,7 @@ from pathlib import Path
 
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
-from waveplan.search import PackerKind
+from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind
 
 from .cli_common import add_model_args, gib, model_from_args, parse_gib
 from .plan import Plan
@@ -32,13 +32,13 @@ def register(sub) -> None:
     add_model_args(parser, default_tp=4, default_sp=True)
     parser.add_argument("--free-gib", default=DEFAULT_FREE_GIB, metavar="X",
                         help=f"free GiB per rank (default {DEFAULT_FREE_GIB})")
-    parser.add_argument("--packer", default="auto", choices=[k.value for k in PackerKind],
-                        help="packer (default auto)")
-    parser.add_argument("--time-budget-ms", type=float, default=5.0, metavar="T",
-                        help="planning time budget in ms (default 5)")
+    parser.add_argument("--packer", default=DEFAULT_PACKER.value, choices=[k.value for k in PackerKind],
+                        help=f"packer (default {DEFAULT_PACKER.value})")
+    parser.add_argument("--time-budget-ms", type=float, default=DEFAULT_TIME_BUDGET_MS, metavar="T",
+                        help=f"planning time budget in ms (default {DEFAULT_TIME_BUDGET_MS:g})")
     parser.add_argument("--num-waves", type=int, default=None, metavar="N",
                         help="exactly N waves (all data-parallel ranks run the same count)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the randomised search")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the randomised search")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--report", metavar="FILE", help="write a replayable report (JSON)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the plan")

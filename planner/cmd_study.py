@@ -6,7 +6,7 @@ import argparse
 import math
 
 from waveplan.pricing.errors import ConfigError, bad
-from waveplan.search import PackerKind
+from waveplan.search import DEFAULT_TIME_BUDGET_MS, PackerKind
 
 from .cli_common import add_model_args, model_from_args, parse_gib
 from .study import DISTRIBUTIONS, GeneratorSpec, Variant, run_study, steps_from_dir
@@ -37,8 +37,8 @@ def register(sub) -> None:
                         help="add a variant: the first packer priced with this coefficient backend")
     parser.add_argument("--compare-safety", type=float, metavar="F",
                         help="add a variant: the first packer with this safety factor")
-    parser.add_argument("--time-budget-ms", type=float, default=5.0,
-                        help="search time budget per step, ms (default 5)")
+    parser.add_argument("--time-budget-ms", type=float, default=DEFAULT_TIME_BUDGET_MS,
+                        help=f"search time budget per step, ms (default {DEFAULT_TIME_BUDGET_MS:g})")
     parser.add_argument("--deterministic", action="store_true",
                         help="search by iteration count, never the clock (same plans on any machine)")
     parser.add_argument("--csv", metavar="FILE", help="write one row per (step, variant)")

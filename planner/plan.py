@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from waveplan.pricing.price import Breakdown, GroupLoad
+from waveplan.search import PackedWave
 
 from .profiles import Signature, Size
 
@@ -19,23 +20,53 @@ PLAN_SCHEMA = 1
 
 @dataclass(frozen=True)
 class PlanWave:
-    """One wave as it runs. `children` holds request indices (one array for a flat wave);
-    `loads`, `signature` and `static_raw_bytes` are what `Planner.observe` learns from."""
+    """One wave as it runs: the search's `PackedWave` (children as request indices, one array
+    for a flat wave; first_slots; the priced breakdown; the group loads) with its place in the
+    plan, its request ids, and what `Planner.observe` learns from (`loads`, `signature`,
+    `static_raw_bytes`)."""
 
     index: int
+    wave: PackedWave = field(repr=False)
     request_ids: tuple[str, ...]
-    children: tuple[np.ndarray, ...] = field(repr=False)
     child_ids: tuple[tuple[str, ...], ...]
-    first_slots: frozenset[str]
     budget_bytes: int
-    breakdown: Breakdown
-    loads: tuple[GroupLoad, ...] = field(repr=False)
     signature: Signature = field(repr=False)
     static_raw_bytes: int = field(repr=False)
 
+    @classmethod
+    def of(cls, index: int, wave: PackedWave, ids: tuple[str, ...], *, budget_bytes: int,
+           signature: Signature, static_raw_bytes: int) -> PlanWave:
+        """The plan wave around `wave`; `ids` are the step's request ids. O(requests)."""
+        return cls(index=index, wave=wave,
+                   request_ids=tuple(ids[j] for j in wave.requests),
+                   child_ids=tuple(tuple(ids[j] for j in c) for c in wave.children),
+                   budget_bytes=budget_bytes, signature=signature,
+                   static_raw_bytes=static_raw_bytes)
+
+    @property
+    def children(self) -> tuple[np.ndarray, ...]:
+        return self.wave.children
+
+    @property
+    def first_slots(self) -> frozenset[str]:
+        return self.wave.first_slots
+
+    @property
+    def breakdown(self) -> Breakdown:
+        return self.wave.price
+
+    @property
+    def price(self) -> Breakdown:
+        """The breakdown, by the name `PackedWave` gives it (so `check_plan` reads a plan)."""
+        return self.wave.price
+
+    @property
+    def loads(self) -> tuple[GroupLoad, ...]:
+        return self.wave.loads
+
     @property
     def is_split(self) -> bool:
-        return len(self.children) > 1
+        return self.wave.is_split
 
     @property
     def size(self) -> Size:

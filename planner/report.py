@@ -20,6 +20,7 @@ from waveplan.pricing.lora import LoraConfig
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.step import Request, Step
+from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS
 
 from .plan import Plan
 from .planner import Planner
@@ -34,11 +35,11 @@ _REQUEST_FIELDS = {"id", "prompt", "prompt_tokens", "completion_tokens", "slot",
 class PlanOptions:
     """The `plan()` arguments a report records."""
 
-    packer: str = "auto"
-    time_budget_ms: float = 5.0
+    packer: str = DEFAULT_PACKER.value
+    time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
     num_waves: int | None = None
     atomic_units: tuple[tuple[int, ...], ...] = ()
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     deterministic: bool = False
 
     def to_dict(self) -> dict:
@@ -155,9 +156,10 @@ def _options(data: object) -> PlanOptions:
     units = data.get("atomic_units", [])
     if not isinstance(units, list) or not all(isinstance(u, list) for u in units):
         raise bad(ConfigError, "options.atomic_units", units, "must be a list of lists")
-    return PlanOptions(packer=data.get("packer", "auto"), time_budget_ms=data.get("time_budget_ms", 5.0),
+    return PlanOptions(packer=data.get("packer", DEFAULT_PACKER.value),
+                       time_budget_ms=data.get("time_budget_ms", DEFAULT_TIME_BUDGET_MS),
                        num_waves=data.get("num_waves"), atomic_units=tuple(tuple(u) for u in units),
-                       seed=data.get("seed", 0), deterministic=bool(data.get("deterministic", False)))
+                       seed=data.get("seed", DEFAULT_SEED), deterministic=bool(data.get("deterministic", False)))
 
 
 # --- replay -----------------------------------------------------------------------------

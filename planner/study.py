@@ -26,7 +26,7 @@ from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, bad
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.step import Request, Step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
-from waveplan.search import PackerKind, pack
+from waveplan.search import DEFAULT_PACKER, DEFAULT_TIME_BUDGET_MS, PackerKind, pack
 
 DISTRIBUTIONS = ("grpo", "sft")
 
@@ -123,7 +123,7 @@ class Variant:
 
     name: str
     model: PricingModel
-    packer: str = "auto"
+    packer: str = DEFAULT_PACKER.value
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "," in self.name:
@@ -292,7 +292,7 @@ def _progress_bar(total: int | None, enabled: bool):
 
 
 def run_study(steps: Iterable[tuple[str, Step]], variants: Sequence[Variant], *,
-              budget_bytes: int | float, time_budget_ms: float = 5.0,
+              budget_bytes: int | float, time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
               progress: bool = False, deterministic: bool = False) -> StudyResult:
     """Plan every step under every variant and collect waves, bounds and planning times.
 

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import terms
-from .coefficients import CoefficientTable, load_table
+from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
 
 DEFAULT_SAFETY = 1.10
+DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
 
 
 def parse_head(head: str) -> tuple[str, int]:
@@ -101,7 +102,7 @@ class PricingModel:
     recompute: Recompute
     lora: LoraConfig
     table: CoefficientTable
-    head: str = "chunked:512"
+    head: str = DEFAULT_HEAD
     safety: float = DEFAULT_SAFETY
     # derived (set in __post_init__)
     basis: str = field(init=False)
@@ -123,7 +124,7 @@ class PricingModel:
     @classmethod
     def build(cls, geometry: ModelGeometry, *, parallel: ParallelLayout | None = None,
               recompute: Recompute | None = None, lora: LoraConfig | None = None,
-              backend: str = "te-gpu", head: str = "chunked:512",
+              backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
               safety: float = DEFAULT_SAFETY) -> PricingModel:
         return cls(geometry=geometry, parallel=parallel or ParallelLayout(),
                    recompute=recompute or Recompute(), lora=lora or LoraConfig(),

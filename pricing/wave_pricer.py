@@ -3,7 +3,8 @@ any wave (flat, or as split children) on its materialised full-sharing layout.
 
 Two exact prices, equal in admitted bytes (tested on random waves):
 - `price(children, first_slots=...)`: the full `Breakdown` (terms, binding point), through
-  `pricing.price.price_groups`; what a plan carries.
+  `pricing.price.price_groups`; what a plan carries. `group_loads` then `price_loads` is the
+  same price in two steps, for a caller that keeps the loads (the planner learns from them).
 - `admitted(children, first_slots=...)`: the admitted bytes only, for the search's inner loops.
   One jitted call lays out every (child, class) forward call and walks the schedule
   (`pricing.walk.walk`), with no GroupLoad, Breakdown or terms dict: a few microseconds
@@ -245,7 +246,11 @@ class WavePricer:
         return loads
 
     def price(self, children: Sequence[np.ndarray], *, first_slots: frozenset[str] = frozenset()) -> Breakdown:
-        loads = self.group_loads(children)
+        return self.price_loads(self.group_loads(children), first_slots=first_slots)
+
+    def price_loads(self, loads: Sequence[GroupLoad], *,
+                    first_slots: frozenset[str] = frozenset()) -> Breakdown:
+        """`price(children, ...)` of the wave whose `group_loads(children)` are `loads`."""
         breakdown = price_groups(self.model, loads, first_slots=first_slots, profiled=self.profiled)
         if self.adjust is not None:
             breakdown = self.adjust(loads, breakdown)

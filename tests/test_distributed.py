@@ -20,12 +20,11 @@ TIMEOUT_S = 50
 WORKER = textwrap.dedent("""
     import faulthandler, json, os, sys
     faulthandler.dump_traceback_later(40, exit=True)
-    import numpy as np
     import torch.distributed as dist
     from waveplan.planner import Planner
     from waveplan.planner.distributed import plan_distributed, plan_hash
     from waveplan.pricing.step import Request, Step
-    from waveplan.search import PackedWave, SearchResult, check_plan
+    from waveplan.search import check_plan
 
     rank, world, port, case, out = int(sys.argv[1]), 4, sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -53,11 +52,7 @@ WORKER = textwrap.dedent("""
     try:
         plan = plan_distributed(planner, step, free, model_parallel_group=[[0, 1], [2, 3]],
                                 time_budget_ms=20.0)
-        view = SearchResult(tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                                             first_slots=w.first_slots, price=w.breakdown)
-                                  for w in plan.waves),
-                            plan.lower_bound_waves, plan.proven_optimal, plan.packer)
-        check_plan(step, planner.pricer(step), view, budget_bytes=plan.budget_bytes)
+        check_plan(step, planner.pricer(step), plan, budget_bytes=plan.budget_bytes)
         result.update(waves=plan.num_waves, hash=plan_hash(plan), budget=plan.budget_bytes)
     except Exception as exc:
         result.update(error=type(exc).__name__, message=str(exc))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 from waveplan.planner import Planner
 from waveplan.planner.profiles import (
@@ -135,7 +134,7 @@ def test_raised_profile_replans_within_budget(planner_factory):
         assert wave.raw_bytes >= math.ceil(1.4 * wave.static_raw_bytes)
         assert wave.admitted_bytes <= 30 * GIB
     pricer = planner.pricer(step)
-    check_plan(step, pricer, _as_result(again), budget_bytes=again.budget_bytes)
+    check_plan(step, pricer, again, budget_bytes=again.budget_bytes)
 
 
 def test_seed_002_single_request_profile_does_not_price_shared_batch_by_logical_tokens(planner_factory):
@@ -218,11 +217,3 @@ def test_inconsistent_aggregates_are_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="aggregates"):
         load_profiles(path)
-
-
-def _as_result(plan):
-    """A SearchResult-like view of a Plan for `check_plan`."""
-    from waveplan.search import PackedWave, SearchResult
-    waves = tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                             first_slots=w.first_slots, price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)

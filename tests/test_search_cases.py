@@ -164,6 +164,7 @@ def test_exact_count_balances_and_refuses(pname, make):
 
 def test_first_gradient_wave_gets_most_room_and_runs_first():
     # waves {4000 a, 3000 b} and {2500 b, 2000 a}: the roomier one carries a's gradients
+    from waveplan.search.contract import SearchPricer
     from waveplan.search.items import build_items
     from waveplan.search.order import assign_first_slots
     from waveplan.search.reprice import Draft, price_draft
@@ -171,12 +172,13 @@ def test_first_gradient_wave_gets_most_room_and_runs_first():
     step = make_step([(0, [4000]), (0, [2000]), (0, [3000]), (0, [2500])],
                      slots=["a", "a", "b", "b"], grads=[True, True, False, False])
     pricer = LinearPricer(step, first_cost=1000)
+    seen = SearchPricer.of(pricer)   # the pricer as the search's stages take it
     budget = 7001
     items = build_items(step, pricer, budget, reserve_pending=None)
     drafts = [Draft([0, 2]), Draft([1, 3])]
     for d in drafts:
-        price_draft(d, items, pricer)
-    waves = assign_first_slots(drafts, items, pricer, step, budget)
+        price_draft(d, items, seen)
+    waves = assign_first_slots(drafts, items, seen, step, budget)
     assert [w.atoms for w in waves] == [[1, 3], [0, 2]]
     assert waves[0].first_slots == frozenset({"a"}) and not waves[1].first_slots
     assert waves[0].price.admitted_bytes == 5500
