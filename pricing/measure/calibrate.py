@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic_io import write_text_atomic
-from ..coefficients import CoefficientTable, load_table, table_from_dict
+from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from ..errors import ConfigError, bad
 from .simplex import simplex
 
@@ -113,7 +113,7 @@ HEAD = "full-native"
 LOGITS_GROUPS = ("head", "head_transient")
 
 
-def load_base(backend: str = "te-gpu") -> CoefficientTable:
+def load_base(backend: str = DEFAULT_BACKEND) -> CoefficientTable:
     return load_table(backend)
 
 
