@@ -32,8 +32,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                              "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
     parser.add_argument("--head", default="chunked:512",
                         help="output head: chunked:N, full-native or full-te (default chunked:512)")
-    parser.add_argument("--backend", default="te-gpu",
-                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file")
+    parser.add_argument("--backend", "--coefficients", dest="backend", default="te-gpu",
+                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file "
+                             "(e.g. one fitted by `waveplan calibrate`)")
     parser.add_argument("--safety", type=float, default=1.10, help="admitted = raw x safety")
 
 
