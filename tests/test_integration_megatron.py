@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,64 +30,6 @@ pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarn
 MIB = 2**20
 TIMEOUT_S = 600  # two cold processes on a busy two-core machine; a hang still fails
 
-MODEL = textwrap.dedent("""
-    import numpy as np
-    import torch
-    from waveplan.planner import Planner
-    from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
-    from waveplan.pricing.parallel import Recompute
-
-
-    def build(seed=0):
-        '''A 2-layer GPT (hidden 64, fp32, full recompute), LoRA rank 4 on every linear layer,
-        adapters randomised so that every adapter gradient is non-zero; and its planner.'''
-        torch.manual_seed(seed)
-        geometry = ModelGeometry(name="tiny-fp32", hidden=64, ffn=192, vocab=256,
-                                 layers=((MixerKind.ATTENTION, MlpKind.DENSE),) * 2,
-                                 attention=AttentionSpec(4, 2, 16), dtype="fp32")
-        model = build_gpt(geometry, device="cpu", lora_rank=4, recompute=Recompute(mode="full"),
-                          seq_len=256, dtype=torch.float32)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.normal_(0.0, 0.05)
-        model.config.calculate_per_token_loss = True
-        g, layout, recompute, lora = geometry_from_megatron(model)
-        planner = Planner(geometry=g, parallel=layout, recompute=recompute, lora=lora,
-                          backend="torch-cpu", head="full-native")
-        return model, planner
-
-
-    def loss_func(loss_mask, output_tensor):
-        '''Megatron's per-token loss: (sum, tokens, logged).'''
-        loss = torch.sum(output_tensor.view(-1).float() * loss_mask)
-        tokens = loss_mask.sum().to(torch.int)
-        return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
-
-
-    def grpo(rng, prompts=3, completions=4):
-        '''GRPO-style sequences: prompts of 16..48 tokens, completions of 8..80.'''
-        seqs, plens = [], []
-        for _ in range(prompts):
-            p = rng.integers(0, 256, int(rng.integers(16, 49)))
-            for _ in range(completions):
-                seqs.append(np.concatenate([p, rng.integers(0, 256, int(rng.integers(8, 81)))]))
-                plens.append(p.size)
-        return seqs, plens
-""")
-
-
-def _model_module():
-    name = "waveplan_test_megatron_model"
-    if name not in sys.modules:
-        import types
-
-        module = types.ModuleType(name)
-        exec(compile(MODEL, name, "exec"), module.__dict__)
-        sys.modules[name] = module
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +42,8 @@ def setup():
     torch.set_num_threads(1)
     try:
         with init_single_process(1):
-            mod = _model_module()
+            import megatron_tiny as mod
+
             model, planner = mod.build()
             yield mod, model, planner
     finally:
@@ -200,8 +144,12 @@ def test_step_data_errors_name_field_and_value():
 
 # --- two data-parallel ranks ------------------------------------------------------------------
 
-WORKER = MODEL + textwrap.dedent("""
+WORKER = textwrap.dedent("""
     import faulthandler, json, os, sys
+    sys.path.insert(0, sys.argv[4])   # tests/: megatron_tiny
+    import numpy as np
+    import torch
+    from megatron_tiny import build, grpo, loss_func
     faulthandler.dump_traceback_later(580, exit=True)
     import torch.distributed as dist
     from waveplan.planner.integrations.megatron import StepData, train_step
@@ -248,7 +196,8 @@ def test_two_gloo_dp_ranks_agree_on_the_wave_count(setup, tmp_path):
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     logs = [open(tmp_path / f"r{r}.log", "wb") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.json")],
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.json"),
+                               str(Path(__file__).resolve().parent)],
                               env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
     try:
         for p in procs:

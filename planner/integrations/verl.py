@@ -191,11 +191,13 @@ class Installed:
                   use_dynamic_bsz_balance=True, force_group_size=1):
         """veRL's `rearrange_micro_batches` signature; `max_token_len` is ignored."""
         del max_token_len
+        options = {k: v() if k.endswith("group") and callable(v) else v
+                   for k, v in self.options.items()}
         self.last_plan = plan_micro_batches(
             batch, planner=self.planner, free_bytes=self.free_bytes, dp_group=dp_group,
             num_batches_divided_by=num_batches_divided_by,
             same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
-            force_group_size=force_group_size, **self.options)
+            force_group_size=force_group_size, **options)
         self.calls += 1
         indices = [list(w.request_indices) for w in self.last_plan.waves]
         return [_select(batch, idx) for idx in indices], indices
@@ -217,8 +219,12 @@ def install(planner: Planner, free_bytes: object | Callable[[], object], *,
     `prepare_dynamic_batch`) and in `verl.workers.engine.utils` (used by the engine's
     `prepare_micro_batches`; also when that module is imported later, since it binds the name
     at import). `free_bytes` may be a callable, called at every split (e.g. free device
-    memory minus a reserve). Call it in every worker process, e.g. from a plugin module that
-    veRL imports (`VERL_USE_EXTERNAL_MODULES`; see docs/integration.md)."""
+    memory minus a reserve); so may `model_parallel_group` and `group` (process groups that
+    exist only once the engine has set up Megatron's parallel state, e.g.
+    `parallel_state.get_model_parallel_group`, needed with TP/PP/CP > 1 so that
+    model-parallel peers share one budget and one plan). Call it in every worker process,
+    e.g. from a plugin module that veRL imports (`VERL_USE_EXTERNAL_MODULES`; see
+    docs/integration.md)."""
     import sys
 
     import verl.utils.seqlen_balancing as balancing
