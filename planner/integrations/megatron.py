@@ -43,7 +43,7 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, StepError, bad
 from waveplan.pricing.step import Step
 
-from ..plan import Plan, PlanWave
+from ..plan import Plan
 from ..planner import Planner
 
 
@@ -89,8 +89,9 @@ class StepData:
             groups = [seen.setdefault(rows[i][:prompt[i]].tobytes(), i) if prompt[i] else None
                       for i in range(n)]
         keys = bi.group_keys(groups, n)
+        first: dict[str, int] = {}
         for i in range(n):
-            j = keys.index(keys[i]) if keys[i] is not None else i
+            j = first.setdefault(keys[i], i) if keys[i] is not None else i
             if j != i and not np.array_equal(rows[i][:prompt[i]], rows[j][:prompt[j]]):
                 raise bad(StepError, f"groups[{i}]", keys[i],
                           f"sequence {i} and sequence {j} share the group but not the prompt tokens")
@@ -389,4 +390,4 @@ def train_step(model, planner: Planner, data: StepData, free_bytes, loss_func: C
     return run_plan(model, plan, data, loss_func, planner=planner if observe else None)
 
 
-__all__ = ["PlanWave", "StepData", "StepRun", "plan_step", "run_plan", "train_step"]
+__all__ = ["StepData", "StepRun", "plan_step", "run_plan", "train_step"]
