@@ -33,9 +33,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                              "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
                         help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
-    parser.add_argument("--backend", default=DEFAULT_BACKEND,
-                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file "
-                             f"(default {DEFAULT_BACKEND})")
+    parser.add_argument("--backend", "--coefficients", dest="backend", default=DEFAULT_BACKEND,
+                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file, "
+                             f"e.g. one fitted by `waveplan calibrate` (default {DEFAULT_BACKEND})")
     parser.add_argument("--safety", type=float, default=DEFAULT_SAFETY,
                         help=f"admitted = raw x safety (default {DEFAULT_SAFETY:g})")
 

@@ -95,6 +95,7 @@ def run(args) -> int:
     out = result.to_dict()
     out["notes"] = notes
     out["model"] = geometry.name
+    out["geometry"] = geometry.to_dict()  # so that `waveplan calibrate` can price the cell
     if args.json:
         print(json.dumps(out, sort_keys=False))
         return 0

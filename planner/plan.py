@@ -69,6 +69,17 @@ class PlanWave:
         return self.wave.is_split
 
     @property
+    def request_indices(self) -> tuple[int, ...]:
+        """Positions in the step of the wave's requests, ascending (aligned with
+        `request_ids`): the wave's micro-batch index list."""
+        return tuple(int(j) for j in np.sort(np.concatenate(self.children)))
+
+    @property
+    def child_indices(self) -> tuple[tuple[int, ...], ...]:
+        """Positions in the step of each child's requests (aligned with `child_ids`)."""
+        return tuple(tuple(int(j) for j in c) for c in self.children)
+
+    @property
     def size(self) -> Size:
         return Size.of(self.loads)
 
@@ -91,6 +102,8 @@ class PlanWave:
             "binding": b.binding, "basis": b.basis, "first_slots": sorted(self.first_slots),
             "terms": {k: int(v) for k, v in b.terms.items()},
             "children": [list(c) for c in self.child_ids] if self.is_split else [],
+            "request_indices": list(self.request_indices),
+            "child_indices": [list(c) for c in self.child_indices] if self.is_split else [],
         }
 
 

@@ -270,6 +270,100 @@ class Step:
         and precompute the tree data."""
         return cls(requests=tuple(requests))
 
+    # --- the user's own batch (lists, numpy arrays or tensors; see `batch_input`) ---------
+
+    @classmethod
+    def from_token_ids(cls, sequences, ids=None, slots=None, *, grads=None) -> Step:
+        """A token-form step from token-id sequences (lists, numpy arrays or 1-D tensors):
+        shared prefixes are whatever the tokens share, found by the step's prefix tree.
+
+        `ids`: one string per sequence (default: the positions "0", "1", ...). `slots`,
+        `grads`: one value for all or one per sequence (default: slot "default", grad on).
+        O(total tokens) plus the tree sort (see the class docstring)."""
+        from . import batch_input as bi
+
+        rows = bi.token_rows(sequences)
+        n = len(rows)
+        names = bi.request_ids(ids, n)
+        slot_of = bi.per_request("slots", slots, n, DEFAULT_SLOT, str)
+        grad_of = bi.per_request("grads", grads, n, True, bool)
+        return cls.from_requests(Request(id=names[i], num_tokens=int(rows[i].size), tokens=rows[i],
+                                         slot=slot_of[i], grad=grad_of[i]) for i in range(n))
+
+    @classmethod
+    def from_lengths(cls, prompt_lengths, completion_lengths, groups=None, ids=None, *,
+                     slots=None, grads=None) -> Step:
+        """A length-form step: request i has `prompt_lengths[i]` prompt tokens followed by
+        `completion_lengths[i]` (>= 1) completion tokens (the step file's `prompt_tokens` /
+        `completion_tokens`). Requests with the same `groups` key share their prompt (its
+        length must agree within the group); a key of None, no `groups`, or a prompt of 0
+        tokens shares nothing. Keys are strings or integers and become the `prompt` keys.
+
+        `ids`, `slots`, `grads` as in `from_token_ids`. O(n)."""
+        from . import batch_input as bi
+        from .errors import bad
+
+        completion = bi.lengths("completion_lengths", completion_lengths, None, minimum=1)
+        n = int(completion.size)
+        prompt = bi.lengths("prompt_lengths", prompt_lengths, n, minimum=0)
+        keys = bi.group_keys(groups, n)
+        names = bi.request_ids(ids, n)
+        slot_of = bi.per_request("slots", slots, n, DEFAULT_SLOT, str)
+        grad_of = bi.per_request("grads", grads, n, True, bool)
+        first: dict[str, int] = {}
+        requests = []
+        for i in range(n):
+            key, p = keys[i], int(prompt[i])
+            if key is not None:
+                j = first.setdefault(key, i)
+                if int(prompt[j]) != p:
+                    raise bad(StepError, f"prompt_lengths[{i}]", p,
+                              f"group {key!r} has {int(prompt[j])} prompt tokens at prompt_lengths[{j}]")
+            shared = key is not None and p > 0
+            requests.append(Request(id=names[i], num_tokens=p + int(completion[i]),
+                                    prompt=key if shared else None,
+                                    num_prompt_tokens=p if shared else 0,
+                                    slot=slot_of[i], grad=grad_of[i]))
+        return cls.from_requests(requests)
+
+    @classmethod
+    def from_padded(cls, input_ids, attention_mask, *, response_length=None, ids=None,
+                    slots=None, grads=None) -> Step:
+        """A step from a padded 2-D batch as veRL holds it (`input_ids`, `attention_mask`:
+        tensors or arrays of shape [B, S]; each row's attended tokens one contiguous run, so
+        right-, left- or both-side padded rows).
+
+        Without `response_length`: a token-form step of each row's attended tokens (shared
+        prefixes found by the prefix tree). With it (veRL: `batch["responses"].shape[-1]`):
+        the last `response_length` columns are the response, the others the prompt, and the
+        step is in length form: rows with the same prompt tokens share exactly their prompt
+        (a GRPO group), nothing deeper; a row with no prompt or no response token shares
+        nothing. `ids`, `slots`, `grads` as in `from_token_ids`. O(B x S)."""
+        from . import batch_input as bi
+        from .errors import bad
+
+        tokens, start, end = bi.padded_rows(input_ids, attention_mask)
+        rows = [tokens[r, start[r]:end[r]] for r in range(tokens.shape[0])]
+        if response_length is None:
+            return cls.from_token_ids(rows, ids, slots, grads=grads)
+        width = tokens.shape[1]
+        if not _is_int(response_length) or not 0 < response_length < width:
+            raise bad(StepError, "response_length", response_length,
+                      f"must be an integer in [1, {width - 1}] (input_ids has {width} columns)")
+        split = width - int(response_length)
+        prompt = np.clip(split - start, 0, end - start)
+        completion = (end - start) - prompt
+        keys: list[int | None] = []
+        seen: dict[bytes, int] = {}
+        for r in range(tokens.shape[0]):
+            if prompt[r] == 0 or completion[r] == 0:
+                keys.append(None)
+                continue
+            keys.append(seen.setdefault(rows[r][:prompt[r]].tobytes(), r))
+        none = np.array([k is None for k in keys])
+        return cls.from_lengths(np.where(none, 0, prompt), np.where(none, end - start, completion),
+                                keys, ids, slots=slots, grads=grads)
+
     def __post_init__(self) -> None:
         requests = tuple(self.requests)
         object.__setattr__(self, "requests", requests)

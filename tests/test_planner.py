@@ -15,7 +15,8 @@ from waveplan.search import check_plan
 
 GIB = 2**30
 WAVE_KEYS = {"index", "requests", "packed_tokens", "logical_tokens", "segments", "raw_bytes",
-             "admitted_bytes", "budget_bytes", "binding", "basis", "first_slots", "terms", "children"}
+             "admitted_bytes", "budget_bytes", "binding", "basis", "first_slots", "terms", "children",
+             "request_indices", "child_indices"}
 
 
 @pytest.fixture(scope="module")

@@ -117,8 +117,24 @@ def load_base(backend: str = DEFAULT_BACKEND) -> CoefficientTable:
     return load_table(backend)
 
 
+def record_from_trace(obj: dict) -> dict:
+    """A calibration record from one `waveplan trace --json` object (a `TraceResult.to_dict()`
+    with the traced `model` name and, from `waveplan trace`, its `geometry` inline): the cell
+    is what the trace ran (model, traced layers, recompute mode, LoRA rank, sequence lengths),
+    the trace is the object itself."""
+    recompute = obj.get("recompute")
+    cell = {"model": obj.get("model"), "num_layers": obj.get("num_layers"),
+            "recompute": recompute.get("mode") if isinstance(recompute, dict) else recompute,
+            "lora_rank": obj.get("lora_rank") or 0, "seq_lens": obj.get("seq_lens")}
+    if "geometry" in obj:
+        cell["geometry"] = obj["geometry"]
+    return {"cell": {k: v for k, v in cell.items() if v is not None}, "trace": obj}
+
+
 def read_traces(path: str | Path) -> list[dict]:
-    """Trace records of a JSON Lines file; ConfigError on anything unreadable."""
+    """Trace records of a JSON Lines file; ConfigError on anything unreadable. A line is a
+    record `{cell, trace}` (bench/validation_study.py) or a `waveplan trace --json` object
+    (`record_from_trace`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -132,6 +148,8 @@ def read_traces(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             raise bad(ConfigError, "traces", f"{path}:{n}", "not a JSON object") from None
+        if isinstance(rec, dict) and "cell" not in rec and "peak_bytes" in rec:
+            rec = record_from_trace(rec)
         _check_record(rec, f"{path}:{n}")
         records.append(rec)
     if not records:
