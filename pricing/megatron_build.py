@@ -207,10 +207,6 @@ def _patch_gdn_for_cpu() -> None:
     gdn._waveplan_patched = True
 
 
-def _is_qwen(geometry: ModelGeometry) -> bool:
-    return "qwen" in geometry.name.lower()
-
-
 def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
                  layout: ParallelLayout | None = None, recompute: Recompute | None = None,
                  dtype: torch.dtype = torch.bfloat16, perform_initialization: bool = False):
@@ -242,7 +238,7 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
     if att is not None:
         kw.update(num_attention_heads=att.num_heads, num_query_groups=att.num_kv_groups,
                   kv_channels=att.head_dim, attention_output_gate=att.output_gate,
-                  qk_layernorm=bool(extra.get("qk_layernorm", _is_qwen(geometry))))
+                  qk_layernorm=bool(extra.get("qk_layernorm", geometry.qk_norm)))
     else:
         # GDN-only model: Megatron still wants head counts; they size nothing that is built.
         kw.update(num_attention_heads=gdn.num_value_heads, num_query_groups=gdn.num_value_heads,
