@@ -6,17 +6,25 @@ traces); `pricing.model` adds them to the recomputed layer's workspace, to the n
 forward transient and to a retained layer's activations, and the head terms to the head.
 Widths are per rank, as in `pricing.terms` (`widths` from `pricing.model.layer_widths`).
 
-No seed traces these features. Every term therefore charges the feature's extra tensors
-explicitly, at their full size (bf16, fp32 where the op computes in fp32), so an estimate
-does not fall under what the feature adds; `feature_gaps` names each feature priced this
-way, and a model with any of them has basis "conservative" with those reasons
-(`pricing.model.evidence_gaps`). They keep their TP and sequence-parallel credit: the
-extra tensors shard like the tensors they come from.
+No seed (GPU) traces these features. Every term charges the feature's extra tensors
+explicitly, at their full size (bf16, fp32 where the op computes in fp32), sized where
+possible by cpu-fake traces at real width (`bench/family_study.py`: one representative per
+family and one ablation per feature, bench/results/family_validation.txt), so an estimate
+does not fall under what the feature adds; `feature_gaps` names each feature that adds
+memory, and a model with any of them has basis "conservative" with those reasons
+(`pricing.model.evidence_gaps`), saying whether a cpu-fake trace covers it. They keep
+their TP and sequence-parallel credit: the extra tensors shard like the tensors they come from.
 
 Features that add no memory, and why (no term, no gap):
 - sliding windows (Mistral, Gemma, gpt-oss): flash-attention kernels keep O(rows) memory
   (output and log-sum-exp) whatever the window; full causal attention, which the baseline
   terms price, holds the same;
+- q/k/v biases alone (Qwen2): Transformer Engine adds them inside the GEMM; Megatron's local
+  linear adds them out of place, a copy that replaces the GEMM output at once, and the
+  cpu-fake traces of Qwen2.5-7B with and without them peak at the same bytes
+  (bench/results/family_validation.txt);
+- GeGLU (Gemma): the tanh GELU saves its input, as SiLU does; cpu-fake traces of Gemma 3 with
+  GeGLU and with SwiGLU peak at the same bytes (bench/results/family_validation.txt);
 - tied embeddings: the output layer reads the embedding weight; activations are unchanged;
 - embedding scaling (Gemma, x sqrt(hidden)): one more [rows, H] copy that replaces the
   embedding output before layer 0 runs, under the first layer's own forward transient
@@ -34,12 +42,13 @@ BF16, FP32 = 2, 4
 
 
 def projection_bias_per_row(widths: dict, *, qkv: bool, output: bool) -> float:
-    """Biases on the attention projections (Qwen2: q/k/v; gpt-oss: q/k/v and output).
+    """Biases on every attention projection (gpt-oss: q/k/v and output).
 
     A bias added after the GEMM out of place (Megatron's local linear does) holds a second
     projection output while the layer runs: bf16 x qkv for the QKV projection, bf16 x H for
     the output projection (Transformer Engine fuses the bias into the GEMM: 0 there).
-    Conservative: both charged. Evidence: none traced (structural).
+    Conservative: both charged. Evidence: none traced with biases everywhere (structural);
+    q/k/v biases alone add nothing at the peak (cpu-fake, Qwen2.5-7B) and are not charged.
     """
     return (BF16 * widths["qkv"] if qkv else 0.0) + (BF16 * widths["H"] if output else 0.0)
 
@@ -59,18 +68,17 @@ def mla_per_row(attention: AttentionSpec, *, tp: int) -> float:
     already prices (`qkv` = all q and kv projection outputs, `core` = heads x v_head_dim).
 
     Megatron's MLA concatenates the no-rope and rotary parts into full queries and keys
-    ([heads, qk_nope + qk_rope] each), makes the values contiguous ([heads, v]) and runs the
-    latent RMSNorms on the query and key/value latents. Charged, per rank (heads / TP):
-    queries, keys and values and their gradients, 2 x bf16 x (2 x heads x qk + heads x v);
-    the latent norms' fp32 input copy and bf16 output, (fp32 + bf16) x (q_lora_rank +
-    kv_lora_rank); the rotated query and broadcast key rotary parts, 2 x bf16 x heads x
-    qk_rope. Conservative (no trace): what flash MLA saves instead is at most these.
+    ([heads, qk_nope + qk_rope] each, new tensors) and runs RMSNorms on the query and
+    key/value latents (a plain torch RMSNorm keeps an fp32 copy of its input). Charged, per
+    rank (heads / TP): 2 x bf16 x heads x (qk_nope + qk_rope) + fp32 x (q_lora_rank +
+    kv_lora_rank). Evidence: cpu-fake traces of DeepSeek-V2-Lite (2 layers) and DeepSeek-V3
+    (4 layers) with the flash stand-in (values padded to the query width): every cell above
+    its trace, the decoder-only peaks +1 to +15 % (bench/results/family_validation.txt); no GPU
+    trace, so the basis stays conservative.
     """
     mla = attention.mla
     heads = attention.num_heads / tp
-    qkv = 2 * heads * mla.qk_head_dim + heads * mla.v_head_dim
-    return (2 * BF16 * qkv + (FP32 + BF16) * (mla.q_lora_rank + mla.kv_lora_rank)
-            + 2 * BF16 * heads * mla.qk_rope_head_dim)
+    return 2 * BF16 * heads * mla.qk_head_dim + FP32 * (mla.q_lora_rank + mla.kv_lora_rank)
 
 
 def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
@@ -78,7 +86,9 @@ def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
 
     Each keeps its input for backward (a plain torch RMSNorm upcasts it to fp32, 4H) and
     writes a bf16 output (2H): 2 x (fp32 + bf16) x H per row, hidden-wide (a shard under
-    sequence parallelism). Conservative (no trace): a fused norm keeps only the bf16 input.
+    sequence parallelism); a fused norm keeps only the bf16 input. Evidence: cpu-fake traces
+    of Gemma 3 with and without them (modelled by `megatron_build`: Megatron-core has none)
+    differ by 11.9H per row at the decoder's peak (bench/results/family_validation.txt).
     """
     return 2 * (FP32 + BF16) * widths["H"] / sp_div
 
@@ -86,13 +96,11 @@ def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
 def activation_per_ffn_row(activation: MlpActivation) -> float:
     """Extra bytes per F-wide unit of one gated MLP's activation, beyond SwiGLU's.
 
-    GeGLU (Gemma): the tanh-approximate GELU output kept beside its input, one bf16 F-wide
-    tensor (2). Clamped SwiGLU (gpt-oss): the clamped gate and up, the scaled gate, its
-    sigmoid, the gated product and up + 1, six bf16 F-wide tensors (12). Conservative (no
-    trace): each intermediate charged as if kept.
+    GeGLU (Gemma): 0, the tanh GELU saves its input as SiLU does (cpu-fake traces of Gemma 3
+    with either peak at the same bytes). Clamped SwiGLU (gpt-oss): the clamped gate and up,
+    the scaled gate, its sigmoid, the gated product and up + 1, six bf16 F-wide tensors (12).
+    Conservative (no trace): each intermediate charged as if kept.
     """
-    if activation == MlpActivation.GEGLU:
-        return BF16
     if activation == MlpActivation.CLAMPED_SWIGLU:
         return 6 * BF16
     return 0.0
@@ -121,7 +129,7 @@ def router_per_row(widths: dict, features) -> float:
 def attention_extra_per_row(geometry: ModelGeometry, widths: dict, *, tp: int) -> float:
     """All feature terms of one attention layer's mixer (per gathered row)."""
     f, att = geometry.features, geometry.attention
-    extra = projection_bias_per_row(widths, qkv=f.qkv_bias or f.linear_bias, output=f.linear_bias)
+    extra = projection_bias_per_row(widths, qkv=f.linear_bias, output=f.linear_bias)
     if f.attention_sinks:
         extra += attention_sinks_per_row(widths, att.num_heads / tp)
     if att.mla is not None:
@@ -164,18 +172,19 @@ def final_softcap_per_row(widths: dict) -> tuple[float, float]:
     """(retained, transient) bytes per row of final-logit soft-capping (Gemma 2:
     cap x tanh(logits / cap)) on a full-logits head.
 
-    Forward keeps the tanh output for backward and, while it runs, the scaled logits:
-    2 x bf16 x vocab/TP charged as retained; backward adds the gradients through the scale
-    and the tanh, 2 x bf16 x vocab/TP. Conservative (no trace; Megatron-core has no
-    soft-capping, the tracer models it, see `pricing.trace`).
+    The tanh output is kept for backward beside the capped logits the loss keeps: bf16 x
+    vocab/TP retained; the scaled logits and the gradients through the scale and the tanh
+    come and go below the loss's own peak. Evidence: cpu-fake traces of Gemma-2-9B with the
+    cap modelled as transformers computes it (`megatron_build`: Megatron-core has none) peak
+    exactly one bf16 [rows, vocab] tensor higher than without (bench/results/family_validation.txt).
     """
-    return 2 * BF16 * widths["vocab"], 2 * BF16 * widths["vocab"]
+    return BF16 * widths["vocab"], 0.0
 
 
 def final_softcap_chunk_per_row(widths: dict) -> float:
-    """Final-logit soft-capping in a chunked head: the same four [rows, vocab] bf16 tensors per
-    chunk row, 4 x bf16 x vocab/TP. Conservative (no trace)."""
-    return 4 * BF16 * widths["vocab"]
+    """Final-logit soft-capping in a chunked head: the tanh output and the scaled logits of the
+    chunk, 2 x bf16 x vocab/TP per chunk row. Conservative (the chunked head is not traced)."""
+    return 2 * BF16 * widths["vocab"]
 
 
 def feature_gaps(geometry: ModelGeometry) -> list[str]:
@@ -183,22 +192,23 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
     f, att = geometry.features, geometry.attention
     gaps = []
     if att is not None and att.mla is not None:
-        gaps.append("multi-latent attention (no trace: rebuilt queries/keys/values, latent norms "
-                    "and rotary parts charged at full size)")
-    if f.qkv_bias or f.linear_bias:
-        gaps.append(("biases on every linear" if f.linear_bias else "q/k/v projection biases")
-                    + " (no trace: each biased output charged twice)")
+        gaps.append("multi-latent attention (traced on cpu-fake only: rebuilt queries and keys, "
+                    "latent norms; no GPU trace)")
+    if f.linear_bias:
+        gaps.append("biases on every linear (no trace: each biased output charged twice)")
     if f.attention_sinks:
         gaps.append("attention sinks (no trace: per-head fp32 softmax statistics charged)")
     if f.attention_softcap:
         gaps.append("attention logit soft-capping (priced as flash attention's in-kernel cap; an "
                     "unfused attention's [heads, s, s] scores are not priced)")
     if f.final_softcap:
-        gaps.append("final-logit soft-capping (no trace: four more [rows, vocab] tensors charged)")
+        gaps.append("final-logit soft-capping (traced on cpu-fake only, as transformers computes "
+                    "it: one more [rows, vocab] tensor; no GPU trace)")
     if f.sandwich_norms:
-        gaps.append("sandwich norms (no trace: two more norms' fp32 inputs and outputs charged)")
-    if f.mlp_activation != MlpActivation.SWIGLU:
-        gaps.append(f"{f.mlp_activation.value} MLP (no trace: its extra activation tensors charged)")
+        gaps.append("sandwich norms (traced on cpu-fake only: two more norms' fp32 inputs and "
+                    "outputs; no GPU trace)")
+    if f.mlp_activation == MlpActivation.CLAMPED_SWIGLU:
+        gaps.append("clamped-swiglu MLP (no trace: its six extra activation tensors charged)")
     if geometry.moe is not None and (f.router_score != RouterScore.SOFTMAX or f.router_groups > 1):
         gaps.append("group-limited sigmoid routing (no trace: two more fp32 score tensors charged)")
     return gaps

@@ -17,8 +17,13 @@ biases (`add_qkv_bias`), biases everywhere (`add_bias_linear`), sliding windows
 flash memory is the same), attention sinks (`softmax_type="learnable"`), GeGLU (a tanh GELU
 as `activation_func`), gpt-oss's clamped SwiGLU (`quick_gelu`, `glu_linear_offset=1`,
 `activation_func_clamp_value`), sigmoid and group-limited routing. Megatron-core 0.16.1 has
-no soft-capping, sandwich norms or embedding scaling: a built model records them in
-`model.waveplan_features`, which `live_geometry` reads back.
+no soft-capping, sandwich norms or embedding scaling: `build_gpt` adds them as Hugging Face
+computes them, by forward hooks (`_install_unmodelled`: the embedding output times
+sqrt(hidden); `cap x tanh(logits / cap)` on the output layer's logits; an RMSNorm on the
+attention output and one on the MLP output, before each residual add), so traces see their
+tensors; and records them in `model.waveplan_features`, which `live_geometry` reads back.
+Attention logit soft-capping is not run (flash attention applies it in-kernel; the SDPA
+stand-in has no cap), nor are attention sinks (a per-head logit in the kernel).
 
 LoRA adapters are `LoraLinear` wrappers around Megatron's linear modules: trainable A
 (rank x in) and B (out x rank), frozen base. Every base weight is frozen; MoE expert
@@ -138,10 +143,18 @@ def _sdpa_attention_class():
         def _one(self, q, k, v):
             # q: [b, s, h, d] -> [b, h, s, d]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            dv = v.shape[-1]
+            if dv != q.shape[-1]:
+                # multi-latent attention: values narrower than queries/keys. torch's CPU
+                # flash kernel wants one head width (else it falls back to the math kernel,
+                # which holds [heads, s, s] scores); pad the values, slice the output.
+                v = F.pad(v, (0, q.shape[-1] - dv))
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale,
                 dropout_p=self.dropout_p if self.training else 0.0,
                 enable_gqa=q.shape[1] != k.shape[1])
+            if dv != out.shape[-1]:
+                out = out[..., :dv]
             return out.transpose(1, 2)  # [b, s, h, d]
 
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
@@ -336,6 +349,36 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
         raise ConfigError(f"model {geometry.name!r}: Megatron rejects the config: {exc}") from None
 
 
+def _post_norm_hook(norm):
+    def hook(module, inputs, output):
+        out, bias = output
+        if bias is not None:
+            out = out + bias
+        return norm(out), None
+
+    return hook
+
+
+def _install_unmodelled(model, geometry: ModelGeometry, config) -> None:
+    """Forward hooks for the features Megatron-core lacks (see the module doc). Call where
+    the model's parameters are created (its device), before casting."""
+    f = geometry.features
+    if f.embedding_scale and model.pre_process:
+        scale = float(geometry.hidden) ** 0.5
+        model.embedding.register_forward_hook(lambda module, inputs, out: out * scale)
+    if f.final_softcap and model.post_process:
+        cap = f.final_softcap
+        model.output_layer.register_forward_hook(
+            lambda module, inputs, out: (torch.tanh(out[0] / cap) * cap, out[1]))
+    if f.sandwich_norms:
+        eps = config.layernorm_epsilon
+        for layer in model.decoder.layers:
+            for name, sub in (("post_attention_norm", layer.self_attention), ("post_mlp_norm", layer.mlp)):
+                norm = TorchRMSNorm(config, geometry.hidden, eps=eps)
+                layer.add_module(name, norm)
+                sub.register_forward_hook(_post_norm_hook(norm))
+
+
 def _layers(geometry: ModelGeometry, num_layers: int | None):
     if num_layers is None:
         return geometry.layers
@@ -507,10 +550,12 @@ def build_gpt(geometry: ModelGeometry, *, num_layers: int | None = None, device:
     if device == "cuda":
         with torch.device("cuda"):
             model = GPTModel(**kwargs)
+            _install_unmodelled(model, geometry, config)
     else:
         install_cpu_shim()
         with shim_device(device), torch.device(device):
             model = GPTModel(**kwargs)
+            _install_unmodelled(model, geometry, config)
     # As Megatron's Float16Module does: every floating parameter and buffer in `dtype`
     # (the local norms are built in fp32 and would otherwise promote activations).
     _cast_floating(model, dtype)

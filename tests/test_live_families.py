@@ -108,3 +108,43 @@ def test_unknown_activation_is_named(megatron_tp1):
     model.config.activation_func = torch.relu
     with pytest.raises(ConfigError, match="config.activation_func='relu'"):
         geometry_from_megatron(model)
+
+
+def _tiny(vocab=512, **features):
+    from waveplan.pricing.geometry import AttentionSpec, ModelFeatures, ModelGeometry
+
+    return ModelGeometry(name="tiny", hidden=128, ffn=384, vocab=vocab, layers=(("attention", "dense"),) * 2,
+                         attention=AttentionSpec(4, 2, 32), features=ModelFeatures(**features))
+
+
+def _trace(geometry, lens):
+    try:
+        from waveplan.pricing.measure.trace import trace_wave
+    except ImportError:
+        from waveplan.pricing.trace import trace_wave
+    return trace_wave(geometry, seq_lens=lens, device="cpu-fake", lora_rank=8)
+
+
+def test_tracer_models_the_final_softcap_and_sandwich_norms():
+    """Megatron-core has neither; the builder's hooks allocate what transformers does: the tanh
+    output of the capped logits (one bf16 [rows, vocab] more at the head's peak), and two more
+    norms per layer."""
+    rows, vocab = 256, 32768  # a vocabulary large enough for the head to bind
+    plain = _trace(_tiny(vocab), [rows])
+    capped = _trace(_tiny(vocab, final_softcap=30.0), [rows])
+    assert capped.peak_bytes - plain.peak_bytes == 2 * vocab * rows
+    assert capped.decoder_peak_bytes == plain.decoder_peak_bytes  # no head, no cap
+    sandwich = _trace(_tiny(sandwich_norms=True), [rows])
+    assert sandwich.decoder_peak_bytes > plain.decoder_peak_bytes
+
+
+def test_mla_stand_in_attention_is_linear_in_rows():
+    """Values narrower than queries (MLA) must not fall back to the math kernel's [heads, s, s]
+    scores: doubling one sequence's rows about doubles the decoder's peak."""
+    from waveplan.pricing.geometry import AttentionSpec, MlaSpec, ModelGeometry
+
+    mla = MlaSpec(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    g = ModelGeometry(name="tiny-mla", hidden=128, ffn=384, vocab=512, layers=(("attention", "dense"),),
+                      attention=AttentionSpec(8, 8, 48, mla=mla))
+    short, long = (_trace(g, [n]).decoder_peak_bytes for n in (1024, 2048))
+    assert long / short < 2.2
