@@ -188,3 +188,12 @@ def test_no_recompute_charges_the_features_in_retained_activations():
     a = PricingModel.build(g, recompute=none).arrays
     b = PricingModel.build(baseline(g), recompute=none).arrays
     assert (a["retained"] > b["retained"]).all()
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_geometry_round_trips_through_its_dict(name):
+    """Reports carry `to_dict()`; replay rebuilds with `from_dict` (MLA and features included)."""
+    from waveplan.pricing.geometry import ModelGeometry
+
+    geometry = load_preset(name)
+    assert ModelGeometry.from_dict(json.loads(json.dumps(geometry.to_dict()))) == geometry
