@@ -24,6 +24,7 @@ from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
@@ -191,6 +192,21 @@ class Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given."""
         return cls(geometry=load_preset(name),
+                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
+                   recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+
+    @classmethod
+    def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+                       sequence_parallel: bool = False, recompute: Recompute | str = "full",
+                       lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = "te-gpu",
+                       head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                       profiles_path: str | os.PathLike | None = None,
+                       name: str | None = None) -> Planner:
+        """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
+        or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
+        arguments as `from_preset`."""
+        return cls(geometry=load_hf_config(config, name=name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import terms
+from . import feature_terms, terms
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
@@ -40,8 +40,14 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
     Covered (docs/memory-model.md#basis): one-layer full recompute at TP1 with CP <= 2 or TP4 with
     sequence parallelism and CP1; selective/no recompute of dense models at TP1 with
-    CP <= 2; PP1; MoE with EP <= 2.
+    CP <= 2; PP1; MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
+    conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
+    return layout_gaps(geometry, parallel, recompute) + feature_terms.feature_gaps(geometry)
+
+
+def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
+    """The parallel layout's and recompute's part of `evidence_gaps`."""
     gaps = []
     if parallel.pp > 1:
         gaps.append(f"PP{parallel.pp} (no trace covers pipeline stages)")
@@ -65,12 +71,15 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
 def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
-    geometry says (a live Megatron model does), else the Megatron builder's own default
-    (`measure.megatron_build`: on for Qwen models)."""
+    geometry says (a live Megatron model does), else its features' explicit flag, else the
+    Megatron builder's own default (`measure.megatron_build`: on for Qwen models). Multi-latent
+    attention normalises its latents instead (priced by `feature_terms.mla_per_row`)."""
+    if geometry.attention is not None and geometry.attention.mla is not None:
+        return False
     flag = (geometry.extra or {}).get("qk_layernorm")
     if flag is not None:
         return bool(flag)
-    return "qwen" in geometry.name.lower()
+    return geometry.qk_norm
 
 
 def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
@@ -79,7 +88,7 @@ def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
     return {
         "H": geometry.hidden,
         "F": geometry.ffn / tp,
-        "qkv": att.qkv_width / tp if att else 0.0,
+        "qkv": att.qkv_width_per_rank(tp) if att else 0.0,
         "core": att.core_width / tp if att else 0.0,
         "in_proj": gdn.in_proj_width / tp if gdn else 0.0,
         "conv": gdn.conv_width / tp if gdn else 0.0,
@@ -107,6 +116,7 @@ class PricingModel:
     # derived (set in __post_init__)
     basis: str = field(init=False)
     gaps: tuple[str, ...] = field(init=False)
+    layout_gaps: tuple[str, ...] = field(init=False)
     slot_names: tuple[str, ...] = field(init=False)
     arrays: dict = field(init=False, repr=False, compare=False)
 
@@ -117,6 +127,8 @@ class PricingModel:
         parse_head(self.head)
         gaps = tuple(evidence_gaps(self.geometry, self.parallel, self.recompute))
         object.__setattr__(self, "gaps", gaps)
+        object.__setattr__(self, "layout_gaps",
+                           tuple(layout_gaps(self.geometry, self.parallel, self.recompute)))
         object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
         object.__setattr__(self, "arrays", self._build_arrays())
@@ -132,7 +144,10 @@ class PricingModel:
 
     @property
     def conservative(self) -> bool:
-        return bool(self.gaps)
+        """Whether the layout or recompute lies outside the evidence: then widths get no TP
+        credit and rows no CP credit. Feature gaps alone make the basis "conservative" but
+        keep these credits (their terms are explicit bounds)."""
+        return bool(self.layout_gaps)
 
     @property
     def width_tp(self) -> int:
@@ -171,6 +186,13 @@ class PricingModel:
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            # model-family features: their extra tensors live in the stage, the forward
+            # transient and (without full recompute) the retained activations alike
+            extra = feature_terms.layer_extra_per_row(g, widths, layer, tp=self.width_tp,
+                                                      sp_div=sp_div, ep_skew=ep_skew)
+            if extra:
+                workspace[i] += extra
+                nograd[i] = nograd_plain[i] = nograd[i] + extra
             if layer.mixer == MixerKind.GDN:
                 gdn_state[i] = terms.gdn_state_per_segment(t, g.gdn, tp=self.width_tp)
             layer_retained = terms.retained_layer_per_row(
@@ -178,6 +200,8 @@ class PricingModel:
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
             if layer.mixer == MixerKind.ATTENTION:
                 layer_retained += qk_norm
+            if extra:
+                layer_retained += extra
             if mode == RecomputeMode.FULL:
                 retained[i] = terms.boundary_per_row(t, widths, sp_div=sp_div)
                 if self.recompute.num_layers > 1 or self.recompute.method == "block":
@@ -200,6 +224,12 @@ class PricingModel:
         kind, chunk = parse_head(self.head)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
+        if g.features.final_softcap:
+            if kind == "chunked":
+                head_const += chunk * feature_terms.final_softcap_chunk_per_row(widths)
+            else:
+                cap_ret, cap_tr = feature_terms.final_softcap_per_row(widths)
+                logits_ret, logits_tr = logits_ret + cap_ret, logits_tr + cap_tr
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)

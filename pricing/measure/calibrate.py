@@ -221,6 +221,10 @@ def _model(table: CoefficientTable, cell: dict):
     from ..parallel import ParallelLayout, Recompute
 
     geometry = cell_geometry(cell)
+    if geometry.features.final_softcap and not table.scalar("head_full_native", "retained_per_row_vocab"):
+        # a table without logits terms prices the decoder-only pass: no logits to soft-cap
+        geometry = dataclasses.replace(
+            geometry, features=dataclasses.replace(geometry.features, final_softcap=0.0))
     # the traced adapters are bf16 parameters with plain autograd gradients: 2 bytes each
     return PricingModel(geometry=geometry, parallel=ParallelLayout(),
                         recompute=Recompute(mode=cell["recompute"]),
