@@ -69,13 +69,12 @@ class WalkGroups(NamedTuple):
 
 def walk_charges(arrays: dict) -> WalkCharges:
     """The walk's charges from a model's arrays (`PricingModel.arrays`). O(1)."""
-    return WalkCharges(*(arrays[name] for name in ("retained", "workspace", "nograd",
-                                                   "gdn_state", "pending", "input_grad",
-                                                   "head_retained", "head_transient",
-                                                   "head_const", "caller")))
+    return WalkCharges(*(arrays[name] for name in WalkCharges._fields))
 
 
-@njit(cache=True)
+# `_start` and `_offer` are inlined into `walk`: it passes them literal point codes, for which
+# numba would otherwise compile one specialisation each (about a second apiece, cold).
+@njit(cache=True, inline="always")
 def _start(point, others, caller_bytes, first_exec):
     """A new walk point: the terms every point carries, the rest zero."""
     point[:] = 0.0
@@ -84,7 +83,7 @@ def _start(point, others, caller_bytes, first_exec):
     point[TERM_FIRST_EXECUTION] = first_exec
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _offer(best, out, point, code, layer, group):
     """Keep the point (and where it is) if it is the highest so far."""
     total = point.sum()
