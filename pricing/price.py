@@ -11,7 +11,16 @@ import numpy as np
 from .errors import ConfigError, bad
 from .geometry import MixerKind
 from .model import PricingModel
-from .walk import POINT_NAMES, TERM_NAMES, walk
+from .walk import (
+    PEAK_BYTES,
+    PEAK_LAYER,
+    PEAK_POINT,
+    POINT_NAMES,
+    TERM_NAMES,
+    WalkGroups,
+    walk,
+    walk_charges,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +75,10 @@ def rank_rows(model: PricingModel, padded_rows: int) -> int:
     return -(-padded_rows // model.parallel.cp)
 
 
-def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad], first_slots: frozenset[str]):
+def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad],
+                  first_slots: frozenset[str]) -> WalkGroups:
+    """The walk's view of the groups: rank rows, logical rows, segments, grad, slot index and
+    whether each carries its slot's pending gradients. O(groups)."""
     n = len(groups)
     rows = np.empty(n)
     logical = np.empty(n)
@@ -81,7 +93,7 @@ def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad], first_slots:
         grad[k] = group.grad
         slot[k] = model.slot_index(group.slot)
         carries[k] = group.grad and group.slot in first_slots
-    return rows, logical, segments, grad, slot, carries
+    return WalkGroups(rows, logical, segments, grad, slot, carries)
 
 
 def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
@@ -95,13 +107,11 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     for name in first_slots:
         model.slot_index(name)
     a = model.arrays
-    rows, logical, segments, grad, slot, carries = _group_arrays(model, groups, first_slots)
-    first_exec = 0.0 if profiled or not grad.any() else a["first_exec"]
-    best, values = walk(a["retained"], a["workspace"], a["nograd"], a["gdn_state"], a["pending"],
-                        a["input_grad"], a["head_retained"], a["head_transient"], a["head_const"],
-                        a["caller"], first_exec, rows, logical, segments, grad, slot, carries)
-    raw = int(math.ceil(best[0]))
-    code, layer = int(best[1]), int(best[2])
+    walk_groups = _group_arrays(model, groups, first_slots)
+    first_exec = 0.0 if profiled or not walk_groups.grad.any() else a["first_exec"]
+    best, values = walk(walk_charges(a), first_exec, walk_groups)
+    raw = int(math.ceil(best[PEAK_BYTES]))
+    code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
     return Breakdown(
         raw_bytes=raw,
         admitted_bytes=int(math.ceil(raw * model.safety)),

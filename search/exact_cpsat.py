@@ -37,8 +37,9 @@ fits in it.
 from __future__ import annotations
 
 import numpy as np
+from waveplan.pricing.tolerances import FIT_EPS
 
-from .items import FIT_EPS, Items
+from .items import Items
 
 SCALE = 10**8
 MAX_CELLS = 4000

@@ -52,6 +52,10 @@ from waveplan.pricing.step import Step
 
 from .contract import Pricer, SearchEnvelope, SearchPricer, SearchStep
 from .items_jit import (
+    GENERIC_BOUND,
+    LENGTH_FORM,
+    TOKEN_FORM,
+    WeightCharges,
     alone_loads,
     blocks_by_group,
     prefix_tree,
@@ -62,7 +66,6 @@ from .items_jit import (
 )
 from .pending import reserve_room
 
-FIT_EPS = 1e-9
 TREE_DEPTH = 16        # tree nodes (nearest the root) a request pays a header for, at least
 TREE_ENTRIES = 16384   # ... or up to this many (request, node) pairs in all (small steps)
 
@@ -169,10 +172,10 @@ class PointCoefs:
     presence: np.ndarray   # float64[P, K]
     c0: np.ndarray         # float64[P, K] per packed row
     c1: np.ndarray         # float64[P, K] per logical row
-    cseg: np.ndarray       # float64[P, K] per segment (mode 0: the envelope's whole charge)
-    cpad: np.ndarray       # float64[P, K] per padding row (mode 0: unused)
+    cseg: np.ndarray       # float64[P, K] per segment (GENERIC_BOUND: the envelope's whole charge)
+    cpad: np.ndarray       # float64[P, K] per padding row (GENERIC_BOUND: unused)
     multiple: int
-    step_aware: bool       # the envelope splits its segment charge (pad, seg): modes 1-2
+    step_aware: bool       # the envelope splits its segment charge (pad, seg): step-aware modes
 
 
 _COEF_CACHE: dict[int, tuple[object, PointCoefs]] = {}
@@ -215,11 +218,11 @@ def point_coefs(env: SearchEnvelope) -> PointCoefs:
 
 
 def weight_mode(step: SearchStep, coefs: PointCoefs) -> int:
-    """0: the generic two-level bound; 1: length form; 2: token form (see items_jit.weights).
-    A step that does not say its form (not a pricing `Step`) gets the generic bound."""
+    """GENERIC_BOUND, LENGTH_FORM or TOKEN_FORM (see items_jit.weights). A step that does not
+    say its form (not a pricing `Step`) gets the generic bound."""
     if not coefs.step_aware or not isinstance(step, Step):
-        return 0
-    return 2 if step.is_token_form else 1
+        return GENERIC_BOUND
+    return TOKEN_FORM if step.is_token_form else LENGTH_FORM
 
 
 def _tree_items(step: Step, pc: PointCoefs, cap: np.ndarray, class_of: np.ndarray, K: int):
@@ -238,9 +241,9 @@ def _tree_items(step: Step, pc: PointCoefs, cap: np.ndarray, class_of: np.ndarra
     V = len(node_depth)
     req_sptr, req_s, sub_node, sub_class, kept, skipped = tree_subgroups(
         leaf_parent, node_parent, V, class_of, K, max(TREE_DEPTH, TREE_ENTRIES // max(n, 1)))
-    req_w, sub_hdr = tree_weights(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, class_of, kept,
-                                  node_parent, node_depth, V, sub_node, sub_class, lengths,
-                                  lengths.astype(np.float64), pc.multiple)
+    charges = WeightCharges(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, pc.multiple)
+    req_w, sub_hdr = tree_weights(charges, class_of, kept, node_parent, node_depth, V, sub_node,
+                                  sub_class, lengths, lengths.astype(np.float64))
     return req_w, sub_hdr, req_sptr, req_s, sub_node, sub_class, kept, bool(skipped.any())
 
 
@@ -275,12 +278,12 @@ def build_items(step: SearchStep, pricer: Pricer | SearchPricer, budget_bytes: f
     P = len(points)
     mode = weight_mode(step, pc)
     tree = (_tree_items(step, pc, cap, class_of, K)
-            if (mode == 2 and n and isinstance(step, Step)) else None)
+            if (mode == TOKEN_FORM and n and isinstance(step, Step)) else None)
     if n:
         sub_of, sub_group, sub_class, sub_count = subgroups(group_of, class_of, K)
-        req_w, sub_hdr = weights(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, class_of, sub_of,
-                                 sub_group, sub_class, sub_count, prefix, own, tokens,
-                                 pc.multiple, mode)
+        req_w, sub_hdr = weights(WeightCharges(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, pc.multiple),
+                                 class_of, sub_of, sub_group, sub_class, sub_count, prefix, own,
+                                 tokens, mode)
         req_sptr, req_s = np.arange(n + 1, dtype=np.int64), sub_of
         block_key = sub_group[sub_of]
         # the tree items are tighter unless paths were cut: then keep the lighter model

@@ -20,11 +20,12 @@ Complexity: O(n P) plus two exact prices per slot.
 from __future__ import annotations
 
 import numpy as np
+from waveplan.pricing.tolerances import FIT_EPS
 
 from .contract import SearchPricer
 from .prices import exact_price
 
-LIMIT = 1.0 - 1e-9
+LIMIT = 1.0 - FIT_EPS
 
 
 def pending_bytes(pricer: SearchPricer, slot: str, carrier: int, mode: str) -> float:

@@ -12,7 +12,7 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import GroupLoad, price_groups, rank_rows
 from waveplan.pricing.terms import gdn_state_per_segment
-from waveplan.pricing.walk import walk
+from waveplan.pricing.walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 
 GB = 1e9
 GIB = 2**30
@@ -136,10 +136,12 @@ def test_seed004_closed_form_worst_order_matches_brute_force(seed):
     slots = np.arange(n_groups)
     carries = rng.random(n_groups) < 0.7
     zeros = np.zeros(n_layers)
-    best, _ = walk(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                   rows, np.zeros(n_groups), np.zeros(n_groups), np.ones(n_groups, np.bool_),
-                   slots, carries)
-    assert best[0] == pytest.approx(_brute_force_orders(retained, workspace, pending, rows, slots, carries))
+    charges = WalkCharges(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0)
+    groups = WalkGroups(rows, np.zeros(n_groups), np.zeros(n_groups), np.ones(n_groups, np.bool_),
+                        slots, carries)
+    best, _ = walk(charges, 0.0, groups)
+    assert best[PEAK_BYTES] == pytest.approx(
+        _brute_force_orders(retained, workspace, pending, rows, slots, carries))
 
 
 def test_seed004_pending_gradients_first_wave_only():

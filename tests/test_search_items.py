@@ -14,6 +14,7 @@ from waveplan.pricing.layout import layout
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import PackerKind, check_plan, pack
 from waveplan.search.items import build_items, point_coefs, prefix_tree, weight_mode
+from waveplan.search.items_jit import LENGTH_FORM, TOKEN_FORM
 
 MODELS = [layout_model(p, **kw) for p, kw in LAYOUT_MODELS]
 KINDS = ("grpo", "sft", "token")
@@ -38,7 +39,8 @@ def _envelope_bytes(items, reqs) -> float:
 def test_step_aware_items_cover_the_exact_price(model, kind, seed, n, data):
     step = _step(kind, seed, n)
     pricer = WavePricer.build(step, model)
-    assert weight_mode(step, point_coefs(pricer.envelope())) == (2 if kind == "token" else 1)
+    assert weight_mode(step, point_coefs(pricer.envelope())) == (TOKEN_FORM if kind == "token"
+                                                                 else LENGTH_FORM)
     items = build_items(step, pricer, 1e15)
     size = data.draw(st.integers(1, len(step.requests)))
     sub = np.sort(np.asarray(data.draw(st.permutations(range(len(step.requests))))[:size]))
