@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.planner import Planner
 from waveplan.planner.planner import MAX_BUDGET_BYTES
 from waveplan.pricing.errors import WaveplanError

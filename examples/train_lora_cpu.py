@@ -164,6 +164,7 @@ def build_model(config: TrainConfig):
     """The GPT (bf16, full recompute, LoRA on every linear layer, base frozen). Call inside
     `init_single_process`."""
     import torch
+
     from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
     from waveplan.pricing.megatron_build import build_gpt
     from waveplan.pricing.parallel import Recompute
@@ -201,6 +202,7 @@ def train(config: TrainConfig = TrainConfig(), *, log: Callable[[str], None] | N
 def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], None],
            check_plans: bool) -> None:
     import torch
+
     from waveplan.planner import Planner
     from waveplan.pricing.live_geometry import geometry_from_megatron
     from waveplan.pricing.megatron_shim import init_single_process

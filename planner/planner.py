@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad

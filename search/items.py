@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from waveplan.pricing.errors import InfeasibleError, StepError
 
 from .items_jit import (

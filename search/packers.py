@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+
 from waveplan.pricing.errors import ConfigError, InfeasibleError
 
 from . import baselines

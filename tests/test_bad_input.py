@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from waveplan.planner.cli import main
 
 HF = Path(__file__).parent / "data" / "hf"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.planner.cli import main
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.pricing.atomic_io import write_json_atomic
 

@@ -28,6 +28,7 @@ import math
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from waveplan.planner import Planner
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 from waveplan.pricing.geometry import AttentionSpec, GdnSpec, LayerSpec, ModelGeometry, MoeSpec

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+
 from waveplan.pricing.jit_cache import cache_dir, waveplan_version
 
 # Prints numba's cache folder and the folder of every cached waveplan kernel, after `imports`.

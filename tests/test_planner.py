@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from waveplan.planner import Plan, Planner, Request, Step, load_step
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.parallel import ParallelLayout

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.planner.profiles import (
     Observation,

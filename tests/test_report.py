@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from waveplan.planner import Planner, load_step
 from waveplan.planner.cli import main
 from waveplan.planner.report import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from search_fakes import FakePricer, LinearPricer, grpo_step, make_step, pricers, singles_step
+
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import PackerKind, check_plan, make_packer, pack
 from waveplan.search.ladder import split_children

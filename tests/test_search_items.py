@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from search_fakes import LAYOUT_MODELS, grpo_step, layout_model, sft_step, to_real_step, token_step
+
 from waveplan.pricing.layout import layout
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import PackerKind, check_plan, pack

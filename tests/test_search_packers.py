@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from search_fakes import grpo_step, make_step, pricers
+
 from waveplan.pricing.errors import InfeasibleError
 from waveplan.search import PackerKind, check_plan, pack
 from waveplan.search.ladder import split_children
@@ -163,6 +164,7 @@ def test_auto_never_needs_more_waves_than_a_baseline(preset, kw, gen):
     what a token-budget packer checked exactly does not pay) and token-form steps with nested
     prompts, at tight and loose budgets: auto <= uniform-width, ffd and kk on every step."""
     from search_fakes import layout_model, sft_step, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     model = layout_model(preset, **kw)
@@ -183,6 +185,7 @@ def test_skipping_merges_at_the_valid_bound_keeps_the_plan(n, monkeypatch):
     """A plan that meets the valid bound skips exact-price merging; forcing the merging on
     (a bound of 1) must leave such a plan as it is: nothing can merge below the bound."""
     from search_fakes import real_pricer
+
     from waveplan.search import packers
 
     def plan():
@@ -212,6 +215,7 @@ def test_exact_solver_charges_its_time_budget(monkeypatch):
     """CP-SAT's wall-clock share becomes model sizes and deterministic seconds: no model when
     building it would not fit, and a solve limited to what is left after building it."""
     from search_fakes import LinearPricer, singles_step
+
     from waveplan.search import exact_cpsat
     from waveplan.search.items import build_items
 
@@ -262,6 +266,7 @@ def test_token_steps_with_nested_prompts_keep_invariants(kind, seed, n, factor, 
     """Token-form steps (radix-tree items, nested prompts), with atomic units and, for the
     search packers, an exact wave count."""
     from search_fakes import layout_model, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     step = token_step(seed, n)
@@ -284,6 +289,7 @@ PENDING_SEEDS = (0, 2, 16, 22, 38, 44, 69, 79, 113)
 
 def test_auto_large_pending_gradients_never_loses_to_a_baseline():
     from search_fakes import layout_model, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     model = layout_model("qwen3.8-27b", tp=4, sp=True)
@@ -311,6 +317,7 @@ ORDER_LOSSES = (("qwen3-8b", {}, 6), ("qwen3.8-27b", {"tp": 4, "sp": True}, 8),
                          ids=[f"{p}-{sorted(k.items())}-{s}" for p, k, s in ORDER_LOSSES])
 def test_auto_order_step_added_waves_never_lose_to_a_baseline(preset, kw, seed):
     from search_fakes import layout_model, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     model = layout_model(preset, **kw)

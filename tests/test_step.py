@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from waveplan.pricing.errors import StepError, WaveplanError
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import (
