@@ -116,6 +116,7 @@ def test_plot_missing_module_is_a_clear_error(monkeypatch, tmp_path, capsys):
     assert "plot" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_subprocess_plan_and_replay(tmp_path):
     report = tmp_path / "r.json"
     env = dict(os.environ)

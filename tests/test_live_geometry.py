@@ -76,6 +76,7 @@ def megatron_tp1():
             yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_round_trips_through_a_meta_model(megatron_tp1, name):
     import torch
