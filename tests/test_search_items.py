@@ -151,7 +151,7 @@ def test_valid_bound_never_exceeds_a_feasible_plan(kind):
                                      first_slots=frozenset({r.slot} if r.grad else ()))
                         .admitted_bytes for i, r in enumerate(step.requests))
             budget = int(worst * 2.5)
-            plans = {k: pack(step, pricer, budget_bytes=budget, packer=k)
+            plans = {k: pack(step, pricer, budget_bytes=budget, packer=k, deterministic=True)
                      for k in (PackerKind.AUTO, PackerKind.FFD, PackerKind.KK,
                                PackerKind.UNIFORM_WIDTH)}
             bound = pricer.lower_bound_waves(budget)
