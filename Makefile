@@ -1,10 +1,10 @@
 # Two entry points on a fresh machine (Python 3.11):
 #   make example   -- plans the bundled GRPO step
 #   make test      -- runs the whole test suite
+# numba caches compiled kernels where waveplan.pricing.jit_cache says (WAVEPLAN_CACHE_DIR).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export TORCHDYNAMO_DISABLE := 1
 
 $(BIN)/.installed: pyproject.toml

@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from bench_search import FACTOR, bench_case  # noqa: E402
+
 from waveplan.search import PackerKind, pack  # noqa: E402
 
 BASELINES = (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK)
@@ -88,6 +89,7 @@ def calibrate() -> None:
     import time
 
     import numpy as np
+
     from waveplan.search import budget, exact_cpsat
     from waveplan.search.bounds import lower_bound
     from waveplan.search.contract import SearchPricer

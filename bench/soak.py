@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.planner import Planner
 from waveplan.planner.planner import MAX_BUDGET_BYTES
 from waveplan.pricing.errors import WaveplanError
@@ -205,13 +206,18 @@ def one_case(rng: random.Random, stats: Stats) -> None:
         stats.failures.append(f"{desc} kwargs={kwargs}: {exc}")
 
 
-def soak(*, cases: int | None = None, seed: int = 0, time_limit_s: float = 300.0) -> Stats:
+def soak(*, cases: int | None = None, seed: int = 0, time_limit_s: float | None = 300.0) -> Stats:
+    """Run `cases` random cases (None: no count limit) or until `time_limit_s` have passed
+    (None: no time limit); at least one of the two must be given. With a count and no time
+    limit, the cases run are the same on any machine (tests use that)."""
+    if cases is None and time_limit_s is None:
+        raise ValueError("soak: give cases or time_limit_s (or both)")
     rng = random.Random(seed)
     stats = Stats()
     warm = _planner(("qwen3-8b", (1, 1, 1, 1, False), "full", 16))  # JIT compile outside the timings
     warm.plan(Step.from_requests([Request(id="w", num_tokens=64)]), 40 * GIB, deterministic=True)
-    t_end = time.monotonic() + time_limit_s
-    while (cases is None or stats.cases < cases) and time.monotonic() < t_end:
+    t_end = None if time_limit_s is None else time.monotonic() + time_limit_s
+    while (cases is None or stats.cases < cases) and (t_end is None or time.monotonic() < t_end):
         one_case(rng, stats)
     return stats
 

@@ -280,6 +280,7 @@ def _anatomy_one(cell: dict) -> list[str]:
 
     import torch
     from torch.utils._pytree import tree_leaves
+
     from waveplan.pricing.measure import trace as T
     from waveplan.pricing.parallel import Recompute
     from waveplan.pricing.presets import load_preset

@@ -156,6 +156,7 @@ def build_model(config: TrainConfig):
     """The GPT (bf16, full recompute, LoRA on every linear layer, base frozen). Call inside
     `init_single_process`."""
     import torch
+
     from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
     from waveplan.pricing.measure.megatron_build import build_gpt
     from waveplan.pricing.parallel import Recompute
@@ -193,6 +194,7 @@ def train(config: TrainConfig = TrainConfig(), *, log: Callable[[str], None] | N
 def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], None],
            check_plans: bool) -> None:
     import torch
+
     from waveplan.planner import Planner
     from waveplan.pricing.measure.live_geometry import geometry_from_megatron
     from waveplan.pricing.measure.megatron_shim import init_single_process

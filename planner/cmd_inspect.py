@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step

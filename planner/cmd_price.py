@@ -6,6 +6,7 @@ import argparse
 import json
 
 import numpy as np
+
 from waveplan.pricing.step import load_step
 from waveplan.pricing.wave_pricer import WavePricer
 

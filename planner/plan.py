@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.search import PackedWave
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.envelope import Envelope

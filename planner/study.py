@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.atomic_io import write_text_atomic
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, bad
 from waveplan.pricing.model import PricingModel

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from .errors import StepError
+from .errors import StepError, bad
 
 DEFAULT_SLOT = "default"
 
@@ -452,6 +452,101 @@ class Step:
                 line["grad"] = False
             lines.append(line)
         return lines
+
+    def to_tree_form(self) -> list[dict]:
+        """JSON-able lines that keep a token-form step's prefix tree exactly, for reports.
+
+        One line per request, in request order: `id`, `num_tokens`, `tree_position` (its place
+        in the tree order, the lexicographic order of the tokens) and `shared_tokens` (how many
+        leading tokens it shares with the request just before it in that order; 0 for the
+        first), plus `slot` and `grad` when not the defaults. The token ids are not kept:
+        `step_from_tree_form` rebuilds ids with exactly this tree order and these shared
+        prefixes, so every array the search and the layouts read is the same. Meant for
+        token-form steps (a length-form step keeps its keys with `to_length_form`). O(n).
+        """
+        order = np.empty(self.num_requests, np.int64)
+        order[self.rank] = np.arange(self.num_requests)
+        lcp = self.lcp_table[0, : self.num_requests - 1]
+        shared = np.zeros(self.num_requests, np.int64)
+        shared[order[1:]] = lcp
+        lines = []
+        for i, req in enumerate(self.requests):
+            line: dict = {"id": req.id, "num_tokens": req.num_tokens,
+                          "tree_position": int(self.rank[i]), "shared_tokens": int(shared[i])}
+            if req.slot != DEFAULT_SLOT:
+                line["slot"] = req.slot
+            if not req.grad:
+                line["grad"] = False
+            lines.append(line)
+        return lines
+
+
+TREE_FIELDS = frozenset({"id", "num_tokens", "tree_position", "shared_tokens", "slot", "grad"})
+
+
+def step_from_tree_form(lines: object) -> Step:
+    """The token-form step that `Step.to_tree_form` lines describe (see there).
+
+    Token ids are synthesised in tree order: a request copies the first `shared_tokens` ids of
+    the request before it, then branches with an id one above that request's id at that place
+    (or 0 where that request has ended), then pads with 0. This keeps the tree order and the
+    shared prefixes, hence the groups, the exact layouts and the plan. Raises StepError naming
+    the line and field; lines that describe no prefix tree (e.g. a request sorted after a
+    longer one it is a prefix of) are refused. O(total tokens) plus one `Step` build.
+    """
+    if not isinstance(lines, list) or not lines:
+        raise bad(StepError, "requests", lines, "must be a non-empty list")
+    n = len(lines)
+    lengths = np.zeros(n, np.int64)
+    order = np.full(n, -1, np.int64)
+    shared = np.zeros(n, np.int64)
+    for i, line in enumerate(lines):
+        where = f"requests[{i}]"
+        if not isinstance(line, dict):
+            raise bad(StepError, where, line, "must be an object")
+        unknown = sorted(set(line) - TREE_FIELDS)
+        missing = sorted({"id", "num_tokens", "tree_position", "shared_tokens"} - set(line))
+        if unknown or missing:
+            name = (unknown or missing)[0]
+            raise bad(StepError, f"{where}.{name}", line.get(name),
+                      "unknown field" if unknown else "missing field")
+        for name, low in (("num_tokens", 1), ("tree_position", 0), ("shared_tokens", 0)):
+            value = line[name]
+            if type(value) is not int or value < low:
+                raise bad(StepError, f"{where}.{name}", value, f"must be an integer >= {low}")
+        position = line["tree_position"]
+        if position >= n or order[position] >= 0:
+            raise bad(StepError, f"{where}.tree_position", position,
+                      f"must be a distinct position in [0, {n})")
+        order[position] = i
+        lengths[i] = line["num_tokens"]
+        shared[i] = line["shared_tokens"]
+    tokens: list[np.ndarray] = [np.empty(0, np.int64)] * n
+    previous = None
+    for i in order.tolist():
+        h = int(shared[i])
+        limit = 0 if previous is None else min(lengths[i], previous.size)
+        if h > limit:
+            raise bad(StepError, f"requests[{i}].shared_tokens", h,
+                      "must be 0 for tree_position 0" if previous is None else
+                      f"exceeds the shorter of this request and the one before it in tree order ({limit})")
+        own = np.zeros(lengths[i], np.int64)
+        if h:
+            own[:h] = previous[:h]
+        if h < own.size and previous is not None and h < previous.size:
+            own[h] = previous[h] + 1
+        tokens[i] = own
+        previous = own
+    step = Step.from_requests(
+        Request(id=line["id"], num_tokens=int(lengths[i]), tokens=tokens[i],
+                slot=line.get("slot", DEFAULT_SLOT), grad=line.get("grad", True))
+        for i, line in enumerate(lines))
+    rebuilt = [(x["tree_position"], x["shared_tokens"]) for x in step.to_tree_form()]
+    if rebuilt != [(x["tree_position"], x["shared_tokens"]) for x in lines]:
+        raise bad(StepError, "requests", f"<{n} tree-form lines>",
+                  "tree_position and shared_tokens describe no prefix tree (a request sorts after "
+                  "a longer one it is a prefix of, or equal requests are out of request order)")
+    return step
 
 
 def _token_tree(requests: tuple[Request, ...], lengths: np.ndarray):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
 from waveplan.pricing.tolerances import CEIL_SLACK, FIT_EPS
 
 from .items import Items

@@ -37,6 +37,7 @@ fits in it.
 from __future__ import annotations
 
 import numpy as np
+
 from waveplan.pricing.tolerances import FIT_EPS
 
 from .items import Items

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import njit
+
 from waveplan.pricing.tolerances import FIT_EPS, TIE_EPS
 
 from .items import Blocks, Items, atom_size

@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import InfeasibleError, StepError
 from waveplan.pricing.step import Step

@@ -14,6 +14,7 @@ one set of k children), plus O(u k) to form each rung.
 from __future__ import annotations
 
 import numpy as np
+
 from waveplan.pricing.errors import InfeasibleError
 
 from .contract import SearchPricer

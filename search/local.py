@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
 from waveplan.pricing.tolerances import BALANCE_GAIN_EPS
 
 from .kernels import add_atom, build_state, delta, remove_atom

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+
 from waveplan.pricing.errors import ConfigError, StepError, bad
 
 

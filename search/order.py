@@ -36,6 +36,7 @@ repaired wave) otherwise, plus at most SWAP_TRIES exact prices per slot for the 
 from __future__ import annotations
 
 import numpy as np
+
 from waveplan.pricing.errors import InfeasibleError
 
 from .contract import SearchPricer

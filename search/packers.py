@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines

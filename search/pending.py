@@ -20,6 +20,7 @@ Complexity: O(n P) plus two exact prices per slot.
 from __future__ import annotations
 
 import numpy as np
+
 from waveplan.pricing.tolerances import FIT_EPS
 
 from .contract import SearchPricer

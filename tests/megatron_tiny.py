@@ -3,6 +3,7 @@ processes): the model and its planner, Megatron's per-token loss, GRPO-style seq
 
 import numpy as np
 import torch
+
 from waveplan.planner import Planner
 from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
 from waveplan.pricing.measure.live_geometry import geometry_from_megatron

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from waveplan.planner.cli import main
 from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.measure import calibrate

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from waveplan.planner.cli import main
 from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.measure import calibrate

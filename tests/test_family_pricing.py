@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.planner.cli import main
 from waveplan.pricing import feature_terms

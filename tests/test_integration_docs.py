@@ -131,6 +131,7 @@ def test_megatron_loop_trains_the_tiny_model():
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     import megatron_tiny
+
     from waveplan.pricing.measure.megatron_shim import init_single_process
 
     lang, code = block("megatron-loop")

@@ -36,6 +36,7 @@ TIMEOUT_S = 600  # two cold processes on a busy two-core machine; a hang still f
 def setup():
     """One process group and model for the module (one torch thread: tiny matmuls)."""
     import torch
+
     from waveplan.pricing.measure.megatron_shim import init_single_process
 
     threads = torch.get_num_threads()

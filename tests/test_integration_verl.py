@@ -28,6 +28,7 @@ pytest.importorskip("verl")  # the dev extra installs verl==0.9.1
 
 from tensordict import TensorDict  # noqa: E402  (a verl dependency)
 from verl.utils import seqlen_balancing as vsb  # noqa: E402
+
 from waveplan.planner import Planner  # noqa: E402
 from waveplan.planner.integrations import verl as adapter  # noqa: E402
 from waveplan.pricing.errors import ConfigError, InfeasibleError  # noqa: E402

@@ -26,8 +26,10 @@ import json
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from waveplan.planner import Planner
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 from waveplan.pricing.geometry import AttentionSpec, GdnSpec, LayerSpec, ModelGeometry, MoeSpec
@@ -269,6 +271,7 @@ def feasible_budget(planner: Planner, step: Step) -> int:
 # --- properties ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=300, **RANDOM)
 @given(geometry=geometries, data=st.data())
 def test_a_layout_is_refused_exactly_when_it_breaks_a_documented_rule(geometry, data):
@@ -286,6 +289,7 @@ def test_a_layout_is_refused_exactly_when_it_breaks_a_documented_rule(geometry, 
     assert not problems, f"layout {layout} accepted despite {sorted(problems)}"
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, **RANDOM)
 @given(geometry=geometries, step=steps(), budget=budgets(), data=st.data())
 def test_random_plans_keep_the_invariants_and_are_deterministic(geometry, step, budget, data):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from waveplan.pricing.errors import ConfigError, StepError
 from waveplan.pricing.layout import (
     LayoutCounts,

@@ -76,9 +76,11 @@ def megatron_tp1():
             yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_round_trips_through_a_meta_model(megatron_tp1, name):
     import torch
+
     from waveplan.pricing.measure.live_geometry import geometry_from_megatron
     from waveplan.pricing.measure.megatron_build import build_gpt
 
@@ -128,6 +130,7 @@ def test_no_lora_gives_no_slots(megatron_tp1):
 
 def test_unknown_mixer_module_is_named(megatron_tp1):
     from torch import nn
+
     from waveplan.pricing.measure.live_geometry import geometry_from_megatron
     from waveplan.pricing.measure.megatron_build import build_gpt
 
@@ -143,6 +146,7 @@ def test_unknown_mixer_module_is_named(megatron_tp1):
 def test_peft_style_adapters_are_found(megatron_tp1):
     import torch
     from torch import nn
+
     from waveplan.pricing.measure.live_geometry import geometry_from_megatron
     from waveplan.pricing.measure.megatron_build import build_gpt
 

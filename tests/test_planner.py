@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from waveplan.planner import Planner, Request, Step, load_step
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.parallel import ParallelLayout

@@ -7,6 +7,7 @@ import re
 from importlib import resources
 
 import pytest
+
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.geometry import (
     AttentionSpec,

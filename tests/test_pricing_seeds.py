@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
+
 from waveplan.pricing.geometry import MixerKind
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel

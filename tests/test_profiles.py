@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.planner.profiles import (
     Observation,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from search_fakes import FakePricer, LinearPricer, grpo_step, make_step, pricers, singles_step
+
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import PackerKind, check_plan, make_packer, pack
 from waveplan.search.ladder import split_children
@@ -110,11 +111,11 @@ def _ffd_trap():
 
 def test_greedy_misses_optimum_exact_finds_it():
     step, pricer, budget = _ffd_trap()
-    greedy = pack(step, pricer, budget_bytes=budget, packer=PackerKind.GREEDY)
+    greedy = pack(step, pricer, budget_bytes=budget, packer=PackerKind.GREEDY, deterministic=True)
     check_plan(step, pricer, greedy, budget_bytes=budget)
     assert len(greedy.waves) == 3 and not greedy.proven_optimal
     assert greedy.lower_bound_waves == 2
-    exact = pack(step, pricer, budget_bytes=budget, packer=PackerKind.EXACT)
+    exact = pack(step, pricer, budget_bytes=budget, packer=PackerKind.EXACT, deterministic=True)
     check_plan(step, pricer, exact, budget_bytes=budget)
     assert len(exact.waves) == 2 and exact.proven_optimal
     assert exact.stats["exact_status"] == "optimal"
@@ -146,12 +147,12 @@ def test_exact_count_balances_and_refuses(pname, make):
     step = grpo_step(3, 64)
     step, pricer = make(step)
     budget = _relative_budget(step, pricer, 3.0)
-    base = pack(step, pricer, budget_bytes=budget)
+    base = pack(step, pricer, budget_bytes=budget, deterministic=True)
     lb = base.lower_bound_waves
     for N in (lb, lb + 1, lb + 3, 64):
-        res = pack(step, pricer, budget_bytes=budget, num_waves=N)
+        res = pack(step, pricer, budget_bytes=budget, num_waves=N, deterministic=True)
         check_plan(step, pricer, res, budget_bytes=budget, num_waves=N)
-    res = pack(step, pricer, budget_bytes=budget, num_waves=lb + 3)
+    res = pack(step, pricer, budget_bytes=budget, num_waves=lb + 3, deterministic=True)
     prices = [w.price.admitted_bytes for w in res.waves]
     assert max(prices) - min(prices) < 0.5 * budget
     with pytest.raises(InfeasibleError, match="num_waves=65"):

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from search_fakes import FakePricer, LinearPricer, grpo_step, real_pricer, singles_step
+
 from waveplan.planner import Planner, Request, Step
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import (

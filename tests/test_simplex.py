@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+
 from waveplan.pricing.measure.simplex import simplex
 
 

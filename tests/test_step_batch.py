@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from waveplan.pricing.errors import StepError
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Request, Step, load_step

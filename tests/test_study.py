@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+
 from waveplan.planner.cli import main
 from waveplan.planner.study import GeneratorSpec, StudyResult, Variant, run_study, steps_from_dir
 from waveplan.pricing.errors import ConfigError, StepError

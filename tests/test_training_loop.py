@@ -152,6 +152,7 @@ def _tiny_model():
 
 def test_a_prefix_tree_wave_trains_like_its_sequences_run_apart():
     import torch
+
     from waveplan.pricing.measure.megatron_shim import init_single_process
     from waveplan.pricing.measure.training_wave import PromptGroup, run_training_wave
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from waveplan.pricing.errors import ConfigError, StepError, bad
 from waveplan.pricing.step import Step
 
@@ -311,6 +312,7 @@ def run_plan(model, plan: Plan, data: StepData, loss_func: Callable, *,
     parameters (call the optimizer afterwards). O(tokens) packing plus the model's work."""
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from waveplan.pricing.measure import thd
 
     ids = set(data.step.ids)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.step import Step
 
