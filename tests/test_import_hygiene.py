@@ -58,6 +58,7 @@ def test_measure_package_itself_imports_nothing_heavy():
     assert _heavy_after("import waveplan.pricing.measure") == []
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 def test_measure_modules_import_with_the_megatron_extra():
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron") is None:

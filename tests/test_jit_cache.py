@@ -48,6 +48,7 @@ def _clean_env(**extra: str) -> dict:
     return env | extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["xdg", "waveplan", "numba"])
 def test_cli_and_library_resolve_the_same_cache_dir(tmp_path, setting):
     version = waveplan_version()
