@@ -12,9 +12,10 @@ yet": no trace validates it):
   always consecutive ones. The last stage holds one (k = 1), with the head.
 - A wave w at stage s has a retained part r_s(w): what its forward keeps until its backward
   (the stage's layers' retained rows, the received activation, on the last stage the loss's
-  saved tensors, and the caller's tensors of the micro-batch), and a peak walk_s(w): the
+  saved tensors), and a peak walk_s(w): the
   schedule walk (`walk.walk`) over the stage's layers alone, its pending adapter gradients
-  (the stage's layers' share) included when it carries them.
+  (the stage's layers' share) included when it carries them. The caller's head and loss
+  buffers (`caller`) live on the last stage only, beside its one wave in flight.
 - A stage's peak over a sequence of waves is then the largest, over windows W of k_s
   consecutive waves, of sum_{w in W} r_s(w) + max_{w in W} (walk_s(w) - r_s(w)): at any point
   one wave of the window is active (at most its walk's peak, of which at most r_s(w) is
@@ -81,7 +82,7 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float) -> tuple[St
             float(arrays["head_retained"]) if last else 0.0,
             float(arrays["head_transient"]) if last else 0.0,
             float(arrays["head_const"]) if last else 0.0,
-            float(arrays["caller"]))
+            float(arrays["caller"]) if last else 0.0)
         out.append(StageCharges(stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
                                 retained_per_row=float(retained.sum()) + charges.head_retained))
     return tuple(out)
@@ -140,7 +141,6 @@ def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float) -> tu
     """(retained part, peak) of one wave at one stage, raw bytes. O(groups^2 + groups x L/p)."""
     best, _ = walk(stage.charges, first_exec, groups)
     kept = float(np.sum(groups.rows[groups.grad])) * stage.retained_per_row
-    kept += stage.charges.caller * float(np.sum(groups.logical))
     return kept, float(best[PEAK_BYTES])
 
 
@@ -158,36 +158,63 @@ def window_peak(kept: np.ndarray, peak: np.ndarray, k: int) -> tuple[float, int]
     return best, at
 
 
-def stage_peaks(stages: Sequence[StageCharges], waves: Sequence[Sequence[WalkGroups]],
-                first_exec: Sequence[float], budgets: Sequence[int],
-                safety: float) -> tuple[StagePeak, ...]:
-    """Every stage's peak over `waves` run in this order (each wave: its forward calls as a
-    `WalkGroups`, with its first-execution allowance), against each stage's budget.
-    O(p x W x (groups^2 + groups x L/p) + p x W x k)."""
-    out = []
-    n = len(waves)
-    for st in stages:
-        kept = np.zeros(n)
-        peak = np.zeros(n)
+def stage_parts(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
+                first_exec: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(kept[p, W], peak[p, W]): each wave's retained part and peak at each stage, raw bytes.
+    They do not depend on the waves' order. O(p x W x (groups^2 + groups x L/p))."""
+    kept = np.zeros((len(stages), len(waves)))
+    peak = np.zeros((len(stages), len(waves)))
+    for s, st in enumerate(stages):
         for w, groups in enumerate(waves):
-            kept[w], peak[w] = wave_parts(st, groups, first_exec[w])
+            kept[s, w], peak[s, w] = wave_parts(st, groups, first_exec[w])
+    return kept, peak
+
+
+def peaks_from_parts(stages: Sequence[StageCharges], kept: np.ndarray, peak: np.ndarray,
+                     budgets: Sequence[int], safety: float) -> tuple[StagePeak, ...]:
+    """Every stage's peak over the waves (columns of `stage_parts`) in column order, against
+    each stage's budget. O(p x W x k)."""
+    out = []
+    n = kept.shape[1]
+    for st in stages:
         k = in_flight(len(stages), st.stage, n)
-        raw, at = window_peak(kept, peak, k) if n else (0.0, 0)
+        raw, at = window_peak(kept[st.stage], peak[st.stage], k) if n else (0.0, 0)
         out.append(StagePeak(stage=st.stage, layers=(st.lo, st.hi), in_flight=k,
-                             peak_bytes=int(math.ceil(math.ceil(raw) * safety)) if n else 0,
+                             peak_bytes=admitted(raw, safety) if n else 0,
                              window=(at, at + min(k, n) - 1) if n else (0, -1),
                              budget_bytes=int(budgets[st.stage])))
     return tuple(out)
 
 
+def admitted(raw: float, safety: float) -> int:
+    """Admitted bytes of a raw peak, as a wave's price rounds them."""
+    return int(math.ceil(math.ceil(raw) * safety))
+
+
+def stage_peaks(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
+                first_exec: Sequence[float], budgets: Sequence[int],
+                safety: float) -> tuple[StagePeak, ...]:
+    """Every stage's peak over `waves` run in this order (each wave: its forward calls as a
+    `WalkGroups`, with its first-execution allowance), against each stage's budget.
+    O(p x W x (groups^2 + groups x L/p) + p x W x k)."""
+    kept, peak = stage_parts(stages, waves, first_exec)
+    return peaks_from_parts(stages, kept, peak, budgets, safety)
+
+
 def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,
                        safety: float) -> int:
-    """Waves no plan goes below at this stage: any k consecutive waves keep at most
-    budget / safety retained bytes, the waves' gradient rows total at least `retained_rows`
-    (packed rows are subadditive over waves), so ceil(W / k) >= ceil(R / (budget / safety))
-    and W >= k (ceil(R / B) - 1) + 1. O(1)."""
+    """Waves no plan goes below at this stage. A wave w of R_w gradient rows keeps R_w x r
+    (r = `retained_per_row`) and its walk passes the backward of the stage's top layer, where
+    it holds R_w x (r + its workspace + the input gradient) = kept + R_w x t. Cut any plan into
+    ceil(W / k) blocks of at most k consecutive waves: a block's window peaks at least at
+    sum R_w r + max R_w t >= sum R_w (r + t / k), within budget / safety. Packed rows are
+    subadditive over waves, so the step's gradient rows `retained_rows` give
+    ceil(W / k) >= ceil(rows x (r + t / k) / (budget / safety)), i.e.
+    W >= k (that - 1) + 1. O(1)."""
     room = budget / safety
-    mass = retained_rows * stage.retained_per_row
+    c = stage.charges
+    top = float(c.workspace[-1]) if c.workspace.shape[0] else 0.0
+    mass = retained_rows * (stage.retained_per_row + (top + c.input_grad) / stage.window)
     if mass <= 0:
         return 1
     if room <= 0:
