@@ -86,6 +86,7 @@ def plot_plan(plan_dict: dict, path: str) -> None:
 def print_table(planner: Planner, plan: Plan) -> None:
     m = planner.model
     print(f"model {m.geometry.name}  TP{m.parallel.tp} CP{m.parallel.cp}"
+          f"{f' PP{m.parallel.pp}' if m.parallel.pp > 1 else ''}"
           f"{' SP' if m.parallel.sequence_parallel else ''}  {m.recompute.mode.value} recompute  "
           f"head {m.head}  backend {m.table.backend}  safety x{m.safety}")
     print(f"{'wave':>4} {'requests':>8} {'packed':>9} {'logical':>9} {'admitted GiB':>12} "
@@ -97,6 +98,12 @@ def print_table(planner: Planner, plan: Plan) -> None:
         print(f"{w.index:>4} {len(w.request_ids):>8} {size.packed_rows:>9} {size.logical_rows:>9} "
               f"{gib(w.admitted_bytes):>12} {gib(w.budget_bytes):>10}  {w.breakdown.binding} "
               f"({w.breakdown.basis}){first}{note}")
+    for st in plan.stages:
+        lo, hi = st["layers"]
+        first, last = st["window"]
+        print(f"stage {st['stage']}  layers {lo}-{hi - 1}  {st['in_flight']} in flight  "
+              f"peak {gib(st['peak_bytes'])} GiB of {gib(st['budget_bytes'])}  "
+              f"binding waves {first}-{last}")
     verdict = "proven optimal" if plan.proven_optimal else "not proven optimal"
     print(f"{plan.num_waves} waves; lower bound {plan.lower_bound_waves}: {verdict}  "
           f"({plan.packer}, {plan.planning_ms:.2f} ms)")

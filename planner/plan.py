@@ -133,12 +133,22 @@ class Plan:
     def __getitem__(self, i: int) -> PlanWave:
         return self.waves[i]
 
+    @property
+    def stages(self) -> list[dict]:
+        """One entry per pipeline stage (PP > 1; empty otherwise): its layers, waves in flight,
+        `peak_bytes` (the priced peak over the schedule), the binding `window` of waves and
+        its budget (`waveplan.pricing.pipeline.StagePeak`)."""
+        return list(self.stats.get("stages", ()))
+
     def to_dict(self) -> dict:
-        return {"schema": PLAN_SCHEMA, "packer": self.packer,
-                "planning_ms": round(float(self.planning_ms), 3),
-                "lower_bound_waves": int(self.lower_bound_waves),
-                "proven_optimal": bool(self.proven_optimal),
-                "waves": [w.to_dict() for w in self.waves]}
+        out = {"schema": PLAN_SCHEMA, "packer": self.packer,
+               "planning_ms": round(float(self.planning_ms), 3),
+               "lower_bound_waves": int(self.lower_bound_waves),
+               "proven_optimal": bool(self.proven_optimal),
+               "waves": [w.to_dict() for w in self.waves]}
+        if self.stages:
+            out["stages"] = self.stages
+        return out
 
     def to_json(self, *, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=indent)

@@ -2,8 +2,9 @@
 the per-layer arrays the jitted schedule walk reads.
 
 Fail closed (docs/memory-model.md#basis): an unmeasured configuration gets a conservative bound
-(rows not divided by CP, widths not divided by TP, pipeline stages holding PP micro-batches)
-and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
+(rows not divided by CP, widths not divided by TP) and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
+With PP > 1 each stage is priced under the 1F1B schedule (`pipeline`): the arrays hold every
+stage's charges and, for the per-wave walk, their fold; the basis stays "conservative".
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
+from .pipeline import fold_stages, stage_bounds, stage_charges
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
@@ -40,17 +42,24 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
     Covered (docs/memory-model.md#basis): one-layer full recompute at TP1 with CP <= 2 or TP4 with
     sequence parallelism and CP1; selective/no recompute of dense models at TP1 with
-    CP <= 2; PP1; MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
+    CP <= 2; PP1 (PP > 1: `pipeline_gaps`); MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
     conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
-    return layout_gaps(geometry, parallel, recompute) + feature_terms.feature_gaps(geometry)
+    return (layout_gaps(geometry, parallel, recompute) + pipeline_gaps(parallel)
+            + feature_terms.feature_gaps(geometry))
+
+
+def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
+    """PP > 1: every stage is priced under the 1F1B schedule (`pricing.pipeline`), keeping the
+    layout's TP and CP credit, but no trace validates that model yet."""
+    if parallel.pp > 1:
+        return [f"PP{parallel.pp} (no pipeline trace yet: stages priced under 1F1B)"]
+    return []
 
 
 def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
     """The parallel layout's and recompute's part of `evidence_gaps`."""
     gaps = []
-    if parallel.pp > 1:
-        gaps.append(f"PP{parallel.pp} (no trace covers pipeline stages)")
     if parallel.cp > 2:
         gaps.append(f"CP{parallel.cp} (traced up to CP2)")
     if parallel.ep > 2:
@@ -160,15 +169,16 @@ class PricingModel:
 
     @property
     def num_stage_layers(self) -> int:
-        return math.ceil(self.geometry.num_layers / self.parallel.pp)
+        """Layers of the largest pipeline stage (`pipeline.stage_bounds`)."""
+        return max(hi - lo for lo, hi in stage_bounds(self.geometry.num_layers, self.parallel.pp))
 
     def _build_arrays(self) -> dict:
         g, p, t = self.geometry, self.parallel, self.table
         widths = layer_widths(g, tp=self.width_tp)
         sp_div = self.sp_div
         ep_skew = t.scalar("moe_ep_skew") if p.ep > 1 else 1.0
-        n = self.num_stage_layers
-        layers = g.layers[:n]  # the first stage: most layers, and PP in-flight micro-batches
+        n = g.num_layers   # every layer; PP > 1 restricts them to stages below
+        layers = g.layers
         mode = self.recompute.mode
         retained = np.zeros(n)
         workspace = np.zeros(n)
@@ -215,8 +225,6 @@ class PricingModel:
                 nograd[i] = max(nograd[i], own)
                 workspace[i] = terms.retained_backward_per_row(t, widths_r, layer.mlp, ep_skew=ep_skew,
                                                                stage=workspace[i])
-        if p.pp > 1:
-            retained *= p.pp  # 1F1B: the first stage holds PP micro-batches' activations
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
@@ -235,7 +243,7 @@ class PricingModel:
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
         head_ret = logits_ret + norm_saved
         head_tr = max(logits_tr, norm_bwd)
-        return {
+        arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
             "pending": pending,
             "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
@@ -249,6 +257,15 @@ class PricingModel:
             "first_exec": terms.first_execution_bytes(t),
             "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in layers),
         }
+        if p.pp > 1:
+            # the per-layer arrays, each stage's charges, and the folded per-wave proxy
+            arrays["layers"] = {name: arrays[name] for name in
+                                ("retained", "workspace", "nograd", "gdn_state", "pending")}
+            stages = stage_charges(arrays, pp=p.pp,
+                                   received_per_row=terms.boundary_per_row(t, widths, sp_div=sp_div))
+            arrays["stages"] = stages
+            arrays.update(fold_stages(stages))
+        return arrays
 
     def slot_index(self, name: str) -> int:
         try:

@@ -79,6 +79,7 @@ from .options import (
     packer_kind,
 )
 from .order import assign_first_slots, dissolve_after_order
+from .pipeline import pack_pipeline, pipeline_model
 from .reprice import (
     Draft,
     dissolve_lightest,
@@ -113,7 +114,7 @@ class Packer:
         options = SearchOptions(packer=self.kind, time_budget_ms=time_budget_ms,
                                 atomic_units=atomic_units, num_waves=num_waves, seed=seed,
                                 deterministic=deterministic)
-        return _search(step, SearchPricer.of(pricer), int(budget_bytes), options)
+        return _run(step, pricer, int(budget_bytes), options)
 
 
 def make_packer(kind: PackerKind | str) -> Packer:
@@ -138,7 +139,15 @@ def pack(step: SearchStep, pricer: Pricer, *, budget_bytes: int,
         raise bad(ConfigError, "options", options,
                   "give the search options either as `options` or as keyword arguments, "
                   "not both")
-    return _search(step, SearchPricer.of(pricer), int(budget_bytes), options)
+    return _run(step, pricer, int(budget_bytes), options)
+
+
+def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) -> SearchResult:
+    """One search; a pipeline (PP > 1) is packed against its in-flight window (`pipeline`)."""
+    model = pipeline_model(pricer)
+    if model is not None:
+        return pack_pipeline(step, SearchPricer.of(pricer), budget, options, _search, model)
+    return _search(step, SearchPricer.of(pricer), budget, options)
 
 
 # --- one search, in stages ---------------------------------------------------------------------
