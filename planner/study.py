@@ -157,9 +157,17 @@ class StudyRow:
     def above_bound(self) -> int | None:
         return None if self.waves is None else self.waves - self.lower_bound
 
+    @property
+    def status(self) -> str:
+        """"settled" when the plan meets the lower bound (no plan has fewer waves), "open" when
+        it is above it (fewer may or may not exist), "failed" when the step was not planned."""
+        if self.waves is None:
+            return "failed"
+        return "settled" if self.waves <= self.lower_bound else "open"
+
 
 CSV_FIELDS = ("step", "variant", "packer", "packer_used", "num_requests", "logical_rows", "waves",
-              "lower_bound", "above_bound", "proven_optimal", "plan_ms", "error")
+              "lower_bound", "above_bound", "proven_optimal", "status", "plan_ms", "error")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +251,7 @@ class StudyResult:
         out.append("")
         out.append("above bound: mean waves over the variant's own lower bound; at best: steps where "
                    "no variant needs fewer waves")
+        out += ["", *self.step_lines()]
         if len(self.variants) > 1:
             out.append("")
             for i, a in enumerate(self.variants):
@@ -251,6 +260,19 @@ class StudyResult:
                     out.append(f"{a} needs fewer waves than {b} on {fewer} steps, more on {more} "
                                f"(as many on {equal})")
         return "\n".join(out) + "\n"
+
+    def step_lines(self) -> list[str]:
+        """Per step and variant: waves, lower bound and whether that settles the step's wave count
+        ("settled": the plan meets the bound; "open": a plan with fewer waves may exist)."""
+        sw = max(len("step"), *(len(s) for s in self.steps))
+        vw = max(len("variant"), *(len(v) for v in self.variants))
+        head = f"{'step':<{sw}}  {'variant':<{vw}} {'waves':>6} {'bound':>6}  status"
+        out = [head, "-" * len(head)]
+        for r in self.rows:
+            waves = "-" if r.waves is None else str(r.waves)
+            bound = "-" if r.lower_bound is None else str(r.lower_bound)
+            out.append(f"{r.step:<{sw}}  {r.variant:<{vw}} {waves:>6} {bound:>6}  {r.status}")
+        return out
 
     def to_csv(self, path: str | Path) -> None:
         """One row per (step, variant), written atomically."""
@@ -262,7 +284,7 @@ class StudyResult:
                              "" if r.waves is None else r.waves,
                              "" if r.lower_bound is None else r.lower_bound,
                              "" if r.above_bound is None else r.above_bound,
-                             int(r.proven_optimal), f"{r.plan_ms:.3f}", r.error])
+                             int(r.proven_optimal), r.status, f"{r.plan_ms:.3f}", r.error])
         write_text_atomic(path, buffer.getvalue())
 
 
