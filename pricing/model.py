@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import feature_terms, terms
+from . import feature_terms, layout_terms, terms
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
@@ -37,15 +37,16 @@ def parse_head(head: str) -> tuple[str, int]:
     raise bad(ConfigError, "head", head, "must be chunked:N (N > 0), full-native or full-te")
 
 
-def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
+def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
+                  table: CoefficientTable | None = None) -> list[str]:
     """Why this configuration lies outside the measured evidence (empty: it is covered).
 
-    Covered (docs/memory-model.md#basis): one-layer full recompute at TP1 with CP <= 2 or TP4 with
-    sequence parallelism and CP1; selective/no recompute of dense models at TP1 with
-    CP <= 2; PP1 (PP > 1: `pipeline_gaps`); MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
+    Covered (docs/memory-model.md#basis): the multi-rank traced layouts (`layout_gaps`) with
+    one-layer full recompute, or selective/no recompute for dense models (GDN hybrids at TP1);
+    PP1 (PP > 1: `pipeline_gaps`); MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
     conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
-    return (layout_gaps(geometry, parallel, recompute) + pipeline_gaps(parallel)
+    return (layout_gaps(geometry, parallel, recompute, table) + pipeline_gaps(parallel)
             + feature_terms.feature_gaps(geometry))
 
 
@@ -57,24 +58,31 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
     return []
 
 
-def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
-    """The parallel layout's and recompute's part of `evidence_gaps`."""
+def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
+                table: CoefficientTable | None = None) -> list[str]:
+    """The parallel layout's and recompute's part of `evidence_gaps`.
+
+    Covered layouts are those `table` (default: the torch-cpu table, whose multi-rank traces
+    fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
+    with and without SP at CP1, TP1 at CP2 and CP4, TP2 with SP at CP2), for every recompute
+    mode; MoE and GDN hybrids without full recompute only at TP1 (no trace)."""
+    table = table or load_table("torch-cpu")
     gaps = []
-    if parallel.cp > 2:
-        gaps.append(f"CP{parallel.cp} (traced up to CP2)")
+    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
+    traced = layout_terms.traced_layouts(table)
+    if key not in traced:
+        gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
+                    f"(no multi-rank trace; traced: {', '.join(sorted(traced))})")
     if parallel.ep > 2:
         gaps.append(f"EP{parallel.ep} (traced up to EP2)")
     if recompute.mode == RecomputeMode.FULL:
         if not recompute.is_one_layer_full:
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
-        if parallel.tp > 1 and not (parallel.tp == 4 and parallel.sequence_parallel and parallel.cp == 1):
-            gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
-                        "(traced: TP1, or TP4 with SP at CP1)")
     else:
-        if parallel.tp > 1:
-            gaps.append(f"TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
         if geometry.moe is not None:
             gaps.append(f"MoE with {recompute.mode.value} recompute (no trace)")
+        if parallel.tp > 1 and geometry.gdn is not None:
+            gaps.append(f"GDN layers at TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
     return gaps
 
 
@@ -134,10 +142,10 @@ class PricingModel:
             raise bad(ConfigError, "safety", self.safety, "must be a finite number >= 1.0")
         self.parallel.validate_for(self.geometry)
         parse_head(self.head)
-        gaps = tuple(evidence_gaps(self.geometry, self.parallel, self.recompute))
+        lgaps = tuple(layout_gaps(self.geometry, self.parallel, self.recompute, self.table))
+        gaps = lgaps + tuple(pipeline_gaps(self.parallel) + feature_terms.feature_gaps(self.geometry))
         object.__setattr__(self, "gaps", gaps)
-        object.__setattr__(self, "layout_gaps",
-                           tuple(layout_gaps(self.geometry, self.parallel, self.recompute)))
+        object.__setattr__(self, "layout_gaps", lgaps)
         object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
         object.__setattr__(self, "arrays", self._build_arrays())
@@ -225,6 +233,16 @@ class PricingModel:
                 nograd[i] = max(nograd[i], own)
                 workspace[i] = terms.retained_backward_per_row(t, widths_r, layer.mlp, ep_skew=ep_skew,
                                                                stage=workspace[i])
+        # what the layout leaves unsharded (layout_terms): per layer when layers retain
+        # activations, once per wave (every point) under full recompute
+        residual = 0.0 if self.conservative else layout_terms.layout_residual_per_row(
+            t, widths, tp=p.tp, sequence_parallel=p.sequence_parallel, cp=p.cp,
+            retained=mode != RecomputeMode.FULL)
+        if mode == RecomputeMode.FULL:
+            workspace += residual
+            nograd += residual
+        else:
+            retained += residual
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
@@ -242,7 +260,7 @@ class PricingModel:
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
         head_ret = logits_ret + norm_saved
-        head_tr = max(logits_tr, norm_bwd)
+        head_tr = max(logits_tr, norm_bwd) + (residual if mode == RecomputeMode.FULL else 0.0)
         arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
             "pending": pending,
