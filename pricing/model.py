@@ -58,6 +58,12 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
     return []
 
 
+# Layout classes traced with GDN or MoE layers (docs/memory-model.md#boundaries: the 27B hybrid
+# at TP4+SP on GPU; TP1 at CP1/CP2 on the CPU grid); the multi-rank CPU grid's other layouts
+# (bench/results/traces_multirank.jsonl) traced dense layers only.
+_MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
+
+
 def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
                 table: CoefficientTable | None = None) -> list[str]:
     """The parallel layout's and recompute's part of `evidence_gaps`.
@@ -65,7 +71,8 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     Covered layouts are those `table` (default: the torch-cpu table, whose multi-rank traces
     fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
     with and without SP at CP1, TP1 at CP2 and CP4, TP2 with SP at CP2), for every recompute
-    mode; MoE and GDN hybrids without full recompute only at TP1 (no trace)."""
+    mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED`, and without full recompute
+    only at TP1 (no trace)."""
     table = table or load_table("torch-cpu")
     gaps = []
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -73,6 +80,11 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     if key not in traced:
         gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
                     f"(no multi-rank trace; traced: {', '.join(sorted(traced))})")
+    elif (geometry.gdn is not None or geometry.moe is not None) and key not in _MIXED_TRACED:
+        kind = "GDN" if geometry.gdn is not None else "MoE"
+        gaps.append(f"{kind} layers at TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} "
+                    f"CP{parallel.cp} (the multi-rank traces cover dense layers; {kind} is traced "
+                    f"at {', '.join(sorted(_MIXED_TRACED))})")
     if parallel.ep > 2:
         gaps.append(f"EP{parallel.ep} (traced up to EP2)")
     if recompute.mode == RecomputeMode.FULL:
