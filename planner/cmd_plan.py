@@ -149,6 +149,8 @@ def infeasible_error(planner: Planner, step: Step, budget: int, exc: InfeasibleE
         if over:
             break
     if not over:
+        if "num_waves" in str(exc):  # a count below the bound: the message says what to do
+            return ConfigError(str(exc))
         return ConfigError(f"{exc}; raise --free-gib, raise --tp or --cp, or truncate the requests")
     noun = "request does" if len(over) == 1 else f"{len(over)} requests do"
     grads = " with its slot's adapter gradients" if pending else ""
