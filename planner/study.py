@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import math
 import statistics
 import time
@@ -29,6 +30,9 @@ from waveplan.pricing.step import Request, Step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import DEFAULT_PACKER, DEFAULT_TIME_BUDGET_MS, PackerKind, pack
 
+from .progress import progress_bar
+
+log = logging.getLogger("waveplan.study")
 DISTRIBUTIONS = ("grpo", "sft")
 
 # --- step sources -----------------------------------------------------------------------------
@@ -305,13 +309,7 @@ def _plan(step: Step, variant: Variant, *, budget_bytes: int, time_budget_ms: fl
 
 
 def _progress_bar(total: int | None, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm  # a dev dependency: no bar without it
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="plan", desc="study", leave=False)
+    return progress_bar(total, "study", enabled=enabled, unit="plan")
 
 
 def run_study(steps: Iterable[tuple[str, Step]], variants: Sequence[Variant], *,
@@ -360,6 +358,8 @@ def run_study(steps: Iterable[tuple[str, Step]], variants: Sequence[Variant], *,
                     waves=result.num_waves if result else None,
                     lower_bound=result.lower_bound_waves if result else None,
                     proven_optimal=bool(result and result.proven_optimal), plan_ms=ms, error=error))
+                log.info("step %s, variant %s: %s (%.1f ms)", name, v.name,
+                         f"{result.num_waves} waves" if result else f"infeasible: {error}", ms)
                 if bar is not None:
                     bar.update(1)
     finally:

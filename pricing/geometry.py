@@ -6,8 +6,8 @@ Sizes are global (unsharded); the pricing layer divides them by the parallel lay
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 
+from .compat import StrEnum
 from .errors import ConfigError, bad
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from .compat import StrEnum
 from .errors import ConfigError, bad
 from .geometry import ModelGeometry
 

@@ -649,18 +649,26 @@ def _parse_line(where: str, data: object) -> tuple[Request, str]:
     if "completion_tokens" not in data:
         raise StepError(f"{where}: completion_tokens: missing field (or give tokens)")
     completion = data["completion_tokens"]
-    if type(completion) is not int or completion <= 0:
-        raise fail("completion_tokens", completion, "must be a positive integer")
+    if type(completion) is not int or completion < 0:
+        raise fail("completion_tokens", completion, "must be a non-negative integer")
     if ("prompt" in data) != ("prompt_tokens" in data):
         missing = "prompt_tokens" if "prompt" in data else "prompt"
         raise StepError(f"{where}: {missing}: missing field (prompt and prompt_tokens go together)")
     if "prompt" not in data:
+        if completion == 0:
+            raise fail("completion_tokens", completion,
+                       "must be positive without a prompt (0 is allowed with one: the request is its prompt)")
         return Request(id=rid, num_tokens=completion, slot=slot, grad=grad), "length"
     prompt, num_prompt = data["prompt"], data["prompt_tokens"]
     if not isinstance(prompt, str) or not prompt:
         raise fail("prompt", prompt, "must be a non-empty string")
     if type(num_prompt) is not int or num_prompt <= 0:
         raise fail("prompt_tokens", num_prompt, "must be a positive integer")
+    if completion == 0:
+        # An empty completion (an aborted rollout): the request is its prompt alone. It is
+        # priced as an unshared request of prompt_tokens rows (it shares none of its group's
+        # prefix rows: conservative).
+        return Request(id=rid, num_tokens=num_prompt, slot=slot, grad=grad), "length"
     return Request(id=rid, num_tokens=num_prompt + completion, prompt=prompt,
                    num_prompt_tokens=num_prompt, slot=slot, grad=grad), "length"
 
@@ -680,6 +688,13 @@ def load_step(path: str | Path) -> Step:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise StepError(f"{path}: cannot read step file: {exc}") from None
+    return parse_step(text, source=str(path))
+
+
+def parse_step(text: str, *, source: str = "<step>") -> Step:
+    """`load_step` of a step file's text; errors name `source` (e.g. "<stdin>"), the line
+    number and the field. O(len(text))."""
+    path = source
     requests: list[Request] = []
     id_line: dict[str, int] = {}
     prompt_line: dict[str, tuple[int, int]] = {}

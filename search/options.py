@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 
+from waveplan.pricing.compat import StrEnum
 from waveplan.pricing.errors import ConfigError, StepError, bad
 
 

@@ -16,8 +16,12 @@ GIB = 2**30
 COLD_START_S = 600  # a subprocess may compile numba's kernels first (cold cache, busy machine)
 
 
-def test_plan_without_arguments_prints_a_table(capsys):
-    assert main(["plan"]) == 0
+EXAMPLE = ["plan", "grpo-8x8", "--model", "qwen3.8-27b", "--tp", "4", "--sp", "--recompute", "full",
+           "--lora-rank", "16", "--free-gib", "40"]   # `make example`, every flag explicit
+
+
+def test_bundled_example_prints_a_table(capsys):
+    assert main(EXAMPLE) == 0
     out = capsys.readouterr().out
     assert "qwen3.8-27b" in out and "TP4" in out and "SP" in out
     assert "admitted GiB" in out and "binding" in out
@@ -105,7 +109,7 @@ def test_plan_uses_a_profiles_file(tmp_path, capsys):
     for wave in planner.plan(load_step(bundled_step("grpo-8x8")), free_bytes=40 * GIB).waves:
         planner.observe(wave, peak_bytes=0.95 * wave.static_raw_bytes)
     planner.save_profiles()
-    assert main(["plan", "--profiles", str(tmp_path / "p.json"), "--json"]) == 0
+    assert main(["plan", "--tp", "4", "--sp", "--profiles", str(tmp_path / "p.json"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {w["basis"] for w in data["waves"]} == {"profile"}
 

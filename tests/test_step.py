@@ -224,7 +224,7 @@ GOOD_T = '{"id": "ok", "tokens": [1, 2]}'
     ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": "4", "completion_tokens": 2}'], 2, "prompt_tokens='4'"),
     ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": 0, "completion_tokens": 2}'], 2, "prompt_tokens=0"),
     ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": -3, "completion_tokens": 2}'], 2, "prompt_tokens=-3"),
-    ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": 4, "completion_tokens": 0}'], 2, "completion_tokens=0"),
+    ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": 4, "completion_tokens": -1}'], 2, "completion_tokens=-1"),
     ([GOOD, '{"id": "a", "completion_tokens": 1.5}'], 2, "completion_tokens=1.5"),
     ([GOOD, '{"id": "a", "prompt": 5, "prompt_tokens": 4, "completion_tokens": 2}'], 2, "prompt=5"),
     ([GOOD, '{"id": "a", "prompt": "g", "completion_tokens": 2}'], 2, "prompt_tokens: missing field"),
