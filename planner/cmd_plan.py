@@ -107,6 +107,13 @@ def plot_plan(plan_dict: dict, path: str) -> None:
     module.plot_plan(plan_dict, path)
 
 
+def _basis(breakdown) -> str:
+    """The basis as the table prints it: a conservative price names its reasons on the line."""
+    if breakdown.basis == "conservative" and breakdown.reasons:
+        return f"conservative: {'; '.join(breakdown.reasons)}"
+    return breakdown.basis
+
+
 def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> None:
     m = planner.model
     print(f"model {m.geometry.name}  TP{m.parallel.tp} CP{m.parallel.cp}"
@@ -121,7 +128,7 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
         first = f"  first:{','.join(sorted(w.first_slots))}" if w.first_slots else ""
         print(f"{w.index:>4} {len(w.request_ids):>8} {size.packed_rows:>9} {size.logical_rows:>9} "
               f"{gib(w.admitted_bytes):>12} {gib(w.budget_bytes):>10}  {w.breakdown.binding} "
-              f"({w.breakdown.basis}){first}{note}")
+              f"({_basis(w.breakdown)}){first}{note}")
     for st in plan.stages:
         lo, hi = st["layers"]
         first, last = st["window"]
