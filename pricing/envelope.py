@@ -117,7 +117,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         # A wave whose single group of class k carries its slot's pending gradients also
         # holds, at k's backward point of layer i, the adapter gradients of layers >= i.
         coef = np.zeros((row_c.shape[0], k_classes, 3))
-        coef[:, :, 0] = row_c / (1 if model.conservative else model.parallel.cp)
+        coef[:, :, 0] = row_c / model.rows_cp
         coef[:, :, 1] = a["caller"]
         pend = np.zeros((num_points, k_classes))
         pend[cols, run] = np.concatenate(pend_own)
@@ -127,7 +127,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
                                                           class_grad, float(a["first_exec"]))
     multiple = model.parallel.row_multiple
-    cp_div = 1 if model.conservative else model.parallel.cp
+    cp_div = model.rows_cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))
     coef[:, :, 0] = row_c / cp_div
     coef[:, :, 1] = a["caller"]

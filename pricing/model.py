@@ -98,6 +98,39 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     return gaps
 
 
+def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
+                  table: CoefficientTable | None = None) -> ParallelLayout:
+    """The layout whose sharding an uncovered layout is credited with (docs/memory-model.md#basis).
+
+    When the only gap is an untraced (TP, SP, CP) class, the rank is priced as the largest
+    traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
+    grows with more TP, SP or CP (the layout properties the traces show and the tests check),
+    so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
+    EP > 2, MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
+    table = table or load_table("torch-cpu")
+    none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
+    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
+    gaps = layout_gaps(geometry, parallel, recompute, table)
+    untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
+    if len(untraced) != len(gaps):
+        return none
+    covered = layout_terms.traced_layouts(table)
+    if geometry.gdn is not None or geometry.moe is not None:
+        covered = covered & _MIXED_TRACED
+    best = none
+    for tp in (d for d in range(1, parallel.tp + 1) if parallel.tp % d == 0):
+        for cp in (d for d in range(1, parallel.cp + 1) if parallel.cp % d == 0):
+            for sp in ((False, True) if (parallel.sequence_parallel and tp > 1) else (False,)):
+                cand = layout_terms.layout_key(tp, sp, cp)
+                if cand == key or cand not in covered:
+                    continue
+                rank = (tp * cp, sp, tp)
+                if rank > (best.tp * best.cp, best.sequence_parallel, best.tp):
+                    best = ParallelLayout(tp=tp, cp=cp, sequence_parallel=sp, pp=parallel.pp,
+                                          ep=parallel.ep, dp=parallel.dp)
+    return best
+
+
 def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
     geometry says (a live Megatron model does), else its features' explicit flag, else the
@@ -146,6 +179,7 @@ class PricingModel:
     basis: str = field(init=False)
     gaps: tuple[str, ...] = field(init=False)
     layout_gaps: tuple[str, ...] = field(init=False)
+    credit: ParallelLayout = field(init=False)
     slot_names: tuple[str, ...] = field(init=False)
     arrays: dict = field(init=False, repr=False, compare=False)
 
@@ -158,6 +192,8 @@ class PricingModel:
         gaps = lgaps + tuple(pipeline_gaps(self.parallel) + feature_terms.feature_gaps(self.geometry))
         object.__setattr__(self, "gaps", gaps)
         object.__setattr__(self, "layout_gaps", lgaps)
+        object.__setattr__(self, "credit", credit_layout(self.geometry, self.parallel, self.recompute,
+                                                         self.table) if lgaps else self.parallel)
         object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
         object.__setattr__(self, "arrays", self._build_arrays())
@@ -180,12 +216,19 @@ class PricingModel:
 
     @property
     def width_tp(self) -> int:
-        """TP divisor of widths: 1 (no sharding credit) when conservative."""
-        return 1 if self.conservative else self.parallel.tp
+        """TP divisor of widths: the credited layout's TP (`credit_layout`; this layout's own
+        when it is covered)."""
+        return self.credit.tp
 
     @property
     def sp_div(self) -> int:
-        return self.parallel.tp if (self.parallel.sequence_parallel and not self.conservative) else 1
+        """Sequence-parallel divisor of hidden-wide terms under the credited layout."""
+        return self.credit.tp if self.credit.sequence_parallel else 1
+
+    @property
+    def rows_cp(self) -> int:
+        """CP divisor of a wave's rows on the busiest rank under the credited layout."""
+        return self.credit.cp
 
     @property
     def num_stage_layers(self) -> int:
@@ -247,8 +290,9 @@ class PricingModel:
                                                                stage=workspace[i])
         # what the layout leaves unsharded (layout_terms): per layer when layers retain
         # activations, once per wave (every point) under full recompute
-        residual = 0.0 if self.conservative else layout_terms.layout_residual_per_row(
-            t, widths, tp=p.tp, sequence_parallel=p.sequence_parallel, cp=p.cp,
+        c = self.credit
+        residual = layout_terms.layout_residual_per_row(
+            t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
             retained=mode != RecomputeMode.FULL)
         if mode == RecomputeMode.FULL:
             workspace += residual

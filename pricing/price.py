@@ -70,9 +70,7 @@ def rank_rows(model: PricingModel, padded_rows: int) -> int:
     and 2*CP-1-r, so every rank holds padded/CP rows. A conservative model charges every rank
     the whole wave (docs/memory-model.md#layouts: dividing holds only on the traced layouts).
     """
-    if model.conservative:
-        return padded_rows
-    return -(-padded_rows // model.parallel.cp)
+    return -(-padded_rows // model.rows_cp)
 
 
 def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad],

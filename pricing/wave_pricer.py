@@ -194,7 +194,7 @@ class WavePricer:
                 scal = np.asarray([a["input_grad"], a["head_retained"], a["head_transient"],
                                    a["head_const"], a["caller"],
                                    0.0 if self.profiled else a["first_exec"], model.safety,
-                                   model.parallel.cp, 1.0 if model.conservative else 0.0,
+                                   model.rows_cp, 0.0,
                                    model.parallel.row_multiple], dtype=np.float64)
                 pending = np.ascontiguousarray(a["pending"], dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))

@@ -136,8 +136,7 @@ def window_bound(model, pricer: object, budgets: Sequence[int]) -> int:
     totals = wp.class_totals()
     grad = np.asarray(wp.class_grad, dtype=bool)
     rows = float(totals[grad, 0].sum()) if grad.any() else 0.0
-    if not model.conservative:
-        rows /= model.parallel.cp
+    rows /= model.rows_cp
     return max(window_lower_bound(rows, st, budgets[st.stage], model.safety)
                for st in model.arrays["stages"])
 
