@@ -200,8 +200,9 @@ class Planner:
     @classmethod
     def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
                        sequence_parallel: bool = False, recompute: Recompute | str = "full",
-                       lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = "te-gpu",
-                       head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                       lora_rank: int = 16, lora: LoraConfig | None = None,
+                       backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
+                       safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
                        name: str | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
@@ -210,6 +211,25 @@ class Planner:
         return cls(geometry=load_hf_config(config, name=name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+
+    @classmethod
+    def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
+                      safety: float = DEFAULT_SAFETY,
+                      profiles_path: str | os.PathLike | None = None) -> Planner:
+        """A planner for a live Megatron-core model (a `GPTModel`, its decoder, or a wrapper of
+        either; a `meta`-device build costs no memory): geometry, parallel layout, recompute and
+        LoRA adapters are read from its `TransformerConfig` and modules
+        (`pricing.measure.live_geometry.geometry_from_megatron`). Needs the megatron extra. A
+        bare `TransformerConfig` is refused: it lacks the vocabulary and the adapters."""
+        if type(model).__name__.endswith("TransformerConfig"):
+            raise bad(ConfigError, "model", type(model).__name__,
+                      "needs the model, not its config (build it on the meta device: "
+                      "the vocabulary and LoRA adapters live on the modules)")
+        from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+
+        geometry, parallel, recompute, lora = geometry_from_megatron(model)
+        return cls(geometry=geometry, parallel=parallel, recompute=recompute, lora=lora,
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path)
 
     @classmethod
