@@ -100,3 +100,6 @@ def print_table(planner: Planner, plan: Plan) -> None:
     verdict = "proven optimal" if plan.proven_optimal else "not proven optimal"
     print(f"{plan.num_waves} waves; lower bound {plan.lower_bound_waves}: {verdict}  "
           f"({plan.packer}, {plan.planning_ms:.2f} ms)")
+    if plan.compile_ms > 0:
+        print(f"compiled kernels first: {plan.compile_ms / 1e3:.2f} s (once per machine; "
+              "`waveplan warmup` pays it ahead)")

@@ -1,7 +1,8 @@
 """A plan: the waves of one step in run order, each with its exact priced breakdown.
 
 `Plan.to_dict()` is the stable, documented form (schema 1); `to_json()` sorts keys so that the
-same inputs give byte-identical JSON except `planning_ms`.
+same inputs give byte-identical JSON except the timings `planning_ms` and `compile_ms` (the
+latter present only when the plan compiled kernels: the first plan of a cold process).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class Plan:
     proven_optimal: bool
     budget_bytes: int
     stats: dict = field(default_factory=dict, compare=False, repr=False)
+    # ms this plan spent compiling kernels (the first plan of a cold process; 0 once warm):
+    # timing like planning_ms, in the JSON only when > 0
+    compile_ms: float = field(default=0.0, compare=False)
 
     @property
     def num_waves(self) -> int:
@@ -134,11 +138,14 @@ class Plan:
         return self.waves[i]
 
     def to_dict(self) -> dict:
-        return {"schema": PLAN_SCHEMA, "packer": self.packer,
+        d = {"schema": PLAN_SCHEMA, "packer": self.packer,
                 "planning_ms": round(float(self.planning_ms), 3),
                 "lower_bound_waves": int(self.lower_bound_waves),
                 "proven_optimal": bool(self.proven_optimal),
                 "waves": [w.to_dict() for w in self.waves]}
+        if self.compile_ms > 0:
+            d["compile_ms"] = round(float(self.compile_ms), 3)
+        return d
 
     def to_json(self, *, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=indent)
