@@ -9,12 +9,19 @@ file lock (`jit_cache.compile_lock`): concurrent cold processes on one node comp
 the others wait and load.
 
 `ensure_warm()` does it once per process; `Planner.plan` calls it before its first plan, so
-after the first plan of a process no kernel compiles. Cost: one pass over the tiny steps
-(milliseconds once compiled); cold, the compile of every kernel.
+after the first plan of a process no kernel compiles. A warm-up that completes leaves a marker
+in the cache folder, keyed by waveplan's and numba's versions and the stamps of the kernel
+modules' files (the same things numba keys its cache entries by); while it is there,
+`ensure_warm()` skips the tiny plans: every kernel is on disk, and a plan loads what it needs
+(milliseconds) instead of loading everything up front. `warmup()` always runs them. Cost: one
+pass over the tiny steps (~0.2 s once loaded); cold, the compile of every kernel.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -146,14 +153,44 @@ def _run(planner_cls) -> tuple[int, tuple[str, ...]]:
     return runs + more + 1 + extra, skipped
 
 
+def _marker():
+    """The cache folder's warm marker for this installation: a file named by a hash of the
+    versions and of the path, size and mtime of every module holding numba kernels. O(modules)."""
+    import numba
+    from numba.core.registry import CPUDispatcher
+
+    parts = [jit_cache.waveplan_version(), numba.__version__]
+    for name in sorted(n for n in list(sys.modules) if n.startswith("waveplan.")):
+        module = sys.modules[name]
+        path = getattr(module, "__file__", None)
+        if path and any(isinstance(v, CPUDispatcher) for v in vars(module).values()):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return jit_cache.cache_dir() / f".warm-{digest}"
+
+
+def _mark(path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        pass   # a read-only cache: every process warms up in full
+
+
 _LOCK = threading.Lock()
 _STATE = {"done": False, "running": False}
 
 
-def warmup(*, force: bool = False) -> WarmupReport | None:
+def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
     """Compile or load every kernel a plan can need (see the module docstring), once per
-    process unless `force`. Returns what it did, or None when the process was already warm
-    (or is warming up in this very call stack)."""
+    process unless `force`. `lazy`: skip the plans when the cache folder's warm marker is
+    there (checked again once the lock is held: a process that waited for another's compile
+    skips them). Returns what it did, or None when nothing was run: the process was already
+    warm, is warming up in this very call stack, or (`lazy`) the cache is."""
     from .planner import Planner
 
     with _LOCK:
@@ -161,9 +198,17 @@ def warmup(*, force: bool = False) -> WarmupReport | None:
             return None
         _STATE["running"] = True
     try:
+        marker = _marker()
+        if lazy and marker.exists():
+            _STATE["done"] = True
+            return None
         t0 = time.perf_counter()
         with jit_cache.compile_lock(), CompileClock() as clock:
+            if lazy and marker.exists():
+                _STATE["done"] = True
+                return None
             runs, skipped = _run(Planner)
+            _mark(marker)
         _STATE["done"] = True
         return WarmupReport(seconds=time.perf_counter() - t0, compile_s=clock.compile_s,
                             compiles=clock.compiles, jit_s=clock.jit_s, plans=runs,
@@ -173,6 +218,6 @@ def warmup(*, force: bool = False) -> WarmupReport | None:
 
 
 def ensure_warm() -> None:
-    """`warmup()` unless this process is warm already. O(1) when warm."""
+    """`warmup(lazy=True)` unless this process is warm already. O(1) when warm."""
     if not _STATE["done"]:
-        warmup()
+        warmup(lazy=True)
