@@ -540,3 +540,27 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             "decoder_peak_forward_bytes": None if dec is None else int(dec["forward"]),
             "decoder_peak_backward_bytes": None if dec is None else int(dec["backward"]),
             "loss_sum": loss_sum}
+
+
+# --- records -------------------------------------------------------------------------------
+
+
+def trace_record(trace: MultiRankTrace, geometry: ModelGeometry, *, model: str | None = None,
+                 step: str | None = None) -> dict:
+    """The JSON Lines record of a multi-rank trace, in the form `waveplan calibrate` reads:
+    `{"cell": {...}, "trace": trace.to_dict()}`. The cell names the model (`model`, a preset
+    name: the shapes then come from the preset; otherwise the shapes are inline as
+    `geometry`), the traced layer count, recompute mode, LoRA rank, padded sequence lengths,
+    the layout and the routing; `step` (a step file's name) is kept when given. Deterministic:
+    bytes and shapes only."""
+    cell: dict = {"model": model or geometry.name}
+    if model is None:
+        cell["geometry"] = geometry.to_dict()
+    cell.update(num_layers=trace.num_layers, recompute=trace.recompute["mode"],
+                lora_rank=trace.lora_rank or 0, seq_lens=list(trace.seq_lens),
+                layout=trace.layout.to_dict(), routing=trace.routing)
+    if trace.recompute["mode"] == "selective":
+        cell["recompute_modules"] = list(trace.recompute["modules"])
+    if step is not None:
+        cell["step"] = step
+    return {"cell": cell, "trace": trace.to_dict()}
