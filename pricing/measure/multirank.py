@@ -76,6 +76,8 @@ class RankPeak:
     decoder_peak_forward_bytes: int | None
     decoder_peak_backward_bytes: int | None
     loss_sum: float
+    anatomy: dict | None = field(default=None, compare=False, repr=False)
+    max_rss_bytes: int = field(default=0, compare=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -88,7 +90,7 @@ class RankPeak:
         return max(self.decoder_peak_forward_bytes, self.decoder_peak_backward_bytes)
 
     def to_dict(self) -> dict:
-        """Deterministic fields only (no loss)."""
+        """Deterministic fields only (no loss, no anatomy)."""
         return {"rank": self.rank, "tp_rank": self.tp_rank, "cp_rank": self.cp_rank,
                 "dp_rank": self.dp_rank, "ep_rank": self.ep_rank, "rows": self.rows,
                 "peak_forward_bytes": self.peak_forward_bytes,
@@ -238,20 +240,22 @@ def _check(geometry: ModelGeometry, layout: ParallelLayout, num_layers, routing,
 def trace_multirank(geometry: ModelGeometry, *, layout: ParallelLayout, seq_lens,
                     num_layers: int | None = None, recompute: Recompute | None = None,
                     lora_rank: int | None = 16, routing: str = "balanced",
-                    decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> MultiRankTrace:
+                    decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    anatomy: bool = False) -> MultiRankTrace:
     """Trace one wave of `seq_lens` sequences on every rank of `layout`; see the module doc.
-    Spawns TP x CP x DP processes (`rank_world`)."""
+    Spawns TP x CP x DP processes (`rank_world`). `anatomy=True` also records, per rank and
+    pass, what is live at the peak (`RankPeak.anatomy`, see `live_anatomy`)."""
     job = TraceJob(seq_lens=tuple(int(n) for n in seq_lens), recompute=recompute or Recompute(),
                    lora_rank=lora_rank)
     return trace_multirank_batch(geometry, layout=layout, jobs=[job], num_layers=num_layers,
                                  routing=routing, decoder_only=decoder_only,
-                                 timeout_s=timeout_s)[0]
+                                 timeout_s=timeout_s, anatomy=anatomy)[0]
 
 
 def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jobs,
                           num_layers: int | None = None, routing: str = "balanced",
-                          decoder_only: bool = True,
-                          timeout_s: float = DEFAULT_TIMEOUT_S) -> list[MultiRankTrace]:
+                          decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          anatomy: bool = False) -> list[MultiRankTrace]:
     """`trace_multirank` for several waves on one layout, in one set of rank processes (the
     model is rebuilt per job; process start and imports are paid once). O(jobs) traces."""
     jobs = list(jobs)
@@ -277,6 +281,7 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
         "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
         "num_layers": len(layers), "layout": world.to_dict(), "routing": routing,
         "decoder_only": bool(decoder_only), "timeout_s": float(timeout_s),
+        "anatomy": bool(anatomy),
         "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
                   "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
     }
@@ -477,7 +482,14 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
     layers = geometry.layers[:spec["num_layers"]]
     has_moe = any(s.mlp == MlpKind.MOE for s in layers)
     cp_rank = ps.get_context_parallel_rank()
-    tracker_cls = _tracker_class()
+    if spec["anatomy"]:
+        from .live_anatomy import anatomy_tracker_class, module_stack
+
+        tracker_cls = anatomy_tracker_class()
+    else:
+        tracker_cls = _tracker_class()
+    stack_names: list[str] = []
+    anatomy: dict = {}
     results: dict = {}
     loss_sum = 0.0
     with contextlib.ExitStack() as stack:
@@ -491,6 +503,10 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             from .ring_attention import install_ring_attention
 
             install_ring_attention(model)
+        if spec["anatomy"]:
+            stack.enter_context(module_stack(model, stack_names))
+        if model.pre_process:
+            model.embedding.register_forward_hook(_standard_strides, prepend=True)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
         weights = sum(t.untyped_storage().nbytes()
@@ -499,6 +515,8 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
         for name, full_head in runs:
             tracker = tracker_cls()
             tracker.ignore(params)
+            if spec["anatomy"]:
+                tracker.stack = stack_names
             for p in model.parameters():
                 p.grad = None
             peaks = {}
@@ -522,9 +540,14 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
                     loss = _seed_function().apply(out)
                     del out
                 peaks["forward"] = tracker.peak
+                if spec["anatomy"]:
+                    anatomy[name] = {"forward": tracker.peak_groups()}
+                    tracker.phase = "backward"
                 tracker.reset_peak()
                 loss.backward()
                 peaks["backward"] = tracker.peak
+                if spec["anatomy"]:
+                    anatomy[name]["backward"] = tracker.peak_groups()
             if full_head:
                 loss_sum = float(loss.detach().float())
             del loss
@@ -539,7 +562,32 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             "baseline_bytes": int(full["baseline"]),
             "decoder_peak_forward_bytes": None if dec is None else int(dec["forward"]),
             "decoder_peak_backward_bytes": None if dec is None else int(dec["backward"]),
-            "loss_sum": loss_sum}
+            "loss_sum": loss_sum, "anatomy": anatomy or None,
+            "max_rss_bytes": _max_rss_bytes()}
+
+
+def _standard_strides(module, inputs, output):
+    """The embedding's output with row-major strides (a forward hook, before LoRA's).
+
+    Megatron transposes the embedding [b, s, h] to [s, b, h] and calls `.contiguous()`, which
+    keeps the transposed strides when b = 1. Every activation inherits them, and torch's CPU
+    `matmul` cannot fold such an input into one matrix product when a TP shard's weight is
+    involved: it broadcasts the weight over the s rows (a rows x out x in copy inside the op,
+    gigabytes, uncounted but real, and minutes of work). The copy made here replaces the
+    output (the original is released at once), so the counted bytes are unchanged."""
+    import torch
+
+    if isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[1] == 1 \
+            and output.stride(1) != output.shape[2]:
+        return output.clone(memory_format=torch.contiguous_format)
+    return None
+
+
+def _max_rss_bytes() -> int:
+    """This process's resident-set high-water mark so far (Linux: ru_maxrss in KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # --- records -------------------------------------------------------------------------------
