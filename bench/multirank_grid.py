@@ -14,9 +14,11 @@ single-rank CPU traces, head full-native, adapter gradients of 2 bytes as the tr
 them, no safety factor: the raw estimate) and writes bench/results/traces_multirank.txt.
 
 Shapes (inline, no preset has them): a dense model (hidden 1024, FFN 2816, 16 heads in 8
-KV groups, vocabulary 8192, 2 layers: KV groups divide TP up to 8) and a MoE model (hidden
-512, 8 experts, top 2, expert FFN 512, 8 heads in 4 groups, vocabulary 8192, 2 layers); two
-waves each (2048 and 3072 tokens) for the held-out half of a fit.
+KV groups, vocabulary 8192, 2 layers: KV groups divide TP up to 8), a MoE model (hidden
+512, 8 experts, top 2, expert FFN 512, 8 heads in 4 groups, vocabulary 8192, 2 layers: its
+head binds under full recompute) and a wider MoE model whose layers bind (hidden 1024, 16
+experts, top 4, expert FFN 512, 16 heads in 8 groups, vocabulary 2048); two waves each (2048
+and 3072 tokens) for the held-out half of a fit.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ MOE = {"name": "grid-moe-h512", "hidden": 512, "ffn": 0, "vocab": 8192, "dtype":
        "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
        "attention": {"num_heads": 8, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
        "gdn": None, "moe": {"num_experts": 8, "top_k": 2, "expert_ffn": 512, "shared_expert_ffn": 0}}
+# a MoE model whose layers, not its head, bind (the one above is head-bound under full
+# recompute: its expert terms show only without recompute)
+MOE_WIDE = {"name": "grid-moe-h1024", "hidden": 1024, "ffn": 0, "vocab": 2048, "dtype": "bf16",
+            "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+            "attention": {"num_heads": 16, "num_kv_groups": 8, "head_dim": 64,
+                          "output_gate": False},
+            "gdn": None,
+            "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 512, "shared_expert_ffn": 0}}
 WAVES = ((1024, 640, 384), (2048, 512, 256, 256))
 RECOMPUTES = ("full", "selective", "none")
 LORA_RANK = 16
@@ -63,6 +73,13 @@ LAYOUTS = (
     ("MoE EP4", MOE, {"ep": 4}, "balanced", RECOMPUTES),
     ("MoE EP2 router", MOE, {"ep": 2}, "router", ("full",)),
     ("MoE EP4 router", MOE, {"ep": 4}, "router", ("full",)),
+    ("MoE-wide TP1", MOE_WIDE, {}, "balanced", RECOMPUTES),
+    ("MoE-wide EP2", MOE_WIDE, {"ep": 2}, "balanced", RECOMPUTES),
+    ("MoE-wide EP4", MOE_WIDE, {"ep": 4}, "balanced", RECOMPUTES),
+    ("MoE-wide EP2 router", MOE_WIDE, {"ep": 2}, "router", RECOMPUTES),
+    ("MoE-wide EP4 router", MOE_WIDE, {"ep": 4}, "router", RECOMPUTES),
+    ("MoE-wide TP2+SP+EP2", MOE_WIDE, {"tp": 2, "sequence_parallel": True, "ep": 2}, "balanced",
+     RECOMPUTES),
 )
 
 
@@ -103,7 +120,9 @@ def class_of(cell: dict) -> str:
     name = "+".join(parts)
     if cell.get("routing") == "router":
         name += " router"
-    return ("MoE " if cell["geometry"]["moe"] else "") + name
+    if not cell["geometry"]["moe"]:
+        return name
+    return ("MoE-wide " if cell["geometry"]["name"] == MOE_WIDE["name"] else "MoE ") + name
 
 
 # --- current estimate ----------------------------------------------------------------------
@@ -222,7 +241,7 @@ def report_lines(records: list[dict]) -> list[str]:
              "estimate of the busiest rank (WavePricer, torch-cpu table, head full-native, safety 1.0).",
              "Peaks are bytes above weights, buffers and inputs; MiB = 2**20 bytes.",
              "ratio = estimate / traced busiest-rank peak (< 1: under the peak).", "",
-             f"{'class':<16} {'recompute':<9} {'tokens':>6} {'ranks':>5} {'busiest':>7} "
+             f"{'class':<20} {'recompute':<9} {'tokens':>6} {'ranks':>5} {'busiest':>7} "
              f"{'traced MiB':>10} {'spread':>6} {'estimate':>10} {'ratio':>7}  basis"]
     by_class: dict[str, list[float]] = {}
     for _, name, cell, tr, est in rows:
@@ -230,13 +249,15 @@ def report_lines(records: list[dict]) -> list[str]:
         spread = max(peaks) / min(peaks) - 1
         ratio = est["raw_bytes"] / tr["peak_bytes"]
         by_class.setdefault(name, []).append(ratio)
-        lines.append(f"{name:<16} {cell['recompute']:<9} {sum(cell['seq_lens']):>6} "
+        lines.append(f"{name:<20} {cell['recompute']:<9} {sum(cell['seq_lens']):>6} "
                      f"{tr['world_size']:>5} {tr['busiest_rank']:>7} {_mib(tr['peak_bytes']):>10} "
                      f"{spread:>6.1%} {_mib(est['raw_bytes']):>10} {ratio:>7.3f}  {est['basis']}")
-    lines += ["", "per class: cells, estimate / traced (min, median, max)"]
+    lines += ["", "per class: cells, cells under the trace, estimate / traced (min, median, max)"]
     for name in sorted(by_class, key=lambda n: order.get(n, 99)):
         v = sorted(by_class[name])
-        lines.append(f"  {name:<16} {len(v):>3}  {v[0]:.3f}  {v[len(v) // 2]:.3f}  {v[-1]:.3f}")
+        under = sum(1 for x in v if x < 1)
+        lines.append(f"  {name:<20} {len(v):>3} {under:>3}  {v[0]:.3f}  {v[len(v) // 2]:.3f}  "
+                     f"{v[-1]:.3f}")
     reasons = sorted({r for *_, est in rows for r in est["reasons"]})
     if reasons:
         lines += ["", "conservative reasons (pricing.model.evidence_gaps):"]
