@@ -115,7 +115,7 @@ def ungated_estimate(cell: dict) -> int:
 
 def cmd_analyse(args) -> int:
     records = grid._load()
-    lines = analyse_lines(records)
+    lines = analyse_lines(records) + fit_lines(records)
     EVIDENCE.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return 0
@@ -130,11 +130,11 @@ def analyse_lines(records: list[dict]) -> list[str]:
                      grid.current_estimate(cell), ungated_estimate(cell)))
     rows.sort(key=lambda r: (r[0], grid.RECOMPUTES.index(r[2]["recompute"]), sum(r[2]["seq_lens"])))
     lines = ["today's model, gated and un-gated, against the busiest rank (estimate / traced)", "",
-             f"{'class':<16} {'recompute':<9} {'tokens':>6} {'traced MiB':>10} "
+             f"{'class':<20} {'recompute':<9} {'tokens':>6} {'traced MiB':>10} "
              f"{'today':>7} {'ungated':>8}"]
     for _, name, cell, tr, est, ung in rows:
         p = tr["peak_bytes"]
-        lines.append(f"{name:<16} {cell['recompute']:<9} {sum(cell['seq_lens']):>6} "
+        lines.append(f"{name:<20} {cell['recompute']:<9} {sum(cell['seq_lens']):>6} "
                      f"{p / 2**20:>10.2f} {est['raw_bytes'] / p:>7.3f} {ung / p:>8.3f}")
     return lines
 
@@ -150,6 +150,61 @@ def main(argv=None) -> int:
     b.set_defaults(func=cmd_analyse)
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+
+# --- per-row peaks and the held-out checks -------------------------------------------------
+
+
+def per_row_peaks(records: list[dict]) -> dict:
+    """(class, recompute, tokens) -> busiest-rank peak per wave row (whole, decoder-only)."""
+    out = {}
+    for rec in records:
+        c, t = rec["cell"], rec["trace"]
+        toks = sum(c["seq_lens"])
+        out[(grid.class_of(c), c["recompute"], toks)] = (t["peak_bytes"] / toks,
+                                                          t["decoder_peak_bytes"] / toks)
+    return out
+
+
+def fit_lines(records: list[dict]) -> list[str]:
+    """Held-out checks of the layout scalings (see docs/layouts-evidence.md)."""
+    p = per_row_peaks(records)
+    a, b = (sum(w) for w in grid.WAVES)
+    lines = ["", "1. TP: busiest-rank peak per row = replicated + sharded / TP, fitted on TP2 and TP4",
+             "   (wave A, 2048 tokens), checked on TP8 and on wave B (3072 tokens); bytes per row",
+             f"   {'layout':<8} {'recompute':<9} {'replicated':>10} {'sharded':>9} {'TP8 fit':>8} "
+             f"{'TP8 trace':>9} {'TP8 err':>8} {'wave B err (TP2/4/8)':>22}"]
+    for sp in ("", "+SP"):
+        for rc in grid.RECOMPUTES:
+            y2, y4 = p[(f"TP2{sp}", rc, a)][0], p[(f"TP4{sp}", rc, a)][0]
+            sharded = (y2 - y4) * 4
+            rep = y4 - sharded / 4
+            fit8 = rep + sharded / 8
+            y8 = p[(f"TP8{sp}", rc, a)][0]
+            errs_b = []
+            for tp in (2, 4, 8):
+                yb = p[(f"TP{tp}{sp}", rc, b)][0]
+                errs_b.append((rep + sharded / tp) / yb - 1)
+            lines.append(f"   {'TP' + sp:<8} {rc:<9} {rep:>10.0f} {sharded:>9.0f} {fit8:>8.0f} "
+                         f"{y8:>9.0f} {fit8 / y8 - 1:>+8.1%} "
+                         + " ".join(f"{e:+.1%}" for e in errs_b))
+    lines += ["", "2. CP: busiest-rank peak per row on the rank (wave rows / CP) against TP1's per row",
+              f"   {'layout':<12} {'recompute':<9} {'per rank row':>12} {'TP1 per row':>11} {'ratio':>6}"]
+    for name, cp in (("CP2", 2), ("CP4", 4), ("TP2+SP+CP2", 2)):
+        for rc in grid.RECOMPUTES:
+            ref = p[("TP2+SP" if name.startswith("TP2") else "TP1", rc, a)][0]
+            y = p[(name, rc, a)][0] * cp
+            lines.append(f"   {name:<12} {rc:<9} {y:>12.0f} {ref:>11.0f} {y / ref:>6.3f}"
+                         + ("   (reference TP2+SP)" if name.startswith("TP2") else ""))
+    lines += ["", "3. EP (MoE-wide: 16 experts, top 4, H 1024): busiest-rank peak per row over TP1's",
+              f"   {'layout':<22} {'recompute':<9} {'wave A':>8} {'wave B':>8}   (bytes per row over TP1)"]
+    for name in ("EP2", "EP4", "EP2 router", "EP4 router"):
+        for rc in grid.RECOMPUTES:
+            da = p[(f"MoE-wide {name}", rc, a)][0] - p[("MoE-wide TP1", rc, a)][0]
+            db = p[(f"MoE-wide {name}", rc, b)][0] - p[("MoE-wide TP1", rc, b)][0]
+            lines.append(f"   {name:<22} {rc:<9} {da:>8.0f} {db:>8.0f}")
+    return lines
 
 
 if __name__ == "__main__":
