@@ -1,10 +1,10 @@
-# Two entry points on a fresh machine (Python 3.11):
+# Two entry points on a fresh machine (Python 3.10 to 3.13):
 #   make example   -- plans the bundled GRPO step
 #   make test      -- runs the whole test suite
+# numba caches compiled kernels where waveplan.pricing.jit_cache says (WAVEPLAN_CACHE_DIR).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export TORCHDYNAMO_DISABLE := 1
 
 $(BIN)/.installed: pyproject.toml
@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 example: install
-	$(BIN)/waveplan plan
+	$(BIN)/waveplan plan grpo-8x8 --model qwen3.8-27b --tp 4 --sp --recompute full --lora-rank 16 --free-gib 40
 
 test: install
 	$(BIN)/python -m pytest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from make_steps import grpo_lines
+
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Request, Step, materialize_tokens
 

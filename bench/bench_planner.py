@@ -6,6 +6,7 @@ Run: .venv/bin/pytest bench/bench_planner.py --benchmark-only
 """
 
 import pytest
+
 from waveplan.planner import Planner, load_step
 from waveplan.pricing.step import bundled_step
 

@@ -5,6 +5,7 @@ Run: .venv/bin/pytest bench/bench_pricing.py --benchmark-only
 
 import numpy as np
 import pytest
+
 from waveplan.pricing.envelope import build_envelope
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout

@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from search_fakes import FakePricer, grpo_step, real_model, real_pricer  # noqa: E402
+
 from waveplan.search import pack  # noqa: E402
 
 SIZES = (32, 64, 128, 512, 2048)

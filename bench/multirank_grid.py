@@ -136,6 +136,7 @@ def current_estimate(cell: dict) -> dict:
     import dataclasses
 
     import numpy as np
+
     from waveplan.pricing.coefficients import load_table
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.lora import LoraConfig, LoraSlot

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.numba_cache}" TORCHDYNAMO_DISABLE=1
+export TORCHDYNAMO_DISABLE=1  # numba caches where waveplan.pricing.jit_cache says
 $BIN/python bench/search_quality.py --out bench/results/search_quality.csv
 for kind in grpo sft; do
   $BIN/waveplan study --generate "$kind" --count 50 --seed 0 --model qwen3.8-27b --tp 4 --sp \

@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from bench_search import FACTOR, bench_case  # noqa: E402
+
 from waveplan.search import PackerKind, pack  # noqa: E402
 
 BASELINES = (PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK)
@@ -88,8 +89,10 @@ def calibrate() -> None:
     import time
 
     import numpy as np
+
     from waveplan.search import budget, exact_cpsat
     from waveplan.search.bounds import lower_bound
+    from waveplan.search.contract import SearchPricer
     from waveplan.search.greedy import pack_greedy
     from waveplan.search.items import blocks_for, build_items
     from waveplan.search.multistart import run_multistart
@@ -100,7 +103,7 @@ def calibrate() -> None:
         for seed in range(3):
             for factor in (1.5, 4.0, 8.0):
                 step, make, budget_bytes = bench_case(n, seed)
-                pricer = make()
+                pricer = SearchPricer.of(make())   # as the search's stages take it
                 budget_bytes = int(budget_bytes * factor / FACTOR)
                 items = build_items(step, pricer, budget_bytes)
                 _, active = _prepare(items, step, pricer, budget_bytes)

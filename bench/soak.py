@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.planner import Planner
 from waveplan.planner.planner import MAX_BUDGET_BYTES
 from waveplan.pricing.errors import WaveplanError
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.step import Request, Step
-from waveplan.search import PackedWave, SearchResult, check_plan
+from waveplan.search import check_plan
 
 GIB = 2**30
 PRESETS = ("qwen3-8b", "llama-3.1-8b", "qwen3.8-27b", "qwen3-30b-a3b", "qwen3.6-35b-a3b")
@@ -57,12 +58,6 @@ class Stats:
     worst_ms: float = 0.0
     worst_case: str = ""
     failures: list[str] = field(default_factory=list)
-
-
-def _as_result(plan) -> SearchResult:
-    waves = tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                             first_slots=w.first_slots, price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)
 
 
 def _random_step(rng: random.Random) -> Step:
@@ -201,7 +196,7 @@ def one_case(rng: random.Random, stats: Stats) -> None:
     if ms > stats.worst_ms:
         stats.worst_ms, stats.worst_case = ms, f"{desc} n={n} kwargs={kwargs}"
     try:
-        check_plan(step, planner.pricer(step), _as_result(plan), budget_bytes=plan.budget_bytes,
+        check_plan(step, planner.pricer(step), plan, budget_bytes=plan.budget_bytes,
                    atomic_units=kwargs.get("atomic_units", ()), num_waves=kwargs.get("num_waves"))
         a, b = plan.to_dict(), again.to_dict()
         a.pop("planning_ms")
@@ -211,13 +206,18 @@ def one_case(rng: random.Random, stats: Stats) -> None:
         stats.failures.append(f"{desc} kwargs={kwargs}: {exc}")
 
 
-def soak(*, cases: int | None = None, seed: int = 0, time_limit_s: float = 300.0) -> Stats:
+def soak(*, cases: int | None = None, seed: int = 0, time_limit_s: float | None = 300.0) -> Stats:
+    """Run `cases` random cases (None: no count limit) or until `time_limit_s` have passed
+    (None: no time limit); at least one of the two must be given. With a count and no time
+    limit, the cases run are the same on any machine (tests use that)."""
+    if cases is None and time_limit_s is None:
+        raise ValueError("soak: give cases or time_limit_s (or both)")
     rng = random.Random(seed)
     stats = Stats()
     warm = _planner(("qwen3-8b", (1, 1, 1, 1, False), "full", 16))  # JIT compile outside the timings
     warm.plan(Step.from_requests([Request(id="w", num_tokens=64)]), 40 * GIB, deterministic=True)
-    t_end = time.monotonic() + time_limit_s
-    while (cases is None or stats.cases < cases) and time.monotonic() < t_end:
+    t_end = None if time_limit_s is None else time.monotonic() + time_limit_s
+    while (cases is None or stats.cases < cases) and (t_end is None or time.monotonic() < t_end):
         one_case(rng, stats)
     return stats
 

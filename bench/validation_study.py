@@ -133,8 +133,8 @@ def load_traces(path: Path = TRACES) -> list[dict]:
 
 
 def cmd_trace(args) -> int:
+    from waveplan.pricing.measure.trace import trace_wave
     from waveplan.pricing.parallel import Recompute
-    from waveplan.pricing.trace import trace_wave
 
     done = {cell_key(r["cell"]) for r in load_traces(args.traces)}
     grid = cells()
@@ -178,7 +178,7 @@ def grid_records(path: Path) -> list[dict]:
 
 
 def cmd_report(args) -> int:
-    from waveplan.pricing import calibrate
+    from waveplan.pricing.measure import calibrate
 
     records = grid_records(args.traces)
     if not records:
@@ -259,7 +259,7 @@ def cmd_report(args) -> int:
 
 
 # Cells whose anatomy `anatomy` records: the evidence for the structural units of the
-# torch-cpu terms (pricing.calibrate.UNITS).
+# torch-cpu terms (pricing.measure.calibrate.UNITS).
 ANATOMY_CELLS = (
     {"model": "qwen3-8b", "num_layers": 2, "recompute": "full", "lora_rank": 16, "seq_lens": [1024]},
     {"model": "qwen3-8b", "num_layers": 2, "recompute": "none", "lora_rank": 16, "seq_lens": [1024]},
@@ -280,7 +280,8 @@ def _anatomy_one(cell: dict) -> list[str]:
 
     import torch
     from torch.utils._pytree import tree_leaves
-    from waveplan.pricing import trace as T
+
+    from waveplan.pricing.measure import trace as T
     from waveplan.pricing.parallel import Recompute
     from waveplan.pricing.presets import load_preset
 
@@ -416,7 +417,7 @@ def _snapshot_lines(snap: dict, rows: int, top: int = 30) -> list[str]:
 
 def cmd_anatomy(args) -> int:
     out = ["anatomy of cpu-fake traces: the evidence for the structural units of the torch-cpu",
-           "terms (pricing/calibrate.py UNITS); `python bench/validation_study.py anatomy`", ""]
+           "terms (pricing/measure/calibrate.py UNITS); `python bench/validation_study.py anatomy`", ""]
     for cell in ANATOMY_CELLS:
         t0 = time.perf_counter()
         out.extend(_anatomy_one(cell))

@@ -11,7 +11,7 @@ with, the measured peak, and the estimate after `observe`: the estimates tighten
 the measurements and the planning estimate (admitted, with the safety factor) never falls
 below a measured peak. The static estimate alone (the table, before any observation) covers
 every measured peak too: the table's calibration cells include this model's shape, and the
-prefix-tree attention (`pricing.training_wave.run_training_wave`) keeps, as a varlen flash kernel
+prefix-tree attention (`pricing.measure.training_wave.run_training_wave`) keeps, as a varlen flash kernel
 does, only the packed queries/keys/values, not per-segment copies joined to the prompt's.
 
 The planner's geometry, layout, recompute and LoRA settings are read from the live model
@@ -136,7 +136,7 @@ def make_step(config: TrainConfig, step: int, rng):
 
 def wave_children(step, wave, prompts, completions):
     """The wave's forward calls as `PromptGroup` lists (one per child, prompts in order)."""
-    from waveplan.pricing.training_wave import PromptGroup
+    from waveplan.pricing.measure.training_wave import PromptGroup
 
     children = []
     for child in wave.children:
@@ -149,14 +149,6 @@ def wave_children(step, wave, prompts, completions):
     return children
 
 
-def _search_result(plan):
-    from waveplan.search import PackedWave, SearchResult
-
-    waves = tuple(PackedWave(children=tuple(w.children), first_slots=w.first_slots,
-                             price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)
-
-
 # --- the loop ---------------------------------------------------------------------------------
 
 
@@ -164,8 +156,9 @@ def build_model(config: TrainConfig):
     """The GPT (bf16, full recompute, LoRA on every linear layer, base frozen). Call inside
     `init_single_process`."""
     import torch
+
     from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
-    from waveplan.pricing.megatron_build import build_gpt
+    from waveplan.pricing.measure.megatron_build import build_gpt
     from waveplan.pricing.parallel import Recompute
 
     torch.manual_seed(config.seed)
@@ -201,10 +194,11 @@ def train(config: TrainConfig = TrainConfig(), *, log: Callable[[str], None] | N
 def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], None],
            check_plans: bool) -> None:
     import torch
+
     from waveplan.planner import Planner
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_shim import init_single_process
-    from waveplan.pricing.training_wave import run_training_wave
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_shim import init_single_process
+    from waveplan.pricing.measure.training_wave import run_training_wave
     from waveplan.search import check_plan
 
     with init_single_process(1):
@@ -227,7 +221,7 @@ def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], N
             step, prompts, completions = make_step(config, s, rng)
             plan = planner.plan(step, free_bytes=config.budget_bytes, deterministic=True)
             if check_plans:
-                check_plan(step, planner.pricer(step), _search_result(plan),
+                check_plan(step, planner.pricer(step), plan,
                            budget_bytes=config.budget_bytes)
                 result.plans_checked += 1
             loss_tokens = sum(len(c) - 1 for c in completions.values())

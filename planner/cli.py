@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from waveplan.pricing.errors import WaveplanError
@@ -16,7 +17,22 @@ from waveplan.pricing.errors import WaveplanError
 _COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every option whose help does not already state its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not (action.option_strings or action.nargs in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
         print(f"waveplan: error: {message}", file=sys.stderr)
         raise SystemExit(2)
@@ -34,6 +50,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="waveplan", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"waveplan {_version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log what each step does to stderr (-vv: debug)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     for name in _COMMANDS:
         try:
@@ -49,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 0
+    if getattr(args, "func", None) is None:  # bare `waveplan`: a usage error
+        parser.print_help(sys.stderr)
+        return 2
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="waveplan: %(name)s: %(message)s", stream=sys.stderr)
     try:
         return int(args.func(args) or 0)
     except WaveplanError as exc:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 from waveplan.pricing.atomic_io import write_json_atomic  # noqa: F401  (re-exported for the subcommands)
+from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import PricingModel
+from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step, parse_step
 
 DEFAULT_MODEL = "qwen3.8-27b"
 
@@ -30,21 +35,53 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
     parser.add_argument("--lora-rank", type=int, default=16,
                         help="LoRA rank of the one slot 'default', on every linear layer "
                              "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
-    parser.add_argument("--head", default="chunked:512",
-                        help="output head: chunked:N, full-native or full-te (default chunked:512)")
-    parser.add_argument("--backend", default="te-gpu",
-                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file")
-    parser.add_argument("--safety", type=float, default=1.10, help="admitted = raw x safety")
+    parser.add_argument("--head", default=DEFAULT_HEAD,
+                        help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
+    parser.add_argument("--backend", "--coefficients", dest="backend", default=DEFAULT_BACKEND,
+                        help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file, "
+                             f"e.g. one fitted by `waveplan calibrate` (default {DEFAULT_BACKEND})")
+    parser.add_argument("--safety", type=float, default=DEFAULT_SAFETY,
+                        help=f"admitted = raw x safety (default {DEFAULT_SAFETY:g})")
 
 
 def model_from_args(args: argparse.Namespace) -> PricingModel:
     geometry = load_model(args.model)
+    if args.ep != 1 and geometry.moe is None:
+        raise bad(ConfigError, "--ep", args.ep,
+                  f"{geometry.name} is a dense model (no experts); expert parallelism needs an MoE model")
     return PricingModel.build(
         geometry,
         parallel=ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp),
         recompute=Recompute(mode=args.recompute),
         lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
         backend=args.backend, head=args.head, safety=args.safety)
+
+
+STEP_HELP = "step file (JSON Lines), a bundled step ({}), or - for standard input"
+
+
+def read_step(spec: str) -> Step:
+    """STEP argument: `-` reads standard input; an existing file wins over a bundled step of
+    the same name."""
+    if spec == "-":
+        return parse_step(sys.stdin.read(), source="<stdin>")
+    path = Path(spec)
+    if not path.is_file() and spec.removesuffix(".jsonl") in list_bundled_steps():
+        path = bundled_step(spec)
+    return load_step(path)
+
+
+def check_output(path: str | None, flag: str, *, needs_matplotlib: bool = False) -> None:
+    """Fail before any work when `path` cannot be written: its folder is missing, or (for a
+    plot) matplotlib is not installed. One ConfigError line naming the flag."""
+    if path is None:
+        return
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise bad(ConfigError, flag, path, f"folder {str(folder)!r} does not exist (create it first)")
+    if needs_matplotlib and importlib.util.find_spec("matplotlib") is None:
+        raise bad(ConfigError, flag, path,
+                  "plotting needs matplotlib, which is not installed: pip install 'waveplan[plot]'")
 
 
 def gib(value: float) -> str:

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
@@ -67,7 +68,13 @@ def geometry_lines(geometry: ModelGeometry) -> list[str]:
         f"ffn        {g.ffn:,}" + (" (gated)" if g.gated_mlp and g.ffn else ""),
         f"vocab      {g.vocab:,}" + (" (tied embeddings)" if g.tied_embeddings else ""),
     ]
-    if g.attention is not None:
+    if g.attention is not None and g.attention.mla is not None:
+        a, m = g.attention, g.attention.mla
+        lines.append(f"attention  multi-latent, {a.num_heads} heads, q/k head dim {m.qk_nope_head_dim}"
+                     f"+{m.qk_rope_head_dim} (rotary), v head dim {m.v_head_dim}, kv latent "
+                     f"{m.kv_lora_rank}, " + (f"q latent {m.q_lora_rank}" if m.q_lora_rank
+                                              else "no q latent"))
+    elif g.attention is not None:
         a = g.attention
         lines.append(f"attention  {a.num_heads} heads, {a.num_kv_groups} KV groups, head dim "
                      f"{a.head_dim}" + (", output gate" if a.output_gate else ""))
@@ -80,7 +87,42 @@ def geometry_lines(geometry: ModelGeometry) -> list[str]:
         m = g.moe
         lines.append(f"moe        {m.num_experts} experts, top {m.top_k}, expert ffn {m.expert_ffn:,}"
                      + (f", shared expert ffn {m.shared_expert_ffn:,}" if m.shared_expert_ffn else ""))
+    features = feature_words(g)
+    if features:
+        lines.append(f"features   {', '.join(features)}")
     return lines
+
+
+def feature_words(geometry: ModelGeometry) -> list[str]:
+    """What the model's family changes beyond its shapes, in words (empty for the baseline)."""
+    f = geometry.features
+    words = []
+    if f.qk_norm is not None:
+        words.append("q/k norms" if f.qk_norm else "no q/k norms")
+    if f.qkv_bias:
+        words.append("q/k/v biases")
+    if f.linear_bias:
+        words.append("biases on every linear")
+    if f.sliding_window:
+        period = f.full_attention_interval
+        words.append(f"sliding window {f.sliding_window:,}"
+                     + (f" (full attention every {period} layers)" if period else " on every layer"))
+    if f.attention_sinks:
+        words.append("attention sinks")
+    if f.attention_softcap:
+        words.append(f"attention soft-cap {f.attention_softcap:g}")
+    if f.final_softcap:
+        words.append(f"final-logit soft-cap {f.final_softcap:g}")
+    if f.embedding_scale:
+        words.append("scaled embeddings")
+    if f.sandwich_norms:
+        words.append("sandwich norms")
+    if f.mlp_activation.value != "swiglu":
+        words.append(f"{f.mlp_activation.value} MLP")
+    if f.router_score.value != "softmax" or f.router_groups > 1:
+        words.append(f"{f.router_score.value} routing"
+                     + (f" in {f.router_group_top_k} of {f.router_groups} groups" if f.router_groups > 1 else ""))
+    return words
 
 
 def step_lines(step: Step, source: str, stats: dict) -> list[str]:

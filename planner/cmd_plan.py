@@ -4,19 +4,37 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from pathlib import Path
+import logging
+import time
 
-from waveplan.pricing.errors import ConfigError
-from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
-from waveplan.search import PackerKind
+import numpy as np
 
-from .cli_common import add_model_args, gib, model_from_args, parse_gib
+from waveplan.pricing.errors import ConfigError, InfeasibleError
+from waveplan.pricing.step import Step, list_bundled_steps
+from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind
+
+from .cli_common import (
+    STEP_HELP,
+    add_model_args,
+    check_output,
+    gib,
+    model_from_args,
+    parse_gib,
+    read_step,
+)
 from .plan import Plan
 from .planner import Planner
 from .report import PlanOptions, write_report
 
 DEFAULT_STEP = "grpo-8x8"
 DEFAULT_FREE_GIB = "40"  # typical room left per H200 rank after a 27B model's TP4 shard and optimizer
+log = logging.getLogger("waveplan.plan")
+
+LEGEND = ("columns: requests = requests in the wave; packed / logical = token rows with / without "
+          "shared prompt prefixes run once; admitted = estimated peak x safety, <= budget; "
+          "binding = the point of the pass where the peak sits (phase:layer:mixer/mlp) and the "
+          "basis of its price (evidence, conservative, profile); first:SLOTS = the wave is the "
+          "first of these LoRA slots and also holds their adapter gradients")
 
 
 def register(sub) -> None:
@@ -24,21 +42,21 @@ def register(sub) -> None:
         "plan", help="plan a step's waves",
         description="Cut STEP's requests into waves that fit --free-gib on every rank, in as few "
                     "waves as possible, and print the plan with its lower bound. With no arguments: "
-                    f"the bundled {DEFAULT_STEP} step on qwen3.8-27b, TP4 with sequence parallelism, "
-                    f"full recompute, LoRA rank 16, {DEFAULT_FREE_GIB} GiB free per rank.")
+                    f"the bundled {DEFAULT_STEP} step on qwen3.8-27b, TP1, no sequence parallelism, "
+                    f"full recompute, LoRA rank 16, {DEFAULT_FREE_GIB} GiB free per rank; every "
+                    "default is shown below.")
     parser.add_argument("step", nargs="?", default=DEFAULT_STEP,
-                        help="step file (JSON Lines) or a bundled step "
-                             f"({', '.join(list_bundled_steps())}; default {DEFAULT_STEP})")
-    add_model_args(parser, default_tp=4, default_sp=True)
+                        help=STEP_HELP.format(", ".join(list_bundled_steps())))
+    add_model_args(parser)
     parser.add_argument("--free-gib", default=DEFAULT_FREE_GIB, metavar="X",
                         help=f"free GiB per rank (default {DEFAULT_FREE_GIB})")
-    parser.add_argument("--packer", default="auto", choices=[k.value for k in PackerKind],
-                        help="packer (default auto)")
-    parser.add_argument("--time-budget-ms", type=float, default=5.0, metavar="T",
-                        help="planning time budget in ms (default 5)")
+    parser.add_argument("--packer", default=DEFAULT_PACKER.value, choices=[k.value for k in PackerKind],
+                        help=f"packer (default {DEFAULT_PACKER.value})")
+    parser.add_argument("--time-budget-ms", type=float, default=DEFAULT_TIME_BUDGET_MS, metavar="T",
+                        help=f"planning time budget in ms (default {DEFAULT_TIME_BUDGET_MS:g})")
     parser.add_argument("--num-waves", type=int, default=None, metavar="N",
                         help="exactly N waves (all data-parallel ranks run the same count)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the randomised search")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the randomised search")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--report", metavar="FILE", help="write a replayable report (JSON)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the plan")
@@ -48,20 +66,26 @@ def register(sub) -> None:
 
 
 def resolve_step(spec: str) -> Step:
-    """An existing file wins over a bundled step of the same name."""
-    path = Path(spec)
-    if not path.is_file() and spec.removesuffix(".jsonl") in list_bundled_steps():
-        path = bundled_step(spec)
-    return load_step(path)
+    """The STEP argument (see `cli_common.read_step`)."""
+    return read_step(spec)
 
 
 def run(args: argparse.Namespace) -> int:
     budget = int(parse_gib(args.free_gib, "free_gib") * 2**30)
+    check_output(args.report, "--report")
+    check_output(args.plot, "--plot", needs_matplotlib=True)
     planner = Planner.from_model(model_from_args(args), profiles_path=args.profiles)
     step = resolve_step(args.step)
+    log.info("step %s: %d requests, %d logical rows", args.step, step.num_requests, step.num_logical_rows)
     options = PlanOptions(packer=args.packer, time_budget_ms=args.time_budget_ms,
                           num_waves=args.num_waves, seed=args.seed)
-    plan = planner.plan(step, free_bytes=budget, **options.kwargs())
+    start = time.perf_counter()
+    try:
+        plan = planner.plan(step, free_bytes=budget, **options.kwargs())
+    except InfeasibleError as exc:
+        raise infeasible_error(planner, step, budget, exc) from None
+    log.info("planned in %.0f ms wall (planning_ms %.2f)", (time.perf_counter() - start) * 1e3,
+             plan.planning_ms)
     if args.report:
         write_report(args.report, planner, step, plan, options)
     if args.plot:
@@ -69,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        print_table(planner, plan)
+        print_table(planner, plan, args.num_waves)
     return 0
 
 
@@ -83,9 +107,17 @@ def plot_plan(plan_dict: dict, path: str) -> None:
     module.plot_plan(plan_dict, path)
 
 
-def print_table(planner: Planner, plan: Plan) -> None:
+def _basis(breakdown) -> str:
+    """The basis as the table prints it: a conservative price names its reasons on the line."""
+    if breakdown.basis == "conservative" and breakdown.reasons:
+        return f"conservative: {'; '.join(breakdown.reasons)}"
+    return breakdown.basis
+
+
+def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> None:
     m = planner.model
     print(f"model {m.geometry.name}  TP{m.parallel.tp} CP{m.parallel.cp}"
+          f"{f' PP{m.parallel.pp}' if m.parallel.pp > 1 else ''}"
           f"{' SP' if m.parallel.sequence_parallel else ''}  {m.recompute.mode.value} recompute  "
           f"head {m.head}  backend {m.table.backend}  safety x{m.safety}")
     print(f"{'wave':>4} {'requests':>8} {'packed':>9} {'logical':>9} {'admitted GiB':>12} "
@@ -96,7 +128,46 @@ def print_table(planner: Planner, plan: Plan) -> None:
         first = f"  first:{','.join(sorted(w.first_slots))}" if w.first_slots else ""
         print(f"{w.index:>4} {len(w.request_ids):>8} {size.packed_rows:>9} {size.logical_rows:>9} "
               f"{gib(w.admitted_bytes):>12} {gib(w.budget_bytes):>10}  {w.breakdown.binding} "
-              f"({w.breakdown.basis}){first}{note}")
-    verdict = "proven optimal" if plan.proven_optimal else "not proven optimal"
-    print(f"{plan.num_waves} waves; lower bound {plan.lower_bound_waves}: {verdict}  "
-          f"({plan.packer}, {plan.planning_ms:.2f} ms)")
+              f"({_basis(w.breakdown)}){first}{note}")
+    for st in plan.stages:
+        lo, hi = st["layers"]
+        first, last = st["window"]
+        print(f"stage {st['stage']}  layers {lo}-{hi - 1}  {st['in_flight']} in flight  "
+              f"peak {gib(st['peak_bytes'])} GiB of {gib(st['budget_bytes'])}  "
+              f"binding waves {first}-{last}")
+    waves = f"{plan.num_waves} wave{'' if plan.num_waves == 1 else 's'}"
+    if num_waves is not None:  # a fixed count: optimality of the count is not the question
+        verdict = f"{waves} as asked (--num-waves); lower bound {plan.lower_bound_waves}"
+    else:
+        verdict = (f"{waves}; lower bound {plan.lower_bound_waves}: "
+                   f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}")
+    print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms)")
+    print(LEGEND)
+
+
+def infeasible_error(planner: Planner, step: Step, budget: int, exc: InfeasibleError) -> ConfigError:
+    """One line for a step with requests that fit under no split: every request that does not
+    fit alone (priced alone, without pending adapter gradients, then with its slot's), the
+    largest price in GiB, and what to do. Falls back to the search's message when every
+    request fits alone (the pending gradients of a slot are what does not fit). O(n) pricings."""
+    pricer = planner.pricer(step)
+    over: list[str] = []
+    worst = 0.0
+    for pending in (False, True):
+        for i, req in enumerate(step.requests):
+            slots = frozenset({req.slot}) if pending and req.grad else frozenset()
+            admitted = pricer.price([np.array([i], dtype=np.int64)], first_slots=slots).admitted_bytes
+            if admitted > budget:
+                over.append(req.id)
+                worst = max(worst, admitted)
+        if over:
+            break
+    if not over:
+        if "num_waves" in str(exc):  # a count below the bound: the message says what to do
+            return ConfigError(str(exc))
+        return ConfigError(f"{exc}; raise --free-gib, raise --tp or --cp, or truncate the requests")
+    noun = "request does" if len(over) == 1 else f"{len(over)} requests do"
+    grads = " with its slot's adapter gradients" if pending else ""
+    return ConfigError(
+        f"{noun} not fit in {gib(budget)} GiB free per rank even alone{grads} (up to {gib(worst)} GiB "
+        f"admitted): {', '.join(over)}; raise --free-gib, raise --tp or --cp, or truncate them")

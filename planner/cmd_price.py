@@ -6,10 +6,11 @@ import argparse
 import json
 
 import numpy as np
-from waveplan.pricing.step import load_step
+
+from waveplan.pricing.step import list_bundled_steps
 from waveplan.pricing.wave_pricer import WavePricer
 
-from .cli_common import add_model_args, gib, model_from_args
+from .cli_common import STEP_HELP, add_model_args, gib, model_from_args, read_step
 
 
 def register(sub) -> None:
@@ -18,7 +19,7 @@ def register(sub) -> None:
         description="Price every request of STEP as one wave (each request's grad flag respected). "
                     "By default the wave is the step's first gradient wave, so the pending adapter "
                     "gradients of every slot count. LoRA defaults to rank 16 on every linear layer.")
-    parser.add_argument("step", help="step file (JSON Lines)")
+    parser.add_argument("step", help=STEP_HELP.format(", ".join(list_bundled_steps())))
     add_model_args(parser)
     parser.add_argument("--not-first", action="store_true",
                         help="price a later wave: the adapter gradients are already allocated")
@@ -28,7 +29,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
-    step = load_step(args.step)
+    step = read_step(args.step)
     pricer = WavePricer.build(step, model)
     first = frozenset() if args.not_first else frozenset(
         r.slot for r in step.requests if r.grad)

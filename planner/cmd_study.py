@@ -6,9 +6,9 @@ import argparse
 import math
 
 from waveplan.pricing.errors import ConfigError, bad
-from waveplan.search import PackerKind
+from waveplan.search import DEFAULT_TIME_BUDGET_MS, PackerKind
 
-from .cli_common import add_model_args, model_from_args, parse_gib
+from .cli_common import add_model_args, check_output, model_from_args, parse_gib
 from .study import DISTRIBUTIONS, GeneratorSpec, Variant, run_study, steps_from_dir
 
 
@@ -28,7 +28,7 @@ def register(sub) -> None:
     parser.add_argument("--completions", type=int, default=16,
                         help="grpo: completions per prompt (default 16)")
     parser.add_argument("--requests", type=int, default=256, help="sft: requests per step (default 256)")
-    add_model_args(parser, default_tp=4, default_sp=True)
+    add_model_args(parser)
     parser.add_argument("--free-gib", required=True, help="free memory per rank, GiB")
     parser.add_argument("--packers", default="auto,ffd",
                         help="comma-separated packer kinds, each a variant "
@@ -37,13 +37,14 @@ def register(sub) -> None:
                         help="add a variant: the first packer priced with this coefficient backend")
     parser.add_argument("--compare-safety", type=float, metavar="F",
                         help="add a variant: the first packer with this safety factor")
-    parser.add_argument("--time-budget-ms", type=float, default=5.0,
-                        help="search time budget per step, ms (default 5)")
+    parser.add_argument("--time-budget-ms", type=float, default=DEFAULT_TIME_BUDGET_MS,
+                        help=f"search time budget per step, ms (default {DEFAULT_TIME_BUDGET_MS:g})")
     parser.add_argument("--deterministic", action="store_true",
                         help="search by iteration count, never the clock (same plans on any machine)")
     parser.add_argument("--csv", metavar="FILE", help="write one row per (step, variant)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw waves per step per variant")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (tqdm's when installed, else a one-line counter)")
     parser.set_defaults(func=run)
 
 
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_gib(args.free_gib, "--free-gib") * 2**30
     if not math.isfinite(args.time_budget_ms) or args.time_budget_ms <= 0:
         raise bad(ConfigError, "--time-budget-ms", args.time_budget_ms, "must be a positive number")
+    check_output(args.csv, "--csv")
+    check_output(args.plot, "--plot", needs_matplotlib=True)  # before the study, not after it
     if args.steps:
         steps = steps_from_dir(args.steps)
         source = f"steps from {args.steps}"

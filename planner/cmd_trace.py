@@ -2,7 +2,7 @@
 
 Every request of STEP runs as one packed wave (its full `num_tokens`; no prefix sharing)
 through a Megatron-core model with the geometry of `--model`, LoRA adapters trainable, in
-one forward and one backward (`waveplan.pricing.trace.trace_wave`). Needs torch and
+one forward and one backward (`waveplan.pricing.measure.trace.trace_wave`). Needs torch and
 megatron-core (`pip install 'waveplan[megatron]'`).
 
 With `--tp`, `--cp` or `--ep` above 1 the wave runs on every rank of that layout, one process
@@ -92,7 +92,7 @@ def run(args) -> int:
                               "installed): pip install 'waveplan[megatron]'")
     import warnings
 
-    from waveplan.pricing.trace import trace_wave
+    from waveplan.pricing.measure.trace import trace_wave
 
     warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -114,6 +114,7 @@ def run(args) -> int:
     out = result.to_dict()
     out["notes"] = notes
     out["model"] = geometry.name
+    out["geometry"] = geometry.to_dict()  # so that `waveplan calibrate` can price the cell
     if args.json:
         print(json.dumps(out, sort_keys=False))
         return 0

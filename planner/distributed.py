@@ -15,7 +15,9 @@ data-parallel group, one rank per model-parallel replica):
    over-budget wave is ever added)                -> error flag over W
 4. plan hash:  all_gather of the sha256 of `plan.to_json()` without `planning_ms` over MP;
    all must agree (same inputs, same plan)       -> error flag over W; a mismatch is a
-   `DistributedPlanError` naming each distinct hash and the global ranks that planned it
+   `DistributedPlanError` naming each distinct hash and the global ranks that planned it.
+   MP includes the pipeline stages: they run the same micro-batch sequence, and a PP plan's
+   `stages` are part of the hashed JSON.
 
 Error flag: one all_reduce MAX of a 0/1 flag over W after each local step and before the next
 collective, so a failing rank never leaves its peers blocked. When it is set, one all_gather of

@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from waveplan.pricing.price import Breakdown, GroupLoad
+from waveplan.search import PackedWave
 
 from .profiles import Signature, Size
 
@@ -19,23 +21,64 @@ PLAN_SCHEMA = 1
 
 @dataclass(frozen=True)
 class PlanWave:
-    """One wave as it runs. `children` holds request indices (one array for a flat wave);
-    `loads`, `signature` and `static_raw_bytes` are what `Planner.observe` learns from."""
+    """One wave as it runs: the search's `PackedWave` (children as request indices, one array
+    for a flat wave; first_slots; the priced breakdown; the group loads) with its place in the
+    plan, its request ids, and what `Planner.observe` learns from (`loads`, `signature`,
+    `static_raw_bytes`)."""
 
     index: int
+    wave: PackedWave = field(repr=False)
     request_ids: tuple[str, ...]
-    children: tuple[np.ndarray, ...] = field(repr=False)
     child_ids: tuple[tuple[str, ...], ...]
-    first_slots: frozenset[str]
     budget_bytes: int
-    breakdown: Breakdown
-    loads: tuple[GroupLoad, ...] = field(repr=False)
     signature: Signature = field(repr=False)
     static_raw_bytes: int = field(repr=False)
 
+    @classmethod
+    def of(cls, index: int, wave: PackedWave, ids: tuple[str, ...], *, budget_bytes: int,
+           signature: Signature, static_raw_bytes: int) -> PlanWave:
+        """The plan wave around `wave`; `ids` are the step's request ids. O(requests)."""
+        return cls(index=index, wave=wave,
+                   request_ids=tuple(ids[j] for j in wave.requests),
+                   child_ids=tuple(tuple(ids[j] for j in c) for c in wave.children),
+                   budget_bytes=budget_bytes, signature=signature,
+                   static_raw_bytes=static_raw_bytes)
+
+    @property
+    def children(self) -> tuple[np.ndarray, ...]:
+        return self.wave.children
+
+    @property
+    def first_slots(self) -> frozenset[str]:
+        return self.wave.first_slots
+
+    @property
+    def breakdown(self) -> Breakdown:
+        return self.wave.price
+
+    @property
+    def price(self) -> Breakdown:
+        """The breakdown, by the name `PackedWave` gives it (so `check_plan` reads a plan)."""
+        return self.wave.price
+
+    @property
+    def loads(self) -> tuple[GroupLoad, ...]:
+        return self.wave.loads
+
     @property
     def is_split(self) -> bool:
-        return len(self.children) > 1
+        return self.wave.is_split
+
+    @property
+    def request_indices(self) -> tuple[int, ...]:
+        """Positions in the step of the wave's requests, ascending (aligned with
+        `request_ids`): the wave's micro-batch index list."""
+        return tuple(int(j) for j in np.sort(np.concatenate(self.children)))
+
+    @property
+    def child_indices(self) -> tuple[tuple[int, ...], ...]:
+        """Positions in the step of each child's requests (aligned with `child_ids`)."""
+        return tuple(tuple(int(j) for j in c) for c in self.children)
 
     @property
     def size(self) -> Size:
@@ -60,6 +103,8 @@ class PlanWave:
             "binding": b.binding, "basis": b.basis, "first_slots": sorted(self.first_slots),
             "terms": {k: int(v) for k, v in b.terms.items()},
             "children": [list(c) for c in self.child_ids] if self.is_split else [],
+            "request_indices": list(self.request_indices),
+            "child_indices": [list(c) for c in self.child_indices] if self.is_split else [],
         }
 
 
@@ -88,12 +133,22 @@ class Plan:
     def __getitem__(self, i: int) -> PlanWave:
         return self.waves[i]
 
+    @property
+    def stages(self) -> list[dict]:
+        """One entry per pipeline stage (PP > 1; empty otherwise): its layers, waves in flight,
+        `peak_bytes` (the priced peak over the schedule), the binding `window` of waves and
+        its budget (`waveplan.pricing.pipeline.StagePeak`)."""
+        return list(self.stats.get("stages", ()))
+
     def to_dict(self) -> dict:
-        return {"schema": PLAN_SCHEMA, "packer": self.packer,
-                "planning_ms": round(float(self.planning_ms), 3),
-                "lower_bound_waves": int(self.lower_bound_waves),
-                "proven_optimal": bool(self.proven_optimal),
-                "waves": [w.to_dict() for w in self.waves]}
+        out = {"schema": PLAN_SCHEMA, "packer": self.packer,
+               "planning_ms": round(float(self.planning_ms), 3),
+               "lower_bound_waves": int(self.lower_bound_waves),
+               "proven_optimal": bool(self.proven_optimal),
+               "waves": [w.to_dict() for w in self.waves]}
+        if self.stages:
+            out["stages"] = self.stages
+        return out
 
     def to_json(self, *, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=indent)

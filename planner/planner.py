@@ -1,7 +1,11 @@
 """The per-step API: `Planner(...).plan(step, free_bytes=...)`, then `observe` each wave's peak.
 
 A planner is a fixed pricing configuration (geometry, parallel layout, recompute, LoRA,
-backend, head, safety) plus a mutable store of learned profiles (see `profiles`).
+backend, head, safety) plus a mutable store of learned profiles (see `profiles`). The pricer
+it hands the search decides what the search may take for exact: without profiles the plain
+`WavePricer` (every capability of the contract, its fast admitted path included); with
+profiles a `_ProfiledPricer`, which has no fast path (a profile prices from the full
+breakdown), so the search keeps every full price it computes.
 """
 
 from __future__ import annotations
@@ -12,21 +16,31 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.atomic_io import write_json_atomic
+from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import DEFAULT_SAFETY, PricingModel
+from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
+from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.step import Request, Step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
-from waveplan.search import PackerKind, pack
+from waveplan.search import (
+    DEFAULT_PACKER,
+    DEFAULT_SEED,
+    DEFAULT_TIME_BUDGET_MS,
+    PackerKind,
+    SearchOptions,
+    pack,
+)
 
 from .plan import Plan, PlanWave
 from .profiles import (
@@ -40,15 +54,36 @@ from .profiles import (
 MAX_BUDGET_BYTES = 2**50  # 1 PiB: anything above is a unit mistake, not a GPU
 
 
-@dataclass
-class _ProfiledPricer(WavePricer):
-    """A WavePricer whose envelope is scaled by the largest learned ratio (> 1), so that the
-    search still packs against an upper bound when profiles raise prices."""
+class _ProfiledPricer:
+    """A step's pricer with learned profiles: a `WavePricer` whose prices pass through the
+    profiles (`adjust`), seen through the search contract without the fast admitted path
+    (`contract.AdmittedPricer`): a profile prices from the full breakdown, so the search
+    keeps the full prices it computes instead of pricing each wave twice. Its envelope is
+    scaled by the largest learned ratio (> 1), so that the search still packs against an
+    upper bound when profiles raise prices. Every other capability is the WavePricer's."""
 
-    envelope_scale: float = 1.0
+    def __init__(self, pricer: WavePricer, envelope_scale: float) -> None:
+        self._pricer = pricer
+        self.envelope_scale = envelope_scale
+
+    @property
+    def num_classes(self) -> int:
+        return self._pricer.num_classes
+
+    @property
+    def class_of(self) -> np.ndarray:
+        return self._pricer.class_of
+
+    @property
+    def class_slot(self) -> tuple[str, ...]:
+        return self._pricer.class_slot
+
+    @property
+    def class_grad(self) -> tuple[bool, ...]:
+        return self._pricer.class_grad
 
     def envelope(self) -> Envelope:
-        env = super().envelope()
+        env = self._pricer.envelope()
         if self.envelope_scale <= 1.0:
             return env
         s = self.envelope_scale
@@ -57,6 +92,23 @@ class _ProfiledPricer(WavePricer):
             pad=None if env.pad is None else env.pad * s,
             seg=None if env.seg is None else env.seg * s,
             pending=None if env.pending is None else env.pending * s)
+
+    def price(self, children: Sequence[np.ndarray], *,
+              first_slots: frozenset[str] = frozenset()) -> Breakdown:
+        return self._pricer.price(children, first_slots=first_slots)
+
+    def group_loads(self, children: Sequence[np.ndarray]) -> list[GroupLoad]:
+        return self._pricer.group_loads(children)
+
+    def price_loads(self, loads: Sequence[GroupLoad], *,
+                    first_slots: frozenset[str] = frozenset()) -> Breakdown:
+        return self._pricer.price_loads(loads, first_slots=first_slots)
+
+    def pending_bytes(self, slot: str) -> float:
+        return self._pricer.pending_bytes(slot)
+
+    def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
+        return self._pricer.lower_bound_waves(budget_bytes, requests)
 
 
 def _check_bytes(field: str, value: object) -> float:
@@ -124,7 +176,7 @@ class Planner:
 
     def __init__(self, *, geometry: ModelGeometry, parallel: ParallelLayout | None = None,
                  recompute: Recompute | str | None = None, lora: LoraConfig | None = None,
-                 backend: str = "te-gpu", head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                 backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                  profiles_path: str | os.PathLike | None = None) -> None:
         if isinstance(recompute, str):
             recompute = Recompute(mode=recompute)
@@ -135,12 +187,27 @@ class Planner:
     @classmethod
     def from_preset(cls, name: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
                     sequence_parallel: bool = False, recompute: Recompute | str = "full",
-                    lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = "te-gpu",
-                    head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                    lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
+                    head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                     profiles_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given."""
         return cls(geometry=load_preset(name),
+                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
+                   recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+
+    @classmethod
+    def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+                       sequence_parallel: bool = False, recompute: Recompute | str = "full",
+                       lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = "te-gpu",
+                       head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                       profiles_path: str | os.PathLike | None = None,
+                       name: str | None = None) -> Planner:
+        """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
+        or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
+        arguments as `from_preset`."""
+        return cls(geometry=load_hf_config(config, name=name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path)
@@ -191,46 +258,42 @@ class Planner:
 
     # --- planning -----------------------------------------------------------------------
 
-    def pricer(self, step: Step) -> WavePricer:
-        """The step's pricer with the learned profiles applied."""
-        adjust = None
-        scale = 1.0
-        if len(self._store):
-            adjust = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
-            scale = self._store.max_ratio(self._config)
-        return _ProfiledPricer(step=step, model=self._model, adjust=adjust, envelope_scale=scale)
+    def pricer(self, step: Step) -> WavePricer | _ProfiledPricer:
+        """The step's pricer with the learned profiles applied: the plain `WavePricer` while
+        the planner has none (the search may use its fast admitted path), else one that
+        prices through them (no fast path; see `_ProfiledPricer`)."""
+        if not len(self._store):
+            return WavePricer(step=step, model=self._model)
+        adjust = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
+        return _ProfiledPricer(WavePricer(step=step, model=self._model, adjust=adjust),
+                               envelope_scale=self._store.max_ratio(self._config))
 
     def plan(self, step: Step | Sequence[Request] | str | os.PathLike, free_bytes, *,
-             packer: PackerKind | str = "auto", time_budget_ms: float = 5.0,
+             packer: PackerKind | str = DEFAULT_PACKER,
+             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
              atomic_units: Sequence[Sequence[int]] = (), num_waves: int | None = None,
-             seed: int = 0, deterministic: bool = False) -> Plan:
+             seed: int = DEFAULT_SEED, deterministic: bool = False) -> Plan:
         """Cut `step` into waves that fit `free_bytes` (bytes free per rank: a number or one per
         rank; the minimum binds). `atomic_units` are lists of request indices that must share
         a wave; `num_waves` asks for exactly that many waves. Same inputs, same plan, unless the
         time budget cuts the search short; `deterministic=True` never reads the clock (the
         iteration cap implied by `time_budget_ms` alone decides)."""
         budget = budget_from_free_bytes(free_bytes)
-        if isinstance(time_budget_ms, bool) or not isinstance(time_budget_ms, int | float) \
-                or not math.isfinite(time_budget_ms) or time_budget_ms <= 0:
-            raise bad(ConfigError, "time_budget_ms", time_budget_ms, "must be a finite number > 0")
+        options = SearchOptions(packer=packer, time_budget_ms=time_budget_ms,
+                                atomic_units=atomic_units, num_waves=num_waves, seed=seed,
+                                deterministic=deterministic)
         step = _as_step(step)
         t0 = time.perf_counter()
-        pricer = self.pricer(step)
-        result = pack(step, pricer, budget_bytes=budget, packer=packer, time_budget_ms=time_budget_ms,
-                      atomic_units=atomic_units, num_waves=num_waves, seed=seed,
-                      deterministic=deterministic)
+        result = pack(step, self.pricer(step), budget_bytes=budget, options=options)
         ids = step.ids
         signer = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
         waves = []
         for i, w in enumerate(result.waves):
-            loads = tuple(pricer.group_loads(w.children))
-            children = tuple(np.asarray(c, dtype=np.int64) for c in w.children)
-            waves.append(PlanWave(
-                index=i, request_ids=tuple(ids[j] for j in np.sort(np.concatenate(children))),
-                children=children, child_ids=tuple(tuple(ids[j] for j in c) for c in children),
-                first_slots=frozenset(w.first_slots), budget_bytes=budget, breakdown=w.price,
-                loads=loads, signature=signer.signature(loads),
-                static_raw_bytes=static_raw_without_first_exec(w.price)))
+            if w.loads is None:   # the planner's pricers always give them
+                raise AssertionError("internal: a packed wave without its group loads")
+            waves.append(PlanWave.of(i, w, ids, budget_bytes=budget,
+                                     signature=signer.signature(w.loads),
+                                     static_raw_bytes=static_raw_without_first_exec(w.price)))
         planning_ms = (time.perf_counter() - t0) * 1e3
         return Plan(waves=tuple(waves), packer=result.packer, planning_ms=planning_ms,
                     lower_bound_waves=int(result.lower_bound_waves),

@@ -7,8 +7,8 @@ wave's (slot, grad) mix. Each observation keeps the wave's group loads, its stat
 (without the first-execution allowance: once a signature has run, the allocator is warm) and
 the observed peak.
 
-Pricing with a profile (seed 002_caa340cb22c13de7, "Price trainer-rank memory profiles by
-packed tokens, not sharing ratio"): the learned raw is the static raw x r, where r is the
+Pricing with a profile (docs/memory-model.md#learned-profiles: profiles are priced by
+packed tokens, not by sharing ratio): the learned raw is the static raw x r, where r is the
 largest observed/static ratio of the signature. The static model already scales with packed
 rows, logical rows and segments, so a profile learned without sharing never prices a shared
 wave by its logical tokens (the old rule `bytes_per_token x max(packed, logical / ratio)` did,
@@ -17,7 +17,7 @@ wave by its logical tokens (the old rule `bytes_per_token x max(packed, logical 
 * r > 1 always applies: the model under-priced, so every wave of the signature is raised.
 * r < 1 tightens only inside the trust window: padded rows <= 8x the largest observed and
   sharing (logical / packed) <= 8x the largest observed sharing; outside, the static price
-  stands (seed 002 extrapolates sharing at most 8x beyond what the profile observed).
+  stands (sharing is extrapolated at most 8x beyond what the profile observed).
 * Never below the largest peak observed at equal or smaller size (packed rows, logical rows
   and segments all <=).
 
@@ -37,7 +37,7 @@ from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import Breakdown, GroupLoad
 
 PROFILE_SCHEMA = 1
-TRUST_FACTOR = 8  # seed 002: extrapolate at most 8x beyond what a profile observed
+TRUST_FACTOR = 8  # at most 8x beyond what a profile observed (docs/memory-model.md#learned-profiles)
 _LOAD_FIELDS = ("slot", "grad", "packed_rows", "padded_rows", "logical_rows", "segments")
 
 

@@ -1,6 +1,9 @@
 """Planner reports: a plan with every input needed to re-plan it (model, coefficients,
 profiles, requests, budget, options), and `replay`, which rebuilds and compares.
 
+Requests are stored in the step's own form: length-form lines (`Step.to_length_form`) or,
+for a token-form step, its prefix tree without loss (`Step.to_tree_form`).
+
 A report needs no presets or coefficient files to replay: the geometry and the coefficient
 table are stored in it.
 """
@@ -19,7 +22,8 @@ from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.lora import LoraConfig
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
-from waveplan.pricing.step import Request, Step
+from waveplan.pricing.step import Request, Step, step_from_tree_form
+from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS
 
 from .plan import Plan
 from .planner import Planner
@@ -34,11 +38,11 @@ _REQUEST_FIELDS = {"id", "prompt", "prompt_tokens", "completion_tokens", "slot",
 class PlanOptions:
     """The `plan()` arguments a report records."""
 
-    packer: str = "auto"
-    time_budget_ms: float = 5.0
+    packer: str = DEFAULT_PACKER.value
+    time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
     num_waves: int | None = None
     atomic_units: tuple[tuple[int, ...], ...] = ()
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     deterministic: bool = False
 
     def to_dict(self) -> dict:
@@ -54,7 +58,7 @@ class PlanOptions:
 
 def build_report(planner: Planner, step: Step, plan: Plan, options: PlanOptions) -> dict:
     return {"schema": REPORT_SCHEMA, "kind": REPORT_KIND, "model": planner.model.to_dict(),
-            "profiles": planner.profiles.to_dict(), "requests": step.to_length_form(),
+            "profiles": planner.profiles.to_dict(), "requests": report_lines(step),
             "budget_bytes": plan.budget_bytes, "options": options.to_dict(), "plan": plan.to_dict()}
 
 
@@ -131,10 +135,19 @@ def model_from_dict(data: dict) -> PricingModel:
                         safety=data["safety"])
 
 
+def report_lines(step: Step) -> list[dict]:
+    """The report's `requests`: tree-form lines for a token-form step (its prefix tree kept
+    exactly), length-form lines otherwise."""
+    return step.to_tree_form() if step.is_token_form else step.to_length_form()
+
+
 def step_from_lines(lines: object) -> Step:
-    """A step from `Step.to_length_form()` lines."""
+    """A step from `report_lines` (tree-form lines when the first line has `tree_position`,
+    length-form lines otherwise)."""
     if not isinstance(lines, list) or not lines:
         raise bad(StepError, "requests", lines, "must be a non-empty list")
+    if isinstance(lines[0], dict) and "tree_position" in lines[0]:
+        return step_from_tree_form(lines)
     requests = []
     for i, line in enumerate(lines):
         if not isinstance(line, dict) or set(line) - _REQUEST_FIELDS or "completion_tokens" not in line:
@@ -155,9 +168,10 @@ def _options(data: object) -> PlanOptions:
     units = data.get("atomic_units", [])
     if not isinstance(units, list) or not all(isinstance(u, list) for u in units):
         raise bad(ConfigError, "options.atomic_units", units, "must be a list of lists")
-    return PlanOptions(packer=data.get("packer", "auto"), time_budget_ms=data.get("time_budget_ms", 5.0),
+    return PlanOptions(packer=data.get("packer", DEFAULT_PACKER.value),
+                       time_budget_ms=data.get("time_budget_ms", DEFAULT_TIME_BUDGET_MS),
                        num_waves=data.get("num_waves"), atomic_units=tuple(tuple(u) for u in units),
-                       seed=data.get("seed", 0), deterministic=bool(data.get("deterministic", False)))
+                       seed=data.get("seed", DEFAULT_SEED), deterministic=bool(data.get("deterministic", False)))
 
 
 # --- replay -----------------------------------------------------------------------------

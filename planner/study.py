@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import math
 import statistics
 import time
@@ -21,13 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from waveplan.pricing.atomic_io import write_text_atomic
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, bad
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.step import Request, Step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
-from waveplan.search import PackerKind, pack
+from waveplan.search import DEFAULT_PACKER, DEFAULT_TIME_BUDGET_MS, PackerKind, pack
 
+from .progress import progress_bar
+
+log = logging.getLogger("waveplan.study")
 DISTRIBUTIONS = ("grpo", "sft")
 
 # --- step sources -----------------------------------------------------------------------------
@@ -123,7 +128,7 @@ class Variant:
 
     name: str
     model: PricingModel
-    packer: str = "auto"
+    packer: str = DEFAULT_PACKER.value
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "," in self.name:
@@ -156,9 +161,17 @@ class StudyRow:
     def above_bound(self) -> int | None:
         return None if self.waves is None else self.waves - self.lower_bound
 
+    @property
+    def status(self) -> str:
+        """"settled" when the plan meets the lower bound (no plan has fewer waves), "open" when
+        it is above it (fewer may or may not exist), "failed" when the step was not planned."""
+        if self.waves is None:
+            return "failed"
+        return "settled" if self.waves <= self.lower_bound else "open"
+
 
 CSV_FIELDS = ("step", "variant", "packer", "packer_used", "num_requests", "logical_rows", "waves",
-              "lower_bound", "above_bound", "proven_optimal", "plan_ms", "error")
+              "lower_bound", "above_bound", "proven_optimal", "status", "plan_ms", "error")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +255,7 @@ class StudyResult:
         out.append("")
         out.append("above bound: mean waves over the variant's own lower bound; at best: steps where "
                    "no variant needs fewer waves")
+        out += ["", *self.step_lines()]
         if len(self.variants) > 1:
             out.append("")
             for i, a in enumerate(self.variants):
@@ -250,6 +264,19 @@ class StudyResult:
                     out.append(f"{a} needs fewer waves than {b} on {fewer} steps, more on {more} "
                                f"(as many on {equal})")
         return "\n".join(out) + "\n"
+
+    def step_lines(self) -> list[str]:
+        """Per step and variant: waves, lower bound and whether that settles the step's wave count
+        ("settled": the plan meets the bound; "open": a plan with fewer waves may exist)."""
+        sw = max(len("step"), *(len(s) for s in self.steps))
+        vw = max(len("variant"), *(len(v) for v in self.variants))
+        head = f"{'step':<{sw}}  {'variant':<{vw}} {'waves':>6} {'bound':>6}  status"
+        out = [head, "-" * len(head)]
+        for r in self.rows:
+            waves = "-" if r.waves is None else str(r.waves)
+            bound = "-" if r.lower_bound is None else str(r.lower_bound)
+            out.append(f"{r.step:<{sw}}  {r.variant:<{vw}} {waves:>6} {bound:>6}  {r.status}")
+        return out
 
     def to_csv(self, path: str | Path) -> None:
         """One row per (step, variant), written atomically."""
@@ -261,7 +288,7 @@ class StudyResult:
                              "" if r.waves is None else r.waves,
                              "" if r.lower_bound is None else r.lower_bound,
                              "" if r.above_bound is None else r.above_bound,
-                             int(r.proven_optimal), f"{r.plan_ms:.3f}", r.error])
+                             int(r.proven_optimal), r.status, f"{r.plan_ms:.3f}", r.error])
         write_text_atomic(path, buffer.getvalue())
 
 
@@ -282,17 +309,11 @@ def _plan(step: Step, variant: Variant, *, budget_bytes: int, time_budget_ms: fl
 
 
 def _progress_bar(total: int | None, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm  # a dev dependency: no bar without it
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="plan", desc="study", leave=False)
+    return progress_bar(total, "study", enabled=enabled, unit="plan")
 
 
 def run_study(steps: Iterable[tuple[str, Step]], variants: Sequence[Variant], *,
-              budget_bytes: int | float, time_budget_ms: float = 5.0,
+              budget_bytes: int | float, time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
               progress: bool = False, deterministic: bool = False) -> StudyResult:
     """Plan every step under every variant and collect waves, bounds and planning times.
 
@@ -337,6 +358,8 @@ def run_study(steps: Iterable[tuple[str, Step]], variants: Sequence[Variant], *,
                     waves=result.num_waves if result else None,
                     lower_bound=result.lower_bound_waves if result else None,
                     proven_optimal=bool(result and result.proven_optimal), plan_ms=ms, error=error))
+                log.info("step %s, variant %s: %s (%.1f ms)", name, v.name,
+                         f"{result.num_waves} waves" if result else f"infeasible: {error}", ms)
                 if bar is not None:
                     bar.update(1)
     finally:

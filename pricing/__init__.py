@@ -1,6 +1,6 @@
 """waveplan.pricing: geometry, layouts and the memory model (numba kernels)."""
 
-import os as _os
+from . import jit_cache as _jit_cache
 
-# numba reads this once, at import; a writable default keeps the JIT cache out of site-packages.
-_os.environ.setdefault("NUMBA_CACHE_DIR", _os.path.join(_os.path.expanduser("~"), ".cache", "waveplan", "numba"))
+# Before any kernel module is imported: numba picks a kernel's cache folder when it decorates it.
+_jit_cache.use()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from .errors import ConfigError, bad
 
+DEFAULT_BACKEND = "te-gpu"   # Transformer Engine on GPU: the shipped table a model prices with
+
 # Widths a per-row coefficient may multiply (see `pricing.model.layer_widths`).
 WIDTHS = ("H", "F", "qkv", "core", "in_proj", "conv", "value", "expert_ffn", "shared_ffn",
           "experts", "vocab", "rank")
@@ -27,7 +29,7 @@ REQUIRED_TERMS = (
     "selective_core_attn_discount",
 )
 # Terms a table may omit, and what the pricing charges without them (neutral: the te-gpu
-# table omits them all; the torch-cpu table is fitted with them, see `pricing.calibrate`).
+# table omits them all; the torch-cpu table is fitted with them, see `pricing.measure.calibrate`).
 OPTIONAL_TERMS = {
     "qk_norm": "0: no query/key-norm copies beyond the attention stage",
     "final_norm": "0: the head terms cover the final norm's saved input",
@@ -88,7 +90,7 @@ def list_backends() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
-def load_table(backend: str = "te-gpu") -> CoefficientTable:
+def load_table(backend: str = DEFAULT_BACKEND) -> CoefficientTable:
     """A shipped table by backend name, or a table file by path."""
     if backend.endswith(".json") or "/" in backend:
         path = Path(backend)

@@ -28,11 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import PricingModel
-
-# Absorbs the integer rounding of raw and admitted bytes.
-_ROUNDING_MARGIN = 4.0
-# Keeps the lower envelope below the exact price through floating-point rounding (relative).
-_LOWER_MARGIN = 1e-12
+from .tolerances import ENVELOPE_ROUNDING_BYTES, LOWER_ENVELOPE_MARGIN
 
 
 @dataclass(frozen=True)
@@ -121,17 +117,17 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         # A wave whose single group of class k carries its slot's pending gradients also
         # holds, at k's backward point of layer i, the adapter gradients of layers >= i.
         coef = np.zeros((row_c.shape[0], k_classes, 3))
-        coef[:, :, 0] = row_c / (1 if model.conservative else model.parallel.cp)
+        coef[:, :, 0] = row_c / model.rows_cp
         coef[:, :, 1] = a["caller"]
         pend = np.zeros((num_points, k_classes))
         pend[cols, run] = np.concatenate(pend_own)
-        s = model.safety * (1.0 - _LOWER_MARGIN)
+        s = model.safety * (1.0 - LOWER_ENVELOPE_MARGIN)
         return Envelope(const=np.zeros(row_c.shape[0]), presence=pres_c * s, coef=coef * s,
                         pending=pend * s)
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
                                                           class_grad, float(a["first_exec"]))
     multiple = model.parallel.row_multiple
-    cp_div = 1 if model.conservative else model.parallel.cp
+    cp_div = model.rows_cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))
     coef[:, :, 0] = row_c / cp_div
     coef[:, :, 1] = a["caller"]
@@ -139,9 +135,9 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     coef[:, :, 2] = pad * (multiple - 1) + 2.0 * seg_c
     keep_idx = _undominated(const, pres_c, coef, pad, seg_c)
     s = model.safety
-    return Envelope(const=const[keep_idx] * s + _ROUNDING_MARGIN, presence=pres_c[keep_idx] * s,
-                    coef=coef[keep_idx] * s, pad=pad[keep_idx] * s, seg=seg_c[keep_idx] * s,
-                    multiple=int(multiple))
+    return Envelope(const=const[keep_idx] * s + ENVELOPE_ROUNDING_BYTES,
+                    presence=pres_c[keep_idx] * s, coef=coef[keep_idx] * s,
+                    pad=pad[keep_idx] * s, seg=seg_c[keep_idx] * s, multiple=int(multiple))
 
 
 def _first_execution_points(row_c: np.ndarray, seg_c: np.ndarray, pres_c: np.ndarray,

@@ -180,8 +180,8 @@ def num_padding_rows(sequence_rows, multiple: int) -> int:
 
 
 def padding_segments(sequence_rows, multiple: int) -> int:
-    """Segments added by padding: each pad token forms its own root segment (seed
-    000_42a89ed1830d13a7: "padding gives each pad token its own root"), so this equals
+    """Segments added by padding: each pad token forms its own root segment (measured, see
+    docs/memory-model.md#layouts), so this equals
     `num_padding_rows`."""
     return num_padding_rows(sequence_rows, multiple)
 
@@ -193,7 +193,7 @@ def busiest_cp_rank_rows(sequence_rows, *, cp: int, tp: int, sequence_parallel: 
     a multiple of `ParallelLayout.row_multiple` (2*CP, times TP under sequence parallelism),
     cut into 2*CP equal chunks, and CP rank r takes chunks r and 2*CP-1-r. Every rank thus
     holds 2/(2*CP) of every padded sequence, and the busiest holds padded_rows / CP. The
-    unevenness seed 003_d31bdf20dfe54e73 measured comes from which layout runs: its 4k pair
+    unevenness measured at CP2 (docs/memory-model.md#layouts) comes from which layout runs: its 4k pair
     ran as two unshared 4,096-row sequences, 4,096 rows on the busiest CP2 rank though only
     6,964 rows were packed; pass the `sequence_rows` of the layout that actually runs.
     O(sequences).

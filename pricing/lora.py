@@ -14,6 +14,11 @@ ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
 GDN_TARGETS = ("in_proj", "out_proj")
 MLP_TARGETS = ("linear_fc1", "linear_fc2")
 ALL_TARGETS = ATTENTION_TARGETS + GDN_TARGETS + MLP_TARGETS
+# Multi-latent attention's query and key/value projections (Megatron's names). A slot that
+# targets `linear_qkv` adapts all of them; each can also be targeted on its own.
+MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+               "linear_kv_up_proj")
+KNOWN_TARGETS = ALL_TARGETS + MLA_TARGETS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,9 +39,9 @@ class LoraSlot:
             raise bad(ConfigError, f"lora[{self.name}].targets", self.targets, "must be a list of module names")
         object.__setattr__(self, "targets", tuple(self.targets))
         for target in self.targets:
-            if target not in ALL_TARGETS:
+            if target not in KNOWN_TARGETS:
                 raise bad(ConfigError, f"lora[{self.name}].targets", target,
-                          f"unknown module; known: {', '.join(ALL_TARGETS)}")
+                          f"unknown module; known: {', '.join(KNOWN_TARGETS)}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
@@ -82,12 +87,26 @@ def module_shapes(geometry: ModelGeometry, layer: int, tp: int) -> dict[str, tup
     """(in, out) widths per rank of each adaptable linear module in one decoder layer.
 
     Column-parallel modules shard their output over TP, row-parallel ones their input; the
-    LoRA A of a row-parallel module is sharded with its input, B is replicated.
+    LoRA A of a row-parallel module is sharded with its input, B is replicated. Multi-latent
+    attention's down projections are replicated over TP (Megatron's MLA), its up projections
+    column-parallel.
     """
     spec = geometry.layers[layer]
     h = geometry.hidden
     shapes: dict[str, tuple[int, int]] = {}
-    if spec.mixer == MixerKind.ATTENTION:
+    if spec.mixer == MixerKind.ATTENTION and geometry.attention.mla is not None:
+        att, mla = geometry.attention, geometry.attention.mla
+        q_out = att.num_heads * mla.qk_head_dim // tp
+        if mla.q_lora_rank:
+            shapes["linear_q_down_proj"] = (h, mla.q_lora_rank)
+            shapes["linear_q_up_proj"] = (mla.q_lora_rank, q_out)
+        else:
+            shapes["linear_q_proj"] = (h, q_out)
+        shapes["linear_kv_down_proj"] = (h, mla.kv_lora_rank + mla.qk_rope_head_dim)
+        shapes["linear_kv_up_proj"] = (mla.kv_lora_rank,
+                                       att.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim) // tp)
+        shapes["linear_proj"] = (att.core_width // tp, h)
+    elif spec.mixer == MixerKind.ATTENTION:
         att = geometry.attention
         shapes["linear_qkv"] = (h, att.qkv_width // tp)
         shapes["linear_proj"] = (att.core_width // tp, h)
@@ -116,6 +135,6 @@ def adapter_param_counts(geometry: ModelGeometry, lora: LoraConfig, slot_name: s
             raise bad(ConfigError, f"lora[{slot.name}].layers", layer,
                       f"out of range for {geometry.num_layers} layers")
         for module, (d_in, d_out) in module_shapes(geometry, layer, tp).items():
-            if module in slot.targets:
+            if module in slot.targets or (module in MLA_TARGETS and "linear_qkv" in slot.targets):
                 counts[layer] += slot.rank * (d_in + d_out)
     return counts

@@ -1,9 +1,10 @@
 """The memory model of one rank: geometry, layout, recompute, LoRA and coefficients, reduced to
 the per-layer arrays the jitted schedule walk reads.
 
-Fail closed: a configuration outside the seeds' evidence is priced by a conservative bound
-(rows not divided by CP, widths not divided by TP, pipeline stages holding PP micro-batches)
-and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
+Fail closed (docs/memory-model.md#basis): an unmeasured configuration gets a conservative bound
+(rows not divided by CP, widths not divided by TP) and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
+With PP > 1 each stage is priced under the 1F1B schedule (`pipeline`): the arrays hold every
+stage's charges and, for the per-wave walk, their fold; the basis stays "conservative".
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import terms
-from .coefficients import CoefficientTable, load_table
+from . import feature_terms, layout_terms, terms
+from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
+from .pipeline import fold_stages, stage_bounds, stage_charges
 
 DEFAULT_SAFETY = 1.10
+DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
 
 
 def parse_head(head: str) -> tuple[str, int]:
@@ -34,42 +37,111 @@ def parse_head(head: str) -> tuple[str, int]:
     raise bad(ConfigError, "head", head, "must be chunked:N (N > 0), full-native or full-te")
 
 
-def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute) -> list[str]:
-    """Why this configuration lies outside the seeds' traces (empty: it is covered).
+def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
+                  table: CoefficientTable | None = None) -> list[str]:
+    """Why this configuration lies outside the measured evidence (empty: it is covered).
 
-    Covered: one-layer full recompute at TP1 with CP <= 2 (seeds 001, 002, 004) or TP4 with
-    sequence parallelism and CP1 (seed 000); selective/no recompute of dense models at TP1 with
-    CP <= 2 (seed 003); PP1; MoE with EP <= 2 (seed 004).
+    Covered (docs/memory-model.md#basis): the multi-rank traced layouts (`layout_gaps`) with
+    one-layer full recompute, or selective/no recompute for dense models (GDN hybrids at TP1);
+    PP1 (PP > 1: `pipeline_gaps`); MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
+    conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
-    gaps = []
+    return (layout_gaps(geometry, parallel, recompute, table) + pipeline_gaps(parallel)
+            + feature_terms.feature_gaps(geometry))
+
+
+def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
+    """PP > 1: every stage is priced under the 1F1B schedule (`pricing.pipeline`), keeping the
+    layout's TP and CP credit, but no trace validates that model yet."""
     if parallel.pp > 1:
-        gaps.append(f"PP{parallel.pp} (no trace covers pipeline stages)")
-    if parallel.cp > 2:
-        gaps.append(f"CP{parallel.cp} (traced up to CP2)")
+        return [f"PP{parallel.pp} (no pipeline trace yet: stages priced under 1F1B)"]
+    return []
+
+
+# Layout classes traced with GDN or MoE layers (docs/memory-model.md#boundaries: the 27B hybrid
+# at TP4+SP on GPU; TP1 at CP1/CP2 on the CPU grid); the multi-rank CPU grid's other layouts
+# (bench/results/traces_multirank.jsonl) traced dense layers only.
+_MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
+
+
+def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
+                table: CoefficientTable | None = None) -> list[str]:
+    """The parallel layout's and recompute's part of `evidence_gaps`.
+
+    Covered layouts are those `table` (default: the torch-cpu table, whose multi-rank traces
+    fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
+    with and without SP at CP1, TP1 at CP2 and CP4, TP2 with SP at CP2), for every recompute
+    mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED`, and without full recompute
+    only at TP1 (no trace)."""
+    table = table or load_table("torch-cpu")
+    gaps = []
+    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
+    traced = layout_terms.traced_layouts(table)
+    if key not in traced:
+        gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
+                    f"(no multi-rank trace; traced: {', '.join(sorted(traced))})")
+    elif (geometry.gdn is not None or geometry.moe is not None) and key not in _MIXED_TRACED:
+        kind = "GDN" if geometry.gdn is not None else "MoE"
+        gaps.append(f"{kind} layers at TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} "
+                    f"CP{parallel.cp} (the multi-rank traces cover dense layers; {kind} is traced "
+                    f"at {', '.join(sorted(_MIXED_TRACED))})")
     if parallel.ep > 2:
         gaps.append(f"EP{parallel.ep} (traced up to EP2)")
     if recompute.mode == RecomputeMode.FULL:
         if not recompute.is_one_layer_full:
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
-        if parallel.tp > 1 and not (parallel.tp == 4 and parallel.sequence_parallel and parallel.cp == 1):
-            gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
-                        "(traced: TP1, or TP4 with SP at CP1)")
     else:
-        if parallel.tp > 1:
-            gaps.append(f"TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
         if geometry.moe is not None:
             gaps.append(f"MoE with {recompute.mode.value} recompute (no trace)")
+        if parallel.tp > 1 and geometry.gdn is not None:
+            gaps.append(f"GDN layers at TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
     return gaps
+
+
+def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
+                  table: CoefficientTable | None = None) -> ParallelLayout:
+    """The layout whose sharding an uncovered layout is credited with (docs/memory-model.md#basis).
+
+    When the only gap is an untraced (TP, SP, CP) class, the rank is priced as the largest
+    traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
+    grows with more TP, SP or CP (the layout properties the traces show and the tests check),
+    so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
+    EP > 2, MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
+    table = table or load_table("torch-cpu")
+    none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
+    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
+    gaps = layout_gaps(geometry, parallel, recompute, table)
+    untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
+    if len(untraced) != len(gaps):
+        return none
+    covered = layout_terms.traced_layouts(table)
+    if geometry.gdn is not None or geometry.moe is not None:
+        covered = covered & _MIXED_TRACED
+    best = none
+    for tp in (d for d in range(1, parallel.tp + 1) if parallel.tp % d == 0):
+        for cp in (d for d in range(1, parallel.cp + 1) if parallel.cp % d == 0):
+            for sp in ((False, True) if (parallel.sequence_parallel and tp > 1) else (False,)):
+                cand = layout_terms.layout_key(tp, sp, cp)
+                if cand == key or cand not in covered:
+                    continue
+                rank = (tp * cp, sp, tp)
+                if rank > (best.tp * best.cp, best.sequence_parallel, best.tp):
+                    best = ParallelLayout(tp=tp, cp=cp, sequence_parallel=sp, pp=parallel.pp,
+                                          ep=parallel.ep, dp=parallel.dp)
+    return best
 
 
 def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
-    geometry says (a live Megatron model does), else the Megatron builder's own default
-    (`megatron_build`: on for Qwen models)."""
+    geometry says (a live Megatron model does), else its features' explicit flag, else the
+    Megatron builder's own default (`measure.megatron_build`: on for Qwen models). Multi-latent
+    attention normalises its latents instead (priced by `feature_terms.mla_per_row`)."""
+    if geometry.attention is not None and geometry.attention.mla is not None:
+        return False
     flag = (geometry.extra or {}).get("qk_layernorm")
     if flag is not None:
         return bool(flag)
-    return "qwen" in geometry.name.lower()
+    return geometry.qk_norm
 
 
 def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
@@ -78,7 +150,7 @@ def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
     return {
         "H": geometry.hidden,
         "F": geometry.ffn / tp,
-        "qkv": att.qkv_width / tp if att else 0.0,
+        "qkv": att.qkv_width_per_rank(tp) if att else 0.0,
         "core": att.core_width / tp if att else 0.0,
         "in_proj": gdn.in_proj_width / tp if gdn else 0.0,
         "conv": gdn.conv_width / tp if gdn else 0.0,
@@ -101,11 +173,13 @@ class PricingModel:
     recompute: Recompute
     lora: LoraConfig
     table: CoefficientTable
-    head: str = "chunked:512"
+    head: str = DEFAULT_HEAD
     safety: float = DEFAULT_SAFETY
     # derived (set in __post_init__)
     basis: str = field(init=False)
     gaps: tuple[str, ...] = field(init=False)
+    layout_gaps: tuple[str, ...] = field(init=False)
+    credit: ParallelLayout = field(init=False)
     slot_names: tuple[str, ...] = field(init=False)
     arrays: dict = field(init=False, repr=False, compare=False)
 
@@ -114,8 +188,12 @@ class PricingModel:
             raise bad(ConfigError, "safety", self.safety, "must be a finite number >= 1.0")
         self.parallel.validate_for(self.geometry)
         parse_head(self.head)
-        gaps = tuple(evidence_gaps(self.geometry, self.parallel, self.recompute))
+        lgaps = tuple(layout_gaps(self.geometry, self.parallel, self.recompute, self.table))
+        gaps = lgaps + tuple(pipeline_gaps(self.parallel) + feature_terms.feature_gaps(self.geometry))
         object.__setattr__(self, "gaps", gaps)
+        object.__setattr__(self, "layout_gaps", lgaps)
+        object.__setattr__(self, "credit", credit_layout(self.geometry, self.parallel, self.recompute,
+                                                         self.table) if lgaps else self.parallel)
         object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
         object.__setattr__(self, "arrays", self._build_arrays())
@@ -123,7 +201,7 @@ class PricingModel:
     @classmethod
     def build(cls, geometry: ModelGeometry, *, parallel: ParallelLayout | None = None,
               recompute: Recompute | None = None, lora: LoraConfig | None = None,
-              backend: str = "te-gpu", head: str = "chunked:512",
+              backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
               safety: float = DEFAULT_SAFETY) -> PricingModel:
         return cls(geometry=geometry, parallel=parallel or ParallelLayout(),
                    recompute=recompute or Recompute(), lora=lora or LoraConfig(),
@@ -131,28 +209,39 @@ class PricingModel:
 
     @property
     def conservative(self) -> bool:
-        return bool(self.gaps)
+        """Whether the layout or recompute lies outside the evidence: then widths get no TP
+        credit and rows no CP credit. Feature gaps alone make the basis "conservative" but
+        keep these credits (their terms are explicit bounds)."""
+        return bool(self.layout_gaps)
 
     @property
     def width_tp(self) -> int:
-        """TP divisor of widths: 1 (no sharding credit) when conservative."""
-        return 1 if self.conservative else self.parallel.tp
+        """TP divisor of widths: the credited layout's TP (`credit_layout`; this layout's own
+        when it is covered)."""
+        return self.credit.tp
 
     @property
     def sp_div(self) -> int:
-        return self.parallel.tp if (self.parallel.sequence_parallel and not self.conservative) else 1
+        """Sequence-parallel divisor of hidden-wide terms under the credited layout."""
+        return self.credit.tp if self.credit.sequence_parallel else 1
+
+    @property
+    def rows_cp(self) -> int:
+        """CP divisor of a wave's rows on the busiest rank under the credited layout."""
+        return self.credit.cp
 
     @property
     def num_stage_layers(self) -> int:
-        return math.ceil(self.geometry.num_layers / self.parallel.pp)
+        """Layers of the largest pipeline stage (`pipeline.stage_bounds`)."""
+        return max(hi - lo for lo, hi in stage_bounds(self.geometry.num_layers, self.parallel.pp))
 
     def _build_arrays(self) -> dict:
         g, p, t = self.geometry, self.parallel, self.table
         widths = layer_widths(g, tp=self.width_tp)
         sp_div = self.sp_div
         ep_skew = t.scalar("moe_ep_skew") if p.ep > 1 else 1.0
-        n = self.num_stage_layers
-        layers = g.layers[:n]  # the first stage: most layers, and PP in-flight micro-batches
+        n = g.num_layers   # every layer; PP > 1 restricts them to stages below
+        layers = g.layers
         mode = self.recompute.mode
         retained = np.zeros(n)
         workspace = np.zeros(n)
@@ -170,6 +259,13 @@ class PricingModel:
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            # model-family features: their extra tensors live in the stage, the forward
+            # transient and (without full recompute) the retained activations alike
+            extra = feature_terms.layer_extra_per_row(g, widths, layer, tp=self.width_tp,
+                                                      sp_div=sp_div, ep_skew=ep_skew)
+            if extra:
+                workspace[i] += extra
+                nograd[i] = nograd_plain[i] = nograd[i] + extra
             if layer.mixer == MixerKind.GDN:
                 gdn_state[i] = terms.gdn_state_per_segment(t, g.gdn, tp=self.width_tp)
             layer_retained = terms.retained_layer_per_row(
@@ -177,6 +273,8 @@ class PricingModel:
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
             if layer.mixer == MixerKind.ATTENTION:
                 layer_retained += qk_norm
+            if extra:
+                layer_retained += extra
             if mode == RecomputeMode.FULL:
                 retained[i] = terms.boundary_per_row(t, widths, sp_div=sp_div)
                 if self.recompute.num_layers > 1 or self.recompute.method == "block":
@@ -190,8 +288,17 @@ class PricingModel:
                 nograd[i] = max(nograd[i], own)
                 workspace[i] = terms.retained_backward_per_row(t, widths_r, layer.mlp, ep_skew=ep_skew,
                                                                stage=workspace[i])
-        if p.pp > 1:
-            retained *= p.pp  # 1F1B: the first stage holds PP micro-batches' activations
+        # what the layout leaves unsharded (layout_terms): per layer when layers retain
+        # activations, once per wave (every point) under full recompute
+        c = self.credit
+        residual = layout_terms.layout_residual_per_row(
+            t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
+            retained=mode != RecomputeMode.FULL)
+        if mode == RecomputeMode.FULL:
+            workspace += residual
+            nograd += residual
+        else:
+            retained += residual
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
@@ -199,12 +306,18 @@ class PricingModel:
         kind, chunk = parse_head(self.head)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
+        if g.features.final_softcap:
+            if kind == "chunked":
+                head_const += chunk * feature_terms.final_softcap_chunk_per_row(widths)
+            else:
+                cap_ret, cap_tr = feature_terms.final_softcap_per_row(widths)
+                logits_ret, logits_tr = logits_ret + cap_ret, logits_tr + cap_tr
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
         head_ret = logits_ret + norm_saved
-        head_tr = max(logits_tr, norm_bwd)
-        return {
+        head_tr = max(logits_tr, norm_bwd) + (residual if mode == RecomputeMode.FULL else 0.0)
+        arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
             "pending": pending,
             "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
@@ -218,6 +331,15 @@ class PricingModel:
             "first_exec": terms.first_execution_bytes(t),
             "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in layers),
         }
+        if p.pp > 1:
+            # the per-layer arrays, each stage's charges, and the folded per-wave proxy
+            arrays["layers"] = {name: arrays[name] for name in
+                                ("retained", "workspace", "nograd", "gdn_state", "pending")}
+            stages = stage_charges(arrays, pp=p.pp,
+                                   received_per_row=terms.boundary_per_row(t, widths, sp_div=sp_div))
+            arrays["stages"] = stages
+            arrays.update(fold_stages(stages))
+        return arrays
 
     def slot_index(self, name: str) -> int:
         try:

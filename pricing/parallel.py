@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from .compat import StrEnum
 from .errors import ConfigError, bad
 from .geometry import ModelGeometry
 
@@ -104,7 +104,7 @@ class Recompute:
 
     @property
     def is_one_layer_full(self) -> bool:
-        """The schedule the seeds' evidence covers: full / uniform / 1."""
+        """The schedule the evidence covers (docs/memory-model.md#basis): full / uniform / 1."""
         return self.mode == RecomputeMode.FULL and self.method == "uniform" and self.num_layers == 1
 
     def to_dict(self) -> dict:

@@ -1,8 +1,9 @@
 """Bundled geometries of public models, stored as package data in `data/presets/*.json`.
 
 Each file is `ModelGeometry.to_dict()` with two conveniences: `layers` may be written as
-`{"repeat": N, "pattern": [[mixer, mlp], ...]}`, and a free-text `source` says where the
-numbers come from (kept in `geometry.extra["source"]`).
+`{"repeat": N, "pattern": [[mixer, mlp], ...]}` (or a list of such blocks, concatenated, for
+models whose first layers differ), and a free-text `source` says where the numbers come from
+(kept in `geometry.extra["source"]`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def list_presets() -> list[str]:
 
 
 def expand_layers(layers: object) -> list:
-    """Expand the compact `{"repeat": N, "pattern": [...]}` form; a plain list passes through."""
+    """Expand the compact `{"repeat": N, "pattern": [...]}` form, or a list of such blocks; a
+    plain list of layers passes through."""
+    if isinstance(layers, list) and layers and all(isinstance(block, dict) for block in layers):
+        return [layer for block in layers for layer in expand_layers(block)]
     if not isinstance(layers, dict):
         return layers  # type: ignore[return-value]  # validated by ModelGeometry.from_dict
     unknown = sorted(set(layers) - {"repeat", "pattern"})

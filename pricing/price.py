@@ -11,7 +11,16 @@ import numpy as np
 from .errors import ConfigError, bad
 from .geometry import MixerKind
 from .model import PricingModel
-from .walk import POINT_NAMES, TERM_NAMES, walk
+from .walk import (
+    PEAK_BYTES,
+    PEAK_LAYER,
+    PEAK_POINT,
+    POINT_NAMES,
+    TERM_NAMES,
+    WalkGroups,
+    walk,
+    walk_charges,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +28,7 @@ class GroupLoad:
     """One forward call of a wave: the requests of one (slot, grad) class, or one split child.
 
     `padded_rows` are the packed rows after each packed sequence is padded to the layout's row
-    multiple; `segments` count the prefix tree's nodes plus one root per padding row (seed 000).
+    multiple; `segments`: tree nodes plus one root per padding row (docs/memory-model.md#layouts).
     """
 
     slot: str = "default"
@@ -59,14 +68,15 @@ def rank_rows(model: PricingModel, padded_rows: int) -> int:
 
     Megatron's load-balanced split pads each sequence to 2*CP chunks and gives rank r chunks r
     and 2*CP-1-r, so every rank holds padded/CP rows. A conservative model charges every rank
-    the whole wave (seed 003 explains why dividing is only valid on the traced layouts).
+    the whole wave (docs/memory-model.md#layouts: dividing holds only on the traced layouts).
     """
-    if model.conservative:
-        return padded_rows
-    return -(-padded_rows // model.parallel.cp)
+    return -(-padded_rows // model.rows_cp)
 
 
-def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad], first_slots: frozenset[str]):
+def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad],
+                  first_slots: frozenset[str]) -> WalkGroups:
+    """The walk's view of the groups: rank rows, logical rows, segments, grad, slot index and
+    whether each carries its slot's pending gradients. O(groups)."""
     n = len(groups)
     rows = np.empty(n)
     logical = np.empty(n)
@@ -81,7 +91,7 @@ def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad], first_slots:
         grad[k] = group.grad
         slot[k] = model.slot_index(group.slot)
         carries[k] = group.grad and group.slot in first_slots
-    return rows, logical, segments, grad, slot, carries
+    return WalkGroups(rows, logical, segments, grad, slot, carries)
 
 
 def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
@@ -89,19 +99,17 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     """Price one wave whose forward calls are `groups` (classes, or split children).
 
     `first_slots`: slots whose pending adapter gradients this wave allocates (its first gradient
-    wave in the step, seed 004). `profiled`: a learned profile exists, so the first-execution
+    wave in the step, docs/memory-model.md#pending-gradients). `profiled`: a profile exists, so the first-execution
     allowance is not charged. Complexity O(groups^2 + groups x layers), jitted.
     """
     for name in first_slots:
         model.slot_index(name)
     a = model.arrays
-    rows, logical, segments, grad, slot, carries = _group_arrays(model, groups, first_slots)
-    first_exec = 0.0 if profiled or not grad.any() else a["first_exec"]
-    best, values = walk(a["retained"], a["workspace"], a["nograd"], a["gdn_state"], a["pending"],
-                        a["input_grad"], a["head_retained"], a["head_transient"], a["head_const"],
-                        a["caller"], first_exec, rows, logical, segments, grad, slot, carries)
-    raw = int(math.ceil(best[0]))
-    code, layer = int(best[1]), int(best[2])
+    walk_groups = _group_arrays(model, groups, first_slots)
+    first_exec = 0.0 if profiled or not walk_groups.grad.any() else a["first_exec"]
+    best, values = walk(walk_charges(a), first_exec, walk_groups)
+    raw = int(math.ceil(best[PEAK_BYTES]))
+    code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
     return Breakdown(
         raw_bytes=raw,
         admitted_bytes=int(math.ceil(raw * model.safety)),

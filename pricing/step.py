@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from .errors import StepError
+from .errors import StepError, bad
 
 DEFAULT_SLOT = "default"
 
@@ -270,6 +270,100 @@ class Step:
         and precompute the tree data."""
         return cls(requests=tuple(requests))
 
+    # --- the user's own batch (lists, numpy arrays or tensors; see `batch_input`) ---------
+
+    @classmethod
+    def from_token_ids(cls, sequences, ids=None, slots=None, *, grads=None) -> Step:
+        """A token-form step from token-id sequences (lists, numpy arrays or 1-D tensors):
+        shared prefixes are whatever the tokens share, found by the step's prefix tree.
+
+        `ids`: one string per sequence (default: the positions "0", "1", ...). `slots`,
+        `grads`: one value for all or one per sequence (default: slot "default", grad on).
+        O(total tokens) plus the tree sort (see the class docstring)."""
+        from . import batch_input as bi
+
+        rows = bi.token_rows(sequences)
+        n = len(rows)
+        names = bi.request_ids(ids, n)
+        slot_of = bi.per_request("slots", slots, n, DEFAULT_SLOT, str)
+        grad_of = bi.per_request("grads", grads, n, True, bool)
+        return cls.from_requests(Request(id=names[i], num_tokens=int(rows[i].size), tokens=rows[i],
+                                         slot=slot_of[i], grad=grad_of[i]) for i in range(n))
+
+    @classmethod
+    def from_lengths(cls, prompt_lengths, completion_lengths, groups=None, ids=None, *,
+                     slots=None, grads=None) -> Step:
+        """A length-form step: request i has `prompt_lengths[i]` prompt tokens followed by
+        `completion_lengths[i]` (>= 1) completion tokens (the step file's `prompt_tokens` /
+        `completion_tokens`). Requests with the same `groups` key share their prompt (its
+        length must agree within the group); a key of None, no `groups`, or a prompt of 0
+        tokens shares nothing. Keys are strings or integers and become the `prompt` keys.
+
+        `ids`, `slots`, `grads` as in `from_token_ids`. O(n)."""
+        from . import batch_input as bi
+        from .errors import bad
+
+        completion = bi.lengths("completion_lengths", completion_lengths, None, minimum=1)
+        n = int(completion.size)
+        prompt = bi.lengths("prompt_lengths", prompt_lengths, n, minimum=0)
+        keys = bi.group_keys(groups, n)
+        names = bi.request_ids(ids, n)
+        slot_of = bi.per_request("slots", slots, n, DEFAULT_SLOT, str)
+        grad_of = bi.per_request("grads", grads, n, True, bool)
+        first: dict[str, int] = {}
+        requests = []
+        for i in range(n):
+            key, p = keys[i], int(prompt[i])
+            if key is not None:
+                j = first.setdefault(key, i)
+                if int(prompt[j]) != p:
+                    raise bad(StepError, f"prompt_lengths[{i}]", p,
+                              f"group {key!r} has {int(prompt[j])} prompt tokens at prompt_lengths[{j}]")
+            shared = key is not None and p > 0
+            requests.append(Request(id=names[i], num_tokens=p + int(completion[i]),
+                                    prompt=key if shared else None,
+                                    num_prompt_tokens=p if shared else 0,
+                                    slot=slot_of[i], grad=grad_of[i]))
+        return cls.from_requests(requests)
+
+    @classmethod
+    def from_padded(cls, input_ids, attention_mask, *, response_length=None, ids=None,
+                    slots=None, grads=None) -> Step:
+        """A step from a padded 2-D batch as veRL holds it (`input_ids`, `attention_mask`:
+        tensors or arrays of shape [B, S]; each row's attended tokens one contiguous run, so
+        right-, left- or both-side padded rows).
+
+        Without `response_length`: a token-form step of each row's attended tokens (shared
+        prefixes found by the prefix tree). With it (veRL: `batch["responses"].shape[-1]`):
+        the last `response_length` columns are the response, the others the prompt, and the
+        step is in length form: rows with the same prompt tokens share exactly their prompt
+        (a GRPO group), nothing deeper; a row with no prompt or no response token shares
+        nothing. `ids`, `slots`, `grads` as in `from_token_ids`. O(B x S)."""
+        from . import batch_input as bi
+        from .errors import bad
+
+        tokens, start, end = bi.padded_rows(input_ids, attention_mask)
+        rows = [tokens[r, start[r]:end[r]] for r in range(tokens.shape[0])]
+        if response_length is None:
+            return cls.from_token_ids(rows, ids, slots, grads=grads)
+        width = tokens.shape[1]
+        if not _is_int(response_length) or not 0 < response_length < width:
+            raise bad(StepError, "response_length", response_length,
+                      f"must be an integer in [1, {width - 1}] (input_ids has {width} columns)")
+        split = width - int(response_length)
+        prompt = np.clip(split - start, 0, end - start)
+        completion = (end - start) - prompt
+        keys: list[int | None] = []
+        seen: dict[bytes, int] = {}
+        for r in range(tokens.shape[0]):
+            if prompt[r] == 0 or completion[r] == 0:
+                keys.append(None)
+                continue
+            keys.append(seen.setdefault(rows[r][:prompt[r]].tobytes(), r))
+        none = np.array([k is None for k in keys])
+        return cls.from_lengths(np.where(none, 0, prompt), np.where(none, end - start, completion),
+                                keys, ids, slots=slots, grads=grads)
+
     def __post_init__(self) -> None:
         requests = tuple(self.requests)
         object.__setattr__(self, "requests", requests)
@@ -358,6 +452,101 @@ class Step:
                 line["grad"] = False
             lines.append(line)
         return lines
+
+    def to_tree_form(self) -> list[dict]:
+        """JSON-able lines that keep a token-form step's prefix tree exactly, for reports.
+
+        One line per request, in request order: `id`, `num_tokens`, `tree_position` (its place
+        in the tree order, the lexicographic order of the tokens) and `shared_tokens` (how many
+        leading tokens it shares with the request just before it in that order; 0 for the
+        first), plus `slot` and `grad` when not the defaults. The token ids are not kept:
+        `step_from_tree_form` rebuilds ids with exactly this tree order and these shared
+        prefixes, so every array the search and the layouts read is the same. Meant for
+        token-form steps (a length-form step keeps its keys with `to_length_form`). O(n).
+        """
+        order = np.empty(self.num_requests, np.int64)
+        order[self.rank] = np.arange(self.num_requests)
+        lcp = self.lcp_table[0, : self.num_requests - 1]
+        shared = np.zeros(self.num_requests, np.int64)
+        shared[order[1:]] = lcp
+        lines = []
+        for i, req in enumerate(self.requests):
+            line: dict = {"id": req.id, "num_tokens": req.num_tokens,
+                          "tree_position": int(self.rank[i]), "shared_tokens": int(shared[i])}
+            if req.slot != DEFAULT_SLOT:
+                line["slot"] = req.slot
+            if not req.grad:
+                line["grad"] = False
+            lines.append(line)
+        return lines
+
+
+TREE_FIELDS = frozenset({"id", "num_tokens", "tree_position", "shared_tokens", "slot", "grad"})
+
+
+def step_from_tree_form(lines: object) -> Step:
+    """The token-form step that `Step.to_tree_form` lines describe (see there).
+
+    Token ids are synthesised in tree order: a request copies the first `shared_tokens` ids of
+    the request before it, then branches with an id one above that request's id at that place
+    (or 0 where that request has ended), then pads with 0. This keeps the tree order and the
+    shared prefixes, hence the groups, the exact layouts and the plan. Raises StepError naming
+    the line and field; lines that describe no prefix tree (e.g. a request sorted after a
+    longer one it is a prefix of) are refused. O(total tokens) plus one `Step` build.
+    """
+    if not isinstance(lines, list) or not lines:
+        raise bad(StepError, "requests", lines, "must be a non-empty list")
+    n = len(lines)
+    lengths = np.zeros(n, np.int64)
+    order = np.full(n, -1, np.int64)
+    shared = np.zeros(n, np.int64)
+    for i, line in enumerate(lines):
+        where = f"requests[{i}]"
+        if not isinstance(line, dict):
+            raise bad(StepError, where, line, "must be an object")
+        unknown = sorted(set(line) - TREE_FIELDS)
+        missing = sorted({"id", "num_tokens", "tree_position", "shared_tokens"} - set(line))
+        if unknown or missing:
+            name = (unknown or missing)[0]
+            raise bad(StepError, f"{where}.{name}", line.get(name),
+                      "unknown field" if unknown else "missing field")
+        for name, low in (("num_tokens", 1), ("tree_position", 0), ("shared_tokens", 0)):
+            value = line[name]
+            if type(value) is not int or value < low:
+                raise bad(StepError, f"{where}.{name}", value, f"must be an integer >= {low}")
+        position = line["tree_position"]
+        if position >= n or order[position] >= 0:
+            raise bad(StepError, f"{where}.tree_position", position,
+                      f"must be a distinct position in [0, {n})")
+        order[position] = i
+        lengths[i] = line["num_tokens"]
+        shared[i] = line["shared_tokens"]
+    tokens: list[np.ndarray] = [np.empty(0, np.int64)] * n
+    previous = None
+    for i in order.tolist():
+        h = int(shared[i])
+        limit = 0 if previous is None else min(lengths[i], previous.size)
+        if h > limit:
+            raise bad(StepError, f"requests[{i}].shared_tokens", h,
+                      "must be 0 for tree_position 0" if previous is None else
+                      f"exceeds the shorter of this request and the one before it in tree order ({limit})")
+        own = np.zeros(lengths[i], np.int64)
+        if h:
+            own[:h] = previous[:h]
+        if h < own.size and previous is not None and h < previous.size:
+            own[h] = previous[h] + 1
+        tokens[i] = own
+        previous = own
+    step = Step.from_requests(
+        Request(id=line["id"], num_tokens=int(lengths[i]), tokens=tokens[i],
+                slot=line.get("slot", DEFAULT_SLOT), grad=line.get("grad", True))
+        for i, line in enumerate(lines))
+    rebuilt = [(x["tree_position"], x["shared_tokens"]) for x in step.to_tree_form()]
+    if rebuilt != [(x["tree_position"], x["shared_tokens"]) for x in lines]:
+        raise bad(StepError, "requests", f"<{n} tree-form lines>",
+                  "tree_position and shared_tokens describe no prefix tree (a request sorts after "
+                  "a longer one it is a prefix of, or equal requests are out of request order)")
+    return step
 
 
 def _token_tree(requests: tuple[Request, ...], lengths: np.ndarray):
@@ -460,18 +649,26 @@ def _parse_line(where: str, data: object) -> tuple[Request, str]:
     if "completion_tokens" not in data:
         raise StepError(f"{where}: completion_tokens: missing field (or give tokens)")
     completion = data["completion_tokens"]
-    if type(completion) is not int or completion <= 0:
-        raise fail("completion_tokens", completion, "must be a positive integer")
+    if type(completion) is not int or completion < 0:
+        raise fail("completion_tokens", completion, "must be a non-negative integer")
     if ("prompt" in data) != ("prompt_tokens" in data):
         missing = "prompt_tokens" if "prompt" in data else "prompt"
         raise StepError(f"{where}: {missing}: missing field (prompt and prompt_tokens go together)")
     if "prompt" not in data:
+        if completion == 0:
+            raise fail("completion_tokens", completion,
+                       "must be positive without a prompt (0 is allowed with one: the request is its prompt)")
         return Request(id=rid, num_tokens=completion, slot=slot, grad=grad), "length"
     prompt, num_prompt = data["prompt"], data["prompt_tokens"]
     if not isinstance(prompt, str) or not prompt:
         raise fail("prompt", prompt, "must be a non-empty string")
     if type(num_prompt) is not int or num_prompt <= 0:
         raise fail("prompt_tokens", num_prompt, "must be a positive integer")
+    if completion == 0:
+        # An empty completion (an aborted rollout): the request is its prompt alone. It is
+        # priced as an unshared request of prompt_tokens rows (it shares none of its group's
+        # prefix rows: conservative).
+        return Request(id=rid, num_tokens=num_prompt, slot=slot, grad=grad), "length"
     return Request(id=rid, num_tokens=num_prompt + completion, prompt=prompt,
                    num_prompt_tokens=num_prompt, slot=slot, grad=grad), "length"
 
@@ -491,6 +688,13 @@ def load_step(path: str | Path) -> Step:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise StepError(f"{path}: cannot read step file: {exc}") from None
+    return parse_step(text, source=str(path))
+
+
+def parse_step(text: str, *, source: str = "<step>") -> Step:
+    """`load_step` of a step file's text; errors name `source` (e.g. "<stdin>"), the line
+    number and the field. O(len(text))."""
+    path = source
     requests: list[Request] = []
     id_line: dict[str, int] = {}
     prompt_line: dict[str, tuple[int, int]] = {}

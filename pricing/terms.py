@@ -17,7 +17,7 @@ def boundary_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> f
     """One saved layer boundary (the layer's input) under full recompute.
 
     rows x H x 2 bytes, or one shard of ceil(rows/TP) rows per rank with sequence parallelism.
-    Evidence: seed 000 (64 x H x 2 bytes per sharded row at TP4), seed 001 (TP1).
+    Evidence: docs/memory-model.md#boundaries (the traced TP4 wave's boundary shards; TP1).
     """
     return table.per_row("boundary", widths) / sp_div
 
@@ -25,7 +25,7 @@ def boundary_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> f
 def input_gradient_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
     """The one input gradient the recomputed layer holds (not one per boundary).
 
-    rows x H x 2 bytes, a shard under sequence parallelism. Evidence: seed 001, seed 000.
+    rows x H x 2 bytes, a shard under SP. Evidence: docs/memory-model.md#input-gradient.
     """
     return table.per_row("input_gradient", widths) / sp_div
 
@@ -34,7 +34,7 @@ def mixer_stage_per_row(table: CoefficientTable, widths: dict, mixer: MixerKind)
     """The recomputed mixer's workspace over gathered rows (attention or GDN).
 
     Projection output, LoRA output and sum, core output and its gradient, by the mixer's
-    widths. Evidence: seed 000's traced decomposition ("the mixer").
+    widths. Evidence: docs/memory-model.md#workspace (the traced TP4 decomposition).
     """
     name = "attention_stage" if mixer == MixerKind.ATTENTION else "gdn_stage"
     return table.per_row(name, widths)
@@ -43,10 +43,10 @@ def mixer_stage_per_row(table: CoefficientTable, widths: dict, mixer: MixerKind)
 def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
     """The recomputed MLP stage over gathered rows.
 
-    Dense: the LoRA-wrapped FC1 stage, 7F, plus the 6F recompile residue (seed 001; 6F/TP at
-    TP4 in seed 000). MoE: per routed row (rows x top-k, times the skew allowance when
-    experts are split over EP ranks, seed 004) hidden copies and the expert FC1 stage, plus
-    the router and the shared expert (fitted to seed 002's controlled measurement).
+    Dense: the LoRA-wrapped FC1 stage, 7F, plus the 6F recompile residue (F is per TP
+    rank). MoE: per routed row (rows x top-k, times the skew allowance when
+    experts are split over EP ranks) hidden copies and the expert FC1 stage, plus
+    the router and the shared expert. Evidence: docs/memory-model.md#workspace.
     """
     if mlp == MlpKind.DENSE:
         return table.per_row("mlp_dense_grad_stage", widths)
@@ -57,7 +57,7 @@ def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep
 def norm_and_residual_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
     """Norm input gathered over TP (2H) plus residual and norm-output shards.
 
-    Evidence: seed 000 ("the gathered norm input (2H)", "norms and other workspace").
+    Evidence: docs/memory-model.md#workspace (the gathered norm input 2H, norm shards).
     """
     return table.per_row("norm_gathered", widths) + table.per_row("residual_norm_shards", widths) / sp_div
 
@@ -69,7 +69,7 @@ def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
     row = 2 x qkv + 2 x core (queries are `core` wide, keys (qkv - core) / 2). Entry `qk_norm`,
     charged to attention layers whose geometry has query/key norms, both as retained activations
     and in the recomputed layer's workspace; 0 (neutral) in te-gpu, whose attention stage was
-    sized on the seeds' traces. Evidence: cpu-fake traces (bench/results/validation_anatomy.txt:
+    sized on GPU traces (docs/memory-model.md#workspace). Evidence: cpu-fake traces (bench/results/validation_anatomy.txt:
     the q_layernorm and k_layernorm fp32 copies of qwen3-8b, absent in llama-3.1-8b).
     """
     return table.per_row("qk_norm", widths) if "qk_norm" in table.terms else 0.0
@@ -78,10 +78,10 @@ def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
 def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
     """A no-grad group's forward transient; groups run one after another.
 
-    Dense: 6F + 6H per row (seed 001). MoE: entry `moe_nograd` where a table has it (per
+    Dense: 6F + 6H per row (docs/memory-model.md#nograd-transient). MoE: `moe_nograd` where a table has it (per
     routed row x top-k x EP skew, plus per row: on the CPU the permuted rows, the experts'
     outputs and their concatenation, 3 x 2H per routed row, and the router's fp32
-    probabilities; bench/results/validation_anatomy.txt); otherwise (te-gpu: no seed measures
+    probabilities; bench/results/validation_anatomy.txt); otherwise (te-gpu: nothing measures
     it) the full gradient-stage MoE workspace plus 6H (conservative).
     """
     if mlp == MlpKind.DENSE:
@@ -97,7 +97,7 @@ def gdn_state_per_segment(table: CoefficientTable, gdn: GdnSpec, *, tp: int) -> 
     history, for the layer being recomputed.
 
     2 x (value heads/TP) x dk x dv x 4 bytes + (kernel - 1) x conv width/TP x 4 bytes; about
-    4.3 MB for Qwen3.6-35B-A3B. Evidence: seed 002 (3.9 MB per extra segment measured), seed 000.
+    4.3 MB for Qwen3.6-35B-A3B. Evidence: docs/memory-model.md#gdn-states (3.9 MB/segment measured).
     """
     state = table.scalar("gdn_state_bytes")
     heads = gdn.num_value_heads // tp
@@ -110,8 +110,8 @@ def retained_layer_per_row(table: CoefficientTable, widths: dict, mixer: MixerKi
     """Activations one layer keeps for backward without full recompute (selective or none).
 
     Hidden-wide tensors live on sequence-parallel shards; a selective core-attention
-    recompute drops the saved core output copy. Evidence: seed 003 (dense CP2, busiest CP
-    rank's layout); MoE parts are structural (no seed measures them).
+    recompute drops the saved core output copy. Evidence: docs/memory-model.md#retained-activations
+    (dense CP2, busiest CP rank's layout); MoE parts are structural (nothing measures them).
     """
     name = "retained_attention_layer" if mixer == MixerKind.ATTENTION else "retained_gdn_layer"
     coef = dict(table.terms[name]["per_row"])
@@ -136,7 +136,7 @@ def retained_backward_per_row(table: CoefficientTable, widths: dict, mlp: MlpKin
     4F on the CPU, plus rank-wide LoRA gradients); MoE layers `per_routed_row` x top-k x the EP
     skew (2H per routed row: the permuted rows' gradient) plus the same rank part. A table
     without the entry charges the recomputed layer's full stage workspace `stage` (te-gpu:
-    no seed measures this transient, so the full-recompute stage is the neutral bound).
+    nothing measures this transient on a GPU, so the full-recompute stage is the neutral bound).
     Evidence: the per-layer backward windows of cpu-fake no-recompute traces
     (bench/results/validation_anatomy.txt: 4F + 480 B for qwen3-8b, 4F + 672 B for the
     qwen3.8-27b hybrid's attention and GDN layers alike, 2H per routed row + 672 B for
@@ -163,7 +163,7 @@ def retained_forward_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind
     shared_ffn): on the CPU the permuted rows, the experts' outputs and their concatenation,
     3 x 2H per routed row. The walk charges the larger of this and the no-grad transient
     (`pricing.model`). Entry `retained_forward`; a table without it charges the no-grad
-    transient alone (te-gpu: no seed measures a forward peak; the head binds). Evidence:
+    transient alone (te-gpu: no GPU forward peak is measured; the head binds). Evidence:
     cpu-fake traces (bench/results/validation_anatomy.txt: the no-recompute decoder-only peak
     of qwen3-30b-a3b at the last layer's expert concatenation; dense layers peak at the final
     norm with every layer's activations live).
@@ -202,8 +202,8 @@ def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[floa
     """(retained, transient) bytes per gathered row of the output head and loss, by head mode.
 
     `full-native`: Megatron's cross entropy keeps bf16 logits and an fp32 copy, 6 x vocab/TP
-    bytes, plus the bf16 gradient in backward (DESIGN.md). `full-te`: TE's fused cross entropy
-    writes the gradient in place, 2 x vocab/TP (DESIGN.md). `chunked:N`: nothing per row is
+    bytes, plus the bf16 gradient in backward. `full-te`: TE's fused cross entropy
+    writes the gradient in place, 2 x vocab/TP (docs/memory-model.md#head-modes). `chunked:N`: none is
     retained; the chunk's transient is `head_chunk_bytes`.
     """
     if head == "full-native":
@@ -218,18 +218,18 @@ def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[floa
 
 def head_chunk_bytes(table: CoefficientTable, widths: dict, chunk_rows: int) -> float:
     """Transient of one logits chunk of `chunk_rows` rows (bf16 logits, fp32 upcast, fp32
-    softmax/gradient, bf16 gradient), as the seeds' planner computes logits 512 rows at a time."""
+    softmax/gradient, bf16 gradient); docs/memory-model.md#head-modes (512 rows by default)."""
     return chunk_rows * table.scalar("head_chunk", "per_row_vocab") * widths["vocab"]
 
 
 def caller_per_logical_token(table: CoefficientTable) -> float:
-    """Head buffers and the caller's loss memory per active logical token: 6 KiB (seed 002).
+    """Head buffers and the caller's loss memory per logical token: 6 KiB (docs/memory-model.md#caller).
 
-    Kept live through the whole wave (conservative: the seed bounds its peak, not its lifetime).
+    Kept live through the whole wave (conservative: its peak was measured, not its lifetime).
     """
     return table.scalar("caller_per_logical_token")
 
 
 def first_execution_bytes(table: CoefficientTable) -> float:
-    """Transients of a wave's first execution, charged while no profile is learned (seed 004)."""
+    """A wave's first-execution transients while no profile is learned (docs/memory-model.md#first-execution)."""
     return table.scalar("first_execution")

@@ -1,70 +1,130 @@
 """The schedule walk: one wave's per-rank memory at every point of a full-recompute (or
 retained-activation) forward and backward, jitted with numba. The peak is their maximum.
 
-Schedule (DESIGN.md, "The memory model"):
+Schedule (docs/memory-model.md#schedule; the #anchors below are sections of that file):
 - every gradient group runs its forward, saving per layer its retained rows (boundaries under
   full recompute) and, after the head, what the loss keeps; no-grad groups run forward only,
-  one after another (seed 001);
-- then the gradient groups run their backward one after another (seed 004): the head, then
+  one after another (#nograd-transient);
+- then the gradient groups run their backward one after another (#other-groups): the head, then
   layer L-1 down to 0, where the recomputed layer holds its stage workspace, one input
-  gradient, the GDN states of its segments (seeds 000, 002), the boundaries of layers 0..i and
+  gradient, the GDN states of its segments (#gdn-states), the boundaries of layers 0..i and
   the adapter gradients of layers >= i if the group carries its slot's pending gradients.
 - While group g runs, a group already run holds its pending gradients and a group not yet run
   holds its retained memory; the worst order charges each other group max(gradients,
-  retained) (seed 004, closed form; `brute_force_orders` in the tests checks it).
+  retained) (#other-groups, closed form; `brute_force_orders` in the tests checks it).
 Groups of a slot that has several gradient groups in the wave (split children) charge that
 slot's whole gradient once, in each of them, and none as "already run" (conservative).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
+# A walk point record: float64[NUM_TERMS], one column per term (TERM_NAMES order).
 NUM_TERMS = 10
 TERM_NAMES = ("retained", "workspace", "input_gradient", "pending_gradients", "gdn_states", "head",
               "other_groups", "nograd_transient", "caller", "first_execution")
+(TERM_RETAINED, TERM_WORKSPACE, TERM_INPUT_GRADIENT, TERM_PENDING_GRADIENTS, TERM_GDN_STATES,
+ TERM_HEAD, TERM_OTHER_GROUPS, TERM_NOGRAD_TRANSIENT, TERM_CALLER,
+ TERM_FIRST_EXECUTION) = range(NUM_TERMS)
+
+# Point codes: which part of the schedule a point is (POINT_NAMES order).
 POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-forward", "empty")
+(POINT_BACKWARD, POINT_HEAD_BACKWARD, POINT_FORWARD, POINT_HEAD_FORWARD, POINT_NOGRAD_FORWARD,
+ POINT_EMPTY) = range(len(POINT_NAMES))
+
+# The peak record `walk` returns, float64[4]: bytes, point code, layer (-1: none), group (-1).
+PEAK_BYTES, PEAK_POINT, PEAK_LAYER, PEAK_GROUP = range(4)
 
 
-@njit(cache=True)
+class WalkCharges(NamedTuple):
+    """What the walk charges, from the model (`PricingModel.arrays`, same names): bytes per
+    row of each layer, per segment, per slot's adapter gradients, and of the head."""
+
+    retained: np.ndarray    # float64[L] per row, saved by a layer's forward for the backward
+    workspace: np.ndarray   # float64[L] per row, the recomputed layer's backward workspace
+    nograd: np.ndarray      # float64[L] per row, a layer's forward transient
+    gdn_state: np.ndarray   # float64[L] per segment, a GDN layer's recurrent states
+    pending: np.ndarray     # float64[S, L] adapter-gradient bytes per model slot and layer
+    input_grad: float       # per row, the gradient flowing into a layer's backward
+    head_retained: float    # per row, what the loss keeps for the backward
+    head_transient: float   # per row, the head's backward transient
+    head_const: float       # the head's constant bytes
+    caller: float           # per logical row, the caller's own tensors
+
+
+class WalkGroups(NamedTuple):
+    """A wave's forward calls (groups), one entry per group in every array."""
+
+    rows: np.ndarray        # float64: rows on the busiest rank
+    logical: np.ndarray     # float64: logical rows
+    segments: np.ndarray    # float64: segments (tree nodes plus padding roots)
+    grad: np.ndarray        # bool: a gradient group
+    slot: np.ndarray        # int64: its model slot index
+    carries: np.ndarray     # bool: it carries its slot's pending adapter gradients
+
+
+def walk_charges(arrays: dict) -> WalkCharges:
+    """The walk's charges from a model's arrays (`PricingModel.arrays`). O(1)."""
+    return WalkCharges(*(arrays[name] for name in WalkCharges._fields))
+
+
+# `_start` and `_offer` are inlined into `walk`: it passes them literal point codes, for which
+# numba would otherwise compile one specialisation each (about a second apiece, cold).
+@njit(cache=True, inline="always")
 def _start(point, others, caller_bytes, first_exec):
     """A new walk point: the terms every point carries, the rest zero."""
     point[:] = 0.0
-    point[6] = others
-    point[8] = caller_bytes
-    point[9] = first_exec
+    point[TERM_OTHER_GROUPS] = others
+    point[TERM_CALLER] = caller_bytes
+    point[TERM_FIRST_EXECUTION] = first_exec
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _offer(best, out, point, code, layer, group):
     """Keep the point (and where it is) if it is the highest so far."""
     total = point.sum()
-    if total > best[0]:
-        best[0] = total
-        best[1] = code
-        best[2] = layer
-        best[3] = group
+    if total > best[PEAK_BYTES]:
+        best[PEAK_BYTES] = total
+        best[PEAK_POINT] = code
+        best[PEAK_LAYER] = layer
+        best[PEAK_GROUP] = group
         out[:] = point
 
 
 @njit(cache=True)
-def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, head_tr,
-         head_const, caller, first_exec, rows, logical, segments, grad, slot, carries):
+def walk(charges, first_exec, groups):
     """Peak bytes of one wave on one rank.
 
-    retained, workspace, nograd, gdn_state: float64[L] per row (per segment for gdn_state);
-    pending: float64[S, L] adapter-gradient bytes per slot and layer; the group arrays
-    (rows, logical, segments, grad, slot, carries) have one entry per group.
-    Returns (best[4] = peak, point code, layer, group; terms[NUM_TERMS] at the peak).
-    Complexity O(groups^2 + groups x L).
+    `charges`: a `WalkCharges` (the model's bytes per row, layer and slot); `first_exec`: the
+    first-execution allowance every point carries (the caller passes 0 when it does not apply);
+    `groups`: a `WalkGroups` (the wave's forward calls).
+    Returns (best[4], the peak record: PEAK_BYTES, PEAK_POINT, PEAK_LAYER, PEAK_GROUP;
+    terms[NUM_TERMS] at the peak). Complexity O(groups^2 + groups x L).
     """
+    retained = charges.retained
+    workspace = charges.workspace
+    nograd = charges.nograd
+    gdn_state = charges.gdn_state
+    pending = charges.pending
+    input_grad = charges.input_grad
+    head_ret = charges.head_retained
+    head_tr = charges.head_transient
+    head_const = charges.head_const
+    rows = groups.rows
+    segments = groups.segments
+    grad = groups.grad
+    slot = groups.slot
+    carries = groups.carries
     n_layers = retained.shape[0]
     n_groups = rows.shape[0]
     best = np.zeros(4)
-    best[1] = 5
-    best[2] = -1
-    best[3] = -1
+    best[PEAK_POINT] = POINT_EMPTY
+    best[PEAK_LAYER] = -1
+    best[PEAK_GROUP] = -1
     out = np.zeros(NUM_TERMS)
     point = np.zeros(NUM_TERMS)
     if n_groups == 0:
@@ -83,7 +143,7 @@ def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, 
         if grad[g]:
             per_slot[slot[g]] += 1
 
-    caller_bytes = caller * logical.sum()
+    caller_bytes = charges.caller * groups.logical.sum()
 
     keep = np.zeros(n_groups)   # retained memory of a grad group not yet run
     done = np.zeros(n_groups)   # pending gradients a grad group leaves after its backward
@@ -104,10 +164,10 @@ def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, 
             for i in range(n_layers):
                 ng = max(ng, rows[g] * nograd[i])
             _start(point, others_all, caller_bytes, first_exec)
-            point[7] = ng
-            point[4] = segments[g] * max_state
-            point[5] = rows[g] * head_ret + head_const
-            _offer(best, out, point, 4, -1, g)
+            point[TERM_NOGRAD_TRANSIENT] = ng
+            point[TERM_GDN_STATES] = segments[g] * max_state
+            point[TERM_HEAD] = rows[g] * head_ret + head_const
+            _offer(best, out, point, POINT_NOGRAD_FORWARD, -1, g)
             continue
         others = others_all - max(keep[g], done[g])
         s = slot[g]
@@ -115,29 +175,29 @@ def walk(retained, workspace, nograd, gdn_state, pending, input_grad, head_ret, 
         # forward: layer i runs with boundaries 0..i-1 saved and the layer's own transient
         for i in range(n_layers):
             _start(point, others, caller_bytes, first_exec)
-            point[0] = rows[g] * (cum[i] - retained[i])
-            point[1] = rows[g] * nograd[i]
-            point[4] = segments[g] * gdn_state[i]
-            _offer(best, out, point, 2, i, g)
+            point[TERM_RETAINED] = rows[g] * (cum[i] - retained[i])
+            point[TERM_WORKSPACE] = rows[g] * nograd[i]
+            point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
+            _offer(best, out, point, POINT_FORWARD, i, g)
         _start(point, others, caller_bytes, first_exec)
-        point[0] = rows[g] * total_retained
-        point[5] = rows[g] * head_ret + head_const
-        _offer(best, out, point, 3, -1, g)
+        point[TERM_RETAINED] = rows[g] * total_retained
+        point[TERM_HEAD] = rows[g] * head_ret + head_const
+        _offer(best, out, point, POINT_HEAD_FORWARD, -1, g)
         # backward of the head
         _start(point, others, caller_bytes, first_exec)
-        point[0] = rows[g] * total_retained
-        point[2] = rows[g] * input_grad
-        point[3] = suffix[s, 0] if (carries[g] and shared_slot) else 0.0
-        point[5] = rows[g] * (head_ret + head_tr) + head_const
-        _offer(best, out, point, 1, -1, g)
+        point[TERM_RETAINED] = rows[g] * total_retained
+        point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
+        point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if (carries[g] and shared_slot) else 0.0
+        point[TERM_HEAD] = rows[g] * (head_ret + head_tr) + head_const
+        _offer(best, out, point, POINT_HEAD_BACKWARD, -1, g)
         # backward, layer n-1 down to 0
         for i in range(n_layers - 1, -1, -1):
             _start(point, others, caller_bytes, first_exec)
-            point[0] = rows[g] * cum[i]
-            point[1] = rows[g] * workspace[i]
-            point[2] = rows[g] * input_grad
+            point[TERM_RETAINED] = rows[g] * cum[i]
+            point[TERM_WORKSPACE] = rows[g] * workspace[i]
+            point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
             if carries[g]:
-                point[3] = suffix[s, 0] if shared_slot else suffix[s, i]
-            point[4] = segments[g] * gdn_state[i]
-            _offer(best, out, point, 0, i, g)
+                point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if shared_slot else suffix[s, i]
+            point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
+            _offer(best, out, point, POINT_BACKWARD, i, g)
     return best, out

@@ -3,7 +3,8 @@ any wave (flat, or as split children) on its materialised full-sharing layout.
 
 Two exact prices, equal in admitted bytes (tested on random waves):
 - `price(children, first_slots=...)`: the full `Breakdown` (terms, binding point), through
-  `pricing.price.price_groups`; what a plan carries.
+  `pricing.price.price_groups`; what a plan carries. `group_loads` then `price_loads` is the
+  same price in two steps, for a caller that keeps the loads (the planner learns from them).
 - `admitted(children, first_slots=...)`: the admitted bytes only, for the search's inner loops.
   One jitted call lays out every (child, class) forward call and walks the schedule
   (`pricing.walk.walk`), with no GroupLoad, Breakdown or terms dict: a few microseconds
@@ -26,7 +27,8 @@ from .layout import _tree_counts, layout
 from .model import PricingModel
 from .price import Breakdown, GroupLoad, price_groups
 from .step import Step
-from .walk import walk
+from .tolerances import CEIL_SLACK, PENDING_ROUNDING_BYTES
+from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 
 # Raises a group's price to what was learned for it (see waveplan.planner.profiles); identity
 # when no profile applies. Called with the group loads and the static breakdown.
@@ -34,6 +36,8 @@ Adjust = Callable[[Sequence[GroupLoad], Breakdown], Breakdown]
 
 # columns of the jitted load table: one row per (child, class) forward call
 _CLASS, _PACKED, _PADDED, _LOGICAL, _SEGMENTS = range(5)
+# columns of the class table handed to `_admitted`: one row per class
+_CLASS_GRAD, _CLASS_SLOT = range(2)
 # entries of the scalar vector handed to the jitted walk
 _S_INPUT_GRAD, _S_HEAD_RET, _S_HEAD_TR, _S_HEAD_CONST, _S_CALLER, _S_FIRST_EXEC, _S_SAFETY, \
     _S_CP, _S_CONSERVATIVE, _S_MULTIPLE = range(10)
@@ -105,15 +109,16 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
         rows[j] = padded if scal[_S_CONSERVATIVE] > 0 else -(-padded // cp)
         logical[j] = lo[j, _LOGICAL]
         segments[j] = lo[j, _SEGMENTS] + padded - lo[j, _PACKED]
-        grad[j] = classes[k, 0] != 0
-        slot[j] = classes[k, 1]
+        grad[j] = classes[k, _CLASS_GRAD] != 0
+        slot[j] = classes[k, _CLASS_SLOT]
         carries[j] = grad[j] and carry[slot[j]]
         any_grad = any_grad or grad[j]
     first_exec = scal[_S_FIRST_EXEC] if any_grad else 0.0
-    best, _ = walk(layers[0], layers[1], layers[2], layers[3], pending, scal[_S_INPUT_GRAD],
-                   scal[_S_HEAD_RET], scal[_S_HEAD_TR], scal[_S_HEAD_CONST], scal[_S_CALLER],
-                   first_exec, rows, logical, segments, grad, slot, carries)
-    raw = np.ceil(best[0])
+    charges = WalkCharges(layers[0], layers[1], layers[2], layers[3], pending,
+                          scal[_S_INPUT_GRAD], scal[_S_HEAD_RET], scal[_S_HEAD_TR],
+                          scal[_S_HEAD_CONST], scal[_S_CALLER])
+    best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries))
+    raw = np.ceil(best[PEAK_BYTES])
     return np.int64(np.ceil(raw * scal[_S_SAFETY]))
 
 
@@ -189,7 +194,7 @@ class WavePricer:
                 scal = np.asarray([a["input_grad"], a["head_retained"], a["head_transient"],
                                    a["head_const"], a["caller"],
                                    0.0 if self.profiled else a["first_exec"], model.safety,
-                                   model.parallel.cp, 1.0 if model.conservative else 0.0,
+                                   model.rows_cp, 0.0,
                                    model.parallel.row_multiple], dtype=np.float64)
                 pending = np.ascontiguousarray(a["pending"], dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))
@@ -245,7 +250,11 @@ class WavePricer:
         return loads
 
     def price(self, children: Sequence[np.ndarray], *, first_slots: frozenset[str] = frozenset()) -> Breakdown:
-        loads = self.group_loads(children)
+        return self.price_loads(self.group_loads(children), first_slots=first_slots)
+
+    def price_loads(self, loads: Sequence[GroupLoad], *,
+                    first_slots: frozenset[str] = frozenset()) -> Breakdown:
+        """`price(children, ...)` of the wave whose `group_loads(children)` are `loads`."""
         breakdown = price_groups(self.model, loads, first_slots=first_slots, profiled=self.profiled)
         if self.adjust is not None:
             breakdown = self.adjust(loads, breakdown)
@@ -257,7 +266,8 @@ class WavePricer:
         at a backward point, or in place of a group's retained rows), at the safety factor.
         With `adjust` (profiles) the envelope may be scaled, so this is only an estimate."""
         a = self.model.arrays
-        return float(a["pending"][self.model.slot_index(slot)].sum()) * self.model.safety + 2.0
+        return (float(a["pending"][self.model.slot_index(slot)].sum()) * self.model.safety
+                + PENDING_ROUNDING_BYTES)
 
     # --- lower bound ----------------------------------------------------------------------
 
@@ -325,7 +335,7 @@ def _first_appearance(key):
 def _ceil_div(mass, room):
     if room <= 0.0:
         return np.inf if mass > 0.0 else 0.0
-    return np.ceil(mass / room - 1e-9)
+    return np.ceil(mass / room - CEIL_SLACK)
 
 
 @njit(cache=True)

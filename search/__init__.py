@@ -1,12 +1,27 @@
 """waveplan.search: packs a step's requests into waves that fit the budget, with bounds.
 
-Public API: `pack`, `make_packer`, `PackerKind`, `SearchResult`, `PackedWave`, `check_plan`.
-Depends on `waveplan.pricing` only (never on the planner).
+Public API: `pack`, `make_packer`, `PackerKind`, `SearchOptions` (and its defaults),
+`SearchResult`, `PackedWave`, `check_plan`, and the pricer contract (`Pricer` and its optional
+capabilities, see `contract`). Depends on `waveplan.pricing` only (never on the planner).
 """
 
+from .contract import (
+    AdmittedPricer,
+    BoundedPricer,
+    LoadsPricer,
+    PendingPricer,
+    Pricer,
+    SearchEnvelope,
+    SearchPricer,
+    SearchStep,
+    WavePrice,
+)
 from .invariants import check_plan
-from .packers import Packer, PackerKind, make_packer, pack
-from .result import PackedWave, Pricer, SearchResult
+from .options import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind, SearchOptions
+from .packers import Packer, make_packer, pack
+from .result import PackedWave, SearchResult
 
-__all__ = ["Packer", "PackerKind", "PackedWave", "Pricer", "SearchResult", "check_plan",
-           "make_packer", "pack"]
+__all__ = ["DEFAULT_PACKER", "DEFAULT_SEED", "DEFAULT_TIME_BUDGET_MS", "AdmittedPricer",
+           "BoundedPricer", "LoadsPricer", "Packer", "PackerKind", "PackedWave",
+           "PendingPricer", "Pricer", "SearchEnvelope", "SearchOptions", "SearchPricer",
+           "SearchResult", "SearchStep", "WavePrice", "check_plan", "make_packer", "pack"]

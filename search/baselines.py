@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from .contract import SearchPricer
 from .items import Items
 from .reprice import Draft, price_draft
 
@@ -36,12 +37,13 @@ def _tokens(items: Items, step) -> np.ndarray:
     return out
 
 
-def _fits(atoms: list[int], items: Items, pricer, budget: int) -> Draft | None:
+def _fits(atoms: list[int], items: Items, pricer: SearchPricer, budget: int) -> Draft | None:
     d = Draft(sorted(atoms))
     return d if price_draft(d, items, pricer).admitted_bytes <= budget else None
 
 
-def uniform_width(items: Items, step, pricer, budget: int, active: np.ndarray) -> list[Draft]:
+def uniform_width(items: Items, step, pricer: SearchPricer, budget: int,
+                  active: np.ndarray) -> list[Draft]:
     atoms = [int(a) for a in np.sort(active)]
     A = len(atoms)
     if A == 0:
@@ -77,7 +79,7 @@ def uniform_width(items: Items, step, pricer, budget: int, active: np.ndarray) -
     return attempt(lo)
 
 
-def token_budget(items: Items, pricer, budget: int) -> float:
+def token_budget(items: Items, pricer: SearchPricer, budget: int) -> float:
     env = pricer.envelope()
     const = np.asarray(env.const, dtype=np.float64)
     pres = np.maximum(np.asarray(env.presence, dtype=np.float64), 0.0)
@@ -93,7 +95,7 @@ def token_budget(items: Items, pricer, budget: int) -> float:
     return max(best, 1.0)
 
 
-def _split_until_fit(atoms: list[int], tok: np.ndarray, items: Items, pricer,
+def _split_until_fit(atoms: list[int], tok: np.ndarray, items: Items, pricer: SearchPricer,
                      budget: int) -> list[Draft]:
     d = _fits(atoms, items, pricer, budget)
     if d is not None:
@@ -104,7 +106,8 @@ def _split_until_fit(atoms: list[int], tok: np.ndarray, items: Items, pricer,
             + _split_until_fit(right, tok, items, pricer, budget))
 
 
-def ffd(items: Items, step, pricer, budget: int, active: np.ndarray) -> list[Draft]:
+def ffd(items: Items, step, pricer: SearchPricer, budget: int,
+        active: np.ndarray) -> list[Draft]:
     tok = _tokens(items, step)
     T = token_budget(items, pricer, budget)
     bins: list[list[int]] = []
@@ -144,7 +147,8 @@ def _kk_partition(values: list[tuple[float, int]], m: int) -> list[list[int]]:
     return heap[0][3] if heap else []
 
 
-def kk(items: Items, step, pricer, budget: int, active: np.ndarray) -> list[Draft]:
+def kk(items: Items, step, pricer: SearchPricer, budget: int,
+       active: np.ndarray) -> list[Draft]:
     tok = _tokens(items, step)
     atoms = [int(a) for a in active]
     if not atoms:

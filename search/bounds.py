@@ -29,14 +29,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .items import FIT_EPS, Items
+from waveplan.pricing.tolerances import CEIL_SLACK, FIT_EPS
 
-_ROUND = 1e-9
+from .items import Items
 
 
 @njit(cache=True)
 def _ceil(x):
-    return np.ceil(x - _ROUND)
+    return np.ceil(x - CEIL_SLACK)
 
 
 @njit(cache=True)

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .items import FIT_EPS, Items
+from waveplan.pricing.tolerances import FIT_EPS
+
+from .items import Items
 
 SCALE = 10**8
 MAX_CELLS = 4000

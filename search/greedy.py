@@ -2,13 +2,14 @@
 
 A *piece* is a block (atoms sharing prefix groups) or one atom. Each greedy run walks the
 blocks in a given order; a block goes whole into an open wave chosen by the placement rule
-when it fits there; otherwise (mode 0) it opens a new wave when it fits alone, or (mode 1, or
-when it does not fit alone) its atoms are placed one by one, opening waves as needed. Adding
-a piece to a wave costs its request weights plus the headers of the subgroups and classes the
-wave does not hold yet, so a prompt is paid once per wave it appears in.
+when it fits there; otherwise (mode KEEP_BLOCKS) it opens a new wave when it fits alone, or
+(mode SPLIT_BLOCKS, or when it does not fit alone) its atoms are placed one by one, opening
+waves as needed. Adding a piece to a wave costs its request weights plus the headers of the
+subgroups and classes the wave does not hold yet, so a prompt is paid once per wave it
+appears in.
 
-Placement rules: 0 first fit, 1 best fit (tightest wave after), 2 cheapest increase (favours
-waves that already hold the prompt), 3 worst fit (least loaded after; used for exact counts).
+Placement rules: FIRST_FIT, BEST_FIT (tightest wave after), CHEAPEST_INCREASE (favours waves
+that already hold the prompt), WORST_FIT (least loaded after; used for exact counts).
 
 A wave leaves a class's list of open waves once not even the lightest atom of that class
 fits it any more, and a piece only looks at the waves open to its (first) class: most
@@ -25,49 +26,76 @@ and s distinct subgroups per piece; memory O(W (P + S + K)).
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
-from .items import FIT_EPS, Blocks, Items, atom_size
-from .kernels import add_atom, delta, grow
+from waveplan.pricing.tolerances import FIT_EPS, TIE_EPS
+
+from .items import Blocks, Items, atom_size
+from .kernels import Headers, Pieces, add_atom, delta, grow
 from .local import eliminate
 
 LIMIT = 1.0 - FIT_EPS
 ELIMINATE_CANDIDATES = 8   # lightest waves tried per round of `eliminate`
 
+# Placement rules: which open wave a piece goes to (`_choose`; ties: the lowest wave).
+FIRST_FIT = 0            # the first (lowest) wave that holds it
+BEST_FIT = 1             # the tightest after: the largest load after adding it
+CHEAPEST_INCREASE = 2    # the smallest load increase summed over points (then tightest after)
+WORST_FIT = 3            # the least loaded after (spreads the load: exact wave counts)
+DRAWN_RULES = 3          # the multistart draws one of the rules below this one uniformly
+
+# Modes: what happens to a block that fits no open wave.
+KEEP_BLOCKS = 0          # it opens a new wave when it fits alone (else as SPLIT_BLOCKS)
+SPLIT_BLOCKS = 1         # its atoms are placed one by one, opening waves as needed
+NUM_MODES = 2
+
+
+class GreedyInputs(NamedTuple):
+    """What every greedy run of one (items, blocks) pair reads (`greedy_inputs`)."""
+
+    blocks: Pieces           # the blocks as pieces: weights, subgroups, classes
+    block_ptr: np.ndarray    # int64[B + 1]: block i holds block_atoms[block_ptr[i]:...[i + 1]]
+    block_atoms: np.ndarray  # int64: atoms of each block, decreasing size inside the block
+    block_alone: np.ndarray  # float64[B, P]: the load of each block alone in a wave
+    atoms: Pieces            # the items' atoms as pieces
+    headers: Headers         # subgroup and class headers
+    num_atoms: int
+    wmin: np.ndarray         # float64[K, P]: per class, its lightest atom at each point
+    limit: float             # a wave fits while its load is <= limit at every point
+
 
 @njit(cache=True)
-def _choose(opened, n_open, rule, load, scnt, ccnt, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
-            sub_hdr, class_hdr, tmp, limit):
-    """Wave for a piece under `rule` among the open waves (ascending), or -1 when none holds
-    it. Ties go to the lowest wave."""
+def _choose(opened, n_open, rule, load, scnt, ccnt, pieces, i, hdr, tmp, limit):
+    """Wave for piece i of `pieces` under `rule` among the open waves (ascending), or -1 when
+    none holds it. Ties go to the lowest wave."""
     best = -1
     best_key = 0.0
     best_key2 = 0.0
     P = load.shape[1]
     for j in range(n_open):
         b = opened[j]
-        m = delta(load, scnt, ccnt, b, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
-                  sub_hdr, class_hdr, tmp, limit)
+        m = delta(load, scnt, ccnt, b, pieces, i, hdr, tmp, limit)
         if m > limit:
             continue
-        if rule == 0:
+        if rule == FIRST_FIT:
             return b
-        if rule == 1:
+        if rule == BEST_FIT:
             key = -m
             key2 = 0.0
-        elif rule == 2:
+        elif rule == CHEAPEST_INCREASE:
             inc = 0.0
             for p in range(P):
                 inc += tmp[p] - load[b, p]
             key = inc
             key2 = -m
-        else:
+        else:   # WORST_FIT
             key = m
             key2 = 0.0
-        if best < 0 or key < best_key - 1e-15 or (abs(key - best_key) <= 1e-15
-                                                   and key2 < best_key2):
+        if best < 0 or key < best_key - TIE_EPS or (abs(key - best_key) <= TIE_EPS
+                                                     and key2 < best_key2):
             best = b
             best_key = key
             best_key2 = key2
@@ -112,20 +140,31 @@ def _open_wave(opened, n_open, b):
 
 
 @njit(cache=True)
-def greedy_run(border, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr, bc, balone,
-               aw, asptr, as_, acptr, ac, aalone, sub_hdr, class_hdr, num_atoms, wmin, limit):
-    """One greedy pass. Returns (atom_wave[num_atoms] with -1 for atoms not packed, waves);
-    waves = -1 when `fixed` > 0 waves cannot hold everything (some may stay empty).
-    `wmin[k, p]`: the lightest atom weight of class k at each point (inf for a class with
-    no atom); a piece only looks at the waves still open to its first class."""
-    P = sub_hdr.shape[1]
-    S = sub_hdr.shape[0]
-    K = class_hdr.shape[0]
+def greedy_run(border, rule, mode, fixed, inputs):
+    """One greedy pass over the blocks in `border` under placement `rule` and `mode`, reading
+    `inputs` (a `GreedyInputs`). Returns (atom_wave[num_atoms] with -1 for atoms not packed,
+    waves); waves = -1 when `fixed` > 0 waves cannot hold everything (some may stay empty).
+    A piece only looks at the waves still open to its first class (see `_close_full`)."""
+    blocks = inputs.blocks
+    atoms = inputs.atoms
+    hdr = inputs.headers
+    bptr = inputs.block_ptr
+    batoms = inputs.block_atoms
+    balone = inputs.block_alone
+    wmin = inputs.wmin
+    limit = inputs.limit
+    bcptr = blocks.cptr
+    bc = blocks.c
+    acptr = atoms.cptr
+    ac = atoms.c
+    P = hdr.sub.shape[1]
+    S = hdr.sub.shape[0]
+    K = hdr.cls.shape[0]
     cap0 = fixed if fixed > 0 else 16
     load = np.zeros((cap0, P))
     scnt = np.zeros((cap0, S), dtype=np.int32)
     ccnt = np.zeros((cap0, K), dtype=np.int32)
-    atom_wave = -np.ones(num_atoms, dtype=np.int64)
+    atom_wave = -np.ones(inputs.num_atoms, dtype=np.int64)
     nw = fixed if fixed > 0 else 0
     opened = np.empty((max(K, 1), cap0), dtype=np.int64)
     n_open = np.zeros(max(K, 1), dtype=np.int64)
@@ -135,14 +174,13 @@ def greedy_run(border, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr, bc
     for bi in range(border.shape[0]):
         blk = border[bi]
         k0 = bc[bcptr[blk]] if bcptr[blk + 1] > bcptr[blk] else 0
-        b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, bw[blk], bsptr[blk],
-                    bsptr[blk + 1], bs, bcptr[blk], bcptr[blk + 1], bc, sub_hdr, class_hdr,
-                    tmp, limit)
+        b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, blocks, blk, hdr, tmp,
+                    limit)
         whole_alone = True
         for p in range(P):
             if balone[blk, p] > limit:
                 whole_alone = False
-        if b < 0 and fixed == 0 and mode == 0 and whole_alone:
+        if b < 0 and fixed == 0 and mode == KEEP_BLOCKS and whole_alone:
             load, scnt, ccnt = grow(load, scnt, ccnt, nw + 1)
             b = nw
             nw += 1
@@ -150,15 +188,14 @@ def greedy_run(border, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr, bc
         if b >= 0:
             for j in range(bptr[blk], bptr[blk + 1]):
                 a = batoms[j]
-                add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
+                add_atom(b, a, load, scnt, ccnt, atoms, hdr)
                 atom_wave[a] = b
-            _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit)
+            _close_full(b, opened, n_open, load, ccnt, wmin, hdr.cls, limit)
             continue
         for j in range(bptr[blk], bptr[blk + 1]):
             a = batoms[j]
             k0 = ac[acptr[a]] if acptr[a + 1] > acptr[a] else 0
-            b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, aw[a], asptr[a],
-                        asptr[a + 1], as_, acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp,
+            b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, atoms, a, hdr, tmp,
                         limit)
             if b < 0:
                 if fixed > 0:
@@ -167,19 +204,26 @@ def greedy_run(border, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr, bc
                 b = nw
                 nw += 1
                 opened = _open_wave(opened, n_open, b)
-            add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
+            add_atom(b, a, load, scnt, ccnt, atoms, hdr)
             atom_wave[a] = b
-            _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit)
+            _close_full(b, opened, n_open, load, ccnt, wmin, hdr.cls, limit)
     return atom_wave, nw
 
 
-def kernel_args(items: Items, blocks: Blocks) -> tuple:
-    """The array arguments shared by every kernel call, in `greedy_run` order after `fixed`."""
-    wmin = class_min_weights(items, blocks.atoms)
-    return (blocks.ptr, blocks.atoms, blocks.w, blocks.sptr, blocks.s, blocks.cptr, blocks.c,
-            blocks.alone, items.atom_w, items.atom_sptr, items.atom_s, items.atom_cptr,
-            items.atom_c, items.atom_alone, items.sub_hdr, items.class_hdr, items.num_atoms,
-            wmin, LIMIT)
+def atom_args(items: Items) -> tuple[Pieces, Headers]:
+    """The items' atoms and headers, as the kernels read them (`eliminate`, `balance`)."""
+    return (Pieces(items.atom_w, items.atom_sptr, items.atom_s, items.atom_cptr, items.atom_c),
+            Headers(items.sub_hdr, items.class_hdr))
+
+
+def greedy_inputs(items: Items, blocks: Blocks) -> GreedyInputs:
+    """What every greedy run over these blocks reads (`greedy_run`, `multistart_chunk`)."""
+    atoms, headers = atom_args(items)
+    return GreedyInputs(
+        blocks=Pieces(blocks.w, blocks.sptr, blocks.s, blocks.cptr, blocks.c),
+        block_ptr=blocks.ptr, block_atoms=blocks.atoms, block_alone=blocks.alone, atoms=atoms,
+        headers=headers, num_atoms=items.num_atoms,
+        wmin=class_min_weights(items, blocks.atoms), limit=LIMIT)
 
 
 def class_min_weights(items: Items, atoms: np.ndarray) -> np.ndarray:
@@ -199,11 +243,6 @@ def _class_min(atoms, aw, acptr, ac, K):
                 if aw[a, p] < out[k, p]:
                     out[k, p] = aw[a, p]
     return out
-
-
-def atom_args(items: Items) -> tuple:
-    return (items.atom_w, items.atom_sptr, items.atom_s, items.atom_cptr, items.atom_c,
-            items.sub_hdr, items.class_hdr)
 
 
 @njit(cache=True)
@@ -284,22 +323,23 @@ def pack_greedy(items: Items, blocks: Blocks, target: int, fixed: int = 0,
     with `max_runs` (the deterministic budget), no more than that many runs once a plan exists.
 
     Run order, best first on generated steps (a short budget only runs the first few): the
-    block orders of `block_orders`, atom-by-atom runs (mode 1) before block-whole runs (mode
-    0), then the rules. Ties keep the first plan."""
-    rules = (3, 1, 2, 0) if fixed else (2, 0, 1)
-    modes = (0,) if fixed else (1, 0)
-    args = kernel_args(items, blocks)
+    block orders of `block_orders`, atom-by-atom runs (SPLIT_BLOCKS) before block-whole runs
+    (KEEP_BLOCKS), then the rules. Ties keep the first plan."""
+    rules = ((WORST_FIT, BEST_FIT, CHEAPEST_INCREASE, FIRST_FIT) if fixed
+             else (CHEAPEST_INCREASE, FIRST_FIT, BEST_FIT))
+    modes = (KEEP_BLOCKS,) if fixed else (SPLIT_BLOCKS, KEEP_BLOCKS)
+    inputs = greedy_inputs(items, blocks)
     active = np.sort(blocks.atoms)
     asize = atom_size(items)
     best, best_nw, runs = None, -1, 0
     for order in block_orders(blocks, items):
         for mode in modes:
             for rule in rules:
-                aw, nw = greedy_run(order, rule, mode, fixed, *args)
+                aw, nw = greedy_run(order, rule, mode, fixed, inputs)
                 runs += 1
                 if nw > target and fixed == 0 and nw > 1:
-                    nw = eliminate(aw, nw, active, asize, ELIMINATE_CANDIDATES,
-                                   *atom_args(items), LIMIT)
+                    nw = eliminate(aw, nw, active, asize, ELIMINATE_CANDIDATES, inputs.atoms,
+                                   inputs.headers, LIMIT)
                 if nw > 0 and (best_nw < 0 or nw < best_nw):
                     best, best_nw = aw, nw
                 if best_nw > 0 and best_nw <= target:

@@ -3,22 +3,26 @@
 `check_plan` raises AssertionError naming the first broken invariant:
 - every request exactly once; children non-empty, disjoint, ascending, union = the wave;
 - every wave re-priced (children and first_slots) fits: admitted bytes <= budget, and equals
-  the price the result carries;
+  the price the result carries; the group loads it carries (if any) are the pricer's;
 - each atomic unit inside one wave;
 - first_slots: each slot with gradient requests has exactly one first wave, which holds a
   gradient request of that slot and runs before every other wave holding one; a wave lists
   only slots it holds gradient requests of;
 - wave count == num_waves when set; 0 <= lower bound <= waves; proven_optimal iff equal.
-Complexity: O(W) exact prices + O(n).
+It reads a `SearchResult` or a planner's plan alike (`result.Waves`: their waves have
+children, first_slots and a price). Complexity: O(W) exact prices + O(n).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .contract import LoadsPricer, Pricer, SearchStep
+from .result import Waves
 
-def check_plan(step, pricer, result, *, budget_bytes: int, atomic_units=(),
-               num_waves: int | None = None) -> None:
+
+def check_plan(step: SearchStep, pricer: Pricer, result: Waves, *, budget_bytes: int,
+               atomic_units=(), num_waves: int | None = None) -> None:
     n = len(step.requests)
     seen = np.full(n, -1, dtype=np.int64)
     class_of = np.asarray(pricer.class_of, dtype=np.int64)
@@ -40,6 +44,9 @@ def check_plan(step, pricer, result, *, budget_bytes: int, atomic_units=(),
         assert price.admitted_bytes == wave.price.admitted_bytes, (
             f"wave {w}: carried price {wave.price.admitted_bytes} != re-priced "
             f"{price.admitted_bytes}")
+        if wave.loads is not None and isinstance(pricer, LoadsPricer):
+            assert tuple(wave.loads) == tuple(pricer.group_loads(list(wave.children))), (
+                f"wave {w}: carried group loads differ from the pricer's")
         reqs = np.concatenate(wave.children)
         slots = {grad_slot[int(i)] for i in reqs} - {None}
         assert set(wave.first_slots) <= slots, (

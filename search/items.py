@@ -15,8 +15,9 @@ are dropped.
 
 Step-aware bound. coef[p,k,2] charges every two-level segment the worst padding of a whole
 packed sequence plus two true segments, because the envelope knows nothing of the step. When
-the envelope gives that charge's parts (a padding row `pad`, a true segment `seg`) and the
-step says its form, the weights use what the step's trees allow instead (`items_jit.weights`):
+the envelope gives that charge's parts (a pricing `Envelope` with a padding row `pad` and a
+true segment `seg`) and the step says its form (a pricing `Step`), the weights use what the
+step's trees allow instead (`items_jit.weights`):
 - each subgroup with prefix > 0 forms at most one packed sequence per wave, so it pays at
   most (multiple - 1) padding rows once, in its header, not once per member;
 - a request that is a tree of its own (prefix 0, or the only member of its subgroup in a
@@ -45,9 +46,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from waveplan.pricing.errors import InfeasibleError, StepError
 
+from waveplan.pricing.envelope import Envelope
+from waveplan.pricing.errors import InfeasibleError, StepError
+from waveplan.pricing.step import Step
+
+from .contract import Pricer, SearchEnvelope, SearchPricer, SearchStep
 from .items_jit import (
+    GENERIC_BOUND,
+    LENGTH_FORM,
+    TOKEN_FORM,
+    WeightCharges,
     alone_loads,
     blocks_by_group,
     prefix_tree,
@@ -58,7 +67,6 @@ from .items_jit import (
 )
 from .pending import reserve_room
 
-FIT_EPS = 1e-9
 TREE_DEPTH = 16        # tree nodes (nearest the root) a request pays a header for, at least
 TREE_ENTRIES = 16384   # ... or up to this many (request, node) pairs in all (small steps)
 
@@ -165,27 +173,30 @@ class PointCoefs:
     presence: np.ndarray   # float64[P, K]
     c0: np.ndarray         # float64[P, K] per packed row
     c1: np.ndarray         # float64[P, K] per logical row
-    cseg: np.ndarray       # float64[P, K] per segment (mode 0: the envelope's whole charge)
-    cpad: np.ndarray       # float64[P, K] per padding row (mode 0: unused)
+    cseg: np.ndarray       # float64[P, K] per segment (GENERIC_BOUND: the envelope's whole charge)
+    cpad: np.ndarray       # float64[P, K] per padding row (GENERIC_BOUND: unused)
     multiple: int
-    step_aware: bool       # the envelope splits its segment charge (pad, seg): modes 1-2
+    step_aware: bool       # the envelope splits its segment charge (pad, seg): step-aware modes
 
 
 _COEF_CACHE: dict[int, tuple[object, PointCoefs]] = {}
 _COEF_CACHE_SIZE = 64
 
 
-def point_coefs(env) -> PointCoefs:
+def point_coefs(env: SearchEnvelope) -> PointCoefs:
     """Clip negative coefficients to 0 (the envelope only grows) and drop points dominated by
-    another. Cached per envelope object (pricers share theirs across steps): O(P^2 K) once."""
+    another. Cached per envelope object (pricers share theirs across steps): O(P^2 K) once.
+    Step-aware (modes 1-2) when a pricing `Envelope` knows both parts of its segment charge;
+    any other envelope gets the generic bound."""
     hit = _COEF_CACHE.get(id(env))
     if hit is not None and hit[0] is env:
         return hit[1]
     const = np.asarray(env.const, dtype=np.float64)
     presence = np.maximum(np.asarray(env.presence, dtype=np.float64), 0.0)
     coef = np.maximum(np.asarray(env.coef, dtype=np.float64), 0.0)
-    pad = getattr(env, "pad", None)
-    seg = getattr(env, "seg", None)
+    split = isinstance(env, Envelope)
+    pad = env.pad if split else None
+    seg = env.seg if split else None
     aware = pad is not None and seg is not None
     if aware:
         pad = np.maximum(np.asarray(pad, dtype=np.float64), 0.0)
@@ -200,23 +211,22 @@ def point_coefs(env) -> PointCoefs:
     out = PointCoefs(points=points, const=const[points], presence=presence[points],
                      c0=np.ascontiguousarray(c0), c1=np.ascontiguousarray(c1),
                      cseg=np.ascontiguousarray(cseg), cpad=np.ascontiguousarray(cpad),
-                     multiple=int(getattr(env, "multiple", 1)), step_aware=aware)
+                     multiple=int(env.multiple) if split else 1, step_aware=aware)
     if len(_COEF_CACHE) >= _COEF_CACHE_SIZE:
         _COEF_CACHE.pop(next(iter(_COEF_CACHE)))
     _COEF_CACHE[id(env)] = (env, out)
     return out
 
 
-def weight_mode(step, coefs: PointCoefs) -> int:
-    """0: the generic two-level bound; 1: length form; 2: token form (see items_jit.weights).
-    A step that does not say its form (a duck-typed step) gets the generic bound."""
-    form = getattr(step, "is_token_form", None)
-    if not coefs.step_aware or form is None:
-        return 0
-    return 2 if form else 1
+def weight_mode(step: SearchStep, coefs: PointCoefs) -> int:
+    """GENERIC_BOUND, LENGTH_FORM or TOKEN_FORM (see items_jit.weights). A step that does not
+    say its form (not a pricing `Step`) gets the generic bound."""
+    if not coefs.step_aware or not isinstance(step, Step):
+        return GENERIC_BOUND
+    return TOKEN_FORM if step.is_token_form else LENGTH_FORM
 
 
-def _tree_items(step, pc: PointCoefs, cap: np.ndarray, class_of: np.ndarray, K: int):
+def _tree_items(step: Step, pc: PointCoefs, cap: np.ndarray, class_of: np.ndarray, K: int):
     """Items of a token-form step from its radix tree (`items_jit.prefix_tree`): a subgroup
     per (tree node, class), every request paying the nodes on its root path, so nested
     shared prompts are paid once per wave each, not once per deepest group. Only the
@@ -224,21 +234,17 @@ def _tree_items(step, pc: PointCoefs, cap: np.ndarray, class_of: np.ndarray, K: 
     the most shared); a deeper node's rows are charged to each of its requests (still an
     upper bound). Returns
     the items' arrays and whether a path was cut. O(n (log n + TREE_DEPTH P))."""
-    rank = getattr(step, "rank", None)
-    table = getattr(step, "lcp_table", None)
-    if rank is None or table is None:
-        return None
     n = len(class_of)
-    order = np.argsort(np.asarray(rank, dtype=np.int64), kind="stable")
-    lcp = np.ascontiguousarray(table[0, :max(n - 1, 0)], dtype=np.int64)
+    order = np.argsort(np.asarray(step.rank, dtype=np.int64), kind="stable")
+    lcp = np.ascontiguousarray(step.lcp_table[0, :max(n - 1, 0)], dtype=np.int64)
     lengths = np.ascontiguousarray(step.lengths, dtype=np.int64)
     node_parent, node_depth, leaf_parent = prefix_tree(order, lcp, lengths)
     V = len(node_depth)
     req_sptr, req_s, sub_node, sub_class, kept, skipped = tree_subgroups(
         leaf_parent, node_parent, V, class_of, K, max(TREE_DEPTH, TREE_ENTRIES // max(n, 1)))
-    req_w, sub_hdr = tree_weights(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, class_of, kept,
-                                  node_parent, node_depth, V, sub_node, sub_class, lengths,
-                                  lengths.astype(np.float64), pc.multiple)
+    charges = WeightCharges(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, pc.multiple)
+    req_w, sub_hdr = tree_weights(charges, class_of, kept, node_parent, node_depth, V, sub_node,
+                                  sub_class, lengths, lengths.astype(np.float64))
     return req_w, sub_hdr, req_sptr, req_s, sub_node, sub_class, kept, bool(skipped.any())
 
 
@@ -248,11 +254,12 @@ def _mass(req_w: np.ndarray, sub_hdr: np.ndarray) -> float:
     return float(total.max()) if total.size else 0.0
 
 
-def build_items(step, pricer, budget_bytes: float, atomic_units=(), *,
-                reserve_pending: str | None = "measured") -> Items:
+def build_items(step: SearchStep, pricer: Pricer | SearchPricer, budget_bytes: float,
+                atomic_units=(), *, reserve_pending: str | None = "measured") -> Items:
     """Build the normalised packing items. Raises InfeasibleError if the wave constant alone
     exceeds the budget at some point. With `reserve_pending` ("measured" or "bound", see
     `pending`), one request per gradient slot weighs its slot's pending gradients too."""
+    pricer = SearchPricer.of(pricer)
     reqs = step.requests
     n = len(reqs)
     pc = point_coefs(pricer.envelope())
@@ -267,17 +274,17 @@ def build_items(step, pricer, budget_bytes: float, atomic_units=(), *,
     group_of = np.ascontiguousarray(step.group_of, dtype=np.int64)
     prefix = np.ascontiguousarray(step.prefix_rows, dtype=np.int64)
     own = np.ascontiguousarray(step.own_rows, dtype=np.int64)
-    lengths = getattr(step, "lengths", None)
-    tokens = (np.asarray(lengths, dtype=np.float64) if lengths is not None
+    tokens = (np.asarray(step.lengths, dtype=np.float64) if isinstance(step, Step)
               else np.asarray([r.num_tokens for r in reqs], dtype=np.float64))
     P = len(points)
     mode = weight_mode(step, pc)
-    tree = _tree_items(step, pc, cap, class_of, K) if (mode == 2 and n) else None
+    tree = (_tree_items(step, pc, cap, class_of, K)
+            if (mode == TOKEN_FORM and n and isinstance(step, Step)) else None)
     if n:
         sub_of, sub_group, sub_class, sub_count = subgroups(group_of, class_of, K)
-        req_w, sub_hdr = weights(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, class_of, sub_of,
-                                 sub_group, sub_class, sub_count, prefix, own, tokens,
-                                 pc.multiple, mode)
+        req_w, sub_hdr = weights(WeightCharges(pc.c0, pc.c1, pc.cseg, pc.cpad, cap, pc.multiple),
+                                 class_of, sub_of, sub_group, sub_class, sub_count, prefix, own,
+                                 tokens, mode)
         req_sptr, req_s = np.arange(n + 1, dtype=np.int64), sub_of
         block_key = sub_group[sub_of]
         # the tree items are tighter unless paths were cut: then keep the lighter model

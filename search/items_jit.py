@@ -7,8 +7,27 @@ All are O(n P) for n requests and P envelope points, plus an O(n log n) sort.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
+
+# Weight modes of `weights` (chosen by `items.weight_mode`): what the weights know of the step.
+GENERIC_BOUND = 0   # nothing: the envelope's generic two-level bound
+LENGTH_FORM = 1     # a length-form step: exactly two-level trees (the step-aware bound)
+TOKEN_FORM = 2      # a token-form step: at most one inner node per leaf (the step-aware bound)
+
+
+class WeightCharges(NamedTuple):
+    """What the weights charge, per kept envelope point p and class k (bytes), and what each
+    point holds: weights are charges / cap[p]."""
+
+    c0: np.ndarray     # float64[P, K] per packed row
+    c1: np.ndarray     # float64[P, K] per logical row
+    cseg: np.ndarray   # float64[P, K] per segment (GENERIC_BOUND: the envelope's whole charge)
+    cpad: np.ndarray   # float64[P, K] per padding row (GENERIC_BOUND: unused)
+    cap: np.ndarray    # float64[P] budget - the point's constant
+    multiple: int      # the row multiple each packed sequence is padded to
 
 
 @njit(cache=True)
@@ -38,14 +57,14 @@ def subgroups(group_of, class_of, num_classes):
 
 
 @njit(cache=True)
-def weights(c0, c1, cseg, cpad, cap, class_of, sub_of, sub_group, sub_class, sub_count,
-            prefix, own, tokens, multiple, mode):
+def weights(charges, class_of, sub_of, sub_group, sub_class, sub_count, prefix, own, tokens,
+            mode):
     """Normalised request weights req_w[n, P] and subgroup headers sub_hdr[S, P].
 
-    c0, c1, cseg, cpad: float64[P, K] per packed row, per logical row, per segment and per
-    padding row. `mode` 0 (generic two-level bound): request c0 own + c1 tokens + cseg, header
-    c0 prefix + cseg (cseg is then the envelope's whole per-segment charge, cpad unused).
-    Mode 1 (length form) and 2 (token form), the step-aware bound of `items`:
+    `charges`: a `WeightCharges` (c0, c1, cseg, cpad per packed row, logical row, segment and
+    padding row). `mode` GENERIC_BOUND: request c0 own + c1 tokens + cseg, header c0 prefix +
+    cseg (cseg is then the envelope's whole per-segment charge, cpad unused).
+    LENGTH_FORM and TOKEN_FORM, the step-aware bound of `items`:
     - a subgroup whose members are trees of their own (prefix 0, or a single member in a
       length-form step) charges each member its exact tree: c0 rows + c1 tokens + one segment
       + its exact padding rows; no header;
@@ -53,6 +72,7 @@ def weights(c0, c1, cseg, cpad, cap, class_of, sub_of, sub_group, sub_class, sub
       in length form, the prompt's node; each member its own rows, tokens and its leaf (two
       segments in token form: at most one inner node per leaf).
     """
+    c0, c1, cseg, cpad, cap, multiple = charges
     n = class_of.shape[0]
     P = cap.shape[0]
     S = sub_group.shape[0]
@@ -62,14 +82,15 @@ def weights(c0, c1, cseg, cpad, cap, class_of, sub_of, sub_group, sub_class, sub
     for s in range(S):
         g = sub_group[s]
         k = sub_class[s]
-        if mode != 0 and (prefix[g] == 0 or (mode == 1 and sub_count[s] == 1)):
+        if mode != GENERIC_BOUND and (prefix[g] == 0
+                                      or (mode == LENGTH_FORM and sub_count[s] == 1)):
             alone_tree[s] = True
             continue
-        hseg = 1.0 if mode != 2 else 0.0
-        hpad = float(multiple - 1) if mode != 0 else 0.0
+        hseg = 1.0 if mode != TOKEN_FORM else 0.0
+        hpad = float(multiple - 1) if mode != GENERIC_BOUND else 0.0
         for p in range(P):
             sub_hdr[s, p] = (c0[p, k] * prefix[g] + cseg[p, k] * hseg + cpad[p, k] * hpad) / cap[p]
-    rseg = 2.0 if mode == 2 else 1.0
+    rseg = 2.0 if mode == TOKEN_FORM else 1.0
     for i in range(n):
         k = class_of[i]
         s = sub_of[i]
@@ -275,8 +296,8 @@ def tree_subgroups(leaf_parent, node_parent, num_nodes, class_of, num_classes, m
 
 
 @njit(cache=True)
-def tree_weights(c0, c1, cseg, cpad, cap, class_of, kept, node_parent, node_depth,
-                 num_nodes, sub_node, sub_class, lengths, tokens, multiple):
+def tree_weights(charges, class_of, kept, node_parent, node_depth, num_nodes, sub_node,
+                 sub_class, lengths, tokens):
     """Weights of a tree step (token form with nested sharing): packed rows exact (up to the
     nodes folded into requests), at most (multiple - 1) padding rows per packed sequence (a
     top-level node's tree), exact padding for a request alone in its tree, and at most two
@@ -287,7 +308,8 @@ def tree_weights(c0, c1, cseg, cpad, cap, class_of, kept, node_parent, node_dept
       from the root): c0 x its rows + its exact padding rows;
     - request: c0 x its rows below its deepest kept node (`tree_subgroups`) + c1 x tokens +
       two segments (one when it is alone in its tree).
-    Returns (req_w[n, P], sub_hdr[S, P]). O((n + S) P)."""
+    `charges`: a `WeightCharges`. Returns (req_w[n, P], sub_hdr[S, P]). O((n + S) P)."""
+    c0, c1, cseg, cpad, cap, multiple = charges
     n = class_of.shape[0]
     P = cap.shape[0]
     S = sub_node.shape[0]

@@ -4,12 +4,36 @@ A wave's state is its normalised envelope load (float64[W, P]) and how many of i
 touch each subgroup (int32[W, S]) and each class (int32[W, K]); a subgroup or class pays its
 header only while its count is positive. Every primitive is O(P (1 + s)) for an atom touching
 s subgroups, except `build_state` (O(A P)).
+
+The kernels take the packing items as two bundles: `Pieces` (what the greedy places: atoms,
+or blocks of atoms) and `Headers` (what a subgroup or class present in a wave pays once).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
+
+
+class Pieces(NamedTuple):
+    """Pieces to place (atoms, or blocks of atoms), with the subgroups and classes each
+    touches as CSR: piece i touches subgroups s[sptr[i]:sptr[i + 1]] and classes
+    c[cptr[i]:cptr[i + 1]]."""
+
+    w: np.ndarray      # float64[N, P] normalised request weight
+    sptr: np.ndarray   # int64[N + 1]
+    s: np.ndarray      # int64: subgroups, ascending inside a piece
+    cptr: np.ndarray   # int64[N + 1]
+    c: np.ndarray      # int64: classes, ascending inside a piece
+
+
+class Headers(NamedTuple):
+    """What a wave pays once per subgroup (its prompt) and once per class present in it."""
+
+    sub: np.ndarray    # float64[S, P]
+    cls: np.ndarray    # float64[K, P]
 
 
 @njit(cache=True)
@@ -28,22 +52,26 @@ def grow(load, scnt, ccnt, need):
 
 
 @njit(cache=True)
-def delta(load, scnt, ccnt, b, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
-           sub_hdr, class_hdr, out, limit):
-    """out = load of wave b after adding the piece; returns max(out), or a value > limit as
-    soon as the request weights alone overflow (out is then incomplete)."""
+def delta(load, scnt, ccnt, b, pieces, i, hdr, out, limit):
+    """out = load of wave b after adding piece i of `pieces`; returns max(out), or a value >
+    limit as soon as the request weights alone overflow (out is then incomplete)."""
     P = load.shape[1]
+    w = pieces.w[i]
+    s_arr = pieces.s
+    c_arr = pieces.c
+    sub_hdr = hdr.sub
+    class_hdr = hdr.cls
     for p in range(P):
         v = load[b, p] + w[p]
         if v > limit:
             return v
         out[p] = v
-    for j in range(s_lo, s_hi):
+    for j in range(pieces.sptr[i], pieces.sptr[i + 1]):
         s = s_arr[j]
         if scnt[b, s] == 0:
             for p in range(P):
                 out[p] += sub_hdr[s, p]
-    for j in range(c_lo, c_hi):
+    for j in range(pieces.cptr[i], pieces.cptr[i + 1]):
         k = c_arr[j]
         if ccnt[b, k] == 0:
             for p in range(P):
@@ -56,17 +84,23 @@ def delta(load, scnt, ccnt, b, w, s_lo, s_hi, s_arr, c_lo, c_hi, c_arr,
 
 
 @njit(cache=True)
-def add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
+def add_atom(b, a, load, scnt, ccnt, atoms, hdr):
+    """Put atom a (of the `Pieces` `atoms`) into wave b, paying the headers it brings."""
     P = load.shape[1]
+    aw = atoms.w
+    as_ = atoms.s
+    ac = atoms.c
+    sub_hdr = hdr.sub
+    class_hdr = hdr.cls
     for p in range(P):
         load[b, p] += aw[a, p]
-    for j in range(asptr[a], asptr[a + 1]):
+    for j in range(atoms.sptr[a], atoms.sptr[a + 1]):
         s = as_[j]
         if scnt[b, s] == 0:
             for p in range(P):
                 load[b, p] += sub_hdr[s, p]
         scnt[b, s] += 1
-    for j in range(acptr[a], acptr[a + 1]):
+    for j in range(atoms.cptr[a], atoms.cptr[a + 1]):
         k = ac[j]
         if ccnt[b, k] == 0:
             for p in range(P):
@@ -75,17 +109,23 @@ def add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_h
 
 
 @njit(cache=True)
-def remove_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
+def remove_atom(b, a, load, scnt, ccnt, atoms, hdr):
+    """Take atom a out of wave b, refunding the headers nothing else there pays."""
     P = load.shape[1]
+    aw = atoms.w
+    as_ = atoms.s
+    ac = atoms.c
+    sub_hdr = hdr.sub
+    class_hdr = hdr.cls
     for p in range(P):
         load[b, p] -= aw[a, p]
-    for j in range(asptr[a], asptr[a + 1]):
+    for j in range(atoms.sptr[a], atoms.sptr[a + 1]):
         s = as_[j]
         scnt[b, s] -= 1
         if scnt[b, s] == 0:
             for p in range(P):
                 load[b, p] -= sub_hdr[s, p]
-    for j in range(acptr[a], acptr[a + 1]):
+    for j in range(atoms.cptr[a], atoms.cptr[a + 1]):
         k = ac[j]
         ccnt[b, k] -= 1
         if ccnt[b, k] == 0:
@@ -94,13 +134,13 @@ def remove_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, clas
 
 
 @njit(cache=True)
-def build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
-    P = sub_hdr.shape[1]
+def build_state(atom_wave, nw, active, atoms, hdr):
+    """The state of the waves `atom_wave` assigns to the active atoms."""
+    P = hdr.sub.shape[1]
     load = np.zeros((max(nw, 1), P))
-    scnt = np.zeros((max(nw, 1), sub_hdr.shape[0]), dtype=np.int32)
-    ccnt = np.zeros((max(nw, 1), class_hdr.shape[0]), dtype=np.int32)
+    scnt = np.zeros((max(nw, 1), hdr.sub.shape[0]), dtype=np.int32)
+    ccnt = np.zeros((max(nw, 1), hdr.cls.shape[0]), dtype=np.int32)
     for i in range(active.shape[0]):
         a = active[i]
-        add_atom(atom_wave[a], a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                  class_hdr)
+        add_atom(atom_wave[a], a, load, scnt, ccnt, atoms, hdr)
     return load, scnt, ccnt

@@ -14,8 +14,10 @@ one set of k children), plus O(u k) to form each rung.
 from __future__ import annotations
 
 import numpy as np
+
 from waveplan.pricing.errors import InfeasibleError
 
+from .contract import SearchPricer
 from .prices import exact_price
 
 
@@ -59,7 +61,7 @@ def unit_label(step, idx: np.ndarray) -> str:
     return "[" + ", ".join(map(repr, ids)) + "]"
 
 
-def run_ladder(step, pricer, idx: np.ndarray, budget: int, *,
+def run_ladder(step, pricer: SearchPricer, idx: np.ndarray, budget: int, *,
                first_slots: frozenset[str] = frozenset(), start_k: int = 1):
     """Cheapest rung (fewest children, from `start_k`) that fits. Returns (children, price).
     Raises InfeasibleError when no rung up to k = len(idx) fits."""

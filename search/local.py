@@ -10,19 +10,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.tolerances import BALANCE_GAIN_EPS
+
 from .kernels import add_atom, build_state, delta, remove_atom
 
 
 @njit(cache=True)
-def eliminate(atom_wave, nw, active, asize, candidates, aw, asptr, as_, acptr, ac,
-              sub_hdr, class_hdr, limit):
+def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
     """Empty light waves by moving their atoms into other waves (cheapest increase), up to
     `candidates` lightest waves per round, until no wave can be emptied. Returns the new
-    number of waves (atom_wave is updated in place, waves renumbered densely).
+    number of waves (atom_wave is updated in place, waves renumbered densely). `atoms`,
+    `hdr`: the items' `Pieces` and `Headers` (`greedy.atom_args`).
     O(rounds * candidates * A_w * W * P)."""
-    load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
-                                   sub_hdr, class_hdr)
-    P = sub_hdr.shape[1]
+    load, scnt, ccnt = build_state(atom_wave, nw, active, atoms, hdr)
+    P = hdr.sub.shape[1]
     tmp = np.empty(P)
     order_a = active[np.argsort(-asize[active], kind="mergesort")]
     moved_a = np.empty(active.shape[0], dtype=np.int64)
@@ -45,12 +46,10 @@ def eliminate(atom_wave, nw, active, asize, candidates, aw, asptr, as_, acptr, a
                 # choose among waves != c: cheapest increase
                 best = -1
                 best_key = 0.0
-                wa = aw[a]
                 for b in range(nw):
                     if b == c:
                         continue
-                    m = delta(load, scnt, ccnt, b, wa, asptr[a], asptr[a + 1], as_,
-                               acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp, limit)
+                    m = delta(load, scnt, ccnt, b, atoms, a, hdr, tmp, limit)
                     if m > limit:
                         continue
                     inc = 0.0
@@ -62,10 +61,8 @@ def eliminate(atom_wave, nw, active, asize, candidates, aw, asptr, as_, acptr, a
                 if best < 0:
                     ok = False
                     break
-                remove_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                             class_hdr)
-                add_atom(best, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                          class_hdr)
+                remove_atom(c, a, load, scnt, ccnt, atoms, hdr)
+                add_atom(best, a, load, scnt, ccnt, atoms, hdr)
                 atom_wave[a] = best
                 moved_a[nm] = a
                 moved_to[nm] = best
@@ -85,10 +82,8 @@ def eliminate(atom_wave, nw, active, asize, candidates, aw, asptr, as_, acptr, a
                 break
             for j in range(nm - 1, -1, -1):
                 a = moved_a[j]
-                remove_atom(moved_to[j], a, load, scnt, ccnt, aw, asptr, as_, acptr, ac,
-                             sub_hdr, class_hdr)
-                add_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                          class_hdr)
+                remove_atom(moved_to[j], a, load, scnt, ccnt, atoms, hdr)
+                add_atom(c, a, load, scnt, ccnt, atoms, hdr)
                 atom_wave[a] = c
         if not done:
             break
@@ -96,13 +91,11 @@ def eliminate(atom_wave, nw, active, asize, candidates, aw, asptr, as_, acptr, a
 
 
 @njit(cache=True)
-def balance(atom_wave, nw, active, max_moves, aw, asptr, as_, acptr, ac, sub_hdr,
-            class_hdr, limit):
+def balance(atom_wave, nw, active, max_moves, atoms, hdr, limit):
     """Move atoms out of the most loaded wave while that lowers the largest load, keeping
     every wave non-empty. In place; returns the number of moves. O(max_moves * A * W * P)."""
-    load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
-                                   sub_hdr, class_hdr)
-    P = sub_hdr.shape[1]
+    load, scnt, ccnt = build_state(atom_wave, nw, active, atoms, hdr)
+    P = hdr.sub.shape[1]
     tmp = np.empty(P)
     rem = np.empty(P)
     count = np.zeros(nw, dtype=np.int64)
@@ -121,24 +114,21 @@ def balance(atom_wave, nw, active, max_moves, aw, asptr, as_, acptr, ac, sub_hdr
             break
         best_a = -1
         best_b = -1
-        best_val = top_m - 1e-12
+        best_val = top_m - BALANCE_GAIN_EPS
         for i in range(active.shape[0]):
             a = active[i]
             if atom_wave[a] != top:
                 continue
             # load of `top` without a
-            remove_atom(top, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                         class_hdr)
+            remove_atom(top, a, load, scnt, ccnt, atoms, hdr)
             for p in range(P):
                 rem[p] = load[top, p]
-            add_atom(top, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
+            add_atom(top, a, load, scnt, ccnt, atoms, hdr)
             rm = rem.max()
-            wa = aw[a]
             for b in range(nw):
                 if b == top:
                     continue
-                m = delta(load, scnt, ccnt, b, wa, asptr[a], asptr[a + 1], as_,
-                           acptr[a], acptr[a + 1], ac, sub_hdr, class_hdr, tmp, limit)
+                m = delta(load, scnt, ccnt, b, atoms, a, hdr, tmp, limit)
                 if m > limit:
                     continue
                 val = max(m, rm)
@@ -148,10 +138,8 @@ def balance(atom_wave, nw, active, max_moves, aw, asptr, as_, acptr, ac, sub_hdr
                     best_b = b
         if best_a < 0:
             break
-        remove_atom(top, best_a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                     class_hdr)
-        add_atom(best_b, best_a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                  class_hdr)
+        remove_atom(top, best_a, load, scnt, ccnt, atoms, hdr)
+        add_atom(best_b, best_a, load, scnt, ccnt, atoms, hdr)
         atom_wave[best_a] = best_b
         count[top] -= 1
         count[best_b] += 1

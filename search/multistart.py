@@ -1,7 +1,7 @@
 """Randomised multistart, run only when the greedy leaves a gap to the lower bound.
 
 Each iteration perturbs the block order (size x exp(0.35 N(0,1))), draws a placement rule and
-mode, runs the greedy and then tries to empty the lightest waves (`greedy.eliminate`). The
+mode, runs the greedy and then tries to empty the lightest waves (`local.eliminate`). The
 random stream is numba's, seeded from (`seed`, chunk index), so a given number of iterations
 always gives the same plan.
 
@@ -11,7 +11,7 @@ with `deterministic=False` chunks run until the deadline, the iteration cap or t
 reached, so a run that hits its deadline can depend on the machine's speed (a run that
 stops on the cap or the target does not).
 
-Complexity: O(iterations x greedy run + eliminate), see `greedy`.
+Complexity: O(iterations x (greedy run + eliminate)), see `greedy` and `local`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ import numpy as np
 from numba import njit
 
 from .budget import runs_within
-from .greedy import LIMIT, greedy_run, kernel_args
+from .greedy import (
+    DRAWN_RULES,
+    ELIMINATE_CANDIDATES,
+    KEEP_BLOCKS,
+    NUM_MODES,
+    WORST_FIT,
+    greedy_inputs,
+    greedy_run,
+)
 from .items import Blocks, Items, atom_size
 from .local import eliminate
 
@@ -31,11 +39,11 @@ MAX_ITERS = 4096
 
 
 @njit(cache=True)
-def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, bptr, batoms, bw,
-                     bsptr, bs, bcptr, bc, balone, aw, asptr, as_, acptr, ac, aalone, sub_hdr,
-                     class_hdr, num_atoms, wmin, limit, best_assign, best_nw):
-    """Run `n_iter` randomised greedy + eliminate iterations; returns (best_assign, best_nw,
-    iterations done)."""
+def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, inputs, best_assign,
+                     best_nw):
+    """Run `n_iter` randomised greedy + eliminate iterations over `inputs` (a
+    `greedy.GreedyInputs`); `bsize`: the blocks' sizes (the order's sort key), `asize`: the
+    atoms' (`eliminate`'s). Returns (best_assign, best_nw, iterations done)."""
     np.random.seed(seed)
     nb = bsize.shape[0]
     key = np.empty(nb)
@@ -45,18 +53,16 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, bptr, ba
             key[i] = -bsize[i] * np.exp(0.35 * np.random.standard_normal())
         order = np.argsort(key, kind="mergesort")
         if fixed > 0:
-            rule = 3 if np.random.random() < 0.5 else np.random.randint(0, 3)
-            mode = 0
+            rule = WORST_FIT if np.random.random() < 0.5 else np.random.randint(0, DRAWN_RULES)
+            mode = KEEP_BLOCKS
         else:
-            rule = np.random.randint(0, 3)
-            mode = np.random.randint(0, 2)
-        assign, nw = greedy_run(order, rule, mode, fixed, bptr, batoms, bw, bsptr, bs, bcptr,
-                                bc, balone, aw, asptr, as_, acptr, ac, aalone, sub_hdr,
-                                class_hdr, num_atoms, wmin, limit)
+            rule = np.random.randint(0, DRAWN_RULES)
+            mode = np.random.randint(0, NUM_MODES)
+        assign, nw = greedy_run(order, rule, mode, fixed, inputs)
         done += 1
         if nw > 0 and fixed == 0:
-            nw = eliminate(assign, nw, active, asize, 8, aw, asptr, as_, acptr, ac, sub_hdr,
-                           class_hdr, limit)
+            nw = eliminate(assign, nw, active, asize, ELIMINATE_CANDIDATES, inputs.atoms,
+                           inputs.headers, inputs.limit)
         if nw > 0 and (best_nw < 0 or nw < best_nw):
             best_nw = nw
             best_assign = assign.copy()
@@ -80,7 +86,7 @@ def run_multistart(items: Items, blocks: Blocks, active: np.ndarray, *, target: 
     if best_assign is None:
         best_assign = -np.ones(items.num_atoms, dtype=np.int64)
         best_nw = -1
-    args = kernel_args(items, blocks)
+    inputs = greedy_inputs(items, blocks)
     asize = atom_size(items)
     iters, chunk = 0, 0
     while iters < max_iters and not (best_nw > 0 and best_nw <= target):
@@ -89,8 +95,7 @@ def run_multistart(items: Items, blocks: Blocks, active: np.ndarray, *, target: 
         n = min(CHUNK, max_iters - iters)
         s = (int(seed) * 1_000_003 + chunk * 7919 + 12345) % (2**31 - 1)
         best_assign, best_nw, done = multistart_chunk(
-            n, s, target, fixed, blocks.size, active, asize, *args[:-1], LIMIT,
-            best_assign, best_nw)
+            n, s, target, fixed, blocks.size, active, asize, inputs, best_assign, best_nw)
         iters += done
         chunk += 1
     return (best_assign if best_nw > 0 else None), best_nw, iters

@@ -36,8 +36,10 @@ repaired wave) otherwise, plus at most SWAP_TRIES exact prices per slot for the 
 from __future__ import annotations
 
 import numpy as np
+
 from waveplan.pricing.errors import InfeasibleError
 
+from .contract import SearchPricer
 from .items import Items
 from .ladder import run_ladder, unit_label
 from .prices import exact_price
@@ -53,7 +55,7 @@ ROOM_TRIES = 64     # exact prices spent looking for room for one atom of a repa
 class SlotInfo:
     """Gradient slot of each request (None when the request has no gradient)."""
 
-    def __init__(self, pricer, n: int):
+    def __init__(self, pricer: SearchPricer, n: int):
         class_of = np.asarray(pricer.class_of, dtype=np.int64)
         self.names = sorted({pricer.class_slot[k] for k in range(pricer.num_classes)
                              if pricer.class_grad[k]})
@@ -71,12 +73,12 @@ class SlotInfo:
         return [self.names[c] for c in present if c >= 0]
 
 
-def _price_with(d: Draft, items: Items, pricer, fs: frozenset[str]):
+def _price_with(d: Draft, items: Items, pricer: SearchPricer, fs: frozenset[str]):
     return exact_price(pricer, d.parts(items), fs)
 
 
-def _move_out(d: Draft, a: int, others: list[Draft], items: Items, pricer, budget: int,
-              allow_new: bool) -> Draft | None:
+def _move_out(d: Draft, a: int, others: list[Draft], items: Items, pricer: SearchPricer,
+              budget: int, allow_new: bool) -> Draft | None:
     """Put atom a into another flat draft where it fits exactly (lightest first), or a new
     draft. Returns the new draft if one was opened, raises if not allowed."""
     for o in sorted(others, key=lambda o: o.price.admitted_bytes):
@@ -93,8 +95,8 @@ def _move_out(d: Draft, a: int, others: list[Draft], items: Items, pricer, budge
     return nd
 
 
-def assign_first_slots(drafts: list[Draft], items: Items, pricer, step, budget: int,
-                       *, allow_new_waves: bool = True) -> list[Draft]:
+def assign_first_slots(drafts: list[Draft], items: Items, pricer: SearchPricer, step,
+                       budget: int, *, allow_new_waves: bool = True) -> list[Draft]:
     """Set first_slots and return the drafts in run order (see module docstring)."""
     info = SlotInfo(pricer, items.n)
     copies = [_copy(d) for d in drafts]
@@ -113,8 +115,8 @@ def _copy(d: Draft) -> Draft:
     return Draft(list(d.atoms), d.children, d.price, d.first_slots, d.fixed)
 
 
-def _assign(drafts: list[Draft], items: Items, pricer, step, budget: int, allow_new_waves: bool,
-            info: SlotInfo, swapped: list[bool] | None) -> list[Draft]:
+def _assign(drafts: list[Draft], items: Items, pricer: SearchPricer, step, budget: int,
+            allow_new_waves: bool, info: SlotInfo, swapped: list[bool] | None) -> list[Draft]:
     """`assign_first_slots`; exchanges (`_swap_carrier`) only when `swapped` is given, which
     records whether one was kept."""
     drafts = list(drafts)
@@ -157,7 +159,7 @@ def _assign(drafts: list[Draft], items: Items, pricer, step, budget: int, allow_
 
 
 def _bring_carrier(slot: str, drafts: list[Draft], leading: list[Draft], covered: set[str],
-                   info: SlotInfo, items: Items, pricer, budget: int,
+                   info: SlotInfo, items: Items, pricer: SearchPricer, budget: int,
                    may_drop: bool) -> Draft | None:
     """No wave holding `slot`'s gradients has room for its pending gradients: move one of its
     lightest gradient atoms (holding no other slot's gradients) into the roomiest flat wave
@@ -193,7 +195,7 @@ def _bring_carrier(slot: str, drafts: list[Draft], leading: list[Draft], covered
 
 
 def _swap_carrier(slot: str, cands: list[Draft], drafts: list[Draft], leading: list[Draft],
-                  covered: set[str], info: SlotInfo, items: Items, pricer,
+                  covered: set[str], info: SlotInfo, items: Items, pricer: SearchPricer,
                   budget: int) -> Draft | None:
     """No wave holding `slot`'s gradients fits with its pending gradients, and no carrier
     moves: exchange atoms between a candidate d (roomiest first) and the flat waves that run
@@ -217,7 +219,8 @@ def _swap_carrier(slot: str, cands: list[Draft], drafts: list[Draft], leading: l
 
 
 def _exchange(d: Draft, slot: str, others: list[Draft], covered: set[str], info: SlotInfo,
-              items: Items, pricer, budget: int, v: np.ndarray, tries: list[int]) -> bool:
+              items: Items, pricer: SearchPricer, budget: int, v: np.ndarray,
+              tries: list[int]) -> bool:
     """Exchange atoms until d fits with the pending gradients of the slots it holds first.
 
     One exchange moves an atom x of d (never its last gradient atom of `slot`) into another
@@ -296,7 +299,7 @@ def _exchange(d: Draft, slot: str, others: list[Draft], covered: set[str], info:
     return False
 
 
-def _move_to_room(d: Draft, others: list[Draft], carries, items: Items, pricer,
+def _move_to_room(d: Draft, others: list[Draft], carries, items: Items, pricer: SearchPricer,
                   budget: int) -> bool:
     """Move one atom of d into another flat wave where it fits exactly: non-carriers first,
     smallest first (they are the likeliest to fit the room left), always keeping one carrier
@@ -324,7 +327,7 @@ def _move_to_room(d: Draft, others: list[Draft], carries, items: Items, pricer,
 
 
 def _repair_candidate(cands: list[Draft], slot: str, covered: set[str], info: SlotInfo,
-                      items: Items, pricer, budget: int) -> Draft:
+                      items: Items, pricer: SearchPricer, budget: int) -> Draft:
     """The roomiest candidate whose lightest carrier of `slot` fits alone with the pending
     gradients (a unit may still climb the ladder); else the roomiest one."""
     for d in cands:
@@ -341,7 +344,8 @@ def _repair_candidate(cands: list[Draft], slot: str, covered: set[str], info: Sl
 
 
 def _repair(d: Draft, slot: str, drafts: list[Draft], leading: list[Draft], covered: set[str],
-            info: SlotInfo, items: Items, pricer, step, budget: int, allow_new: bool) -> Draft:
+            info: SlotInfo, items: Items, pricer: SearchPricer, step, budget: int,
+            allow_new: bool) -> Draft:
     if d.fixed:
         fs = frozenset(info.of(d.reqs(items)) - covered)
         children, price = run_ladder(step, pricer, d.reqs(items), budget, first_slots=fs,
@@ -394,8 +398,9 @@ def _repair(d: Draft, slot: str, drafts: list[Draft], leading: list[Draft], cove
             others.append(nd)
 
 
-def dissolve_after_order(drafts: list[Draft], items: Items, pricer, budget: int,
-                         max_prices: int, lower: int = 0) -> tuple[list[Draft], int]:
+def dissolve_after_order(drafts: list[Draft], items: Items, pricer: SearchPricer,
+                         budget: int, max_prices: int,
+                         lower: int = 0) -> tuple[list[Draft], int]:
     """Empty waves the order step left light, with the pending gradients priced in.
 
     The order step may add waves (a repaired carrier's atoms that fit nowhere before the

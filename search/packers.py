@@ -1,12 +1,18 @@
 """Entry point of the search: `pack(step, pricer, budget_bytes=...)` and the packer kinds.
 
+The options (packer, time budget, atomic units, wave count, seed, determinism) are one
+`SearchOptions` (`options`); the pricer is read through its contract (`contract`), its
+optional capabilities resolved once per search. Each step below is a named stage of
+`_search`: `_bound` (1-2), `_pack` (3-4: `_greedy`, `_improve`, `_exact`, `_merge`, or
+`_pack_exact_count`, a baseline), `_order` and `_retry_with_bound_room` (5), `_finish` (6).
+
 Pipeline (AUTO):
 1. items and constraints from the envelope and the step's trees (`items`; one request per
    gradient slot also weighs the slot's pending gradients, `pending`); every atom (atomic
    unit or request) that does not fit alone is priced exactly alone, and if that is over
    the budget climbs the split ladder (`ladder`); such atoms run alone.
 2. lower bounds: the envelope's (`bounds`), the greedy's target, and the bound valid under
-   exact prices (the pricer's `lower_bound_waves`), which decides step 4.
+   exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules, stopping at the envelope bound;
    only if a gap is left: randomised multistart (`multistart`), then CP-SAT (`exact_cpsat`)
    when the instance passes its size rule and `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
@@ -20,7 +26,8 @@ Pipeline (AUTO):
    with room for the pending gradients' upper bound and keeps the better plan.
 6. the full price (breakdown) of every wave that leaves the search (`reprice.finalise`);
    inside, exact prices are admitted bytes from the pricer's fast path (`prices`). Should
-   the two disagree, the search runs again on full prices only.
+   the two disagree, the search runs again on full prices only. Each wave carries the group
+   loads its full price was computed from when the pricer gives them.
 With `num_waves=N` step 3 looks for exactly N waves, balanced by moving atoms out of the
 most loaded wave (`local.balance`).
 
@@ -47,21 +54,32 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
-from waveplan.pricing.errors import ConfigError, InfeasibleError
+
+from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
 from .bounds import lower_bound
 from .budget import run_cost_us, runs_within, search_us
+from .contract import Pricer, SearchPricer, SearchStep
 from .exact_cpsat import fits_size_rule, solve_waves
 from .greedy import LIMIT, atom_args, pack_greedy
-from .items import Items, atom_size, blocks_for, build_items
+from .items import Blocks, Items, atom_size, blocks_for, build_items
 from .ladder import run_ladder
 from .local import balance
 from .multistart import iteration_cap, run_multistart
+from .options import (
+    BASELINE_KINDS,
+    DEFAULT_PACKER,
+    DEFAULT_SEED,
+    DEFAULT_TIME_BUDGET_MS,
+    PackerKind,
+    SearchOptions,
+    packer_kind,
+)
 from .order import assign_first_slots, dissolve_after_order
+from .pipeline import pack_pipeline, pipeline_model
 from .reprice import (
     Draft,
     dissolve_lightest,
@@ -78,18 +96,9 @@ EXACT_PACKER_SHARE = 0.8       # share of EXACT's time budget given to CP-SAT
 BALANCE_MOVES_PER_ATOM = 2
 DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave, per wave
 
-
-class PackerKind(StrEnum):
-    AUTO = "auto"
-    GREEDY = "greedy"
-    EXACT = "exact"
-    UNIFORM_WIDTH = "uniform-width"
-    FFD = "ffd"
-    KK = "kk"
-
-
 _BASELINES = {PackerKind.UNIFORM_WIDTH: baselines.uniform_width, PackerKind.FFD: baselines.ffd,
               PackerKind.KK: baselines.kk}
+assert set(_BASELINES) == BASELINE_KINDS
 
 
 @dataclass(frozen=True)
@@ -98,33 +107,142 @@ class Packer:
 
     kind: PackerKind
 
-    def pack(self, step, pricer, *, budget_bytes: int, time_budget_ms: float = 5.0,
-             atomic_units=(), num_waves: int | None = None, seed: int = 0,
+    def pack(self, step: SearchStep, pricer: Pricer, *, budget_bytes: int,
+             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, atomic_units=(),
+             num_waves: int | None = None, seed: int = DEFAULT_SEED,
              deterministic: bool = False) -> SearchResult:
-        return _run(self.kind, step, pricer, budget_bytes=budget_bytes,
-                    time_budget_ms=time_budget_ms, atomic_units=atomic_units,
-                    num_waves=num_waves, seed=seed, deterministic=deterministic)
+        options = SearchOptions(packer=self.kind, time_budget_ms=time_budget_ms,
+                                atomic_units=atomic_units, num_waves=num_waves, seed=seed,
+                                deterministic=deterministic)
+        return _run(step, pricer, int(budget_bytes), options)
 
 
 def make_packer(kind: PackerKind | str) -> Packer:
-    try:
-        return Packer(PackerKind(kind))
-    except ValueError:
-        raise ConfigError(f"packer={kind!r}: must be one of "
-                          f"{[k.value for k in PackerKind]}") from None
+    return Packer(packer_kind(kind))
 
 
-def pack(step, pricer, *, budget_bytes: int, packer: PackerKind | str = PackerKind.AUTO,
-         time_budget_ms: float = 5.0, atomic_units=(), num_waves: int | None = None,
-         seed: int = 0, deterministic: bool = False) -> SearchResult:
+def pack(step: SearchStep, pricer: Pricer, *, budget_bytes: int,
+         options: SearchOptions | None = None, packer: PackerKind | str = DEFAULT_PACKER,
+         time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, atomic_units=(),
+         num_waves: int | None = None, seed: int = DEFAULT_SEED,
+         deterministic: bool = False) -> SearchResult:
     """Cut the step's requests into waves that fit `budget_bytes` (admitted bytes per rank),
-    in as few waves as possible (or exactly `num_waves`). See the module docstring."""
-    return make_packer(packer).pack(step, pricer, budget_bytes=budget_bytes,
-                                    time_budget_ms=time_budget_ms, atomic_units=atomic_units,
-                                    num_waves=num_waves, seed=seed, deterministic=deterministic)
+    in as few waves as possible (or exactly `num_waves`). The search options come either as
+    `options` or as the keyword arguments of `SearchOptions`, not both. See the module
+    docstring."""
+    keywords = SearchOptions(packer=packer, time_budget_ms=time_budget_ms,
+                             atomic_units=atomic_units, num_waves=num_waves, seed=seed,
+                             deterministic=deterministic)
+    if options is None:
+        options = keywords
+    elif keywords != SearchOptions():
+        raise bad(ConfigError, "options", options,
+                  "give the search options either as `options` or as keyword arguments, "
+                  "not both")
+    return _run(step, pricer, int(budget_bytes), options)
 
 
-def _prepare(items: Items, step, pricer, budget: int) -> tuple[list[Draft], np.ndarray]:
+def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) -> SearchResult:
+    """One search; a pipeline (PP > 1) is packed against its in-flight window (`pipeline`)."""
+    model = pipeline_model(pricer)
+    if model is not None:
+        return pack_pipeline(step, SearchPricer.of(pricer), budget, options, _search, model)
+    return _search(step, SearchPricer.of(pricer), budget, options)
+
+
+# --- one search, in stages ---------------------------------------------------------------------
+
+
+@dataclass
+class _Search:
+    """What the stages of one search share: its inputs, the packing items, the atoms that
+    run alone, the bounds, the time budget, and the stats it reports."""
+
+    step: SearchStep
+    pricer: SearchPricer
+    budget: int
+    options: SearchOptions
+    reserve: str             # room for the pending gradients: "measured" or "bound"
+    t0: float                # perf_counter at the start
+    stats: dict
+    items: Items
+    fixed: list[Draft]       # atoms over the envelope alone: they run alone (`_prepare`)
+    active: np.ndarray       # the other atoms, packed together
+    split: list[Draft]       # the fixed atoms that run as split children
+    lower: int               # envelope bound of the active atoms (CP-SAT may raise it)
+    bound: int               # bound valid under exact prices, fixed atoms included
+    left_us: float           # microseconds for the greedy and the multistart
+    deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
+    solver_s: float          # CP-SAT's share of the time budget, wall seconds
+    exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
+
+    @property
+    def kind(self) -> PackerKind:
+        return self.options.packer
+
+    @property
+    def num_fixed(self) -> int:
+        return len(self.fixed)
+
+    @property
+    def num_points(self) -> int:
+        return len(self.items.points)
+
+
+def _search(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchOptions,
+            reserve: str = "measured") -> SearchResult:
+    """One search (see the module docstring): bound, pack, order, then either the retry with
+    room for the pending gradients' upper bound, or the full prices of the waves. O(greedy
+    runs x atoms x waves x points + exact prices, bounded per wave)."""
+    t0 = time.perf_counter()
+    n = len(step.requests)
+    num_waves = options.num_waves
+    if num_waves is not None and num_waves > n:
+        raise InfeasibleError(f"num_waves={num_waves}: more waves than the step's {n} "
+                              f"requests")
+    stats: dict = {"greedy_waves": 0, "greedy_runs": 0, "multistart_iterations": 0,
+                   "exact_status": "not-run", "merges": 0, "split_units": 0, "order_added": 0,
+                   "pending_room": reserve}
+    if n == 0:
+        stats["time_ms"] = (time.perf_counter() - t0) * 1e3
+        return SearchResult((), 0, True, options.packer.value, stats)
+    s = _bound(step, pricer, budget, options, reserve, t0, stats)
+    drafts = _pack(s)
+    drafts, before_order = _order(s, drafts)
+    retry = _retry_with_bound_room(s, drafts, before_order)
+    if retry is not None:
+        return retry
+    return _finish(s, drafts)
+
+
+def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchOptions,
+           reserve: str, t0: float, stats: dict) -> _Search:
+    """Stages 1-2: the items, the atoms that run alone (`_prepare`), the envelope bound, the
+    bound valid under exact prices (it decides whether exact-price merging is tried), and the
+    time budget: the exact re-pricing set aside, the rest for the greedy and the multistart.
+    O(n P) plus one exact price (or ladder) per atom over the envelope alone."""
+    items = build_items(step, pricer, budget, options.atomic_units, reserve_pending=reserve)
+    stats["envelope_points"] = len(items.points)
+    fixed, active = _prepare(items, step, pricer, budget)
+    F = len(fixed)
+    split = [d for d in fixed if d.children is not None]
+    stats["split_units"] = len(split)
+    lower = lower_bound(items, active)
+    # the valid bound first: a plan that meets it needs no exact-price merging
+    bound = _valid_lower_bound(pricer, budget, lower + F, split, items)
+    kind, ms = options.packer, options.time_budget_ms
+    left_us = search_us(ms, lower + F)
+    return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
+                   t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
+                   lower=lower, bound=bound, left_us=left_us,
+                   deadline=None if options.deterministic else t0 + left_us / 1e6,
+                   solver_s=exact_budget_s(kind, ms),
+                   exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
+                                                         and ms >= EXACT_MIN_BUDGET_MS))
+
+
+def _prepare(items: Items, step: SearchStep, pricer: SearchPricer,
+             budget: int) -> tuple[list[Draft], np.ndarray]:
     """Atoms over the envelope alone: exact price alone, else the ladder. They run alone."""
     A = items.num_atoms
     if A == 0:
@@ -136,6 +254,147 @@ def _prepare(items: Items, step, pricer, budget: int) -> tuple[list[Draft], np.n
         fixed.append(Draft([int(a)], children if len(children) > 1 else None, price,
                            fixed=True))
     return fixed, np.flatnonzero(~over).astype(np.int64)
+
+
+def _pack(s: _Search) -> list[Draft]:
+    """Stages 3-4: the drafts, exactly priced, by packer and constraint: a baseline packer,
+    the atoms that run alone only, exactly `num_waves` waves, or as few waves as possible."""
+    if s.kind in BASELINE_KINDS:
+        s.stats["greedy_waves"] = None
+        return _BASELINES[s.kind](s.items, s.step, s.pricer, s.budget, s.active) + s.fixed
+    num_waves = s.options.num_waves
+    if len(s.active) == 0:
+        if num_waves is not None and num_waves != s.num_fixed:
+            raise InfeasibleError(f"num_waves={num_waves}: every unit runs alone, "
+                                  f"so the plan has exactly {s.num_fixed} waves")
+        return list(s.fixed)
+    if num_waves is not None:
+        return _pack_exact_count(s, num_waves)
+    blocks = blocks_for(s.items, s.active)
+    assign, nw, runs = _greedy(s, blocks)
+    exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
+    assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
+    assign, nw = _exact(s, assign, nw, exact_fits)
+    drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
+    drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
+    return _merge(s, drafts)
+
+
+def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
+    """Group-aware greedy runs (`greedy`) against the envelope, stopping at its bound, within
+    the time budget (or the run count it buys when deterministic). Returns (assign, waves,
+    runs)."""
+    max_runs = (max(1, runs_within(s.left_us, len(s.active), s.lower, s.num_points))
+                if s.options.deterministic else None)
+    assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
+                                   max_runs=max_runs)
+    s.stats["greedy_waves"] = nw + s.num_fixed
+    s.stats["greedy_runs"] = runs
+    return assign, nw, runs
+
+
+def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
+             exact_fits: bool) -> tuple[np.ndarray, int]:
+    """Randomised multistart (`multistart`) when a gap to the envelope bound is left: AUTO,
+    or EXACT when CP-SAT cannot take the model. It gets what the greedy runs left of the
+    time budget (half of it when CP-SAT follows). Returns (assign, waves)."""
+    kind = s.kind
+    if not (nw > s.lower and (kind == PackerKind.AUTO or (kind == PackerKind.EXACT
+                                                          and not exact_fits))):
+        return assign, nw
+    A, P = len(s.active), s.num_points
+    left_us = s.left_us - runs * run_cost_us(A, s.lower, P)
+    if s.exact_ok and exact_fits:   # CP-SAT follows with its own share
+        left_us *= 1.0 - EXACT_BUDGET_SHARE
+    max_iters = iteration_cap(left_us, A, nw, P)
+    assign, nw, it = run_multistart(s.items, blocks, s.active, target=s.lower,
+                                    best_assign=assign, best_nw=nw, seed=s.options.seed,
+                                    deadline=s.deadline, max_iters=max_iters)
+    s.stats["multistart_iterations"] = it
+    return assign, nw
+
+
+def _exact(s: _Search, assign: np.ndarray, nw: int, exact_fits: bool) -> tuple[np.ndarray, int]:
+    """CP-SAT (`exact_cpsat`) when a gap is left and it may run: it proves or improves the
+    plan within its share of the time budget, and its proof raises the envelope bound (and
+    so the valid bound of a pricer without its own). Returns (assign, waves)."""
+    if not (nw > s.lower and s.exact_ok):
+        return assign, nw
+    if not exact_fits:
+        s.stats["exact_status"] = "too-large"
+        return assign, nw
+    assign, nw, s.lower, st = solve_waves(s.items, s.active, best_assign=assign, best_nw=nw,
+                                          lower=s.lower, budget_s=s.solver_s,
+                                          seed=s.options.seed)
+    s.stats["exact_status"] = st
+    s.bound = _valid_lower_bound(s.pricer, s.budget, s.lower + s.num_fixed, s.split, s.items)
+    return assign, nw
+
+
+def _merge(s: _Search, drafts: list[Draft]) -> list[Draft]:
+    """The exact price may leave room the envelope did not: merge pairs of waves and (not
+    GREEDY) empty the lightest wave into the others (`reprice`), unless the plan already
+    meets a bound valid under exact prices (the envelope bound of a pricer without
+    `BoundedPricer` is not one, so such plans always try)."""
+    floor = s.bound if s.pricer.bounded is not None else 1
+    if len(drafts) <= floor:
+        return drafts
+    before = len(drafts)
+    drafts, _ = merge_waves(drafts, s.items, s.pricer, s.budget, floor)
+    if s.kind != PackerKind.GREEDY and len(drafts) > floor:
+        drafts, _ = dissolve_lightest(drafts, s.items, s.pricer, s.budget,
+                                      DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8, floor)
+    s.stats["merges"] = before - len(drafts)
+    return drafts
+
+
+def _pack_exact_count(s: _Search, num_waves: int) -> list[Draft]:
+    """Exactly `num_waves` waves (the fixed atoms among them): the greedy, then the
+    multistart and CP-SAT if it needs more waves (not GREEDY), every empty wave given an atom,
+    balanced by moving atoms out of the most loaded wave (`local.balance`), exactly priced.
+    InfeasibleError when no such plan is found or the exact prices need another count."""
+    F, items, active, lower = s.num_fixed, s.items, s.active, s.lower
+    if num_waves - F < lower:
+        raise InfeasibleError(f"num_waves={num_waves}: below the lower bound of "
+                              f"{lower + F} waves")
+    n_waves = num_waves - F
+    A = len(active)
+    if n_waves > A:
+        raise InfeasibleError(f"num_waves: needs {n_waves} waves for the packable requests but "
+                              f"they form only {A} atoms (atomic units count as one)")
+    blocks = blocks_for(items, active)
+    assign, nw, runs = pack_greedy(items, blocks, n_waves, fixed=n_waves)
+    s.stats["greedy_runs"] = runs
+    if nw < 0:
+        assign, nw, _ = pack_greedy(items, blocks, lower)
+        if nw > n_waves and s.kind != PackerKind.GREEDY:
+            max_iters = iteration_cap(s.left_us, A, num_waves, s.num_points)
+            assign, nw, it = run_multistart(items, blocks, active, target=n_waves,
+                                            best_assign=assign, best_nw=nw,
+                                            seed=s.options.seed, deadline=s.deadline,
+                                            max_iters=max_iters)
+            s.stats["multistart_iterations"] = it
+        if nw > n_waves and s.kind != PackerKind.GREEDY:
+            res, rnw, _, st = solve_waves(items, active, best_assign=None, best_nw=-1,
+                                          lower=lower, budget_s=s.solver_s,
+                                          seed=s.options.seed, exact_count=n_waves)
+            s.stats["exact_status"] = st
+            if res is not None:
+                assign, nw = res, rnw
+        if nw > n_waves:
+            raise InfeasibleError(f"num_waves={n_waves}: no plan with that many waves found "
+                                  f"(lower bound {lower}, best found {nw})")
+    assign = assign.copy()
+    _fill_empty(assign, active, n_waves, items)
+    moves = balance(assign, n_waves, active, BALANCE_MOVES_PER_ATOM * A + 8, *atom_args(items),
+                    LIMIT)
+    s.stats["balance_moves"] = int(moves)
+    drafts = drafts_from_assign(items, active, assign, n_waves) + s.fixed
+    drafts = reprice_all(drafts, items, s.pricer, s.step, s.budget)
+    if len(drafts) != num_waves:
+        raise InfeasibleError(f"num_waves={num_waves}: exact re-pricing needed "
+                              f"{len(drafts)} waves")
+    return drafts
 
 
 def _fill_empty(assign: np.ndarray, active: np.ndarray, waves: int, items: Items) -> None:
@@ -151,192 +410,56 @@ def _fill_empty(assign: np.ndarray, active: np.ndarray, waves: int, items: Items
         counts[b] += 1
 
 
-def _exact_count(items, blocks, active, n_waves, lower, kind, seed, deadline, max_iters,
-                 solver_s, stats):
-    """Exactly n_waves envelope waves, balanced. Returns assign."""
-    A = len(active)
-    if n_waves > A:
-        raise InfeasibleError(f"num_waves: needs {n_waves} waves for the packable requests but "
-                              f"they form only {A} atoms (atomic units count as one)")
-    assign, nw, runs = pack_greedy(items, blocks, n_waves, fixed=n_waves)
-    stats["greedy_runs"] = runs
-    if nw < 0:
-        assign, nw, _ = pack_greedy(items, blocks, lower)
-        if nw > n_waves and kind != PackerKind.GREEDY:
-            assign, nw, it = run_multistart(items, blocks, active, target=n_waves,
-                                            best_assign=assign, best_nw=nw, seed=seed,
-                                            deadline=deadline, max_iters=max_iters)
-            stats["multistart_iterations"] = it
-        if nw > n_waves and kind != PackerKind.GREEDY:
-            res, rnw, _, st = solve_waves(items, active, best_assign=None, best_nw=-1,
-                                          lower=lower, budget_s=solver_s, seed=seed,
-                                          exact_count=n_waves)
-            stats["exact_status"] = st
-            if res is not None:
-                assign, nw = res, rnw
-        if nw > n_waves:
-            raise InfeasibleError(f"num_waves={n_waves}: no plan with that many waves found "
-                                  f"(lower bound {lower}, best found {nw})")
-    assign = assign.copy()
-    _fill_empty(assign, active, n_waves, items)
-    moves = balance(assign, n_waves, active, BALANCE_MOVES_PER_ATOM * A + 8, *atom_args(items),
-                    LIMIT)
-    stats["balance_moves"] = int(moves)
-    return assign
-
-
-def _run(kind: PackerKind, step, pricer, *, budget_bytes, time_budget_ms, atomic_units,
-         num_waves, seed, deterministic, reserve: str = "measured") -> SearchResult:
-    t0 = time.perf_counter()
-    budget = int(budget_bytes)
-    n = len(step.requests)
-    if num_waves is not None:
-        if isinstance(num_waves, bool) or not isinstance(num_waves, int | np.integer) \
-                or num_waves < 1:
-            raise ConfigError(f"num_waves={num_waves!r}: must be a positive integer or None")
-        if num_waves > n:
-            raise InfeasibleError(f"num_waves={num_waves}: more waves than the step's {n} "
-                                  f"requests")
-        if kind in _BASELINES:
-            raise ConfigError(f"num_waves={num_waves}: not supported by the {kind.value} "
-                              f"baseline packer")
-    if time_budget_ms <= 0:
-        raise ConfigError(f"time_budget_ms={time_budget_ms!r}: must be positive")
-    stats: dict = {"greedy_waves": 0, "greedy_runs": 0, "multistart_iterations": 0,
-                   "exact_status": "not-run", "merges": 0, "split_units": 0, "order_added": 0,
-                   "pending_room": reserve}
-    if n == 0:
-        stats["time_ms"] = (time.perf_counter() - t0) * 1e3
-        return SearchResult((), 0, True, kind.value, stats)
-    items = build_items(step, pricer, budget, atomic_units, reserve_pending=reserve)
-    stats["envelope_points"] = len(items.points)
-    fixed, active = _prepare(items, step, pricer, budget)
-    F = len(fixed)
-    split = [d for d in fixed if d.children is not None]
-    stats["split_units"] = len(split)
-    lower = lower_bound(items, active)
-    # the valid bound first: a plan that meets it needs no exact-price merging
-    bound = _valid_lower_bound(pricer, budget, lower + F, split, items)
-    # the time budget: set aside the exact re-pricing, then greedy runs and multistart
-    left_us = search_us(time_budget_ms, lower + F)
-    deadline = None if deterministic else t0 + left_us / 1e6
-    P = len(items.points)
-    max_runs = max(1, runs_within(left_us, len(active), lower, P)) if deterministic else None
-    solver_s = exact_budget_s(kind, time_budget_ms)
-    exact_ok = kind == PackerKind.EXACT or (kind == PackerKind.AUTO
-                                            and time_budget_ms >= EXACT_MIN_BUDGET_MS)
-    if kind in _BASELINES:
-        drafts = _BASELINES[kind](items, step, pricer, budget, active) + fixed
-        stats["greedy_waves"] = None
-    elif len(active) == 0:
-        drafts = list(fixed)
-        if num_waves is not None and num_waves != F:
-            raise InfeasibleError(f"num_waves={num_waves}: every unit runs alone, "
-                                  f"so the plan has exactly {F} waves")
-    elif num_waves is not None:
-        if num_waves - F < lower:
-            raise InfeasibleError(f"num_waves={num_waves}: below the lower bound of "
-                                  f"{lower + F} waves")
-        blocks = blocks_for(items, active)
-        assign = _exact_count(items, blocks, active, num_waves - F, lower, kind, seed,
-                              deadline, iteration_cap(left_us, len(active), num_waves, P),
-                              solver_s, stats)
-        drafts = drafts_from_assign(items, active, assign, num_waves - F) + fixed
-        drafts = reprice_all(drafts, items, pricer, step, budget)
-        if len(drafts) != num_waves:
-            raise InfeasibleError(f"num_waves={num_waves}: exact re-pricing needed "
-                                  f"{len(drafts)} waves")
-    else:
-        blocks = blocks_for(items, active)
-        assign, nw, runs = pack_greedy(items, blocks, lower, deadline=deadline,
-                                       max_runs=max_runs)
-        stats["greedy_waves"] = nw + F
-        stats["greedy_runs"] = runs
-        exact_fits = fits_size_rule(len(active), nw - 1, P, solver_s)
-        if nw > lower and (kind == PackerKind.AUTO or (kind == PackerKind.EXACT
-                                                       and not exact_fits)):
-            left_us -= runs * run_cost_us(len(active), lower, P)
-            if exact_ok and exact_fits:   # CP-SAT follows with its own share
-                left_us *= 1.0 - EXACT_BUDGET_SHARE
-            max_iters = iteration_cap(left_us, len(active), nw, P)
-            assign, nw, it = run_multistart(items, blocks, active, target=lower,
-                                            best_assign=assign, best_nw=nw, seed=seed,
-                                            deadline=deadline, max_iters=max_iters)
-            stats["multistart_iterations"] = it
-        if nw > lower and exact_ok:
-            if exact_fits:
-                assign, nw, lower, st = solve_waves(items, active, best_assign=assign,
-                                                    best_nw=nw, lower=lower,
-                                                    budget_s=solver_s, seed=seed)
-                stats["exact_status"] = st
-                # a proof raises the envelope bound (the bound of a pricer without its own)
-                bound = _valid_lower_bound(pricer, budget, lower + F, split, items)
-            else:
-                stats["exact_status"] = "too-large"
-        drafts = drafts_from_assign(items, active, assign, nw) + fixed
-        drafts = reprice_all(drafts, items, pricer, step, budget)
-        # The exact price may leave room the envelope did not: merge and rebalance, unless
-        # the plan already meets a bound valid under exact prices (the envelope bound of a
-        # pricer without `lower_bound_waves` is not one, so such plans always try).
-        floor = bound if hasattr(pricer, "lower_bound_waves") else 1
-        if len(drafts) > floor:
-            before = len(drafts)
-            drafts, _ = merge_waves(drafts, items, pricer, budget, floor)
-            if kind != PackerKind.GREEDY and len(drafts) > floor:
-                drafts, _ = dissolve_lightest(drafts, items, pricer, budget,
-                                              DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8,
-                                              floor)
-            stats["merges"] = before - len(drafts)
+def _order(s: _Search, drafts: list[Draft]) -> tuple[list[Draft], int]:
+    """Stage 5: which wave carries each slot's pending gradients, and the run order
+    (`order`); when that added waves (AUTO, EXACT, no `num_waves`), the light waves it left
+    are emptied into the others, pending gradients priced in. Returns (drafts in run order,
+    the wave count before)."""
+    num_waves = s.options.num_waves
     before_order = len(drafts)
-    drafts = assign_first_slots(drafts, items, pricer, step, budget,
+    drafts = assign_first_slots(drafts, s.items, s.pricer, s.step, s.budget,
                                 allow_new_waves=num_waves is None)
-    if (len(drafts) > max(bound, before_order) and num_waves is None
-            and kind not in _BASELINES and kind != PackerKind.GREEDY):
+    if (len(drafts) > max(s.bound, before_order) and num_waves is None
+            and s.kind not in BASELINE_KINDS and s.kind != PackerKind.GREEDY):
         # the order step added waves: empty the light ones, pending gradients priced in
-        drafts, _ = dissolve_after_order(drafts, items, pricer, budget,
-                                         DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8, bound)
-    stats["order_added"] = len(drafts) - before_order
-    if (reserve == "measured" and kind == PackerKind.AUTO and num_waves is None
-            and len(drafts) > max(bound, before_order)):
-        # the pending gradients cost waves: pack once more with room for their upper bound
-        # (see `pending`) and keep the better plan
-        alt = _run(kind, step, pricer, budget_bytes=budget_bytes, time_budget_ms=time_budget_ms,
-                   atomic_units=atomic_units, num_waves=num_waves, seed=seed,
-                   deterministic=deterministic, reserve="bound")
-        if len(alt.waves) < len(drafts):
-            return alt
-    waves = []
+        drafts, _ = dissolve_after_order(drafts, s.items, s.pricer, s.budget,
+                                         DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8, s.bound)
+    s.stats["order_added"] = len(drafts) - before_order
+    return drafts, before_order
+
+
+def _retry_with_bound_room(s: _Search, drafts: list[Draft],
+                           before_order: int) -> SearchResult | None:
+    """AUTO with room measured for the pending gradients, when they still cost waves: the
+    whole search once more with room for their upper bound (see `pending`); its result when
+    it has fewer waves, else None (keep these drafts)."""
+    if not (s.reserve == "measured" and s.kind == PackerKind.AUTO
+            and s.options.num_waves is None and len(drafts) > max(s.bound, before_order)):
+        return None
+    alt = _search(s.step, s.pricer, s.budget, s.options, reserve="bound")
+    return alt if len(alt.waves) < len(drafts) else None
+
+
+def _finish(s: _Search, drafts: list[Draft]) -> SearchResult:
+    """Stage 6: every wave's full price (with its breakdown and, when the pricer gives them,
+    its group loads; `reprice.finalise`), and the result. Should a full price disagree with
+    the fast admitted path (a pricing change the fast path does not know of), the search
+    runs again on full prices only, so no estimate leaves the search."""
+    waves: list[PackedWave] = []
     for d in drafts:
         carried = d.price.admitted_bytes
-        price = finalise(d, items, pricer)
-        if price.admitted_bytes != carried:
-            # the fast path disagrees with the full price (a pricing change it does not
-            # know of): plan again on full prices only, so no estimate leaves the search
-            return _run(kind, step, _FullPrices(pricer), budget_bytes=budget_bytes,
-                        time_budget_ms=time_budget_ms, atomic_units=atomic_units,
-                        num_waves=num_waves, seed=seed, deterministic=deterministic,
-                        reserve=reserve)
-        if price.admitted_bytes > budget:   # never leaves the search
-            raise AssertionError(f"internal: a wave priced {price.admitted_bytes} > {budget}")
-        children = tuple(np.sort(c).astype(np.int64) for c in d.parts(items))
-        waves.append(PackedWave(children=children, first_slots=frozenset(d.first_slots),
-                                price=price))
-    stats["lower_bound_envelope"] = lower + F
-    stats["time_ms"] = (time.perf_counter() - t0) * 1e3
-    return SearchResult(tuple(waves), min(bound, len(waves)), len(waves) <= bound, kind.value,
-                        stats)
-
-
-class _FullPrices:
-    """A pricer seen without its fast `admitted` path (every exact price is a full one)."""
-
-    def __init__(self, pricer):
-        self._pricer = pricer
-
-    def __getattr__(self, name):
-        if name == "admitted":
-            raise AttributeError(name)
-        return getattr(self._pricer, name)
+        wave = finalise(d, s.items, s.pricer)
+        if wave.price.admitted_bytes != carried:
+            return _search(s.step, s.pricer.full_prices_only(), s.budget, s.options,
+                           reserve=s.reserve)
+        if wave.price.admitted_bytes > s.budget:   # never leaves the search
+            raise AssertionError(f"internal: a wave priced {wave.price.admitted_bytes} > "
+                                 f"{s.budget}")
+        waves.append(wave)
+    s.stats["lower_bound_envelope"] = s.lower + s.num_fixed
+    s.stats["time_ms"] = (time.perf_counter() - s.t0) * 1e3
+    return SearchResult(tuple(waves), min(s.bound, len(waves)), len(waves) <= s.bound,
+                        s.kind.value, s.stats)
 
 
 def exact_budget_s(kind: PackerKind, time_budget_ms: float) -> float:
@@ -346,27 +469,24 @@ def exact_budget_s(kind: PackerKind, time_budget_ms: float) -> float:
     return share * time_budget_ms / 1e3
 
 
-def _valid_lower_bound(pricer, budget: int, envelope_bound: int, split: list, items) -> int:
+def _valid_lower_bound(pricer: SearchPricer, budget: int, envelope_bound: int, split: list,
+                       items: Items) -> int:
     """The wave count no plan can go below, under exact prices.
 
     The envelope bound only holds for plans packed against the envelope (exact re-pricing can
-    merge below it), so a pricer that offers `lower_bound_waves` (a bound on its exact price,
+    merge below it), so a pricer that offers `BoundedPricer` (a bound on its exact price,
     see `WavePricer.lower_bound_waves`) is trusted instead; a pricer without one keeps the
     envelope bound. A split unit (one that does not fit flat even alone) runs alone, so each
     is a wave of its own, and the pricer bounds the flat waves of the other requests.
     """
-    exact = getattr(pricer, "lower_bound_waves", None)
-    if exact is None:
+    if pricer.bounded is None:
         return envelope_bound
     if not split:
-        return int(exact(budget))
+        return int(pricer.bounded.lower_bound_waves(budget))
     taken = np.zeros(items.n, dtype=bool)
     for d in split:
         taken[d.reqs(items)] = True
     rest = np.flatnonzero(~taken)
     if len(rest) == 0:
         return len(split)
-    try:
-        return len(split) + int(exact(budget, requests=rest))
-    except TypeError:   # a pricer that bounds only the whole step
-        return len(split) + 1
+    return len(split) + int(pricer.bounded.lower_bound_waves(budget, requests=rest))

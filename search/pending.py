@@ -8,10 +8,11 @@ the wave that packs it keeps the room.
 
 How much: "measured" is what carrying them adds to that request's exact price alone (one
 exact price with and one without; it tracks the walk point where the gradients bind, but a
-full wave may bind elsewhere); "bound" is the pricer's upper bound (`WavePricer.pending_bytes`:
-all of the slot's adapter gradients at every point), safe but loose when the gradients bind
-at a layer where only part of them is allocated. The search packs with "measured" and, when
-the order step still had to add waves, once more with "bound", keeping the better plan.
+full wave may bind elsewhere); "bound" is the pricer's upper bound (its `PendingPricer`
+capability, `WavePricer.pending_bytes`: all of the slot's adapter gradients at every point),
+safe but loose when the gradients bind at a layer where only part of them is allocated. The
+search packs with "measured" and, when the order step still had to add waves, once more with
+"bound", keeping the better plan.
 
 Complexity: O(n P) plus two exact prices per slot.
 """
@@ -20,22 +21,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from waveplan.pricing.tolerances import FIT_EPS
+
+from .contract import SearchPricer
 from .prices import exact_price
 
-LIMIT = 1.0 - 1e-9
+LIMIT = 1.0 - FIT_EPS
 
 
-def pending_bytes(pricer, slot: str, carrier: int, mode: str) -> float:
-    """What carrying `slot`'s pending gradients adds to a wave (see the module docstring)."""
-    own = getattr(pricer, "pending_bytes", None)
-    if mode == "bound" and own is not None:
-        return float(own(slot))
+def pending_bytes(pricer: SearchPricer, slot: str, carrier: int, mode: str) -> float:
+    """What carrying `slot`'s pending gradients adds to a wave (see the module docstring); a
+    pricer without the `PendingPricer` capability has them measured in either mode."""
+    if mode == "bound" and pricer.pending is not None:
+        return float(pricer.pending.pending_bytes(slot))
     one = [np.asarray([carrier], dtype=np.int64)]
     return float(max(0, exact_price(pricer, one, frozenset({slot})).admitted_bytes
                      - exact_price(pricer, one).admitted_bytes))
 
 
-def reserve_room(pricer, req_w: np.ndarray, alone: np.ndarray, cap: np.ndarray,
+def reserve_room(pricer: SearchPricer, req_w: np.ndarray, alone: np.ndarray, cap: np.ndarray,
                  class_of: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """New (req_w, alone) with each gradient slot's pending gradients on one request."""
     grad = pricer.class_grad

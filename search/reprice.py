@@ -4,8 +4,9 @@ where the exact price leaves room.
 Every wave leaving the search has been priced exactly (with its children and first_slots) and
 its admitted bytes are <= budget: a wave over the budget is split by moving its largest atoms
 into a new wave until both fit. Inside the search an exact price is only its admitted bytes
-(`exact_price`: the pricer's `admitted` when it has one, an `Admitted`); `finalise` gives
-the waves that leave the search their full price (`pricer.price`, with the breakdown).
+(`exact_price`: the pricer's `admitted` when it offers one, an `Admitted`); `finalise` turns
+each draft into the `PackedWave` that leaves the search: its full price (with the breakdown)
+and, when the pricer gives them, its group loads, the full price computed from those.
 
 Merging (only while the plan is above the bound): pairs of flat waves, lightest first, are
 tried when an estimate (the envelope of the union x the larger exact/envelope ratio of the
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .contract import SearchPricer
 from .items import Items
 from .ladder import run_ladder
 from .prices import Admitted, exact_price
 from .reprice_jit import merge_candidates, wave_loads_jit
+from .result import PackedWave
 
 MERGE_TRIES_PER_WAVE = 6   # exact prices per wave (the fast path makes each a few us)
 
@@ -71,23 +74,34 @@ def drafts_from_assign(items: Items, active: np.ndarray, assign: np.ndarray,
     return [Draft(atoms=g.tolist()) for g in groups if len(g)]
 
 
-def price_draft(d: Draft, items: Items, pricer) -> object:
+def price_draft(d: Draft, items: Items, pricer: SearchPricer) -> object:
     d.price = exact_price(pricer, d.parts(items), d.first_slots)
     return d.price
 
 
-def finalise(d: Draft, items: Items, pricer) -> object:
-    """The draft's full price (`pricer.price`); reuses the one it carries when it is full."""
-    if isinstance(d.price, Admitted):
-        d.price = pricer.price(d.parts(items), first_slots=d.first_slots)
-    return d.price
+def finalise(d: Draft, items: Items, pricer: SearchPricer) -> PackedWave:
+    """The draft as a wave leaving the search: children ascending, the full price (the one it
+    carries when that is full, else `pricer.price`) and the group loads when the pricer
+    offers them (`LoadsPricer`: one layout per wave, the full price priced from the loads).
+    The draft keeps the full price. O(one full price)."""
+    children = tuple(np.sort(c).astype(np.int64) for c in d.parts(items))
+    loads = None
+    if pricer.loads is not None:
+        loads = tuple(pricer.loads.group_loads(children))
+        if isinstance(d.price, Admitted):
+            d.price = pricer.loads.price_loads(loads, first_slots=d.first_slots)
+    elif isinstance(d.price, Admitted):
+        d.price = pricer.price(children, first_slots=d.first_slots)
+    return PackedWave(children=children, first_slots=frozenset(d.first_slots), price=d.price,
+                      loads=loads)
 
 
 def _size(items: Items, a: int) -> float:
     return float(items.atom_alone[a].max()) if items.atom_alone.shape[1] else 0.0
 
 
-def reprice_all(drafts: list[Draft], items: Items, pricer, step, budget: int) -> list[Draft]:
+def reprice_all(drafts: list[Draft], items: Items, pricer: SearchPricer, step,
+                budget: int) -> list[Draft]:
     """Price every draft exactly; split flat drafts that are over the budget."""
     out: list[Draft] = []
     queue = list(drafts)
@@ -132,8 +146,8 @@ def wave_loads(drafts: list[Draft], items: Items) -> np.ndarray:
                           items.req_s, items.sub_class, items.sub_hdr, items.class_hdr)
 
 
-def merge_waves(drafts: list[Draft], items: Items, pricer, budget: int, lower: int,
-                max_prices: int | None = None) -> tuple[list[Draft], int]:
+def merge_waves(drafts: list[Draft], items: Items, pricer: SearchPricer, budget: int,
+                lower: int, max_prices: int | None = None) -> tuple[list[Draft], int]:
     """Merge pairs of flat drafts whose union fits when priced exactly, until the plan has
     `lower` waves (a valid bound: no merge can go below it). Candidates are pairs whose
     estimate (envelope of the sum of the two loads x the smaller exact/envelope ratio) is
@@ -172,8 +186,8 @@ def merge_waves(drafts: list[Draft], items: Items, pricer, budget: int, lower: i
     return flat + fixed, spent
 
 
-def dissolve_lightest(drafts: list[Draft], items: Items, pricer, budget: int,
-                      max_prices: int, lower: int = 0) -> tuple[list[Draft], int]:
+def dissolve_lightest(drafts: list[Draft], items: Items, pricer: SearchPricer,
+                      budget: int, max_prices: int, lower: int = 0) -> tuple[list[Draft], int]:
     """Rebalance: try to empty the lightest flat wave by moving its atoms (largest first)
     into the other flat waves (roomiest first) where the exact price still fits; repeat while
     it works and the plan is above `lower` (a valid bound). A failed attempt is rolled back.
@@ -206,8 +220,8 @@ def dissolve_lightest(drafts: list[Draft], items: Items, pricer, budget: int,
     return drafts, spent
 
 
-def empty_wave(c: Draft, atoms, targets, items: Items, pricer, budget: int, spent: int,
-               max_prices: int) -> tuple[bool, int]:
+def empty_wave(c: Draft, atoms, targets, items: Items, pricer: SearchPricer, budget: int,
+               spent: int, max_prices: int) -> tuple[bool, int]:
     """Move every atom of wave c, in the order `atoms`, into the first wave of `targets(a)`
     (an iterable per atom, in the caller's order) where it fits at its exact price, priced
     with that wave's first_slots. When an atom fits nowhere, every move is undone. Stops at

@@ -1,56 +1,36 @@
 """What the search returns: packed waves in run order, the bound and the stats.
 
-`SearchResult` is frozen; it knows nothing of plans or files (the planner turns it into a
-plan). `WavePrice` is the pricer's exact price of the wave as it runs (children and
-`first_slots` included).
+`SearchResult` is frozen; it knows nothing of plans or files (the planner wraps each
+`PackedWave` in a plan wave). A wave's `price` is the pricer's full exact price of the wave as
+it runs (children and `first_slots` included); its `loads` are the group loads that price was
+computed from, when the pricer offers them (`contract.LoadsPricer`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .contract import WavePrice
 
-class EnvelopeLike(Protocol):
-    const: np.ndarray      # float64[P]
-    presence: np.ndarray   # float64[P, K]
-    coef: np.ndarray       # float64[P, K, 3]
-
-
-class WavePriceLike(Protocol):
-    raw_bytes: int
-    admitted_bytes: int
-    binding: str
-    terms: dict[str, int]
-    basis: str
-
-
-class Pricer(Protocol):
-    """The pricer protocol the search codes against (`waveplan.pricing.wave_pricer.WavePricer`)."""
-
-    num_classes: int
-    class_of: np.ndarray
-    class_slot: tuple[str, ...]
-    class_grad: tuple[bool, ...]
-
-    def envelope(self) -> EnvelopeLike: ...
-
-    def price(self, children: Sequence[np.ndarray], *,
-              first_slots: frozenset[str] = frozenset()) -> WavePriceLike: ...
+if TYPE_CHECKING:
+    from waveplan.pricing.price import GroupLoad
 
 
 @dataclass(frozen=True)
 class PackedWave:
     """One wave. `children` holds one array for a flat wave, several for split children
     (sequential sub-forwards sharing one backward); request indices ascending in each.
-    `first_slots`: slots whose pending adapter gradients this wave carries."""
+    `first_slots`: slots whose pending adapter gradients this wave carries. `loads`: one
+    group load per (child, class) forward call, or None when the pricer does not give them."""
 
     children: tuple[np.ndarray, ...]
     first_slots: frozenset[str]
-    price: Any
+    price: WavePrice
+    loads: tuple[GroupLoad, ...] | None = field(default=None, repr=False)
 
     @property
     def requests(self) -> np.ndarray:
@@ -62,6 +42,35 @@ class PackedWave:
     @property
     def is_split(self) -> bool:
         return len(self.children) > 1
+
+
+class Wave(Protocol):
+    """What a checker reads of a wave: a `PackedWave`, or a planner's plan wave around one."""
+
+    @property
+    def children(self) -> tuple[np.ndarray, ...]: ...
+
+    @property
+    def first_slots(self) -> frozenset[str]: ...
+
+    @property
+    def price(self) -> WavePrice: ...
+
+    @property
+    def loads(self) -> Sequence[GroupLoad] | None: ...
+
+
+class Waves(Protocol):
+    """What a checker reads of a result: a `SearchResult`, or a planner's plan."""
+
+    @property
+    def waves(self) -> Sequence[Wave]: ...
+
+    @property
+    def lower_bound_waves(self) -> int: ...
+
+    @property
+    def proven_optimal(self) -> bool: ...
 
 
 @dataclass(frozen=True)

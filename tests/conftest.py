@@ -1,7 +1,6 @@
-"""Shared test set-up. NUMBA_CACHE_DIR must be set before numba is first imported."""
+"""Shared test set-up. numba's cache folder is the one the CLI and `make` use
+(`waveplan.pricing.jit_cache`), so tests load kernels compiled by either, and vice versa."""
 
 import os
-import tempfile
 
-os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "waveplan-numba-cache"))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -1,6 +1,11 @@
 """Test doubles for the search layer: a duck-typed step and an affine/nonlinear pricer.
 
-`FakePricer` implements the pricer protocol of `waveplan.search.result.Pricer`:
+The doubles implement the search contract (`waveplan.search.contract`; tested in
+test_search_contract.py): `FakeStep` is a `SearchStep`, `FakeEnvelope` a `SearchEnvelope`,
+`FakePricer` and `LinearPricer` are `Pricer`s with none of the optional capabilities (no fast
+admitted path, no pending bound, no lower bound of their own, no group loads), so the search
+takes its generic paths for them; `real_pricer` gives the real `WavePricer`, which has them all.
+`FakePricer` implements `Pricer` as follows:
 - the envelope has a few peak points, each affine in (packed rows, logical rows, segments)
   per gradient class, plus a constant and a per-class presence charge;
 - `price` is the envelope made slightly lower and nonlinear (`slack`), split children are

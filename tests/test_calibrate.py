@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from waveplan.planner.cli import main
-from waveplan.pricing import calibrate
 from waveplan.pricing.coefficients import load_table
+from waveplan.pricing.measure import calibrate
+from waveplan.pricing.measure.simplex import simplex
 
 TRACES = Path(__file__).resolve().parents[1] / "bench" / "results" / "traces_cpu_fake.jsonl"
 
@@ -104,23 +106,6 @@ def test_concatenated_traces_price_one_gdn_segment():
     assert rows == sum(rec["cell"]["seq_lens"]) and segments == 1
 
 
-def _lp_case():
-    # max x + y st x + 2y <= 4, 3x + y <= 6, x + y >= 1, x - y = 0.4 -> x = 1.6, y = 1.2
-    c = np.array([-1.0, -1.0])
-    a_ub = np.array([[1.0, 2.0], [3.0, 1.0], [-1.0, -1.0]])
-    b_ub = np.array([4.0, 6.0, -1.0])
-    a_eq = np.array([[1.0, -1.0]])
-    b_eq = np.array([0.4])
-    return c, a_ub, b_ub, a_eq, b_eq
-
-
-def test_simplex_solves_a_small_programme():
-    z = calibrate._simplex(*_lp_case())
-    assert z is not None and np.allclose(z, [1.6, 1.2])
-    c, a_ub, b_ub, a_eq, _ = _lp_case()
-    assert calibrate._simplex(c, a_ub, b_ub, a_eq, np.array([5.0])) is None  # infeasible
-
-
 def test_simplex_agrees_with_glop_on_a_fit():
     pytest.importorskip("ortools")
     records = [r for r in _grid() if r["cell"]["model"] in ("qwen3-8b", "qwen3-30b-a3b")][::3]
@@ -131,7 +116,7 @@ def test_simplex_agrees_with_glop_on_a_fit():
 
     def spy(*args):
         captured["args"] = args
-        return calibrate._simplex(*args)
+        return simplex(*args)
 
     original = calibrate.solve_lp
     calibrate.solve_lp = spy
@@ -141,7 +126,7 @@ def test_simplex_agrees_with_glop_on_a_fit():
         calibrate.solve_lp = original
     glop = original(*captured["args"])
     c = captured["args"][0]
-    ours = calibrate._simplex(*captured["args"])
+    ours = simplex(*captured["args"])
     assert x is not None and glop is not None
     assert c @ ours == pytest.approx(c @ glop, rel=1e-7, abs=1e-9)
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from waveplan.planner.cli import main
 
 
@@ -47,6 +49,7 @@ def test_inspect_bad_step_file_exits_2(tmp_path, capsys):
     assert err.count("\n") == 1 and f"{path}:2: " in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_inspect_subprocess(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "waveplan.planner.cli", "inspect", "--json"],
                         capture_output=True, text=True, check=False)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.pricing.atomic_io import write_json_atomic
 
@@ -91,6 +92,8 @@ def _soak():
 
 
 def test_quick_soak():
-    stats = _soak().soak(cases=100, seed=1234, time_limit_s=18.0)
-    assert stats.cases >= 50, stats
+    """Bounded by case count, not wall-clock time: the same 50 cases on any machine."""
+    stats = _soak().soak(cases=50, seed=1234, time_limit_s=None)
+    assert stats.cases == 50, stats
+    assert stats.plans >= 25, stats  # most cases plan (the rest raise documented errors)
     assert not stats.failures, stats.failures[:3]

@@ -12,6 +12,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from waveplan.pricing.errors import ConfigError, WaveplanError
 from waveplan.pricing.geometry import (
     AttentionSpec,

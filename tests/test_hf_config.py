@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.geometry import MixerKind, MlpKind
 from waveplan.pricing.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config

@@ -26,8 +26,10 @@ import json
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from waveplan.planner import Planner
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 from waveplan.pricing.geometry import AttentionSpec, GdnSpec, LayerSpec, ModelGeometry, MoeSpec
@@ -35,7 +37,7 @@ from waveplan.pricing.lora import ALL_TARGETS, LoraConfig, LoraSlot
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import list_presets, load_preset
 from waveplan.pricing.step import Request, Step
-from waveplan.search import PackedWave, PackerKind, SearchResult, check_plan
+from waveplan.search import PackerKind, check_plan
 
 GIB = 2**30
 PIB = 2**50  # the planner's largest budget
@@ -249,13 +251,6 @@ def budgets(draw):
 # --- helpers -------------------------------------------------------------------------------
 
 
-def as_result(plan) -> SearchResult:
-    """The plan as a SearchResult, for `check_plan`."""
-    waves = tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                             first_slots=w.first_slots, price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)
-
-
 def plan_json(plan) -> str:
     data = plan.to_dict()
     data.pop("planning_ms")
@@ -276,6 +271,7 @@ def feasible_budget(planner: Planner, step: Step) -> int:
 # --- properties ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=300, **RANDOM)
 @given(geometry=geometries, data=st.data())
 def test_a_layout_is_refused_exactly_when_it_breaks_a_documented_rule(geometry, data):
@@ -293,6 +289,7 @@ def test_a_layout_is_refused_exactly_when_it_breaks_a_documented_rule(geometry, 
     assert not problems, f"layout {layout} accepted despite {sorted(problems)}"
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, **RANDOM)
 @given(geometry=geometries, step=steps(), budget=budgets(), data=st.data())
 def test_random_plans_keep_the_invariants_and_are_deterministic(geometry, step, budget, data):
@@ -375,7 +372,7 @@ def test_random_plans_keep_the_invariants_and_are_deterministic(geometry, step, 
     budget_bytes = int(min(free) if isinstance(free, list) else free)
     assert plan.budget_bytes == budget_bytes
     assert plan.packer == PackerKind(packer).value
-    check_plan(step, planner.pricer(step), as_result(plan), budget_bytes=budget_bytes,
+    check_plan(step, planner.pricer(step), plan, budget_bytes=budget_bytes,
                atomic_units=units, num_waves=num_waves)
     again = make_planner(args).plan(step, free, **kwargs)  # a fresh planner: no shared state
     assert plan_json(again) == plan_json(plan), "planning is not deterministic"

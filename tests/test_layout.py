@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from waveplan.pricing.errors import ConfigError, StepError
 from waveplan.pricing.layout import (
     LayoutCounts,
@@ -169,14 +170,14 @@ def test_padding():
     rows = [5, 8, 1]
     assert padded_rows(rows, 4) == 8 + 8 + 4
     assert num_padding_rows(rows, 4) == 6
-    assert padding_segments(rows, 4) == 6  # each pad token is its own root segment (seed 000)
+    assert padding_segments(rows, 4) == 6  # each pad token is a root segment (docs/memory-model.md#layouts)
     assert padded_rows(rows, 1) == 14 and num_padding_rows([], 4) == 0
     with pytest.raises(ConfigError, match="multiple=0"):
         padded_rows(rows, 0)
 
 
 def test_busiest_cp_rank_rows():
-    # Seed 003: the 4k pair ran as two unshared 4,096-row sequences: 4,096 rows on a CP2 rank.
+    # docs/memory-model.md#layouts: the 4k pair ran unshared, two 4,096-row sequences: 4,096 per CP2 rank.
     assert busiest_cp_rank_rows([4096, 4096], cp=2, tp=1, sequence_parallel=False) == 4096
     # CP1: the packed rows, padded to TP under sequence parallelism only.
     assert busiest_cp_rank_rows([10, 3], cp=1, tp=1, sequence_parallel=False) == 13

@@ -68,7 +68,7 @@ def _expected_targets(geometry: ModelGeometry) -> tuple[str, ...]:
 
 @pytest.fixture
 def megatron_tp1():
-    from waveplan.pricing.megatron_shim import init_single_process
+    from waveplan.pricing.measure.megatron_shim import init_single_process
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,11 +76,13 @@ def megatron_tp1():
             yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_round_trips_through_a_meta_model(megatron_tp1, name):
     import torch
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
+
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
 
     geometry = _preset(name)
     model = build_gpt(geometry, device="meta", lora_rank=16)  # full size, no memory
@@ -98,8 +100,8 @@ def test_preset_round_trips_through_a_meta_model(megatron_tp1, name):
 
 @pytest.mark.parametrize("mode", ["full", "selective", "none"])
 def test_recompute_and_partial_lora_read_back(megatron_tp1, mode):
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
 
     geometry = _tiny(3)
     recompute = Recompute(mode=mode)
@@ -117,8 +119,8 @@ def test_recompute_and_partial_lora_read_back(megatron_tp1, mode):
 
 
 def test_no_lora_gives_no_slots(megatron_tp1):
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
 
     model = build_gpt(_tiny(), device="meta")
     _, _, _, lora = geometry_from_megatron(model)
@@ -128,8 +130,9 @@ def test_no_lora_gives_no_slots(megatron_tp1):
 
 def test_unknown_mixer_module_is_named(megatron_tp1):
     from torch import nn
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
+
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
 
     class MysteryMixer(nn.Module):
         pass
@@ -143,8 +146,9 @@ def test_unknown_mixer_module_is_named(megatron_tp1):
 def test_peft_style_adapters_are_found(megatron_tp1):
     import torch
     from torch import nn
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
+
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
 
     class PeftLinear(nn.Module):
         def __init__(self, base, rank):
@@ -166,9 +170,9 @@ def test_peft_style_adapters_are_found(megatron_tp1):
 
 def test_tensor_parallel_layout_reads_global_sizes():
     """TP=2 through torch's fake process group: per-rank modules, global geometry."""
-    from waveplan.pricing.live_geometry import geometry_from_megatron
-    from waveplan.pricing.megatron_build import build_gpt
-    from waveplan.pricing.megatron_shim import init_single_process
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
+    from waveplan.pricing.measure.megatron_shim import init_single_process
 
     geometry = _preset("qwen3-8b")
     with warnings.catch_warnings():

@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
-from waveplan.planner import Plan, Planner, Request, Step, load_step
+
+from waveplan.planner import Planner, Request, Step, load_step
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.parallel import ParallelLayout
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.step import bundled_step
-from waveplan.search import PackedWave, SearchResult, check_plan
+from waveplan.search import check_plan
 
 GIB = 2**30
 WAVE_KEYS = {"index", "requests", "packed_tokens", "logical_tokens", "segments", "raw_bytes",
-             "admitted_bytes", "budget_bytes", "binding", "basis", "first_slots", "terms", "children"}
+             "admitted_bytes", "budget_bytes", "binding", "basis", "first_slots", "terms", "children",
+             "request_indices", "child_indices"}
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +30,9 @@ def step():
     return load_step(bundled_step("grpo-8x8"))
 
 
-def as_result(plan: Plan) -> SearchResult:
-    waves = tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                             first_slots=w.first_slots, price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)
-
-
 def test_plan_grpo_8x8_is_valid_and_proven(planner, step):
     plan = planner.plan(step, free_bytes=40 * GIB)
-    check_plan(step, planner.pricer(step), as_result(plan), budget_bytes=40 * GIB)
+    check_plan(step, planner.pricer(step), plan, budget_bytes=40 * GIB)
     assert plan.proven_optimal and plan.num_waves == plan.lower_bound_waves
     assert sorted(i for w in plan.waves for i in w.request_ids) == sorted(step.ids)
     assert sum(1 for w in plan.waves if w.first_slots) == 1
@@ -88,7 +83,7 @@ def test_bad_budgets_name_free_bytes_and_the_value(planner, step, bad):
 def test_split_children_and_atomic_units(planner, step):
     unit = list(range(8))
     plan = planner.plan(step, free_bytes=12 * GIB, atomic_units=[unit])
-    check_plan(step, planner.pricer(step), as_result(plan), budget_bytes=12 * GIB, atomic_units=[unit])
+    check_plan(step, planner.pricer(step), plan, budget_bytes=12 * GIB, atomic_units=[unit])
     holder = next(w for w in plan.waves if "g0-c0" in w.request_ids)
     assert set(holder.request_ids) == {f"g0-c{i}" for i in range(8)}
     d = plan.to_dict()["waves"][holder.index]
@@ -100,7 +95,7 @@ def test_split_children_and_atomic_units(planner, step):
 def test_num_waves_is_honoured(planner, step):
     plan = planner.plan(step, free_bytes=40 * GIB, num_waves=4)
     assert plan.num_waves == 4
-    check_plan(step, planner.pricer(step), as_result(plan), budget_bytes=40 * GIB, num_waves=4)
+    check_plan(step, planner.pricer(step), plan, budget_bytes=40 * GIB, num_waves=4)
 
 
 def test_step_forms_and_keyword_only_constructor(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 
 import pytest
+
 from waveplan.planner import plot
 from waveplan.planner.study import StudyResult, StudyRow
 from waveplan.pricing.errors import ConfigError

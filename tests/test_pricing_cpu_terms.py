@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from waveplan.pricing import terms
 from waveplan.pricing.coefficients import OPTIONAL_TERMS, load_table
 from waveplan.pricing.geometry import MixerKind

@@ -1,10 +1,11 @@
-"""The seeds' numbers as tests (each test names its seed)."""
+"""The measured figures of docs/memory-model.md#evidence as tests (test_seedNNN: source NNN)."""
 
 import dataclasses
 import itertools
 
 import numpy as np
 import pytest
+
 from waveplan.pricing.geometry import MixerKind
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
@@ -12,7 +13,7 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import GroupLoad, price_groups, rank_rows
 from waveplan.pricing.terms import gdn_state_per_segment
-from waveplan.pricing.walk import walk
+from waveplan.pricing.walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 
 GB = 1e9
 GIB = 2**30
@@ -97,7 +98,7 @@ def test_seed002_controlled_measurement_covered(name, measured):
 @pytest.mark.parametrize("mode,busiest_rows,observed_gib,previous_gib", [
     ("selective", 4096, 62.918, 117.374), ("selective", 2048, 31.518, 69.123)])
 def test_seed003_dense_cp2_cells(mode, busiest_rows, observed_gib, previous_gib):
-    # 27B pair at CP2: the seed fixes the 4k pair's busiest rank at 4,096 rows; we read the
+    # 27B pair at CP2: source 003 fixes the 4k pair's busiest rank at 4,096 rows; we read the
     # 2k pair the same way (2,048 rows on the busiest rank, padded rows = 2 x that).
     model = PricingModel.build(load_preset("qwen3.8-27b"), parallel=ParallelLayout(cp=2),
                                recompute=Recompute(mode=mode))
@@ -136,10 +137,12 @@ def test_seed004_closed_form_worst_order_matches_brute_force(seed):
     slots = np.arange(n_groups)
     carries = rng.random(n_groups) < 0.7
     zeros = np.zeros(n_layers)
-    best, _ = walk(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                   rows, np.zeros(n_groups), np.zeros(n_groups), np.ones(n_groups, np.bool_),
-                   slots, carries)
-    assert best[0] == pytest.approx(_brute_force_orders(retained, workspace, pending, rows, slots, carries))
+    charges = WalkCharges(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0)
+    groups = WalkGroups(rows, np.zeros(n_groups), np.zeros(n_groups), np.ones(n_groups, np.bool_),
+                        slots, carries)
+    best, _ = walk(charges, 0.0, groups)
+    assert best[PEAK_BYTES] == pytest.approx(
+        _brute_force_orders(retained, workspace, pending, rows, slots, carries))
 
 
 def test_seed004_pending_gradients_first_wave_only():

@@ -1,12 +1,12 @@
-"""Learning from observed peaks: the pricing rules of profiles, seed 002, and profile files."""
+"""Learning from observed peaks: profile pricing (docs/memory-model.md#learned-profiles), profile files."""
 
 from __future__ import annotations
 
 import json
 import math
 
-import numpy as np
 import pytest
+
 from waveplan.planner import Planner
 from waveplan.planner.profiles import (
     Observation,
@@ -135,11 +135,11 @@ def test_raised_profile_replans_within_budget(planner_factory):
         assert wave.raw_bytes >= math.ceil(1.4 * wave.static_raw_bytes)
         assert wave.admitted_bytes <= 30 * GIB
     pricer = planner.pricer(step)
-    check_plan(step, pricer, _as_result(again), budget_bytes=again.budget_bytes)
+    check_plan(step, pricer, again, budget_bytes=again.budget_bytes)
 
 
 def test_seed_002_single_request_profile_does_not_price_shared_batch_by_logical_tokens(planner_factory):
-    """Seed 002: after a single-request calibration step (sharing ratio 1.0), the first shared
+    """docs/memory-model.md#learned-profiles: after a single-request step (sharing 1.0), the first shared
     batch (16,205 packed / 109,065 logical tokens) was priced by its logical tokens: 56.3 GiB
     predicted against 6.9 GiB observed."""
     planner = planner_factory()
@@ -218,11 +218,3 @@ def test_inconsistent_aggregates_are_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="aggregates"):
         load_profiles(path)
-
-
-def _as_result(plan):
-    """A SearchResult-like view of a Plan for `check_plan`."""
-    from waveplan.search import PackedWave, SearchResult
-    waves = tuple(PackedWave(children=tuple(np.asarray(c) for c in w.children),
-                             first_slots=w.first_slots, price=w.breakdown) for w in plan.waves)
-    return SearchResult(waves, plan.lower_bound_waves, plan.proven_optimal, plan.packer)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+
 from waveplan.planner import Planner, load_step
+from waveplan.planner.cli import main
 from waveplan.planner.report import (
     PlanOptions,
     build_report,
@@ -15,7 +18,7 @@ from waveplan.planner.report import (
     write_report,
 )
 from waveplan.pricing.errors import ConfigError
-from waveplan.pricing.step import bundled_step
+from waveplan.pricing.step import Request, Step, bundled_step, materialize_tokens
 
 GIB = 2**30
 
@@ -137,3 +140,58 @@ def test_build_report_round_trips_the_model(written):
     assert loaded.planner.model.to_dict() == planner.model.to_dict()
     report = build_report(loaded.planner, loaded.step, written[1], loaded.options)
     assert report["requests"] == loaded.step.to_length_form()
+
+
+def _nested_token_step() -> Step:
+    """Token form with nested sharing: a system prompt under every request, three prompts
+    under it, completions under each (one pair of duplicates, one completion that is a prefix
+    of another), and two requests that share nothing."""
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 1000, 600)
+    requests = []
+    for p in range(3):
+        prompt = np.concatenate([system, rng.integers(0, 1000, 900 + 300 * p)])
+        tails = [rng.integers(0, 1000, int(k)) for k in rng.integers(500, 4000, 5)]
+        tails.append(tails[0])                        # a duplicate
+        tails.append(np.concatenate([tails[1], rng.integers(0, 1000, 700)]))  # extends another
+        for c, tail in enumerate(tails):
+            requests.append(Request.from_tokens(f"p{p}-c{c}", np.concatenate([prompt, tail]),
+                                                grad=c != 3))
+    requests += [Request.from_tokens(f"solo{k}", rng.integers(1000, 2000, 3000)) for k in range(2)]
+    return Step.from_requests(requests)
+
+
+@pytest.mark.parametrize("form", ["length", "token-materialized", "token-nested"])
+def test_report_round_trip_replays_identically(form, tmp_path):
+    """Both forms, with shared prefixes: the stored requests rebuild the same step and the
+    replay is identical (a token-form report used to store lossy length-form lines)."""
+    step = load_step(bundled_step("grpo-8x8"))
+    if form == "token-materialized":
+        step = materialize_tokens(step)
+    elif form == "token-nested":
+        step = _nested_token_step()
+    planner = Planner.from_preset("qwen3.8-27b", tp=4, sequence_parallel=True)
+    options = PlanOptions(seed=1, deterministic=True)
+    plan = planner.plan(step, free_bytes=(10 if form == "token-nested" else 30) * GIB, **options.kwargs())
+    assert len(plan.waves) >= 2
+    path = tmp_path / "report.json"
+    write_report(path, planner, step, plan, options)
+    data = json.loads(path.read_text())
+    assert ("tree_position" in data["requests"][0]) == step.is_token_form
+    loaded = read_report(path)
+    assert loaded.step.is_token_form == step.is_token_form and loaded.step.ids == step.ids
+    for name in ("group_of", "prefix_rows", "own_rows", "rank", "lcp_table", "length_at", "slots", "grads"):
+        assert getattr(loaded.step, name).tolist() == getattr(step, name).tolist(), name
+    assert replay(path)[1] == []
+
+
+def test_cli_token_form_report_replays_with_exit_0(tmp_path, capsys):
+    """The reported bug: `waveplan plan TOKENS.jsonl --report r.json`, then `waveplan replay`."""
+    steps = tmp_path / "tokens.jsonl"
+    steps.write_text("".join(json.dumps({"id": r.id, "tokens": r.tokens.tolist(), "grad": r.grad}) + "\n"
+                             for r in _nested_token_step().requests))
+    report = tmp_path / "r.json"
+    assert main(["plan", str(steps), "--free-gib", "10", "--report", str(report)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(report)]) == 0
+    assert "replay identical" in capsys.readouterr().out

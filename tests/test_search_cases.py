@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from search_fakes import FakePricer, LinearPricer, grpo_step, make_step, pricers, singles_step
+
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import PackerKind, check_plan, make_packer, pack
 from waveplan.search.ladder import split_children
@@ -110,11 +111,11 @@ def _ffd_trap():
 
 def test_greedy_misses_optimum_exact_finds_it():
     step, pricer, budget = _ffd_trap()
-    greedy = pack(step, pricer, budget_bytes=budget, packer=PackerKind.GREEDY)
+    greedy = pack(step, pricer, budget_bytes=budget, packer=PackerKind.GREEDY, deterministic=True)
     check_plan(step, pricer, greedy, budget_bytes=budget)
     assert len(greedy.waves) == 3 and not greedy.proven_optimal
     assert greedy.lower_bound_waves == 2
-    exact = pack(step, pricer, budget_bytes=budget, packer=PackerKind.EXACT)
+    exact = pack(step, pricer, budget_bytes=budget, packer=PackerKind.EXACT, deterministic=True)
     check_plan(step, pricer, exact, budget_bytes=budget)
     assert len(exact.waves) == 2 and exact.proven_optimal
     assert exact.stats["exact_status"] == "optimal"
@@ -146,12 +147,12 @@ def test_exact_count_balances_and_refuses(pname, make):
     step = grpo_step(3, 64)
     step, pricer = make(step)
     budget = _relative_budget(step, pricer, 3.0)
-    base = pack(step, pricer, budget_bytes=budget)
+    base = pack(step, pricer, budget_bytes=budget, deterministic=True)
     lb = base.lower_bound_waves
     for N in (lb, lb + 1, lb + 3, 64):
-        res = pack(step, pricer, budget_bytes=budget, num_waves=N)
+        res = pack(step, pricer, budget_bytes=budget, num_waves=N, deterministic=True)
         check_plan(step, pricer, res, budget_bytes=budget, num_waves=N)
-    res = pack(step, pricer, budget_bytes=budget, num_waves=lb + 3)
+    res = pack(step, pricer, budget_bytes=budget, num_waves=lb + 3, deterministic=True)
     prices = [w.price.admitted_bytes for w in res.waves]
     assert max(prices) - min(prices) < 0.5 * budget
     with pytest.raises(InfeasibleError, match="num_waves=65"):
@@ -164,6 +165,7 @@ def test_exact_count_balances_and_refuses(pname, make):
 
 def test_first_gradient_wave_gets_most_room_and_runs_first():
     # waves {4000 a, 3000 b} and {2500 b, 2000 a}: the roomier one carries a's gradients
+    from waveplan.search.contract import SearchPricer
     from waveplan.search.items import build_items
     from waveplan.search.order import assign_first_slots
     from waveplan.search.reprice import Draft, price_draft
@@ -171,12 +173,13 @@ def test_first_gradient_wave_gets_most_room_and_runs_first():
     step = make_step([(0, [4000]), (0, [2000]), (0, [3000]), (0, [2500])],
                      slots=["a", "a", "b", "b"], grads=[True, True, False, False])
     pricer = LinearPricer(step, first_cost=1000)
+    seen = SearchPricer.of(pricer)   # the pricer as the search's stages take it
     budget = 7001
     items = build_items(step, pricer, budget, reserve_pending=None)
     drafts = [Draft([0, 2]), Draft([1, 3])]
     for d in drafts:
-        price_draft(d, items, pricer)
-    waves = assign_first_slots(drafts, items, pricer, step, budget)
+        price_draft(d, items, seen)
+    waves = assign_first_slots(drafts, items, seen, step, budget)
     assert [w.atoms for w in waves] == [[1, 3], [0, 2]]
     assert waves[0].first_slots == frozenset({"a"}) and not waves[1].first_slots
     assert waves[0].price.admitted_bytes == 5500

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from search_fakes import grpo_step, make_step, pricers
+
 from waveplan.pricing.errors import InfeasibleError
 from waveplan.search import PackerKind, check_plan, pack
 from waveplan.search.ladder import split_children
@@ -89,8 +90,8 @@ def test_every_packer_keeps_invariants(pname, make, kind, step, factor, data):
 def test_exact_packer_keeps_invariants(pname, make, step, factor):
     step, pricer = make(step)
     budget = feasible_budget(step, pricer, factor)
-    res = _run_checked(step, pricer, PackerKind.EXACT, budget, time_budget_ms=20.0)
-    auto = _run_checked(step, pricer, PackerKind.GREEDY, budget)
+    res = _run_checked(step, pricer, PackerKind.EXACT, budget, time_budget_ms=20.0, deterministic=True)
+    auto = _run_checked(step, pricer, PackerKind.GREEDY, budget, deterministic=True)
     assert len(res.waves) <= len(auto.waves)
 
 
@@ -98,16 +99,18 @@ def test_exact_packer_keeps_invariants(pname, make, step, factor):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step=steps(), factor=st.floats(1.0, 6.0), data=st.data())
 def test_exact_wave_count(pname, make, step, factor, data):
+    """num_waves=N gives exactly N waves (check_plan) whenever N lies above the count the
+    packer reaches on its own, up to one request per wave; at or below that count the search
+    may refuse with an InfeasibleError naming num_waves (and never with another one)."""
     step, pricer = make(step)
     budget = feasible_budget(step, pricer, factor)
-    base = pack(step, pricer, budget_bytes=budget)
     n = len(step.requests)
-    lo = base.lower_bound_waves
-    if lo > n:
-        return
-    N = data.draw(st.integers(max(lo, 1), n))
     for kind in (PackerKind.AUTO, PackerKind.GREEDY):
-        _run_checked(step, pricer, kind, budget, num_waves=N)
+        own = len(pack(step, pricer, budget_bytes=budget, packer=kind, deterministic=True).waves)
+        N = data.draw(st.integers(1, n), label=f"num_waves ({kind.value})")
+        res = _run_checked(step, pricer, kind, budget, num_waves=N, deterministic=True)
+        assert res is not None or N <= own, \
+            f"{kind.value}: num_waves={N} refused, but the packer alone reaches {own} waves"
 
 
 @pytest.mark.parametrize("pname,make", PRICERS, ids=[p[0] for p in PRICERS])
@@ -118,8 +121,8 @@ def test_grpo_steps_all_packers(pname, make, n):
         step, pricer = make(step)
         budget = feasible_budget(step, pricer, 2.5)
         counts = {}
-        for kind in FAST:
-            res = _run_checked(step, pricer, kind, budget)
+        for kind in FAST:  # deterministic: how much the search does must not depend on the clock
+            res = _run_checked(step, pricer, kind, budget, deterministic=True)
             counts[kind] = len(res.waves)
         assert counts[PackerKind.AUTO] <= min(counts.values())
 
@@ -161,6 +164,7 @@ def test_auto_never_needs_more_waves_than_a_baseline(preset, kw, gen):
     what a token-budget packer checked exactly does not pay) and token-form steps with nested
     prompts, at tight and loose budgets: auto <= uniform-width, ffd and kk on every step."""
     from search_fakes import layout_model, sft_step, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     model = layout_model(preset, **kw)
@@ -181,6 +185,7 @@ def test_skipping_merges_at_the_valid_bound_keeps_the_plan(n, monkeypatch):
     """A plan that meets the valid bound skips exact-price merging; forcing the merging on
     (a bound of 1) must leave such a plan as it is: nothing can merge below the bound."""
     from search_fakes import real_pricer
+
     from waveplan.search import packers
 
     def plan():
@@ -210,6 +215,7 @@ def test_exact_solver_charges_its_time_budget(monkeypatch):
     """CP-SAT's wall-clock share becomes model sizes and deterministic seconds: no model when
     building it would not fit, and a solve limited to what is left after building it."""
     from search_fakes import LinearPricer, singles_step
+
     from waveplan.search import exact_cpsat
     from waveplan.search.items import build_items
 
@@ -260,6 +266,7 @@ def test_token_steps_with_nested_prompts_keep_invariants(kind, seed, n, factor, 
     """Token-form steps (radix-tree items, nested prompts), with atomic units and, for the
     search packers, an exact wave count."""
     from search_fakes import layout_model, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     step = token_step(seed, n)
@@ -282,6 +289,7 @@ PENDING_SEEDS = (0, 2, 16, 22, 38, 44, 69, 79, 113)
 
 def test_auto_large_pending_gradients_never_loses_to_a_baseline():
     from search_fakes import layout_model, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     model = layout_model("qwen3.8-27b", tp=4, sp=True)
@@ -309,6 +317,7 @@ ORDER_LOSSES = (("qwen3-8b", {}, 6), ("qwen3.8-27b", {"tp": 4, "sp": True}, 8),
                          ids=[f"{p}-{sorted(k.items())}-{s}" for p, k, s in ORDER_LOSSES])
 def test_auto_order_step_added_waves_never_lose_to_a_baseline(preset, kw, seed):
     from search_fakes import layout_model, token_step
+
     from waveplan.pricing.wave_pricer import WavePricer
 
     model = layout_model(preset, **kw)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from waveplan.pricing.errors import StepError, WaveplanError
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import (
@@ -17,6 +18,7 @@ from waveplan.pricing.step import (
     list_bundled_steps,
     load_step,
     materialize_tokens,
+    step_from_tree_form,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,6 +124,64 @@ def test_token_form_to_length_form_never_shares_more(tmp_path):
     assert full.packed_rows == 7 + 2
 
 
+# Nested shared prompts, a duplicate pair, a request that is a prefix of others, one that
+# shares nothing, two slots and a no-grad request.
+NESTED = [[1, 2, 3], [1, 2, 3], [1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 5, 7], [8, 9], [1, 2, 5, 6, 0, 4],
+          [1, 2]]
+
+
+def _nested_step() -> Step:
+    return Step.from_requests(
+        Request.from_tokens(f"r{i}", s, slot="b" if i % 3 == 2 else "default", grad=i != 5)
+        for i, s in enumerate(NESTED))
+
+
+def _tree_arrays(step: Step) -> dict:
+    names = ("lengths", "group_of", "prefix_rows", "own_rows", "slots", "grads", "rank",
+             "lcp_table", "length_at")
+    return {name: getattr(step, name).tolist() for name in names} | {"slot_names": step.slot_names}
+
+
+def test_token_form_tree_round_trip_keeps_the_tree():
+    step = _nested_step()
+    lines = json.loads(json.dumps(step.to_tree_form()))
+    assert lines[0] == {"id": "r0", "num_tokens": 3, "tree_position": 1, "shared_tokens": 2}
+    assert lines[5] == {"id": "r5", "num_tokens": 2, "tree_position": 7, "shared_tokens": 0,
+                        "slot": "b", "grad": False}
+    again = step_from_tree_form(lines)
+    assert again.is_token_form and again.ids == step.ids and again.requests == step.requests
+    assert _tree_arrays(again) == _tree_arrays(step)
+    assert again.to_tree_form() == lines
+    for subset in ([0, 1], [2, 3, 6], [3, 4, 6, 7], range(8)):
+        a, b = layout(step, list(subset)), layout(again, list(subset))
+        assert (a.packed_rows, a.segments, a.sequence_rows.tolist()) == \
+            (b.packed_rows, b.segments, b.sequence_rows.tolist())
+
+
+def test_tree_form_round_trip_of_a_bundled_step_in_token_form():
+    step = materialize_tokens(load_step(bundled_step("grpo-8x8")))
+    again = step_from_tree_form(json.loads(json.dumps(step.to_tree_form())))
+    assert _tree_arrays(again) == _tree_arrays(step)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda ls: ls.clear(), r"requests=\[\]"),
+    (lambda ls: ls[1].update(tree_position=ls[0]["tree_position"]), r"requests\[1\].tree_position=1: .*distinct"),
+    (lambda ls: ls[0].update(num_tokens=0), r"requests\[0\].num_tokens=0"),
+    (lambda ls: ls[2].update(shared_tokens=9), r"requests\[2\].shared_tokens=9: exceeds"),
+    (lambda ls: ls[0].pop("shared_tokens"), r"requests\[0\].shared_tokens=None: missing field"),
+    (lambda ls: ls[0].update(tokens=[1]), r"requests\[0\].tokens=\[1\]: unknown field"),
+    # r0 and r1 are equal: swapping their places puts equal requests out of request order
+    (lambda ls: ls[0].update(tree_position=2, shared_tokens=3) or ls[1].update(tree_position=1, shared_tokens=2),
+     r"describe no prefix tree"),
+])
+def test_tree_form_errors_name_the_field(edit, match):
+    lines = _nested_step().to_tree_form()
+    edit(lines)
+    with pytest.raises(StepError, match=match):
+        step_from_tree_form(lines)
+
+
 # --- step files ---------------------------------------------------------------------------
 
 
@@ -164,7 +224,7 @@ GOOD_T = '{"id": "ok", "tokens": [1, 2]}'
     ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": "4", "completion_tokens": 2}'], 2, "prompt_tokens='4'"),
     ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": 0, "completion_tokens": 2}'], 2, "prompt_tokens=0"),
     ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": -3, "completion_tokens": 2}'], 2, "prompt_tokens=-3"),
-    ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": 4, "completion_tokens": 0}'], 2, "completion_tokens=0"),
+    ([GOOD, '{"id": "a", "prompt": "g", "prompt_tokens": 4, "completion_tokens": -1}'], 2, "completion_tokens=-1"),
     ([GOOD, '{"id": "a", "completion_tokens": 1.5}'], 2, "completion_tokens=1.5"),
     ([GOOD, '{"id": "a", "prompt": 5, "prompt_tokens": 4, "completion_tokens": 2}'], 2, "prompt=5"),
     ([GOOD, '{"id": "a", "prompt": "g", "completion_tokens": 2}'], 2, "prompt_tokens: missing field"),

@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+
 from waveplan.planner.cli import main
 from waveplan.planner.study import GeneratorSpec, StudyResult, Variant, run_study, steps_from_dir
 from waveplan.pricing.errors import ConfigError, StepError
@@ -82,6 +83,11 @@ def test_counts_are_consistent(result, small_grpo, tmp_path):
     table = result.table()
     assert "auto" in table and "ffd" in table
     assert f"auto needs fewer waves than ffd on {fewer} steps, more on {more}" in table
+    for row in result.rows:   # per step: waves, bound, settled (meets the bound) or open
+        assert row.status == ("settled" if row.waves == row.lower_bound else "open")
+        assert f"{row.step}  {row.variant:<7} {row.waves:>6} {row.lower_bound:>6}  {row.status}" \
+            in table
+    assert [r["status"] for r in rows] == [r.status for r in result.rows]
 
 
 def test_study_from_a_directory(model, tmp_path):

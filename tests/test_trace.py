@@ -32,7 +32,7 @@ TINY = ModelGeometry(name="tiny", hidden=256, ffn=768, vocab=1024, layers=((A, D
 
 
 def _trace(geometry, **kw):
-    from waveplan.pricing.trace import trace_wave
+    from waveplan.pricing.measure.trace import trace_wave
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -43,6 +43,7 @@ def _close(a: int, b: int, rel: float = 0.01) -> bool:
     return abs(a - b) <= rel * max(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "none"])
 def test_fake_and_real_cpu_peaks_agree(mode):
     kw = dict(seq_lens=[200, 312], recompute=Recompute(mode=mode))  # 512 tokens, THD
@@ -63,6 +64,7 @@ def test_recompute_lowers_the_decoder_peak():
     assert full.decoder_peak_bytes < none.decoder_peak_bytes
 
 
+@pytest.mark.slow
 def test_moe_fake_and_real_agree():
     geometry = ModelGeometry(name="tiny-moe", hidden=128, ffn=0, vocab=512,
                              layers=((A, M),) * 2, attention=AttentionSpec(4, 2, 32),
@@ -75,6 +77,7 @@ def test_moe_fake_and_real_agree():
     assert any("balanced router" in n for n in fake.notes)
 
 
+@pytest.mark.slow
 def test_gdn_hybrid_fake_and_real_agree():
     geometry = ModelGeometry(name="tiny-hybrid", hidden=128, ffn=256, vocab=512,
                              layers=((G, D), (A, D)), attention=AttentionSpec(4, 2, 32, True),

@@ -63,8 +63,8 @@ def _check_ranks(trace: dict, world: int) -> None:
 @pytest.mark.slow
 def test_cli_tp2_sp_reports_every_rank_and_matches_the_rank0_shard(tmp_path, capsys):
     from waveplan.planner.cli import main
-    from waveplan.pricing.calibrate import _check_record
-    from waveplan.pricing.trace import trace_wave
+    from waveplan.pricing.measure.calibrate import _check_record
+    from waveplan.pricing.measure.trace import trace_wave
 
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
@@ -134,6 +134,7 @@ def test_cp2_loss_equals_one_rank_and_rows_halve():
 def _ring_worker(rank, cp, init, lens, out):  # pragma: no cover - runs in a spawned process
     import torch
     import torch.distributed as dist
+
     from waveplan.pricing.measure.ring_attention import cp_split, ring_attention
 
     torch.set_num_threads(1)

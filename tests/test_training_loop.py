@@ -17,7 +17,7 @@ runs, so "observed so far" means the waves of earlier steps. Asserted:
 * the static estimate (the torch-cpu table alone, no profile), raw and so admitted, >= the
   wave's measured peak on every wave: the table's calibration evidence includes this model's
   shape (bench/validation_study.py, small cells), and the prefix-tree attention keeps no
-  per-segment key/value copies or masks the planner does not price (pricing/trace.py);
+  per-segment key/value copies or masks the planner does not price (pricing/measure/trace.py);
 * tightening: where the rule's premise holds (the wave's ratio <= r <= 1), the estimate lies
   between the peak and the static estimate; summed over the profiled waves, the estimates
   are strictly closer to the peaks than the static ones.
@@ -139,7 +139,7 @@ def test_the_loss_is_finite_and_falls(run):
 
 def _tiny_model():
     from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
-    from waveplan.pricing.megatron_build import build_gpt
+    from waveplan.pricing.measure.megatron_build import build_gpt
     from waveplan.pricing.parallel import Recompute
 
     geometry = ModelGeometry(name="tiny", hidden=128, ffn=384, vocab=512,
@@ -152,8 +152,9 @@ def _tiny_model():
 
 def test_a_prefix_tree_wave_trains_like_its_sequences_run_apart():
     import torch
-    from waveplan.pricing.megatron_shim import init_single_process
-    from waveplan.pricing.training_wave import PromptGroup, run_training_wave
+
+    from waveplan.pricing.measure.megatron_shim import init_single_process
+    from waveplan.pricing.measure.training_wave import PromptGroup, run_training_wave
 
     gen = torch.Generator().manual_seed(0)
     prompt = tuple(torch.randint(0, 512, (40,), generator=gen).tolist())
@@ -192,10 +193,10 @@ def test_a_prefix_tree_wave_trains_like_its_sequences_run_apart():
 
 
 def test_a_plain_training_wave_measures_what_the_tracer_measures():
-    from waveplan.pricing.megatron_shim import init_single_process
+    from waveplan.pricing.measure.megatron_shim import init_single_process
+    from waveplan.pricing.measure.trace import trace_wave
+    from waveplan.pricing.measure.training_wave import PromptGroup, run_training_wave
     from waveplan.pricing.parallel import Recompute
-    from waveplan.pricing.trace import trace_wave
-    from waveplan.pricing.training_wave import PromptGroup, run_training_wave
 
     lens = [200, 312]
     with init_single_process(1):

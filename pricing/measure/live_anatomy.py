@@ -20,7 +20,7 @@ import re
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..trace import _tracker_class
+from .trace import _tracker_class
 
 
 def module_names(model) -> dict:

@@ -406,7 +406,7 @@ def _trace_rank(spec: dict) -> list[dict]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    from ..megatron_shim import install_cpu_shim, shim_device
+    from .megatron_shim import install_cpu_shim, shim_device
 
     install_cpu_shim()
     lay = spec["layout"]
@@ -440,7 +440,7 @@ def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
     (positions and RoPE continue at each chunk's global offset)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from ..trace import _BOUNDS, _TREES
+    from . import thd
 
     total = sum(lens)
     gen = torch.Generator().manual_seed(0)
@@ -461,9 +461,7 @@ def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
         pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
         tree = None
     cu = torch.tensor(bounds, dtype=torch.int32)
-    _BOUNDS[id(cu)] = bounds
-    if tree is not None:
-        _TREES[id(cu)] = tree
+    thd.register(cu, bounds, tree)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
     return ids.contiguous(), pos, labels.contiguous(), params, cu
@@ -473,8 +471,9 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
     """One job on this rank: the full pass and (optionally) the decoder-only pass."""
     from megatron.core import parallel_state as ps
 
-    from ..megatron_build import build_gpt
-    from ..trace import _balanced_router, _seed_function, _thd_rope_patch, _tracker_class
+    from . import thd
+    from .megatron_build import build_gpt
+    from .trace import _balanced_router, _seed_function, _tracker_class
 
     lens = [int(n) for n in job["seq_lens"]]
     recompute = Recompute(**{k: (tuple(v) if k == "modules" else v)
@@ -493,7 +492,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
     results: dict = {}
     loss_sum = 0.0
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_thd_rope_patch())
+        stack.enter_context(thd.rope_patch())
         if has_moe and spec["routing"] == "balanced":
             stack.enter_context(_balanced_router())
         model = build_gpt(geometry, num_layers=len(layers), device="cpu",

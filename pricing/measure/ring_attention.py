@@ -343,7 +343,7 @@ def ring_attention_class():
     from megatron.core import parallel_state
     from megatron.core.transformer.module import MegatronModule
 
-    from ..trace import bounds_of
+    from .thd import bounds_of
 
     class RingAttention(MegatronModule):
         """Causal core attention over the context-parallel ring (THD input only)."""
@@ -374,7 +374,7 @@ def ring_attention_class():
 def install_ring_attention(model) -> int:
     """Replace every `SdpaAttention` core attention of `model` by `RingAttention`; returns
     how many were replaced."""
-    from ..megatron_build import sdpa_attention_class
+    from .megatron_build import sdpa_attention_class
 
     sdpa, ring = sdpa_attention_class(), ring_attention_class()
     found = [(m, m.core_attention) for m in model.modules()

@@ -10,12 +10,28 @@ model uses Megatron-core's local (pure torch) modules, with two substitutions:
   (`torch_chunk_gated_delta_rule`) and a torch L2 norm, as flash-linear-attention (FLA)
   needs Triton. Its memory is *not* FLA's: the torch kernel saves far more for backward.
 
+Family features map to Megatron's own settings where it has them: multi-latent attention
+(`MLATransformerConfig`, `MLASelfAttention` from the local spec, latent norms on), q/k/v
+biases (`add_qkv_bias`), biases everywhere (`add_bias_linear`), sliding windows
+(`window_size`, `window_attn_skip_freq`; the SDPA stand-in runs full causal attention, whose
+flash memory is the same), attention sinks (`softmax_type="learnable"`), GeGLU (a tanh GELU
+as `activation_func`), gpt-oss's clamped SwiGLU (`quick_gelu`, `glu_linear_offset=1`,
+`activation_func_clamp_value`), sigmoid and group-limited routing. Megatron-core 0.16.1 has
+no soft-capping, sandwich norms or embedding scaling: `build_gpt` adds them as Hugging Face
+computes them, by forward hooks (`_install_unmodelled`: the embedding output times
+sqrt(hidden); `cap x tanh(logits / cap)` on the output layer's logits; an RMSNorm on the
+attention output and one on the MLP output, before each residual add), so traces see their
+tensors; and records them in `model.waveplan_features`, which `live_geometry` reads back.
+Attention logit soft-capping is not run (flash attention applies it in-kernel; the SDPA
+stand-in has no cap), nor are attention sinks (a per-head logit in the kernel).
+
 LoRA adapters are `LoraLinear` wrappers around Megatron's linear modules: trainable A
 (rank x in) and B (out x rank), frozen base. Every base weight is frozen; MoE expert
 linears are not wrapped (as in `lora.adapter_param_counts`).
 
-Call inside `megatron_shim.init_single_process(...)`. torch and megatron are imported
-lazily: importing `waveplan.pricing` never needs them.
+Call inside `megatron_shim.init_single_process(...)`. This module imports torch (megatron
+lazily, inside the functions): only code that builds a model imports it, so importing
+`waveplan.pricing` or `waveplan.pricing.measure` never needs either.
 """
 
 from __future__ import annotations
@@ -30,10 +46,11 @@ import torch  # noqa: E402  (this module is only imported when torch is wanted)
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .errors import ConfigError, bad  # noqa: E402
-from .geometry import MixerKind, MlpKind, ModelGeometry  # noqa: E402
-from .lora import ALL_TARGETS  # noqa: E402
-from .parallel import ParallelLayout, Recompute, RecomputeMode  # noqa: E402
+from ..errors import ConfigError, bad  # noqa: E402
+from ..geometry import MixerKind, MlpActivation, MlpKind, ModelGeometry  # noqa: E402
+from ..lora import ALL_TARGETS, MLA_TARGETS  # noqa: E402
+from ..parallel import ParallelLayout, Recompute, RecomputeMode  # noqa: E402
+from .thd import bounds_of  # noqa: E402
 
 # Megatron-core's attribute name -> waveplan's target name (they are the same today).
 _COLUMN, _ROW = "column", "row"
@@ -128,17 +145,23 @@ def _sdpa_attention_class():
         def _one(self, q, k, v):
             # q: [b, s, h, d] -> [b, h, s, d]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            dv = v.shape[-1]
+            if dv != q.shape[-1]:
+                # multi-latent attention: values narrower than queries/keys. torch's CPU
+                # flash kernel wants one head width (else it falls back to the math kernel,
+                # which holds [heads, s, s] scores); pad the values, slice the output.
+                v = F.pad(v, (0, q.shape[-1] - dv))
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale,
                 dropout_p=self.dropout_p if self.training else 0.0,
                 enable_gqa=q.shape[1] != k.shape[1])
+            if dv != out.shape[-1]:
+                out = out[..., :dv]
             return out.transpose(1, 2)  # [b, s, h, d]
 
         def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None):
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-                from .trace import bounds_of
-
                 cu = packed_seq_params.cu_seqlens_q_padded
                 if cu is None:
                     cu = packed_seq_params.cu_seqlens_q
@@ -186,7 +209,7 @@ def _swap_norms(spec) -> None:
         if getattr(sub, name, None) is WrappedTorchNorm:
             setattr(sub, name, TorchRMSNorm)
     att = getattr(sub.self_attention, "submodules", None)
-    for name in ("q_layernorm", "k_layernorm", "out_norm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm", "out_norm"):
         if att is not None and getattr(att, name, None) is WrappedTorchNorm:
             setattr(att, name, TorchRMSNorm)
 
@@ -207,8 +230,49 @@ def _patch_gdn_for_cpu() -> None:
     gdn._waveplan_patched = True
 
 
-def _is_qwen(geometry: ModelGeometry) -> bool:
-    return "qwen" in geometry.name.lower()
+def _patch_mla_for_cpu() -> None:
+    """Let Megatron's MLASelfAttention build without Transformer Engine: megatron-core 0.16.1
+    tests `isinstance(self.linear_proj, TELinear)`, and without TE its TELinear is a mock
+    placeholder, not a class; a class nothing is an instance of keeps the local spec's
+    linears on their own path (`linear_*_down_proj in [TELinear]` stays false)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.TELinear = type("NoTELinear", (), {})
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximate GELU of GeGLU (Gemma's gelu_pytorch_tanh), one aten op."""
+    return F.gelu(x, approximate="tanh")
+
+
+# Features Megatron-core cannot express; `build_gpt` records them on the model.
+UNMODELLED_FEATURES = ("attention_softcap", "final_softcap", "embedding_scale", "sandwich_norms")
+
+
+def _feature_settings(geometry: ModelGeometry, layers) -> dict:
+    """TransformerConfig settings for the geometry's features (see the module doc)."""
+    from megatron.core.activations import quick_gelu
+
+    f = geometry.features
+    extra = geometry.extra or {}
+    kw: dict = {"add_qkv_bias": bool(extra.get("qkv_bias", False)) or f.qkv_bias,
+                "add_bias_linear": f.linear_bias}
+    if f.mlp_activation == MlpActivation.GEGLU:
+        kw["activation_func"] = gelu_tanh
+    elif f.mlp_activation == MlpActivation.CLAMPED_SWIGLU:
+        kw.update(activation_func=quick_gelu, glu_linear_offset=1.0,
+                  activation_func_clamp_value=float(extra.get("swiglu_limit", 7.0)))
+    if f.sliding_window:
+        kw.update(window_size=(f.sliding_window, 0),
+                  window_attn_skip_freq=f.full_attention_interval or None)
+    if f.attention_sinks:
+        kw["softmax_type"] = "learnable"
+    if geometry.moe is not None and any(s.mlp == MlpKind.MOE for s in layers):
+        kw["moe_router_score_function"] = f.router_score.value
+        if f.router_groups > 1:
+            kw.update(moe_router_num_groups=f.router_groups, moe_router_group_topk=f.router_group_top_k)
+    return kw
 
 
 def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
@@ -216,6 +280,7 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
                  dtype: torch.dtype = torch.bfloat16, perform_initialization: bool = False):
     """A Megatron `TransformerConfig` matching `geometry` (first `num_layers` layers)."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     layout = layout or ParallelLayout()
     recompute = recompute or Recompute()
@@ -227,7 +292,6 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
         ffn_hidden_size=geometry.ffn or (moe.expert_ffn if moe else 4 * geometry.hidden),
         gated_linear_unit=geometry.gated_mlp, activation_func=F.silu,
         normalization="RMSNorm", layernorm_epsilon=float(extra.get("norm_eps", 1e-6)),
-        add_bias_linear=False, add_qkv_bias=bool(extra.get("qkv_bias", False)),
         hidden_dropout=0.0, attention_dropout=0.0,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         pipeline_dtype=dtype, perform_initialization=perform_initialization,
@@ -239,10 +303,21 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
-    if att is not None:
+    kw.update(_feature_settings(geometry, layers))
+    config_class = TransformerConfig
+    if att is not None and att.mla is not None:
+        mla = att.mla
+        config_class = MLATransformerConfig
+        kw.update(num_attention_heads=att.num_heads, num_query_groups=att.num_heads,
+                  kv_channels=att.head_dim, qk_layernorm=True,  # MLA's latent norms
+                  q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
+                  qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+                  v_head_dim=mla.v_head_dim, rope_type="rope",
+                  rotary_base=int(extra.get("rope_theta", 10_000)))
+    elif att is not None:
         kw.update(num_attention_heads=att.num_heads, num_query_groups=att.num_kv_groups,
                   kv_channels=att.head_dim, attention_output_gate=att.output_gate,
-                  qk_layernorm=bool(extra.get("qk_layernorm", _is_qwen(geometry))))
+                  qk_layernorm=bool(extra.get("qk_layernorm", geometry.qk_norm)))
     else:
         # GDN-only model: Megatron still wants head counts; they size nothing that is built.
         kw.update(num_attention_heads=gdn.num_value_heads, num_query_groups=gdn.num_value_heads,
@@ -269,9 +344,39 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
     elif recompute.mode == RecomputeMode.SELECTIVE:
         kw.update(recompute_granularity="selective", recompute_modules=list(recompute.modules))
     try:
-        return TransformerConfig(**kw)
+        return config_class(**kw)
     except (AssertionError, ValueError) as exc:
         raise ConfigError(f"model {geometry.name!r}: Megatron rejects the config: {exc}") from None
+
+
+def _post_norm_hook(norm):
+    def hook(module, inputs, output):
+        out, bias = output
+        if bias is not None:
+            out = out + bias
+        return norm(out), None
+
+    return hook
+
+
+def _install_unmodelled(model, geometry: ModelGeometry, config) -> None:
+    """Forward hooks for the features Megatron-core lacks (see the module doc). Call where
+    the model's parameters are created (its device), before casting."""
+    f = geometry.features
+    if f.embedding_scale and model.pre_process:
+        scale = float(geometry.hidden) ** 0.5
+        model.embedding.register_forward_hook(lambda module, inputs, out: out * scale)
+    if f.final_softcap and model.post_process:
+        cap = f.final_softcap
+        model.output_layer.register_forward_hook(
+            lambda module, inputs, out: (torch.tanh(out[0] / cap) * cap, out[1]))
+    if f.sandwich_norms:
+        eps = config.layernorm_epsilon
+        for layer in model.decoder.layers:
+            for name, sub in (("post_attention_norm", layer.self_attention), ("post_mlp_norm", layer.mlp)):
+                norm = TorchRMSNorm(config, geometry.hidden, eps=eps)
+                layer.add_module(name, norm)
+                sub.register_forward_hook(_post_norm_hook(norm))
 
 
 def _layers(geometry: ModelGeometry, num_layers: int | None):
@@ -297,10 +402,14 @@ def _layer_specs(config, layers):
     norm = TorchRMSNorm
     sdpa = sdpa_attention_class()
 
+    if getattr(config, "multi_latent_attention", False):
+        _patch_mla_for_cpu()
+
     def attention_layer(moe: bool):
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=False,
-            qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+            qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+            multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)))
         spec.submodules.self_attention.submodules.core_attention = sdpa
         _swap_norms(spec)
         return spec
@@ -352,6 +461,8 @@ def wrap_lora(model: nn.Module, rank: int, targets: Sequence[str] = ALL_TARGETS,
     for param in model.parameters():
         param.requires_grad_(False)
     wanted = set(targets)
+    if "linear_qkv" in wanted:  # on multi-latent attention, its q and kv projections
+        wanted |= set(MLA_TARGETS)
     found = []
     for _, module in model.named_modules():
         for child_name, child in module.named_children():
@@ -439,10 +550,12 @@ def build_gpt(geometry: ModelGeometry, *, num_layers: int | None = None, device:
     if device == "cuda":
         with torch.device("cuda"):
             model = GPTModel(**kwargs)
+            _install_unmodelled(model, geometry, config)
     else:
         install_cpu_shim()
         with shim_device(device), torch.device(device):
             model = GPTModel(**kwargs)
+            _install_unmodelled(model, geometry, config)
     # As Megatron's Float16Module does: every floating parameter and buffer in `dtype`
     # (the local norms are built in fp32 and would otherwise promote activations).
     _cast_floating(model, dtype)
@@ -455,4 +568,6 @@ def build_gpt(geometry: ModelGeometry, *, num_layers: int | None = None, device:
             param.requires_grad_(False)
     model.waveplan_geometry_name = geometry.name
     model.waveplan_extra = dict(extra)
+    model.waveplan_features = {name: getattr(geometry.features, name) for name in UNMODELLED_FEATURES
+                               if getattr(geometry.features, name)}
     return model

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import ConfigError, bad
-from .trace import _BOUNDS, _TREES, _thd_rope_patch, _tracker_class, tree_of
+from ..errors import ConfigError, bad
+from . import thd
+from .trace import _tracker_class
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _tree_attention_class():
                     attention_bias=None, packed_seq_params=None):
             tree = None
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-                tree = tree_of(packed_seq_params.cu_seqlens_q)
+                tree = thd.tree_of(packed_seq_params.cu_seqlens_q)
             if tree is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias, packed_seq_params)
@@ -183,9 +184,8 @@ def _pack_groups(torch, groups, device):
                 longest = max(longest, len(prompt) + len(c))
     bounds = [a for a, _, _ in segments] + [len(ids)]
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    _BOUNDS[id(cu)] = bounds
-    if any(parent is not None for _, _, parent in segments):
-        _TREES[id(cu)] = segments
+    thd.register(cu, bounds,
+                 segments if any(parent is not None for _, _, parent in segments) else None)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
     tensors = (torch.tensor([ids], dtype=torch.long, device=device),
@@ -235,7 +235,7 @@ def run_training_wave(model, children, *, loss_scale: float = 1.0) -> WaveMeasur
     loss_sum = 0.0
     model.train()
     try:
-        with tracker, _thd_rope_patch():
+        with tracker, thd.rope_patch():
             tracker.reset_peak()
             for (ids, pos, labels, weights), packed, _, _ in packs:
                 out = model(ids, pos, None, labels=labels, packed_seq_params=packed)
@@ -251,8 +251,7 @@ def run_training_wave(model, children, *, loss_scale: float = 1.0) -> WaveMeasur
             peak_backward = tracker.peak
     finally:
         for _, _, cu, _ in packs:
-            _BOUNDS.pop(id(cu), None)
-            _TREES.pop(id(cu), None)
+            thd.forget(cu)
     return WaveMeasurement(
         peak_forward_bytes=int(peak_forward), peak_backward_bytes=int(peak_backward),
         peak_bytes=int(max(peak_forward, peak_backward)), baseline_bytes=int(baseline),

@@ -37,9 +37,10 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, bad
-from .geometry import MixerKind, MlpKind, ModelGeometry
-from .parallel import ParallelLayout, Recompute
+from ..errors import ConfigError, bad
+from ..geometry import MixerKind, MlpKind, ModelGeometry
+from ..parallel import ParallelLayout, Recompute
+from .thd import packed_params, rope_patch
 
 DEVICES = ("cpu-fake", "cpu", "cuda")
 HEADS = ("full-native",)
@@ -166,55 +167,6 @@ def _tracker_class():
             return out
 
     return StorageTracker
-
-
-# --- packed sequences --------------------------------------------------------------------
-
-_BOUNDS: dict[int, list[int]] = {}
-
-
-def bounds_of(cu) -> list[int]:
-    """Python bounds of a cu_seqlens tensor made by `trace_wave` (fake tensors have no data)."""
-    known = _BOUNDS.get(id(cu))
-    return list(known) if known is not None else [int(x) for x in cu.tolist()]
-
-
-# id(cu_seqlens) -> [(start, end, parent (start, end) or None)] of a prefix-tree packing
-_TREES: dict[int, list[tuple[int, int, tuple[int, int] | None]]] = {}
-
-
-def tree_of(cu) -> list[tuple[int, int, tuple[int, int] | None]] | None:
-    """The prefix-tree segments registered for a cu_seqlens tensor (None: plain THD)."""
-    return _TREES.get(id(cu))
-
-
-@contextlib.contextmanager
-def _thd_rope_patch():
-    """Megatron's THD RoPE reads cu_seqlens with `.tolist()`; use the known bounds instead.
-    A prefix-tree packing (`training_wave.run_training_wave`) continues each segment's
-    positions after its parent's rows."""
-    import torch
-    from megatron.core.models.common.embeddings import rope_utils
-
-    original = rope_utils._apply_rotary_pos_emb_thd
-
-    def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
-            mscale=1.0, cp_group=None):
-        tree = tree_of(cu_seqlens)
-        if tree is None:
-            bounds = bounds_of(cu_seqlens)
-            tree = [(a, b, None) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
-        parts = [freqs[(0 if parent is None else parent[1] - parent[0]):][:b - a]
-                 for a, b, parent in tree]
-        return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), torch.cat(parts, dim=0), rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
-
-    rope_utils._apply_rotary_pos_emb_thd = thd
-    try:
-        yield
-    finally:
-        rope_utils._apply_rotary_pos_emb_thd = original
 
 
 # --- MoE: balanced routing ----------------------------------------------------------------
@@ -351,19 +303,6 @@ def _inputs(torch, lens, vocab, device, packed):
     return ids, pos, labels
 
 
-def _packed_params(torch, lens, device):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    bounds = [0]
-    for n in lens:
-        bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    _BOUNDS[id(cu)] = bounds
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-    return params, cu
-
-
 def trace_wave(geometry: ModelGeometry, *, seq_lens: list[int], num_layers: int | None = None,
                device: str = "cpu-fake", recompute: Recompute | None = None,
                lora_rank: int | None = 16, head: str = "full-native",
@@ -441,7 +380,7 @@ def _run_step(torch, model, lens, vocab, dev, packed, full_head, phase):
     ids, pos, labels = _inputs(torch, lens, vocab, dev, packed)
     kwargs = {}
     if packed:
-        kwargs["packed_seq_params"], _cu = _packed_params(torch, lens, dev)
+        kwargs["packed_seq_params"], _cu = packed_params(torch, lens, dev)
     inputs = (ids, pos, labels) + ((kwargs["packed_seq_params"].cu_seqlens_q,) if packed else ())
     phase("forward", inputs)
     if full_head:
@@ -481,7 +420,7 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
 
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         if packed:
-            stack.enter_context(_thd_rope_patch())
+            stack.enter_context(rope_patch())
         if has_moe:
             stack.enter_context(_balanced_router())
         model = build_gpt(geometry, num_layers=len(layers), device="cpu", lora_rank=lora_rank,
@@ -547,7 +486,7 @@ def _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout, deco
     results = {}
     with init_single_process(1, cpu=False), contextlib.ExitStack() as stack:
         if packed:
-            stack.enter_context(_thd_rope_patch())
+            stack.enter_context(rope_patch())
         model = build_gpt(geometry, num_layers=len(layers), device="cuda", lora_rank=lora_rank,
                           recompute=recompute, layout=layout, seq_len=max(lens),
                           perform_initialization=True)

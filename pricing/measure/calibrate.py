@@ -26,7 +26,7 @@ every estimate at least `1 + margin` x its trace. An estimate is a maximum over 
 that constraint is imposed at one point per cell (a sufficient condition); `fit_scales`
 chooses the points by several starts and a local search. The programme is solved by OR-Tools'
 GLOP when it is installed (the `solver` extra), else by a small dense simplex
-(`_simplex`); no scipy. The fitted table never under-prices the cells it was fitted on, by
+(`measure.simplex`); no scipy. The fitted table never under-prices the cells it was fitted on, by
 construction, and a last check after rounding makes sure of it.
 
 `MARGIN` (0.5 %): cpu-fake cells that differ only in LoRA rank or in how the tokens split into
@@ -47,9 +47,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic_io import write_text_atomic
-from .coefficients import CoefficientTable, load_table, table_from_dict
-from .errors import ConfigError, bad
+from ..atomic_io import write_text_atomic
+from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
+from ..errors import ConfigError, bad
+from .simplex import simplex
 
 _RET_ATT, _RET_GDN = "retained_attention_layer:per_row", "retained_gdn_layer:per_row"
 # group -> the base terms it scales ("term", "term:key" for one key of the entry, or
@@ -112,12 +113,28 @@ HEAD = "full-native"
 LOGITS_GROUPS = ("head", "head_transient")
 
 
-def load_base(backend: str = "te-gpu") -> CoefficientTable:
+def load_base(backend: str = DEFAULT_BACKEND) -> CoefficientTable:
     return load_table(backend)
 
 
+def record_from_trace(obj: dict) -> dict:
+    """A calibration record from one `waveplan trace --json` object (a `TraceResult.to_dict()`
+    with the traced `model` name and, from `waveplan trace`, its `geometry` inline): the cell
+    is what the trace ran (model, traced layers, recompute mode, LoRA rank, sequence lengths),
+    the trace is the object itself."""
+    recompute = obj.get("recompute")
+    cell = {"model": obj.get("model"), "num_layers": obj.get("num_layers"),
+            "recompute": recompute.get("mode") if isinstance(recompute, dict) else recompute,
+            "lora_rank": obj.get("lora_rank") or 0, "seq_lens": obj.get("seq_lens")}
+    if "geometry" in obj:
+        cell["geometry"] = obj["geometry"]
+    return {"cell": {k: v for k, v in cell.items() if v is not None}, "trace": obj}
+
+
 def read_traces(path: str | Path) -> list[dict]:
-    """Trace records of a JSON Lines file; ConfigError on anything unreadable."""
+    """Trace records of a JSON Lines file; ConfigError on anything unreadable. A line is a
+    record `{cell, trace}` (bench/validation_study.py) or a `waveplan trace --json` object
+    (`record_from_trace`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -131,6 +148,8 @@ def read_traces(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             raise bad(ConfigError, "traces", f"{path}:{n}", "not a JSON object") from None
+        if isinstance(rec, dict) and "cell" not in rec and "peak_bytes" in rec:
+            rec = record_from_trace(rec)
         _check_record(rec, f"{path}:{n}")
         records.append(rec)
     if not records:
@@ -148,7 +167,7 @@ def _check_record(rec: object, where: str) -> None:
     if "geometry" in cell:
         if not isinstance(cell["geometry"], dict):
             raise bad(ConfigError, "traces", where, "cell.geometry must be a model geometry object")
-        from .geometry import ModelGeometry
+        from ..geometry import ModelGeometry
 
         try:
             ModelGeometry.from_dict(cell["geometry"])
@@ -176,11 +195,11 @@ def cell_geometry(cell: dict):
     key = (json.dumps(inline, sort_keys=True) if inline is not None else cell["model"], num_layers)
     if key not in _GEOMETRY_CACHE:
         if inline is not None:
-            from .geometry import ModelGeometry
+            from ..geometry import ModelGeometry
 
             g = ModelGeometry.from_dict(inline)
         else:
-            from .model_source import load_model
+            from ..model_source import load_model
 
             g = load_model(cell["model"])
         _GEOMETRY_CACHE[key] = dataclasses.replace(g, layers=g.layers[:num_layers])
@@ -197,11 +216,15 @@ def _wave(record: dict) -> tuple[int, int]:
 
 
 def _model(table: CoefficientTable, cell: dict):
-    from .lora import LoraConfig, LoraSlot
-    from .model import PricingModel
-    from .parallel import ParallelLayout, Recompute
+    from ..lora import LoraConfig, LoraSlot
+    from ..model import PricingModel
+    from ..parallel import ParallelLayout, Recompute
 
     geometry = cell_geometry(cell)
+    if geometry.features.final_softcap and not table.scalar("head_full_native", "retained_per_row_vocab"):
+        # a table without logits terms prices the decoder-only pass: no logits to soft-cap
+        geometry = dataclasses.replace(
+            geometry, features=dataclasses.replace(geometry.features, final_softcap=0.0))
     # the traced adapters are bf16 parameters with plain autograd gradients: 2 bytes each
     return PricingModel(geometry=geometry, parallel=ParallelLayout(),
                         recompute=Recompute(mode=cell["recompute"]),
@@ -211,7 +234,7 @@ def _model(table: CoefficientTable, cell: dict):
 
 
 def _price(table: CoefficientTable, record: dict) -> int:
-    from .price import GroupLoad, price_groups
+    from ..price import GroupLoad, price_groups
 
     rows, segments = _wave(record)
     group = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows, segments=segments)
@@ -329,8 +352,8 @@ def _ratios(base: CoefficientTable, scales: dict, records: list[dict]) -> list[f
 
 
 def _used_groups(records: list[dict]) -> list[str]:
-    from .geometry import MixerKind, MlpKind
-    from .model import has_qk_norm
+    from ..geometry import MixerKind, MlpKind
+    from ..model import has_qk_norm
 
     used = {"boundary", "input_gradient", "head", "head_transient", "norms", "final_norm",
             "final_norm_backward"}
@@ -460,14 +483,14 @@ def solve_lp(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
              b_eq: np.ndarray) -> np.ndarray | None:
     """min c.z subject to a_ub z <= b_ub, a_eq z = b_eq, z >= 0; None if infeasible.
 
-    OR-Tools' GLOP when it is installed (the optional `solver` extra), else `_simplex`."""
+    OR-Tools' GLOP when it is installed (the optional `solver` extra), else `simplex`."""
     try:
         from ortools.linear_solver import pywraplp
     except ImportError:
-        return _simplex(c, a_ub, b_ub, a_eq, b_eq)
+        return simplex(c, a_ub, b_ub, a_eq, b_eq)
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:  # pragma: no cover - GLOP ships with every OR-Tools wheel
-        return _simplex(c, a_ub, b_ub, a_eq, b_eq)
+        return simplex(c, a_ub, b_ub, a_eq, b_eq)
     z = [solver.NumVar(0.0, solver.infinity(), "") for _ in range(c.shape[0])]
     for a, b, is_eq in ((a_ub, b_ub, False), (a_eq, b_eq, True)):
         for i in range(a.shape[0]):
@@ -483,101 +506,6 @@ def solve_lp(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return None
     return np.array([v.solution_value() for v in z])
-
-
-def _simplex(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray,
-             b_eq: np.ndarray, *, max_iter: int = 50_000) -> np.ndarray | None:
-    """min c.z subject to a_ub z <= b_ub, a_eq z = b_eq, z >= 0: a dense two-phase tableau
-    simplex (Dantzig's rule, Bland's rule after degenerate steps). None if infeasible."""
-    m_ub, n = a_ub.shape
-    m_eq = a_eq.shape[0]
-    m = m_ub + m_eq
-    # rows: [a_ub | I_slack] z = b_ub, [a_eq | 0] z = b_eq; flip rows with negative rhs
-    a = np.zeros((m, n + m_ub))
-    a[:m_ub, :n] = a_ub
-    a[:m_ub, n:] = np.eye(m_ub)
-    a[m_ub:, :n] = a_eq
-    b = np.concatenate([b_ub, b_eq]).astype(np.float64)
-    neg = b < 0
-    a[neg] *= -1
-    b[neg] *= -1
-    # artificial variables where the slack cannot start the basis
-    need = np.flatnonzero(neg | (np.arange(m) >= m_ub))
-    width = n + m_ub + need.size
-    tab = np.zeros((m + 1, width + 1))
-    tab[:m, :n + m_ub] = a
-    tab[need, n + m_ub + np.arange(need.size)] = 1.0
-    tab[:m, -1] = b
-    basis = np.empty(m, dtype=np.int64)
-    basis[:] = n + np.arange(m)
-    basis[need] = n + m_ub + np.arange(need.size)
-    # phase 1: minimise the artificials
-    tab[-1, :] = 0.0
-    tab[-1, n + m_ub:width] = 1.0
-    for r in need:
-        tab[-1] -= tab[r]
-    if not _pivot_loop(tab, basis, width, max_iter):
-        return None
-    if tab[-1, -1] < -1e-7:
-        return None
-    # drive remaining artificials out of the basis where possible, then drop their columns
-    for r in range(m):
-        if basis[r] >= n + m_ub:
-            cols = np.flatnonzero(np.abs(tab[r, :n + m_ub]) > 1e-9)
-            if cols.size:
-                _pivot(tab, basis, r, int(cols[0]))
-    keep = basis < n + m_ub
-    tab = np.concatenate([tab[:m][keep], tab[-1:]], axis=0)
-    basis = basis[keep]
-    tab = np.concatenate([tab[:, :n + m_ub], tab[:, -1:]], axis=1)
-    # phase 2
-    tab[-1, :] = 0.0
-    tab[-1, :n] = c
-    for r, j in enumerate(basis):
-        if tab[-1, j] != 0.0:
-            tab[-1] -= tab[-1, j] * tab[r]
-    if not _pivot_loop(tab, basis, n + m_ub, max_iter):
-        return None
-    z = np.zeros(n + m_ub)
-    z[basis] = tab[:-1, -1]
-    return z[:n]
-
-
-def _pivot(tab: np.ndarray, basis: np.ndarray, r: int, j: int) -> None:
-    tab[r] /= tab[r, j]
-    col = tab[:, j].copy()
-    col[r] = 0.0
-    tab -= np.outer(col, tab[r])
-    basis[r] = j
-
-
-def _pivot_loop(tab: np.ndarray, basis: np.ndarray, width: int, max_iter: int) -> bool:
-    """Pivot until optimal (True) or unbounded / out of iterations (False)."""
-    eps = 1e-10
-    degenerate = 0
-    for _ in range(max_iter):
-        reduced = tab[-1, :width]
-        if degenerate > 50:   # Bland: the first improving column, the first tied row
-            cand = np.flatnonzero(reduced < -eps)
-            if cand.size == 0:
-                return True
-            j = int(cand[0])
-        else:
-            j = int(np.argmin(reduced))
-            if reduced[j] >= -eps:
-                return True
-        colj = tab[:-1, j]
-        pos = colj > eps
-        if not pos.any():
-            return False
-        ratio = np.full(colj.shape, np.inf)
-        ratio[pos] = tab[:-1, -1][pos] / colj[pos]
-        best = ratio.min()
-        ties = np.flatnonzero(ratio <= best + 1e-12)
-        r = int(ties[np.argmin(basis[ties])]) if degenerate > 50 else int(ties[0])
-        degenerate = degenerate + 1 if best <= 1e-12 else 0
-        _pivot(tab, basis, r, j)
-    return False
 
 
 def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = MARGIN,
@@ -667,7 +595,7 @@ def fit_table(traces: list[dict], base_table: CoefficientTable, *, backend: str 
     for n, rec in enumerate(traces):
         _check_record(rec, f"record {n}")
     scales = fit_scales(traces, base_table, margin=margin)
-    note = f"fitted by waveplan.pricing.calibrate to {len(traces)} traced cells of {source_label}"
+    note = f"fitted by waveplan.pricing.measure.calibrate to {len(traces)} traced cells of {source_label}"
     table = _scaled(base_table, scales, note=note, backend=backend)
     # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
     for _ in range(5):

@@ -2,12 +2,15 @@
 
 `geometry_from_megatron(model)` walks a Megatron-core `GPTModel` (or its decoder, or a
 `TransformerBlock`): each decoder layer's mixer class (`SelfAttention` -> attention,
-`GatedDeltaNet` -> gdn, anything else is a `ConfigError` naming the module path and class)
-and MLP class (`MLP` -> dense, `MoELayer` -> moe), global sizes from the
-`TransformerConfig` checked against the modules' per-partition weights, LoRA adapters
-found among the modules, parallel sizes from `parallel_state` and recompute settings from
-the config. It never touches tensor data, so a model built on the `meta` device (no
-memory) works.
+`MLASelfAttention` -> multi-latent attention, `GatedDeltaNet` -> gdn, anything else is a
+`ConfigError` naming the module path and class) and MLP class (`MLP` -> dense, `MoELayer`
+-> moe, its shared experts included), global sizes from the `TransformerConfig` checked
+against the modules' per-partition weights, the family features the config expresses (q/k
+norms, biases, sliding windows, sinks, the MLP activation, the router), LoRA adapters found
+among the modules, parallel sizes from `parallel_state` and recompute settings from the
+config. Features Megatron-core cannot express (soft-caps, sandwich norms, embedding scaling)
+come from `model.waveplan_features` when `megatron_build` made the model, else are absent.
+It never touches tensor data, so a model built on the `meta` device (no memory) works.
 
 Adapters recognised: `megatron_build.LoraLinear`; modules with `lora_A`/`lora_B` holding a
 2-D parameter or one linear each (PEFT style, one adapter per module); modules with an
@@ -22,10 +25,21 @@ from __future__ import annotations
 
 import re
 
-from .errors import ConfigError, bad
-from .geometry import AttentionSpec, GdnSpec, LayerSpec, MixerKind, MlpKind, ModelGeometry, MoeSpec
-from .lora import ALL_TARGETS, LoraConfig, LoraSlot, module_shapes
-from .parallel import ParallelLayout, Recompute, RecomputeMode
+from ..errors import ConfigError, bad
+from ..geometry import (
+    AttentionSpec,
+    GdnSpec,
+    LayerSpec,
+    MixerKind,
+    MlaSpec,
+    MlpActivation,
+    MlpKind,
+    ModelFeatures,
+    ModelGeometry,
+    MoeSpec,
+)
+from ..lora import KNOWN_TARGETS, LoraConfig, LoraSlot, module_shapes
+from ..parallel import ParallelLayout, Recompute, RecomputeMode
 
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -98,10 +112,23 @@ def _mixer(layer, path: str, tp: int, config):
     except ImportError:  # pragma: no cover - older megatron-core
         GatedDeltaNet = ()  # noqa: N806
 
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
     mixer = getattr(layer, "self_attention", None)
     mpath = f"{path}.self_attention"
     if mixer is None:
         raise bad(ConfigError, mpath, None, "decoder layer has no self_attention module")
+    if isinstance(mixer, MLASelfAttention):
+        mla = MlaSpec(kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_head_dim,
+                      qk_rope_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
+                      q_lora_rank=config.q_lora_rank or 0)
+        heads = config.num_attention_heads
+        spec = AttentionSpec(num_heads=heads, num_kv_groups=heads, head_dim=mla.qk_head_dim, mla=mla)
+        out_local, _ = _weight_shape(mixer.linear_kv_up_proj, f"{mpath}.linear_kv_up_proj")
+        if out_local * tp != heads * (mla.qk_nope_head_dim + mla.v_head_dim):
+            raise bad(ConfigError, f"{mpath}.linear_kv_up_proj", out_local * tp,
+                      f"width differs from the MLA shapes' {heads * (mla.qk_nope_head_dim + mla.v_head_dim)}")
+        return MixerKind.ATTENTION, spec
     if GatedDeltaNet and isinstance(mixer, GatedDeltaNet):
         spec = GdnSpec(num_key_heads=mixer.num_key_heads, num_value_heads=mixer.num_value_heads,
                        key_head_dim=mixer.key_head_dim, value_head_dim=mixer.value_head_dim,
@@ -123,7 +150,62 @@ def _mixer(layer, path: str, tp: int, config):
                       f"width differs from the attention shapes' {spec.qkv_width}")
         return MixerKind.ATTENTION, spec
     raise bad(ConfigError, mpath, f"{type(mixer).__module__}.{type(mixer).__name__}",
-              "unknown mixer module (known: SelfAttention -> attention, GatedDeltaNet -> gdn)")
+              "unknown mixer module (known: SelfAttention -> attention, MLASelfAttention -> "
+              "multi-latent attention, GatedDeltaNet -> gdn)")
+
+
+def _activation(config) -> MlpActivation:
+    """The gated MLP's activation from `activation_func` (and gpt-oss's clamp and offset)."""
+    import torch.nn.functional as F
+    from megatron.core.activations import fast_gelu, quick_gelu
+
+    from .megatron_build import gelu_tanh
+
+    fn = config.activation_func
+    if fn is F.silu:
+        return MlpActivation.SWIGLU
+    if fn in (gelu_tanh, fast_gelu):
+        return MlpActivation.GEGLU
+    if fn is quick_gelu and config.glu_linear_offset == 1.0 \
+            and config.activation_func_clamp_value is not None:
+        return MlpActivation.CLAMPED_SWIGLU
+    raise bad(ConfigError, "config.activation_func", getattr(fn, "__name__", fn),
+              "unknown MLP activation (known: silu, a tanh GELU, quick_gelu clamped with offset 1)")
+
+
+def _window(config) -> tuple[int, int]:
+    """(sliding_window, full_attention_interval) from window_size and window_attn_skip_freq."""
+    window = config.window_size
+    if not window:
+        return 0, 0
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return int(window[0]), 0
+    if isinstance(freq, int):
+        return int(window[0]), freq
+    n = len(freq)
+    period = next((i + 1 for i, slides in enumerate(freq) if not slides), 0)
+    if period and any(bool(s) != bool((i + 1) % period) for i, s in enumerate(freq)):
+        raise bad(ConfigError, "config.window_attn_skip_freq", freq,
+                  f"pattern over {n} layers is not full attention on every P-th layer")
+    return (int(window[0]), period) if any(freq) else (0, 0)
+
+
+def _features(config, gpt, mla: bool) -> ModelFeatures:
+    """The family features the config expresses, plus what `megatron_build` recorded."""
+    window, interval = _window(config)
+    router = {}
+    if config.num_moe_experts:
+        router = {"router_score": config.moe_router_score_function,
+                  "router_groups": config.moe_router_num_groups or 1,
+                  "router_group_top_k": config.moe_router_group_topk or 1}
+    recorded = dict(getattr(gpt, "waveplan_features", {}) or {})
+    return ModelFeatures(
+        qk_norm=False if mla else bool(config.qk_layernorm),  # MLA: latent norms, not q/k
+        qkv_bias=bool(config.add_qkv_bias) and not config.add_bias_linear,
+        linear_bias=bool(config.add_bias_linear), sliding_window=window,
+        full_attention_interval=interval, attention_sinks=config.softmax_type == "learnable",
+        mlp_activation=_activation(config), **router, **recorded)
 
 
 def _mlp(layer, path: str, tp: int, config):
@@ -281,12 +363,13 @@ def geometry_from_megatron(model) -> tuple[ModelGeometry, ParallelLayout, Recomp
         raise bad(ConfigError, "config.params_dtype", str(config.params_dtype), "unsupported dtype")
     extra = dict(getattr(gpt, "waveplan_extra", {}) or {})
     extra.setdefault("qk_layernorm", bool(config.qk_layernorm))
+    mla = bool(getattr(config, "multi_latent_attention", False))
     geometry = ModelGeometry(
         name=getattr(gpt, "waveplan_geometry_name", None) or "megatron",
         hidden=config.hidden_size, ffn=ffn, vocab=vocab, layers=tuple(layers),
         attention=att, gdn=gdn, moe=moe, dtype=dtype, gated_mlp=bool(config.gated_linear_unit),
         tied_embeddings=bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
-        extra=extra)
+        features=_features(config, gpt, mla), extra=extra)
     offset = min(local) if local else 0
     lora = _lora(model, geometry, tp, offset)
     return geometry, layout, _recompute(config), lora
@@ -312,8 +395,9 @@ def _lora(model, geometry: ModelGeometry, tp: int, offset: int = 0) -> LoraConfi
     targets = []
     layers = set()
     for path, layer, target, _rank, d_in, d_out in found:
-        if target not in ALL_TARGETS:
-            raise bad(ConfigError, path, target, f"adapter on an unknown target; known: {', '.join(ALL_TARGETS)}")
+        if target not in KNOWN_TARGETS:
+            raise bad(ConfigError, path, target,
+                      f"adapter on an unknown target; known: {', '.join(KNOWN_TARGETS)}")
         if layer is None:
             raise bad(ConfigError, path, None, "adapter outside the decoder layers")
         layer += offset
@@ -324,7 +408,7 @@ def _lora(model, geometry: ModelGeometry, tp: int, offset: int = 0) -> LoraConfi
         if target not in targets:
             targets.append(target)
         layers.add(layer)
-    order = [t for t in ALL_TARGETS if t in targets]
+    order = [t for t in KNOWN_TARGETS if t in targets]
     slot_layers = None if layers == set(range(geometry.num_layers)) else tuple(sorted(layers))
     return LoraConfig(slots=(LoraSlot(name="default", rank=ranks[0], targets=tuple(order),
                                       layers=slot_layers),))

@@ -230,7 +230,7 @@ def init_single_process(tp: int = 1, *, pp: int = 1, cp: int = 1, ep: int = 1,
                 parallel_state.get_context_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size())
         if have != (tp, pp, cp, ep):
-            from .errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError(f"init_single_process(tp={tp}, pp={pp}, cp={cp}, ep={ep}): "
                               f"Megatron's parallel state is already (tp, pp, cp, ep)={have}")

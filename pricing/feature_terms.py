@@ -1,0 +1,214 @@
+"""Pricing terms of the model-family features (`geometry.ModelFeatures`, `geometry.MlaSpec`).
+
+Each term is the bytes per row (per routed row for experts) of the extra tensors one feature
+creates, on top of the baseline terms (`pricing.terms`, sized on the seeds' Qwen3/Llama
+traces); `pricing.model` adds them to the recomputed layer's workspace, to the no-grad
+forward transient and to a retained layer's activations, and the head terms to the head.
+Widths are per rank, as in `pricing.terms` (`widths` from `pricing.model.layer_widths`).
+
+No seed (GPU) traces these features. Every term charges the feature's extra tensors
+explicitly, at their full size (bf16, fp32 where the op computes in fp32), sized where
+possible by cpu-fake traces at real width (`bench/family_study.py`: one representative per
+family and one ablation per feature, bench/results/family_validation.txt), so an estimate
+does not fall under what the feature adds; `feature_gaps` names each feature that adds
+memory, and a model with any of them has basis "conservative" with those reasons
+(`pricing.model.evidence_gaps`), saying whether a cpu-fake trace covers it. They keep
+their TP and sequence-parallel credit: the extra tensors shard like the tensors they come from.
+
+Features that add no memory, and why (no term, no gap):
+- sliding windows (Mistral, Gemma, gpt-oss): flash-attention kernels keep O(rows) memory
+  (output and log-sum-exp) whatever the window; full causal attention, which the baseline
+  terms price, holds the same;
+- q/k/v biases alone (Qwen2): Transformer Engine adds them inside the GEMM; Megatron's local
+  linear adds them out of place, a copy that replaces the GEMM output at once, and the
+  cpu-fake traces of Qwen2.5-7B with and without them peak at the same bytes
+  (bench/results/family_validation.txt);
+- GeGLU (Gemma): the tanh GELU saves its input, as SiLU does; cpu-fake traces of Gemma 3 with
+  GeGLU and with SwiGLU peak at the same bytes (bench/results/family_validation.txt);
+- tied embeddings: the output layer reads the embedding weight; activations are unchanged;
+- embedding scaling (Gemma, x sqrt(hidden)): one more [rows, H] copy that replaces the
+  embedding output before layer 0 runs, under the first layer's own forward transient
+  (at least 6H + 6F per row), so it never binds;
+- leading dense layers of a MoE model (DeepSeek's first_k_dense_replace): priced per layer by
+  the dense-MLP terms; shared experts: the baseline `moe_shared_expert` term (Qwen3.6's shared
+  expert is in the measured MoE cells, docs/memory-model.md#workspace).
+"""
+
+from __future__ import annotations
+
+from .geometry import AttentionSpec, MixerKind, MlpActivation, MlpKind, ModelGeometry, RouterScore
+
+BF16, FP32 = 2, 4
+
+
+def projection_bias_per_row(widths: dict, *, qkv: bool, output: bool) -> float:
+    """Biases on every attention projection (gpt-oss: q/k/v and output).
+
+    A bias added after the GEMM out of place (Megatron's local linear does) holds a second
+    projection output while the layer runs: bf16 x qkv for the QKV projection, bf16 x H for
+    the output projection (Transformer Engine fuses the bias into the GEMM: 0 there).
+    Conservative: both charged. Evidence: none traced with biases everywhere (structural);
+    q/k/v biases alone add nothing at the peak (cpu-fake, Qwen2.5-7B) and are not charged.
+    """
+    return (BF16 * widths["qkv"] if qkv else 0.0) + (BF16 * widths["H"] if output else 0.0)
+
+
+def attention_sinks_per_row(widths: dict, heads_per_rank: float) -> float:
+    """Attention sinks (gpt-oss): a learned logit per head joins each row's softmax.
+
+    The kernel keeps per-head softmax statistics with the sink folded in, and backward adds
+    the sink's gradient: 2 x fp32 x heads per row. Conservative (no trace; flash kernels
+    with sinks keep only the log-sum-exp they keep anyway).
+    """
+    return 2 * FP32 * heads_per_rank
+
+
+def mla_per_row(attention: AttentionSpec, *, tp: int) -> float:
+    """Multi-latent attention (DeepSeek V2/V3), beyond the projections the attention stage
+    already prices (`qkv` = all q and kv projection outputs, `core` = heads x v_head_dim).
+
+    Megatron's MLA concatenates the no-rope and rotary parts into full queries and keys
+    ([heads, qk_nope + qk_rope] each, new tensors) and runs RMSNorms on the query and
+    key/value latents (a plain torch RMSNorm keeps an fp32 copy of its input). Charged, per
+    rank (heads / TP): 2 x bf16 x heads x (qk_nope + qk_rope) + fp32 x (q_lora_rank +
+    kv_lora_rank). Evidence: cpu-fake traces of DeepSeek-V2-Lite (2 layers) and DeepSeek-V3
+    (4 layers) with the flash stand-in (values padded to the query width): every cell above
+    its trace, the decoder-only peaks +1 to +15 % (bench/results/family_validation.txt); no GPU
+    trace, so the basis stays conservative.
+    """
+    mla = attention.mla
+    heads = attention.num_heads / tp
+    return 2 * BF16 * heads * mla.qk_head_dim + FP32 * (mla.q_lora_rank + mla.kv_lora_rank)
+
+
+def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
+    """Sandwich norms (Gemma 2, 3): a norm after attention and one after the MLP as well.
+
+    Each keeps its input for backward (a plain torch RMSNorm upcasts it to fp32, 4H) and
+    writes a bf16 output (2H): 2 x (fp32 + bf16) x H per row, hidden-wide (a shard under
+    sequence parallelism); a fused norm keeps only the bf16 input. Evidence: cpu-fake traces
+    of Gemma 3 with and without them (modelled by `megatron_build`: Megatron-core has none)
+    differ by 11.9H per row at the decoder's peak (bench/results/family_validation.txt).
+    """
+    return 2 * (FP32 + BF16) * widths["H"] / sp_div
+
+
+def activation_per_ffn_row(activation: MlpActivation) -> float:
+    """Extra bytes per F-wide unit of one gated MLP's activation, beyond SwiGLU's.
+
+    GeGLU (Gemma): 0, the tanh GELU saves its input as SiLU does (cpu-fake traces of Gemma 3
+    with either peak at the same bytes). Clamped SwiGLU (gpt-oss): the clamped gate and up,
+    the scaled gate, its sigmoid, the gated product and up + 1, six bf16 F-wide tensors (12).
+    Conservative (no trace): each intermediate charged as if kept.
+    """
+    if activation == MlpActivation.CLAMPED_SWIGLU:
+        return 6 * BF16
+    return 0.0
+
+
+def mlp_bias_per_row(ffn: float, hidden: float) -> float:
+    """Biases on an MLP's (or one expert's) linears (gpt-oss), added out of place after each
+    GEMM: a second FC1 output, bf16 x 2F, and a second FC2 output, bf16 x H. Conservative
+    (no trace)."""
+    return BF16 * 2 * ffn + BF16 * hidden
+
+
+def router_per_row(widths: dict, features) -> float:
+    """Routers beyond a plain softmax top-k (DeepSeek-V3: sigmoid scores, top-k within the best
+    groups, a selection bias): the biased selection scores and the group-masked scores, two
+    more fp32 [rows, experts] tensors: 2 x fp32 x experts. A router with a bias (gpt-oss) adds
+    its out-of-place logits, fp32 x experts. Conservative (no trace)."""
+    extra = 0.0
+    if features.router_score != RouterScore.SOFTMAX or features.router_groups > 1:
+        extra += 2 * FP32 * widths["experts"]
+    if features.linear_bias:
+        extra += FP32 * widths["experts"]
+    return extra
+
+
+def attention_extra_per_row(geometry: ModelGeometry, widths: dict, *, tp: int) -> float:
+    """All feature terms of one attention layer's mixer (per gathered row)."""
+    f, att = geometry.features, geometry.attention
+    extra = projection_bias_per_row(widths, qkv=f.linear_bias, output=f.linear_bias)
+    if f.attention_sinks:
+        extra += attention_sinks_per_row(widths, att.num_heads / tp)
+    if att.mla is not None:
+        extra += mla_per_row(att, tp=tp)
+    return extra
+
+
+def mlp_extra_per_row(geometry: ModelGeometry, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
+    """All feature terms of one layer's MLP (dense: F-wide; MoE: per routed row x top-k x EP
+    skew for the experts, plus the shared expert and the router per row)."""
+    f = geometry.features
+    act = activation_per_ffn_row(f.mlp_activation)
+    if mlp == MlpKind.DENSE:
+        extra = act * widths["F"]
+        if f.linear_bias:
+            extra += mlp_bias_per_row(widths["F"], widths["H"])
+        return extra
+    routed = act * widths["expert_ffn"]
+    if f.linear_bias:
+        routed += mlp_bias_per_row(widths["expert_ffn"], widths["H"])
+    shared = act * widths["shared_ffn"]
+    if f.linear_bias and widths["shared_ffn"]:
+        shared += mlp_bias_per_row(widths["shared_ffn"], widths["H"])
+    return widths["top_k"] * ep_skew * routed + shared + router_per_row(widths, f)
+
+
+def layer_extra_per_row(geometry: ModelGeometry, widths: dict, layer, *, tp: int, sp_div: int,
+                        ep_skew: float) -> float:
+    """One decoder layer's feature terms (0.0 for the baseline families)."""
+    extra = 0.0
+    if layer.mixer == MixerKind.ATTENTION:
+        extra += attention_extra_per_row(geometry, widths, tp=tp)
+    extra += mlp_extra_per_row(geometry, widths, layer.mlp, ep_skew=ep_skew)
+    if geometry.features.sandwich_norms:
+        extra += sandwich_norms_per_row(widths, sp_div=sp_div)
+    return extra
+
+
+def final_softcap_per_row(widths: dict) -> tuple[float, float]:
+    """(retained, transient) bytes per row of final-logit soft-capping (Gemma 2:
+    cap x tanh(logits / cap)) on a full-logits head.
+
+    The tanh output is kept for backward beside the capped logits the loss keeps: bf16 x
+    vocab/TP retained; the scaled logits and the gradients through the scale and the tanh
+    come and go below the loss's own peak. Evidence: cpu-fake traces of Gemma-2-9B with the
+    cap modelled as transformers computes it (`megatron_build`: Megatron-core has none) peak
+    exactly one bf16 [rows, vocab] tensor higher than without (bench/results/family_validation.txt).
+    """
+    return BF16 * widths["vocab"], 0.0
+
+
+def final_softcap_chunk_per_row(widths: dict) -> float:
+    """Final-logit soft-capping in a chunked head: the tanh output and the scaled logits of the
+    chunk, 2 x bf16 x vocab/TP per chunk row. Conservative (the chunked head is not traced)."""
+    return 2 * BF16 * widths["vocab"]
+
+
+def feature_gaps(geometry: ModelGeometry) -> list[str]:
+    """Why a geometry's features lie outside the traced evidence (empty for the baseline)."""
+    f, att = geometry.features, geometry.attention
+    gaps = []
+    if att is not None and att.mla is not None:
+        gaps.append("multi-latent attention (traced on cpu-fake only: rebuilt queries and keys, "
+                    "latent norms; no GPU trace)")
+    if f.linear_bias:
+        gaps.append("biases on every linear (no trace: each biased output charged twice)")
+    if f.attention_sinks:
+        gaps.append("attention sinks (no trace: per-head fp32 softmax statistics charged)")
+    if f.attention_softcap:
+        gaps.append("attention logit soft-capping (priced as flash attention's in-kernel cap; an "
+                    "unfused attention's [heads, s, s] scores are not priced)")
+    if f.final_softcap:
+        gaps.append("final-logit soft-capping (traced on cpu-fake only, as transformers computes "
+                    "it: one more [rows, vocab] tensor; no GPU trace)")
+    if f.sandwich_norms:
+        gaps.append("sandwich norms (traced on cpu-fake only: two more norms' fp32 inputs and "
+                    "outputs; no GPU trace)")
+    if f.mlp_activation == MlpActivation.CLAMPED_SWIGLU:
+        gaps.append("clamped-swiglu MLP (no trace: its six extra activation tensors charged)")
+    if geometry.moe is not None and (f.router_score != RouterScore.SOFTMAX or f.router_groups > 1):
+        gaps.append("group-limited sigmoid routing (no trace: two more fp32 score tensors charged)")
+    return gaps

@@ -1,0 +1,223 @@
+"""Pipeline parallelism (PP > 1): what every stage holds under Megatron-core's 1F1B schedule.
+
+The model (docs/memory-model.md#pipeline; basis "conservative", reason "no pipeline trace
+yet": no trace validates it):
+- Stages. Stage s of p holds layers [s*L//p, (s+1)*L//p) (Megatron's default even split).
+  The first stage also holds the embedding (its output is layer 0's saved input, as at PP1);
+  stages s > 0 keep the activation they received (one layer boundary per row) for the
+  backward; only the last stage computes the output head.
+- In flight. Under `forward_backward_pipelining_without_interleaving` stage s runs p-s-1
+  warm-up forwards, then one forward and one backward in turn, so it holds at most
+  k_s = min(p - s, waves) micro-batches (waves) whose forward ran and whose backward has not,
+  always consecutive ones. The last stage holds one (k = 1), with the head.
+- A wave w at stage s has a retained part r_s(w): what its forward keeps until its backward
+  (the stage's layers' retained rows, the received activation, on the last stage the loss's
+  saved tensors), and a peak walk_s(w): the
+  schedule walk (`walk.walk`) over the stage's layers alone, its pending adapter gradients
+  (the stage's layers' share) included when it carries them. The caller's head and loss
+  buffers (`caller`) live on the last stage only, beside its one wave in flight.
+- A stage's peak over a sequence of waves is then the largest, over windows W of k_s
+  consecutive waves, of sum_{w in W} r_s(w) + max_{w in W} (walk_s(w) - r_s(w)): at any point
+  one wave of the window is active (at most its walk's peak, of which at most r_s(w) is
+  retained) and every other one holds at most its retained part.
+- The interleaved schedule (virtual stages) is not priced: `ParallelLayout` has no virtual
+  stage setting, so no plan assumes it.
+
+`stage_charges` restricts the per-layer arrays of `PricingModel` to each stage;
+`fold_stages` folds them into one walk's charges, the per-wave proxy the search packs against
+(each stage's layers with its other k_s - 1 in-flight waves' retained part, stage by stage the
+larger); `stage_peaks` prices the exact window sums of a wave sequence, which decide.
+Complexity: O(p x L) to build; O(W x (groups^2 + groups x L / p)) per stage to price W waves,
+plus O(W x k) for the windows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
+
+
+def stage_bounds(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """The layers [lo, hi) of each stage: Megatron's even split. O(p)."""
+    return tuple((s * num_layers // pp, (s + 1) * num_layers // pp) for s in range(pp))
+
+
+def in_flight(pp: int, stage: int, num_waves: int) -> int:
+    """Waves stage `stage` holds at once under 1F1B: min(p - s, waves)."""
+    return max(1, min(pp - stage, num_waves))
+
+
+@dataclass(frozen=True)
+class StageCharges:
+    """One stage's walk charges (its layers only) and what a wave's forward keeps per row."""
+
+    stage: int
+    lo: int
+    hi: int
+    window: int                # k = p - s, the in-flight waves at most
+    charges: WalkCharges
+    retained_per_row: float    # sum of the stage's retained rows (+ the loss's on the last)
+
+
+def stage_charges(arrays: dict, *, pp: int, received_per_row: float) -> tuple[StageCharges, ...]:
+    """Each stage's charges from a model's per-layer arrays over all L layers (`layers`,
+    the `PricingModel.arrays` entry of a PP > 1 model). O(p x L)."""
+    full = arrays["layers"]
+    num_layers = full["retained"].shape[0]
+    out = []
+    for s, (lo, hi) in enumerate(stage_bounds(num_layers, pp)):
+        retained = full["retained"][lo:hi].copy()
+        if s > 0:
+            retained[0] += received_per_row
+        last = s == pp - 1
+        charges = WalkCharges(
+            retained, full["workspace"][lo:hi].copy(), full["nograd"][lo:hi].copy(),
+            full["gdn_state"][lo:hi].copy(), np.ascontiguousarray(full["pending"][:, lo:hi]),
+            float(arrays["input_grad"]),
+            float(arrays["head_retained"]) if last else 0.0,
+            float(arrays["head_transient"]) if last else 0.0,
+            float(arrays["head_const"]) if last else 0.0,
+            float(arrays["caller"]) if last else 0.0)
+        out.append(StageCharges(stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
+                                retained_per_row=float(retained.sum()) + charges.head_retained))
+    return tuple(out)
+
+
+def fold_stages(stages: Sequence[StageCharges]) -> dict:
+    """One walk's per-layer charges that price a wave about as its worst stage does when
+    k_s copies of it are in flight: position j is, stage by stage the larger, the stage's
+    j-th layer; the first position also carries the other k_s - 1 waves' retained rows (in
+    the retained and the forward transient), and the head is charged as on the last stage.
+    A packing proxy only: `stage_peaks` decides. O(p x L)."""
+    n = max(st.hi - st.lo for st in stages)
+    n_slots = stages[0].charges.pending.shape[0]
+    retained, workspace, nograd = np.zeros(n), np.zeros(n), np.zeros(n)
+    gdn_state, pending = np.zeros(n), np.zeros((n_slots, n))
+    for st in stages:
+        c, m = st.charges, st.hi - st.lo
+        others = (st.window - 1) * float(c.retained.sum())
+        r = c.retained.copy()
+        ng = c.nograd.copy()
+        if m:
+            r[0] += others
+            ng[0] += others
+        retained[:m] = np.maximum(retained[:m], r)
+        workspace[:m] = np.maximum(workspace[:m], c.workspace)
+        nograd[:m] = np.maximum(nograd[:m], ng)
+        gdn_state[:m] = np.maximum(gdn_state[:m], c.gdn_state)
+        pending[:, :m] = np.maximum(pending[:, :m], c.pending)
+    return {"retained": retained, "workspace": workspace, "nograd": nograd,
+            "gdn_state": gdn_state, "pending": pending}
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """A stage's priced peak over a wave sequence: bytes (admitted, at the safety factor),
+    the binding window of waves [first, last] and its budget."""
+
+    stage: int
+    layers: tuple[int, int]
+    in_flight: int
+    peak_bytes: int
+    window: tuple[int, int]
+    budget_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "layers": list(self.layers), "in_flight": self.in_flight,
+                "peak_bytes": self.peak_bytes, "window": list(self.window),
+                "budget_bytes": self.budget_bytes}
+
+
+def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float) -> tuple[float, float]:
+    """(retained part, peak) of one wave at one stage, raw bytes. O(groups^2 + groups x L/p)."""
+    best, _ = walk(stage.charges, first_exec, groups)
+    kept = float(np.sum(groups.rows[groups.grad])) * stage.retained_per_row
+    return kept, float(best[PEAK_BYTES])
+
+
+def window_peak(kept: np.ndarray, peak: np.ndarray, k: int) -> tuple[float, int]:
+    """max over windows of k consecutive waves of sum(kept) + max(peak - kept), and the first
+    wave of the binding window. O(W x k)."""
+    n = len(kept)
+    k = max(1, min(k, n))
+    transient = peak - kept
+    best, at = -math.inf, 0
+    for i in range(n - k + 1):
+        v = float(kept[i:i + k].sum() + transient[i:i + k].max())
+        if v > best:
+            best, at = v, i
+    return best, at
+
+
+def stage_parts(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
+                first_exec: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(kept[p, W], peak[p, W]): each wave's retained part and peak at each stage, raw bytes.
+    They do not depend on the waves' order. O(p x W x (groups^2 + groups x L/p))."""
+    kept = np.zeros((len(stages), len(waves)))
+    peak = np.zeros((len(stages), len(waves)))
+    for s, st in enumerate(stages):
+        for w, groups in enumerate(waves):
+            kept[s, w], peak[s, w] = wave_parts(st, groups, first_exec[w])
+    return kept, peak
+
+
+def peaks_from_parts(stages: Sequence[StageCharges], kept: np.ndarray, peak: np.ndarray,
+                     budgets: Sequence[int], safety: float) -> tuple[StagePeak, ...]:
+    """Every stage's peak over the waves (columns of `stage_parts`) in column order, against
+    each stage's budget. O(p x W x k)."""
+    out = []
+    n = kept.shape[1]
+    for st in stages:
+        k = in_flight(len(stages), st.stage, n)
+        raw, at = window_peak(kept[st.stage], peak[st.stage], k) if n else (0.0, 0)
+        out.append(StagePeak(stage=st.stage, layers=(st.lo, st.hi), in_flight=k,
+                             peak_bytes=admitted(raw, safety) if n else 0,
+                             window=(at, at + min(k, n) - 1) if n else (0, -1),
+                             budget_bytes=int(budgets[st.stage])))
+    return tuple(out)
+
+
+def admitted(raw: float, safety: float) -> int:
+    """Admitted bytes of a raw peak, as a wave's price rounds them."""
+    return int(math.ceil(math.ceil(raw) * safety))
+
+
+def stage_peaks(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
+                first_exec: Sequence[float], budgets: Sequence[int],
+                safety: float) -> tuple[StagePeak, ...]:
+    """Every stage's peak over `waves` run in this order (each wave: its forward calls as a
+    `WalkGroups`, with its first-execution allowance), against each stage's budget.
+    O(p x W x (groups^2 + groups x L/p) + p x W x k)."""
+    kept, peak = stage_parts(stages, waves, first_exec)
+    return peaks_from_parts(stages, kept, peak, budgets, safety)
+
+
+def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,
+                       safety: float) -> int:
+    """Waves no plan goes below at this stage. A wave w of R_w gradient rows keeps R_w x r
+    (r = `retained_per_row`) and its walk passes the backward of the stage's top layer, where
+    it holds R_w x (r + its workspace + the input gradient) = kept + R_w x t. Cut any plan into
+    ceil(W / k) blocks of at most k consecutive waves: a block's window peaks at least at
+    sum R_w r + max R_w t >= sum R_w (r + t / k), within budget / safety. Packed rows are
+    subadditive over waves, so the step's gradient rows `retained_rows` give
+    ceil(W / k) >= ceil(rows x (r + t / k) / (budget / safety)), i.e.
+    W >= k (that - 1) + 1. O(1)."""
+    room = budget / safety
+    c = stage.charges
+    top = float(c.workspace[-1]) if c.workspace.shape[0] else 0.0
+    mass = retained_rows * (stage.retained_per_row + (top + c.input_grad) / stage.window)
+    if mass <= 0:
+        return 1
+    if room <= 0:
+        return math.inf
+    blocks = math.ceil(mass / room - 1e-9)
+    return max(1, stage.window * (blocks - 1) + 1)

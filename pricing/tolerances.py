@@ -1,0 +1,41 @@
+"""The numeric tolerances of the memory model and of the search, each named for what it guards.
+
+The search imports them from here (pricing <- search). numba freezes a module-level number into
+every kernel that reads it when that kernel compiles, and its on-disk cache does not notice a
+change made here: after changing a value, empty the numba cache (NUMBA_CACHE_DIR).
+"""
+
+from __future__ import annotations
+
+# --- prices (bytes) -----------------------------------------------------------------------
+
+# Added to every constant of the (upper) envelope: the exact price rounds the walk's peak up to
+# whole bytes and then the admitted bytes up again (`price.price_groups`), which the affine
+# envelope does not; this keeps it at or above the exact admitted price.
+ENVELOPE_ROUNDING_BYTES = 4.0
+
+# Added to `WavePricer.pending_bytes`, for the same two roundings up (raw, then admitted).
+PENDING_ROUNDING_BYTES = 2.0
+
+# The lower envelope is scaled by safety x (1 - LOWER_ENVELOPE_MARGIN) (relative), so that
+# floating-point rounding of its sums never lifts it above the exact price it bounds.
+LOWER_ENVELOPE_MARGIN = 1e-12
+
+# --- the search's normalised loads (1.0 = the budget at an envelope point) ------------------
+
+# A wave fits when its load is <= 1 - FIT_EPS at every point: loads are sums of normalised
+# weights, and a wave whose envelope value equals the budget up to their rounding must not fit.
+FIT_EPS = 1e-9
+
+# The wave-count lower bounds (`search.bounds`, `WavePricer.lower_bound_waves`) round a
+# quotient up only when it exceeds an integer by more than this: a mass that is a whole number
+# of budgets up to rounding must not count one wave more, or the bound could pass the optimum.
+CEIL_SLACK = 1e-9
+
+# The greedy's placement keys (`search.greedy._choose`) closer than this are a tie, settled by
+# the secondary key and then the lowest wave, not by summation rounding.
+TIE_EPS = 1e-15
+
+# `search.local.balance` moves an atom only when the largest load drops by more than this, so
+# rounding noise never counts as progress (equal loads are not traded back and forth).
+BALANCE_GAIN_EPS = 1e-12

@@ -1,0 +1,164 @@
+"""Packing against the pipeline's in-flight window (PP > 1, `waveplan.pricing.pipeline`).
+
+Under 1F1B stage s holds up to k_s = p - s consecutive waves, so the waves' order matters and
+a stage's peak is a window sum (`pricing.stage_price.price_stages`). The search here:
+1. packs as at PP1 (`packers._search`) against the per-wave proxy price of the model (each
+   stage's layers with k_s copies of the wave in flight, `pipeline.fold_stages`): a plan whose
+   waves are alike then fits every window;
+2. orders the waves (the waves that carry pending gradients stay first, in their order, so
+   the pending-gradient rule holds): the search's run order if every window fits, else a
+   heavy/light alternation by the first stage's retained part, else `fill_windows` (each
+   next wave the heaviest whose newest windows fit); the order whose worst stage is lowest
+   is kept. Each wave's retained part and peak per stage do not depend on the order, so
+   they are priced once per pack (`stage_price.price_parts`) and orders cost arithmetic;
+3. checks every stage's window sum exactly against its budget; if a stage is over, packs
+   again with the per-wave budget scaled down by the worst stage's overshoot (at most
+   MAX_SHRINKS times, then InfeasibleError naming the stage).
+The plan's lower bound is the window bound (`pipeline.window_lower_bound`): any k_s
+consecutive waves keep at most the budget, and the step's gradient rows keep at least their
+packed rows' retained bytes. The search's own bound holds for the proxy price only (a plan
+may mix a wave over the proxy with light ones), so it is kept in the stats only.
+Complexity: one PP1 search per try, plus O(p x W x (groups^2 + groups x L / p)) per order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from waveplan.pricing.errors import InfeasibleError
+from waveplan.pricing.pipeline import StagePeak, in_flight, peaks_from_parts, window_lower_bound
+from waveplan.pricing.stage_price import price_parts
+
+from .contract import SearchPricer
+from .result import PackedWave, SearchResult
+
+MAX_SHRINKS = 8   # packs with a smaller per-wave budget before giving up
+
+
+def pipeline_model(pricer: object):
+    """The pricing model behind a pricer when it is a pipeline (PP > 1), else None."""
+    seen = 0
+    while pricer is not None and seen < 4:
+        model = getattr(pricer, "model", None)
+        if model is not None and hasattr(model, "parallel"):
+            return model if model.parallel.pp > 1 else None
+        pricer = getattr(pricer, "pricer", None) or getattr(pricer, "_pricer", None)
+        seen += 1
+    return None
+
+
+def _wave_pricer(pricer: object):
+    while pricer is not None and not hasattr(pricer, "class_totals"):
+        pricer = getattr(pricer, "pricer", None) or getattr(pricer, "_pricer", None)
+    return pricer
+
+
+def _overshoot(peaks: Sequence[StagePeak]) -> float:
+    return max(p.peak_bytes / max(p.budget_bytes, 1) for p in peaks)
+
+
+def alternate(waves: Sequence[PackedWave], weight: Sequence[float]) -> list[int]:
+    """Run order: the waves that carry pending gradients first (in their order), then the
+    others heaviest, lightest, next heaviest, ... O(W log W)."""
+    first = [i for i, w in enumerate(waves) if w.first_slots]
+    rest = sorted((i for i, w in enumerate(waves) if not w.first_slots),
+                  key=lambda i: (-weight[i], i))
+    out, lo, hi = list(first), 0, len(rest) - 1
+    while lo <= hi:
+        out.append(rest[lo])
+        lo += 1
+        if lo <= hi:
+            out.append(rest[hi])
+            hi -= 1
+    return out
+
+
+def fill_windows(waves: Sequence[PackedWave], kept: np.ndarray, peak: np.ndarray,
+                 windows: Sequence[int], room: np.ndarray) -> list[int]:
+    """Run order built wave by wave: the waves that carry pending gradients first (in their
+    order), then each time the heaviest wave (by its largest share of a stage's room) whose
+    newest window fits every stage's `room` (raw bytes), else the one whose window is
+    lowest. O(W^2 x p x k)."""
+    order = [i for i, w in enumerate(waves) if w.first_slots]
+    rest = [i for i, w in enumerate(waves) if not w.first_slots]
+    share = (kept / room[:, None]).max(axis=0)
+    rest.sort(key=lambda i: (-share[i], i))
+    while rest:
+        best, best_cost = rest[0], np.inf
+        for c in rest:
+            cost = 0.0
+            for s, k in enumerate(windows):
+                tail = order[len(order) - k + 1:] if k > 1 else []
+                idx = tail + [c]
+                v = kept[s, idx].sum() + (peak[s, idx] - kept[s, idx]).max()
+                cost = max(cost, v / room[s])
+            if cost <= 1.0:
+                best = c
+                break
+            if cost < best_cost:
+                best, best_cost = c, cost
+        order.append(best)
+        rest.remove(best)
+    return order
+
+
+def best_order(model, waves: Sequence[PackedWave],
+               budgets: Sequence[int]) -> tuple[list[PackedWave], tuple[StagePeak, ...]]:
+    """The waves in the best of three orders (the search's, the heavy/light alternation,
+    `fill_windows`) and its stage peaks. O(p x W x (groups^2 + groups x L/p) + W^2 x p x k)."""
+    waves = list(waves)
+    stages = model.arrays["stages"]
+    kept, peak = price_parts(model, [(w.loads, w.first_slots) for w in waves])
+    best, best_peaks = list(range(len(waves))), None
+    orders = [best]
+    if len(waves) > 2:
+        windows = [in_flight(len(stages), st.stage, len(waves)) for st in stages]
+        room = np.asarray(budgets, dtype=np.float64) / model.safety
+        orders += [alternate(waves, kept[0]), fill_windows(waves, kept, peak, windows, room)]
+    for order in orders:
+        peaks = peaks_from_parts(stages, kept[:, order], peak[:, order], budgets, model.safety)
+        if best_peaks is None or _overshoot(peaks) < _overshoot(best_peaks):
+            best, best_peaks = order, peaks
+        if all(p.fits for p in peaks):
+            break
+    return [waves[i] for i in best], best_peaks
+
+
+def window_bound(model, pricer: object, budgets: Sequence[int]) -> int:
+    """The window lower bound over all stages (`pipeline.window_lower_bound`). O(p x K)."""
+    wp = _wave_pricer(pricer)
+    if wp is None:
+        return 1
+    totals = wp.class_totals()
+    grad = np.asarray(wp.class_grad, dtype=bool)
+    rows = float(totals[grad, 0].sum()) if grad.any() else 0.0
+    rows /= model.rows_cp
+    return max(window_lower_bound(rows, st, budgets[st.stage], model.safety)
+               for st in model.arrays["stages"])
+
+
+def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
+                  search: Callable[..., SearchResult], model) -> SearchResult:
+    """Waves and their order such that every stage's window fits its budget (the module
+    docstring). Every stage's budget is `budget` (the minimum over ranks)."""
+    budgets = (int(budget),) * model.parallel.pp
+    per_wave = int(budget)
+    for tries in range(MAX_SHRINKS + 1):
+        result = search(step, pricer, per_wave, options)
+        waves, peaks = best_order(model, result.waves, budgets)
+        if all(p.fits for p in peaks):
+            bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
+            stats = dict(result.stats, stages=[p.to_dict() for p in peaks],
+                         pipeline_wave_budget=per_wave, pipeline_shrinks=tries,
+                         lower_bound_search=int(result.lower_bound_waves))
+            return replace(result, waves=tuple(waves), lower_bound_waves=bound,
+                           proven_optimal=len(waves) <= bound, stats=stats)
+        worst = max(peaks, key=lambda p: p.peak_bytes / max(p.budget_bytes, 1))
+        per_wave = min(per_wave - 1, math.floor(per_wave / _overshoot(peaks)))
+    raise InfeasibleError(f"pipeline stage {worst.stage}: window of waves {list(worst.window)} "
+                          f"peaks at {worst.peak_bytes} bytes > budget {worst.budget_bytes} "
+                          f"after {MAX_SHRINKS} smaller per-wave budgets")

@@ -1,0 +1,79 @@
+"""One numba cache folder for the library, the CLI and the tests (`waveplan.pricing.jit_cache`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from waveplan.pricing.jit_cache import cache_dir, waveplan_version
+
+# Prints numba's cache folder and the folder of every cached waveplan kernel, after `imports`.
+PROBE = """
+import json, os, sys
+{imports}
+import numba
+from numba.core.registry import CPUDispatcher
+kernels = {{}}
+for name, module in list(sys.modules.items()):
+    if name.startswith("waveplan"):
+        for value in vars(module).values():
+            if isinstance(value, CPUDispatcher) and value.__module__ == name:
+                kernels[name + "." + value.__name__] = os.path.dirname(value._cache._cache_path)
+print(json.dumps({{"config": numba.config.CACHE_DIR, "env": os.environ.get("NUMBA_CACHE_DIR"),
+                   "kernels": kernels}}))
+"""
+
+# The CLI's import path, with numba imported first (its config is then read before waveplan's);
+# and a library user's.
+CLI = "import numba\nfrom waveplan.planner.cli import main"
+LIBRARY = "import waveplan.pricing.walk, waveplan.pricing.layout, waveplan.search, waveplan.planner"
+
+
+def _probe(imports: str, env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE.format(imports=imports)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUMBA_CACHE_DIR", "WAVEPLAN_CACHE_DIR", "XDG_CACHE_HOME")}
+    return env | extra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["xdg", "waveplan", "numba"])
+def test_cli_and_library_resolve_the_same_cache_dir(tmp_path, setting):
+    version = waveplan_version()
+    env, expected = {
+        "xdg": (_clean_env(XDG_CACHE_HOME=str(tmp_path / "xdg")),
+                tmp_path / "xdg" / "waveplan" / version / "numba"),
+        "waveplan": (_clean_env(WAVEPLAN_CACHE_DIR=str(tmp_path / "w"), XDG_CACHE_HOME=str(tmp_path / "x")),
+                     tmp_path / "w" / version / "numba"),
+        "numba": (_clean_env(NUMBA_CACHE_DIR=str(tmp_path / "n"), XDG_CACHE_HOME=str(tmp_path / "x")),
+                  tmp_path / "n"),
+    }[setting]
+    cli, library = _probe(CLI, env), _probe(LIBRARY, env)
+    for seen in (cli, library):
+        assert seen["config"] == seen["env"] == str(expected)
+        assert len(seen["kernels"]) >= 20, seen["kernels"]
+        assert set(seen["kernels"].values()) == {str(expected)}, seen["kernels"]
+    assert cli["kernels"] == library["kernels"]
+
+
+def test_rules_in_order(tmp_path):
+    version = waveplan_version()
+    home = Path("~").expanduser()
+    assert cache_dir({}) == home / ".cache" / "waveplan" / version / "numba"
+    assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/waveplan") / version / "numba"
+    assert cache_dir({"XDG_CACHE_HOME": "/x", "NUMBA_CACHE_DIR": "/n"}) == Path("/n")
+    assert cache_dir({"WAVEPLAN_CACHE_DIR": "/w", "NUMBA_CACHE_DIR": "/n"}) == Path("/w") / version / "numba"
+    assert cache_dir({"WAVEPLAN_CACHE_DIR": "", "XDG_CACHE_HOME": ""}) == home / ".cache" / "waveplan" / version / "numba"
+    assert version == metadata.version("waveplan")

@@ -1,0 +1,74 @@
+"""Layout monotonicity (issue 12, docs/memory-model.md#layouts): for the same wave, more TP with
+sequence parallelism or more CP never prices a rank higher; SP never prices higher than no SP at
+the same TP; fewer recomputed modules (full -> selective -> none) never price lower."""
+
+from __future__ import annotations
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.model import PricingModel
+from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.presets import load_preset
+from waveplan.pricing.price import GroupLoad, price_groups
+
+MODELS = ("qwen3-8b", "llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "qwen3-30b-a3b", "qwen3.8-27b")
+RECOMPUTES = ("full", "selective", "none")
+
+
+def _raw(name: str, parallel: ParallelLayout, recompute: str, rows: int, logical: int,
+         segments: int) -> int:
+    try:
+        model = PricingModel.build(load_preset(name), parallel=parallel,
+                                   recompute=Recompute(mode=recompute))
+    except ConfigError:  # a layout the model cannot take (heads not divisible by TP)
+        assume(False)
+    group = GroupLoad(slot="default", grad=True, packed_rows=rows, padded_rows=rows,
+                      logical_rows=logical, segments=segments)
+    return price_groups(model, [group], first_slots=frozenset({"default"})).raw_bytes
+
+
+waves = st.tuples(st.integers(64, 65_536), st.integers(0, 32_768), st.integers(1, 64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(MODELS), recompute=st.sampled_from(RECOMPUTES), wave=waves)
+def test_more_tp_with_sp_never_prices_higher(name, recompute, wave):
+    rows, extra, segments = wave
+    prices = [_raw(name, ParallelLayout(tp=tp, sequence_parallel=tp > 1), recompute,
+                   rows, rows + extra, segments) for tp in (1, 2, 4, 8)]
+    assert all(b <= a for a, b in zip(prices[:-1], prices[1:], strict=True)), prices
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(MODELS), recompute=st.sampled_from(RECOMPUTES), wave=waves,
+       tp=st.sampled_from((1, 2, 4)))
+def test_more_cp_never_prices_higher(name, recompute, wave, tp):
+    rows, extra, segments = wave
+    prices = [_raw(name, ParallelLayout(tp=tp, sequence_parallel=tp > 1, cp=cp), recompute,
+                   rows, rows + extra, segments) for cp in (1, 2, 4)]
+    assert all(b <= a for a, b in zip(prices[:-1], prices[1:], strict=True)), prices
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(MODELS), recompute=st.sampled_from(RECOMPUTES), wave=waves,
+       tp=st.sampled_from((2, 4, 8)))
+def test_sp_never_prices_higher_than_no_sp(name, recompute, wave, tp):
+    rows, extra, segments = wave
+    with_sp = _raw(name, ParallelLayout(tp=tp, sequence_parallel=True), recompute, rows,
+                   rows + extra, segments)
+    without = _raw(name, ParallelLayout(tp=tp), recompute, rows, rows + extra, segments)
+    assert with_sp <= without
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(MODELS), wave=waves,
+       layout=st.sampled_from(((1, False, 1), (2, True, 1), (4, True, 1), (8, True, 1), (4, False, 1),
+                               (1, False, 2))))
+def test_fewer_recomputed_modules_never_price_lower(name, wave, layout):
+    rows, extra, segments = wave
+    tp, sp, cp = layout
+    parallel = ParallelLayout(tp=tp, sequence_parallel=sp, cp=cp)
+    prices = [_raw(name, parallel, r, rows, rows + extra, segments) for r in RECOMPUTES]
+    assert prices[0] <= prices[1] <= prices[2], prices

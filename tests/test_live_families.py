@@ -1,0 +1,144 @@
+"""Every family's preset, built as a Megatron-core model on the `meta` device, reads back with
+`geometry_from_megatron` as the geometry the config reader gives (shapes, layer pattern and
+the features Megatron expresses: MLA, shared experts, biases, sliding windows, sinks, the
+MLP activation, the router).
+
+Dense models are built at full size; MoE models at their first five layers (their leading
+dense layers included), since a meta build of hundreds of experts per layer only repeats
+the same modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from waveplan.pricing.errors import ConfigError  # noqa: E402
+from waveplan.pricing.hf_config import load_hf_config  # noqa: E402
+from waveplan.pricing.lora import LoraConfig, LoraSlot, adapter_param_counts  # noqa: E402
+from waveplan.pricing.measure.live_geometry import geometry_from_megatron  # noqa: E402
+from waveplan.pricing.measure.megatron_build import build_gpt  # noqa: E402
+from waveplan.pricing.measure.megatron_shim import init_single_process  # noqa: E402
+from waveplan.pricing.parallel import ParallelLayout, Recompute  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+HF = Path(__file__).parent / "data" / "hf"
+FAMILIES = ("qwen2.5-7b", "mistral-7b", "mixtral-8x7b", "gemma-2-9b", "gemma-3-27b",
+            "deepseek-v2-lite", "deepseek-v3", "phi-4", "gpt-oss-20b", "gpt-oss-120b")
+MOE_LAYERS = 5
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with init_single_process():
+            yield
+
+
+def config_geometry(name: str):
+    """The config reader's geometry (MoE models: their first layers)."""
+    geometry = load_hf_config(HF / f"{name}.json")
+    if geometry.moe is not None:
+        geometry = dataclasses.replace(geometry, layers=geometry.layers[:MOE_LAYERS])
+    return geometry
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_meta_model_reads_back_the_config_geometry(megatron_tp1, name):
+    geometry = config_geometry(name)
+    model = build_gpt(geometry, device="meta", lora_rank=8)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    got, layout, recompute, lora = geometry_from_megatron(model)
+    assert got == geometry
+    assert got.to_dict() == geometry.to_dict()
+    assert layout == ParallelLayout() and recompute == Recompute()
+    # the adapters found cover what the pricing charges for LoRA on every linear
+    priced = adapter_param_counts(geometry, LoraConfig(slots=(LoraSlot(rank=8),)), "default", 1)
+    found = adapter_param_counts(geometry, lora, "default", 1)
+    assert (found == priced).all()
+
+
+def test_megatron_settings_of_the_features(megatron_tp1):
+    from megatron.core.activations import quick_gelu
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    oss = build_gpt(config_geometry("gpt-oss-20b"), device="meta")
+    c = oss.config
+    assert c.add_bias_linear and c.softmax_type == "learnable"
+    assert c.window_size == (128, 0) and c.window_attn_skip_freq == 2
+    assert c.activation_func is quick_gelu and c.glu_linear_offset == 1.0
+    assert c.activation_func_clamp_value == 7.0
+    v3 = build_gpt(config_geometry("deepseek-v3"), device="meta")
+    assert isinstance(v3.decoder.layers[0].self_attention, MLASelfAttention)
+    assert v3.config.moe_router_score_function == "sigmoid" and v3.config.moe_router_num_groups == 8
+    assert v3.decoder.layers[3].mlp.shared_experts is not None
+    qwen2 = build_gpt(config_geometry("qwen2.5-7b"), device="meta")
+    assert qwen2.config.add_qkv_bias and not qwen2.config.qk_layernorm
+    assert qwen2.decoder.layers[0].self_attention.linear_qkv.bias is not None  # (no LoRA here)
+
+
+def test_features_megatron_lacks_come_only_from_the_builder(megatron_tp1):
+    gemma = build_gpt(config_geometry("gemma-2-9b"), device="meta")
+    assert gemma.waveplan_features == {"attention_softcap": 50.0, "final_softcap": 30.0,
+                                       "embedding_scale": True, "sandwich_norms": True}
+    del gemma.waveplan_features  # another Megatron model: nothing says it soft-caps
+    got = geometry_from_megatron(gemma)[0]
+    assert got.features.final_softcap == 0.0 and not got.features.sandwich_norms
+    assert got.features.mlp_activation.value == "geglu" and got.features.sliding_window == 4096
+
+
+def test_unknown_activation_is_named(megatron_tp1):
+    import torch
+
+    model = build_gpt(config_geometry("mistral-7b"), device="meta", num_layers=1)
+    model.config.activation_func = torch.relu
+    with pytest.raises(ConfigError, match="config.activation_func='relu'"):
+        geometry_from_megatron(model)
+
+
+def _tiny(vocab=512, **features):
+    from waveplan.pricing.geometry import AttentionSpec, ModelFeatures, ModelGeometry
+
+    return ModelGeometry(name="tiny", hidden=128, ffn=384, vocab=vocab, layers=(("attention", "dense"),) * 2,
+                         attention=AttentionSpec(4, 2, 32), features=ModelFeatures(**features))
+
+
+def _trace(geometry, lens):
+    try:
+        from waveplan.pricing.measure.trace import trace_wave
+    except ImportError:
+        from waveplan.pricing.measure.trace import trace_wave
+    return trace_wave(geometry, seq_lens=lens, device="cpu-fake", lora_rank=8)
+
+
+def test_tracer_models_the_final_softcap_and_sandwich_norms():
+    """Megatron-core has neither; the builder's hooks allocate what transformers does: the tanh
+    output of the capped logits (one bf16 [rows, vocab] more at the head's peak), and two more
+    norms per layer."""
+    rows, vocab = 256, 32768  # a vocabulary large enough for the head to bind
+    plain = _trace(_tiny(vocab), [rows])
+    capped = _trace(_tiny(vocab, final_softcap=30.0), [rows])
+    assert capped.peak_bytes - plain.peak_bytes == 2 * vocab * rows
+    assert capped.decoder_peak_bytes == plain.decoder_peak_bytes  # no head, no cap
+    sandwich = _trace(_tiny(sandwich_norms=True), [rows])
+    assert sandwich.decoder_peak_bytes > plain.decoder_peak_bytes
+
+
+def test_mla_stand_in_attention_is_linear_in_rows():
+    """Values narrower than queries (MLA) must not fall back to the math kernel's [heads, s, s]
+    scores: doubling one sequence's rows about doubles the decoder's peak."""
+    from waveplan.pricing.geometry import AttentionSpec, MlaSpec, ModelGeometry
+
+    mla = MlaSpec(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    g = ModelGeometry(name="tiny-mla", hidden=128, ffn=384, vocab=512, layers=(("attention", "dense"),),
+                      attention=AttentionSpec(8, 8, 48, mla=mla))
+    short, long = (_trace(g, [n]).decoder_peak_bytes for n in (1024, 2048))
+    assert long / short < 2.2
