@@ -14,7 +14,7 @@ import sys
 from waveplan.pricing.errors import WaveplanError
 
 # Subcommand modules, each exposing `register(subparsers)` that sets `func` on its parser.
-_COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate")
+_COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate", "warmup")
 
 
 class _Formatter(argparse.HelpFormatter):

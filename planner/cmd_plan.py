@@ -142,6 +142,9 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
         verdict = (f"{waves}; lower bound {plan.lower_bound_waves}: "
                    f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}")
     print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms)")
+    if plan.compile_ms > 0:
+        print(f"compiled kernels first: {plan.compile_ms / 1e3:.2f} s (once per machine; "
+              "`waveplan warmup` pays it ahead)")
     print(LEGEND)
 
 

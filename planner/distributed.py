@@ -51,9 +51,11 @@ _CODES: tuple[type[WaveplanError], ...] = (WaveplanError, ConfigError, StepError
 
 
 def plan_hash(plan: Plan) -> str:
-    """sha256 of the plan's JSON without `planning_ms` (the only field that may differ)."""
+    """sha256 of the plan's JSON without the timings `planning_ms` and `compile_ms` (the only
+    fields that may differ)."""
     data = plan.to_dict()
     data.pop("planning_ms", None)
+    data.pop("compile_ms", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,7 +1,8 @@
 """A plan: the waves of one step in run order, each with its exact priced breakdown.
 
 `Plan.to_dict()` is the stable, documented form (schema 1); `to_json()` sorts keys so that the
-same inputs give byte-identical JSON except `planning_ms`.
+same inputs give byte-identical JSON except the timings `planning_ms` and `compile_ms` (the
+latter present only when the plan compiled kernels: the first plan of a cold process).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class Plan:
     proven_optimal: bool
     budget_bytes: int
     stats: dict = field(default_factory=dict, compare=False, repr=False)
+    # ms this plan spent compiling kernels (the first plan of a cold process; 0 once warm):
+    # timing like planning_ms, in the JSON only when > 0
+    compile_ms: float = field(default=0.0, compare=False)
 
     @property
     def num_waves(self) -> int:
@@ -148,6 +152,8 @@ class Plan:
                "waves": [w.to_dict() for w in self.waves]}
         if self.stages:
             out["stages"] = self.stages
+        if self.compile_ms > 0:   # timing, like planning_ms: ignored where plans are compared
+            out["compile_ms"] = round(float(self.compile_ms), 3)
         return out
 
     def to_json(self, *, indent: int | None = 1) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.coefficients import DEFAULT_BACKEND
+from waveplan.pricing.compile_clock import CompileClock
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.geometry import ModelGeometry
@@ -50,6 +51,7 @@ from .profiles import (
     load_profiles,
     static_raw_without_first_exec,
 )
+from .warmup import ensure_warm, warmup
 
 MAX_BUDGET_BYTES = 2**50  # 1 PiB: anything above is a unit mistake, not a GPU
 
@@ -200,8 +202,9 @@ class Planner:
     @classmethod
     def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
                        sequence_parallel: bool = False, recompute: Recompute | str = "full",
-                       lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = "te-gpu",
-                       head: str = "chunked:512", safety: float = DEFAULT_SAFETY,
+                       lora_rank: int = 16, lora: LoraConfig | None = None,
+                       backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
+                       safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
                        name: str | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
@@ -210,6 +213,25 @@ class Planner:
         return cls(geometry=load_hf_config(config, name=name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+
+    @classmethod
+    def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
+                      safety: float = DEFAULT_SAFETY,
+                      profiles_path: str | os.PathLike | None = None) -> Planner:
+        """A planner for a live Megatron-core model (a `GPTModel`, its decoder, or a wrapper of
+        either; a `meta`-device build costs no memory): geometry, parallel layout, recompute and
+        LoRA adapters are read from its `TransformerConfig` and modules
+        (`pricing.measure.live_geometry.geometry_from_megatron`). Needs the megatron extra. A
+        bare `TransformerConfig` is refused: it lacks the vocabulary and the adapters."""
+        if type(model).__name__.endswith("TransformerConfig"):
+            raise bad(ConfigError, "model", type(model).__name__,
+                      "needs the model, not its config (build it on the meta device: "
+                      "the vocabulary and LoRA adapters live on the modules)")
+        from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+
+        geometry, parallel, recompute, lora = geometry_from_megatron(model)
+        return cls(geometry=geometry, parallel=parallel, recompute=recompute, lora=lora,
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path)
 
     @classmethod
@@ -284,7 +306,23 @@ class Planner:
                                 deterministic=deterministic)
         step = _as_step(step)
         t0 = time.perf_counter()
-        result = pack(step, self.pricer(step), budget_bytes=budget, options=options)
+        with CompileClock() as clock:
+            ensure_warm()   # the first plan of a process compiles (or loads) every kernel
+            result = pack(step, self.pricer(step), budget_bytes=budget, options=options)
+            waves = self._waves(step, result, budget)
+        # planning only: the time inside numba's compiler (compiling, or loading from the cache)
+        # is reported apart, as compile_ms (compiling) and stats["jit_ms"] (both)
+        planning_ms = max(0.0, (time.perf_counter() - t0 - clock.jit_s) * 1e3)
+        stats = dict(result.stats)
+        stats["compile_ms"] = clock.compile_s * 1e3
+        stats["jit_ms"] = clock.jit_s * 1e3
+        return Plan(waves=waves, packer=result.packer, planning_ms=planning_ms,
+                    lower_bound_waves=int(result.lower_bound_waves),
+                    proven_optimal=bool(result.proven_optimal), budget_bytes=budget,
+                    stats=stats, compile_ms=clock.compile_s * 1e3)
+
+    def _waves(self, step: Step, result, budget: int) -> tuple[PlanWave, ...]:
+        """The plan's waves from the search result. O(waves x groups)."""
         ids = step.ids
         signer = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
         waves = []
@@ -294,11 +332,15 @@ class Planner:
             waves.append(PlanWave.of(i, w, ids, budget_bytes=budget,
                                      signature=signer.signature(w.loads),
                                      static_raw_bytes=static_raw_without_first_exec(w.price)))
-        planning_ms = (time.perf_counter() - t0) * 1e3
-        return Plan(waves=tuple(waves), packer=result.packer, planning_ms=planning_ms,
-                    lower_bound_waves=int(result.lower_bound_waves),
-                    proven_optimal=bool(result.proven_optimal), budget_bytes=budget,
-                    stats=dict(result.stats))
+        return tuple(waves)
+
+    @staticmethod
+    def warmup(*, force: bool = False):
+        """Compile (or load from the cache) every kernel a plan can need, now, instead of in
+        the first plan: for trainers that pay it at start-up. Once per process unless `force`;
+        returns a `WarmupReport`, or None when the process was warm already. See
+        `waveplan.planner.warmup`."""
+        return warmup(force=force)
 
     # --- learning -----------------------------------------------------------------------
 

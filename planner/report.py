@@ -179,7 +179,7 @@ def _options(data: object) -> PlanOptions:
 
 def replay(path: str | os.PathLike) -> tuple[dict, list[str]]:
     """Re-plan a report. Returns (the new plan's dict, differences as readable lines; empty
-    when identical, ignoring `planning_ms`)."""
+    when identical, ignoring the timings `planning_ms` and `compile_ms`)."""
     loaded = read_report(path)
     plan = loaded.planner.plan(loaded.step, free_bytes=loaded.budget_bytes, **loaded.options.kwargs())
     new = plan.to_dict()
@@ -189,7 +189,7 @@ def replay(path: str | os.PathLike) -> tuple[dict, list[str]]:
 def diff_plans(old: dict, new: dict) -> list[str]:
     """Readable differences between two plan dicts, naming the wave and field."""
     out = []
-    for key in sorted((set(old) | set(new)) - {"planning_ms", "waves"}):
+    for key in sorted((set(old) | set(new)) - {"planning_ms", "compile_ms", "waves"}):
         if old.get(key) != new.get(key):
             out.append(f"{key}: report {old.get(key)!r}, replay {new.get(key)!r}")
     old_w, new_w = old.get("waves", []), new.get("waves", [])

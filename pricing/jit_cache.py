@@ -20,6 +20,7 @@ any kernel module is imported; `waveplan.search` imports `waveplan.pricing` firs
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib import metadata
 from pathlib import Path
@@ -59,3 +60,29 @@ def use() -> Path:
     os.environ[ENV_NUMBA] = path
     numba.config.CACHE_DIR = path
     return Path(path)
+
+
+LOCK_NAME = ".compile.lock"
+
+
+@contextlib.contextmanager
+def compile_lock(path: Path | None = None):
+    """Hold an exclusive file lock on the cache folder (`path`, default `cache_dir()`) while
+    kernels are compiled into it: concurrent cold processes on one node then compile once, the
+    others wait here and load what the first one wrote. `fcntl.flock` is released by the kernel
+    when the holder exits or dies, so a crashed compile never blocks the node. Where `fcntl` is
+    missing (Windows) or the folder cannot be written, runs unlocked. O(1) plus the wait."""
+    folder = cache_dir() if path is None else Path(path)
+    try:
+        import fcntl
+
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_NAME, "a+b")  # noqa: SIM115 - closed below
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()  # closing releases the lock

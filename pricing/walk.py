@@ -92,7 +92,8 @@ def _offer(best, out, point, code, layer, group):
         best[PEAK_POINT] = code
         best[PEAK_LAYER] = layer
         best[PEAK_GROUP] = group
-        out[:] = point
+        for t in range(point.shape[0]):   # a loop, not `out[:] = point`: numba's slice copy
+            out[t] = point[t]               # compiles a shape check with string formatting (seconds)
 
 
 @njit(cache=True)

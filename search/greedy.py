@@ -131,7 +131,9 @@ def _open_wave(opened, n_open, b):
     """A new wave is open to every class (it has the highest index: the lists stay sorted)."""
     if b >= opened.shape[1]:
         bigger = np.empty((opened.shape[0], 2 * b + 2), dtype=np.int64)
-        bigger[:, :opened.shape[1]] = opened
+        for k in range(opened.shape[0]):   # a loop, not a slice copy: no shape-check overload to compile
+            for j in range(opened.shape[1]):
+                bigger[k, j] = opened[k, j]
         opened = bigger
     for k in range(opened.shape[0]):
         opened[k, n_open[k]] = b

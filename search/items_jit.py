@@ -182,7 +182,9 @@ def blocks_by_group(active, size, req_w, block_key, req_sptr, req_s, sub_class, 
                     seen_s[s] = True
                     s_flat[ns] = s
                     ns += 1
-        s_flat[start:ns] = np.sort(s_flat[start:ns])
+        ordered = np.sort(s_flat[start:ns])
+        for t in range(ns - start):   # a loop, not a slice copy (no shape-check overload to compile)
+            s_flat[start + t] = ordered[t]
         for t in range(start, ns):
             s = s_flat[t]
             seen_s[s] = False
@@ -291,7 +293,9 @@ def tree_subgroups(leaf_parent, node_parent, num_nodes, class_of, num_classes, m
     uniq = np.unique(keys)
     req_s = np.searchsorted(uniq, keys).astype(np.int64)
     for i in range(n):
-        req_s[ptr[i]:ptr[i + 1]] = np.sort(req_s[ptr[i]:ptr[i + 1]])
+        ordered = np.sort(req_s[ptr[i]:ptr[i + 1]])
+        for t in range(ordered.shape[0]):   # a loop, not a slice copy (compile time)
+            req_s[ptr[i] + t] = ordered[t]
     return ptr, req_s, uniq // K, uniq % K, kept, skipped
 
 

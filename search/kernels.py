@@ -45,9 +45,14 @@ def grow(load, scnt, ccnt, need):
     l2 = np.zeros((new, load.shape[1]))
     s2 = np.zeros((new, scnt.shape[1]), dtype=np.int32)
     c2 = np.zeros((new, ccnt.shape[1]), dtype=np.int32)
-    l2[:cap] = load
-    s2[:cap] = scnt
-    c2[:cap] = ccnt
+    # loops, not slice copies: numba's slice copy compiles a shape check with string formatting
+    for i in range(cap):
+        for p in range(load.shape[1]):
+            l2[i, p] = load[i, p]
+        for p in range(scnt.shape[1]):
+            s2[i, p] = scnt[i, p]
+        for p in range(ccnt.shape[1]):
+            c2[i, p] = ccnt[i, p]
     return l2, s2, c2
 
 

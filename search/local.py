@@ -74,9 +74,12 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                         a = active[i]
                         if atom_wave[a] == last:
                             atom_wave[a] = c
-                    load[c] = load[last]
-                    scnt[c] = scnt[last]
-                    ccnt[c] = ccnt[last]
+                    for p in range(load.shape[1]):   # loops, not row copies (compile time)
+                        load[c, p] = load[last, p]
+                    for p in range(scnt.shape[1]):
+                        scnt[c, p] = scnt[last, p]
+                    for p in range(ccnt.shape[1]):
+                        ccnt[c, p] = ccnt[last, p]
                 nw -= 1
                 done = True
                 break

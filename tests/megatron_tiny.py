@@ -6,7 +6,6 @@ import torch
 
 from waveplan.planner import Planner
 from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry
-from waveplan.pricing.measure.live_geometry import geometry_from_megatron
 from waveplan.pricing.measure.megatron_build import build_gpt
 from waveplan.pricing.parallel import Recompute
 
@@ -25,9 +24,7 @@ def build(seed=0):
             if p.requires_grad:
                 p.normal_(0.0, 0.05)
     model.config.calculate_per_token_loss = True
-    g, layout, recompute, lora = geometry_from_megatron(model)
-    planner = Planner(geometry=g, parallel=layout, recompute=recompute, lora=lora,
-                      backend="torch-cpu", head="full-native")
+    planner = Planner.from_megatron(model, backend="torch-cpu", head="full-native")
     return model, planner
 
 

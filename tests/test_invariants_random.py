@@ -254,6 +254,7 @@ def budgets(draw):
 def plan_json(plan) -> str:
     data = plan.to_dict()
     data.pop("planning_ms")
+    data.pop("compile_ms", None)
     return json.dumps(data, sort_keys=True)
 
 

@@ -77,3 +77,16 @@ def test_rules_in_order(tmp_path):
     assert cache_dir({"WAVEPLAN_CACHE_DIR": "/w", "NUMBA_CACHE_DIR": "/n"}) == Path("/w") / version / "numba"
     assert cache_dir({"WAVEPLAN_CACHE_DIR": "", "XDG_CACHE_HOME": ""}) == home / ".cache" / "waveplan" / version / "numba"
     assert version == metadata.version("waveplan")
+
+
+def test_the_compile_lock_excludes_another_process_until_released(tmp_path):
+    from waveplan.pricing.jit_cache import LOCK_NAME, compile_lock
+
+    probe = ("import fcntl, sys\n"
+             f"f = open({str(tmp_path / LOCK_NAME)!r}, 'a+b')\n"
+             "try:\n    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError:\n    sys.exit(3)\n")
+    with compile_lock(tmp_path):
+        held = subprocess.run([sys.executable, "-c", probe], check=False)
+    free = subprocess.run([sys.executable, "-c", probe], check=False)
+    assert (held.returncode, free.returncode) == (3, 0)

@@ -188,3 +188,19 @@ def test_tensor_parallel_layout_reads_global_sizes():
     assert (got.hidden, got.ffn, got.vocab, got.attention) == \
         (geometry.hidden, geometry.ffn, geometry.vocab, geometry.attention)
     assert lora.slots[0].rank == 16
+
+
+def test_planner_from_megatron_reads_the_live_model(megatron_tp1):
+    from waveplan.planner import Planner
+    from waveplan.pricing.errors import ConfigError
+    from waveplan.pricing.measure.live_geometry import geometry_from_megatron
+    from waveplan.pricing.measure.megatron_build import build_gpt
+
+    geometry = _preset("qwen3-8b")
+    model = build_gpt(geometry, device="meta", lora_rank=16)
+    planner = Planner.from_megatron(model)
+    g, layout, recompute, lora = geometry_from_megatron(model)
+    assert planner.model.geometry == g and planner.model.parallel == layout
+    assert planner.model.lora == lora and planner.model.recompute == recompute
+    with pytest.raises(ConfigError, match="model="):
+        Planner.from_megatron(model.config)

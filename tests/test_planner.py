@@ -40,7 +40,7 @@ def test_plan_grpo_8x8_is_valid_and_proven(planner, step):
 
 def test_plan_dict_has_exactly_the_documented_fields(planner, step):
     d = planner.plan(step, free_bytes=40 * GIB).to_dict()
-    assert set(d) == {"schema", "packer", "planning_ms", "lower_bound_waves", "proven_optimal", "waves"}
+    assert set(d) - {"compile_ms"} == {"schema", "packer", "planning_ms", "lower_bound_waves", "proven_optimal", "waves"}
     assert d["schema"] == 1 and d["packer"] == "auto"
     for i, w in enumerate(d["waves"]):
         assert set(w) == WAVE_KEYS
@@ -58,6 +58,7 @@ def test_same_inputs_give_byte_identical_json(step):
     def strip(plan):
         d = json.loads(plan.to_json())
         d.pop("planning_ms")
+        d.pop("compile_ms", None)
         return json.dumps(d, sort_keys=True, indent=1)
 
     assert strip(a) == strip(b)

@@ -1,0 +1,47 @@
+"""The basis each layout x recompute mode x model kind gets (README matrix).
+
+    .venv/bin/python bench/basis_matrix.py
+
+Prints a Markdown table: per layout class and recompute mode, for a dense model (qwen3-8b), an
+MoE model (qwen3-30b-a3b) and a GDN hybrid (qwen3.8-27b): "evidence", or "conservative" with
+the traced layout whose sharding it is credited (`pricing.model.credit_layout`), or "invalid"
+when the model cannot take the layout (heads not divisible by TP).
+"""
+
+from __future__ import annotations
+
+from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.model import PricingModel
+from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.presets import load_preset
+
+KINDS = (("dense", "qwen3-8b"), ("MoE", "qwen3-30b-a3b"), ("GDN hybrid", "qwen3.8-27b"))
+LAYOUTS = ((1, False, 1, 1), (2, False, 1, 1), (2, True, 1, 1), (4, False, 1, 1), (4, True, 1, 1),
+           (8, False, 1, 1), (8, True, 1, 1), (1, False, 2, 1), (1, False, 4, 1), (2, True, 2, 1),
+           (4, True, 2, 1), (4, True, 4, 1), (4, True, 1, 2), (1, False, 1, 2))
+
+
+def cell(preset: str, tp: int, sp: bool, cp: int, pp: int, mode: str) -> str:
+    try:
+        m = PricingModel.build(load_preset(preset), parallel=ParallelLayout(
+            tp=tp, sequence_parallel=sp, cp=cp, pp=pp), recompute=Recompute(mode=mode))
+    except ConfigError:
+        return "invalid"
+    if m.basis == "evidence":
+        return "evidence"
+    c = m.credit
+    credit = f"TP{c.tp}{'+SP' if c.sequence_parallel else ''}{f' CP{c.cp}' if c.cp > 1 else ''}"
+    return f"conservative (as {credit})" if m.layout_gaps else "conservative (stages)"
+
+
+def main() -> None:
+    print("| layout | recompute | " + " | ".join(k for k, _ in KINDS) + " |")
+    print("|---|---|" + "---|" * len(KINDS))
+    for tp, sp, cp, pp in LAYOUTS:
+        name = f"TP{tp}{'+SP' if sp else ''}{f' CP{cp}' if cp > 1 else ''}{f' PP{pp}' if pp > 1 else ''}"
+        for mode in ("full", "selective", "none"):
+            print(f"| {name} | {mode} | " + " | ".join(cell(p, tp, sp, cp, pp, mode) for _, p in KINDS) + " |")
+
+
+if __name__ == "__main__":
+    main()

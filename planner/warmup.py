@@ -1,0 +1,223 @@
+"""Warm-up: compile (or load from the cache) every numba kernel a plan can need, in one go.
+
+`warmup()` plans a fixed set of tiny steps through the real code paths — length and token
+form, two LoRA slots with and without gradients, the greedy packer, the improvement search,
+the exact packer (when ortools is installed), the baseline packers, a fixed wave count, an
+atomic unit that needs the split ladder, learned profiles — so that every kernel
+specialisation a later plan uses exists in this process. It runs under the cache folder's
+file lock (`jit_cache.compile_lock`): concurrent cold processes on one node compile once,
+the others wait and load.
+
+`ensure_warm()` does it once per process; `Planner.plan` calls it before its first plan, so
+after the first plan of a process no kernel compiles. A warm-up that completes leaves a marker
+in the cache folder, keyed by waveplan's and numba's versions and the stamps of the kernel
+modules' files (the same things numba keys its cache entries by); while it is there,
+`ensure_warm()` skips the tiny plans: every kernel is on disk, and a plan loads what it needs
+(milliseconds) instead of loading everything up front. `warmup()` always runs them. Cost: one
+pass over the tiny steps (~0.2 s once loaded); cold, the compile of every kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from waveplan.pricing import jit_cache
+from waveplan.pricing.compile_clock import CompileClock
+from waveplan.pricing.errors import InfeasibleError
+from waveplan.pricing.lora import LoraConfig, LoraSlot
+from waveplan.pricing.step import Request, Step, bundled_step, load_step
+
+WARMUP_PRESET = "qwen3-8b"
+# a bundled step the greedy leaves a gap on: the randomised multistart runs (and CP-SAT for EXACT)
+GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8}, "grpo-8x8", 70)
+SLOTS = ("a", "b")
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What a warm-up did: seconds in all, seconds compiling (0: everything came from the
+    cache or was already loaded), kernels compiled, plans run, the cache folder, and the
+    packers skipped (the exact packer without ortools)."""
+
+    seconds: float
+    compile_s: float
+    compiles: int
+    jit_s: float
+    plans: int
+    cache_dir: str
+    skipped: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        what = (f"compiled {self.compiles} kernels in {self.compile_s:.2f} s" if self.compiles
+                else f"loaded kernels in {self.jit_s:.2f} s (nothing to compile)")
+        skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
+        return (f"warm-up: {self.plans} plans, {what}, {self.seconds:.2f} s in all; "
+                f"cache {self.cache_dir}{skipped}")
+
+
+def _requests(token_form: bool, rng: np.random.Generator) -> list[Request]:
+    """Three prompts x three completions over two slots, one no-grad request per slot."""
+    out = []
+    for p in range(3):
+        prompt = rng.integers(0, 1000, size=64 + 32 * p).astype(np.int64)
+        for c in range(3):
+            slot = SLOTS[(p + c) % 2]
+            grad = not (p == 2 and c == 2)
+            n = 100 + 40 * c + 10 * p
+            rid = f"p{p}-c{c}"
+            if token_form:
+                tokens = np.concatenate([prompt, rng.integers(0, 1000, size=n).astype(np.int64)])
+                out.append(Request(id=rid, num_tokens=len(tokens), tokens=tokens, slot=slot, grad=grad))
+            else:
+                out.append(Request(id=rid, num_tokens=len(prompt) + n, prompt=f"g{p}",
+                                   num_prompt_tokens=len(prompt), slot=slot, grad=grad))
+    if token_form:
+        out.append(Request(id="solo", num_tokens=300, tokens=rng.integers(0, 1000, size=300).astype(np.int64),
+                           slot=SLOTS[0]))
+    else:
+        out.append(Request(id="solo", num_tokens=300, slot=SLOTS[0]))
+    return out
+
+
+def _plans(planner) -> tuple[int, tuple[str, ...]]:
+    """Run the representative plans on `planner`; return (plans run, packers skipped)."""
+    rng = np.random.default_rng(0)
+    length = Step(requests=tuple(_requests(False, rng)))
+    tokens = Step(requests=tuple(_requests(True, rng)))
+    whole = planner.plan(length, free_bytes=2**50, packer="greedy", deterministic=True)
+    alone = max(planner.plan(Step(requests=(r,)), free_bytes=2**50, packer="greedy",
+                             deterministic=True).waves[0].admitted_bytes for r in length.requests)
+    big = whole.waves[0].admitted_bytes
+    budget = int(alone + 0.4 * (big - alone))   # several waves, every request fits alone
+    runs = 1 + len(length.requests)
+    skipped: set[str] = set()
+    for step in (length, tokens):
+        count = planner.plan(step, free_bytes=budget, packer="greedy", deterministic=True).num_waves
+        for packer in ("auto", "ffd", "kk", "uniform-width", "exact"):
+            try:
+                planner.plan(step, free_bytes=budget, packer=packer, deterministic=True,
+                             time_budget_ms=20)
+            except ModuleNotFoundError as exc:   # the exact packer needs ortools
+                if exc.name is None or not exc.name.startswith("ortools"):
+                    raise
+                skipped.add(packer)
+            runs += 1
+        planner.plan(step, free_bytes=budget, num_waves=count + 1, deterministic=True, time_budget_ms=20)
+        # the split ladder: the requests of prompt g0 must share a wave, which does not fit
+        # flat under a budget that barely holds the largest request (every rung is priced,
+        # whether one fits or not)
+        unit = [i for i, r in enumerate(step.requests) if r.id.startswith("p0-")]
+        try:
+            planner.plan(step, free_bytes=int(alone * 1.02), atomic_units=[unit],
+                         deterministic=True, time_budget_ms=20)
+        except InfeasibleError:
+            pass
+        runs += 3
+    return runs, tuple(sorted(skipped))
+
+
+def _run(planner_cls) -> tuple[int, tuple[str, ...]]:
+    from waveplan.planner.profiles import ProfileStore
+
+    lora = LoraConfig(slots=(LoraSlot(name=SLOTS[0]), LoraSlot(name=SLOTS[1], rank=64)))
+    planner = planner_cls.from_preset(WARMUP_PRESET, lora=lora)
+    runs, skipped = _plans(planner)
+    # learned profiles: observe a wave of each kind, then plan again through them
+    learned = planner_cls.from_model(planner.model, profiles=ProfileStore())
+    rng = np.random.default_rng(1)
+    step = Step(requests=tuple(_requests(False, rng)))
+    plan = learned.plan(step, free_bytes=2**50, packer="greedy", deterministic=True)
+    for wave in plan.waves:
+        learned.observe(wave, peak_bytes=1.2 * wave.static_raw_bytes)
+    more, _ = _plans(learned)
+    # the improvement search past the greedy: multistart (AUTO), CP-SAT (EXACT)
+    name, kwargs, step_name, gib = GAP_CASE
+    gap = planner_cls.from_preset(name, **kwargs)
+    step = load_step(bundled_step(step_name))
+    extra = 0
+    for packer in ("auto", "exact"):
+        try:
+            gap.plan(step, free_bytes=gib * 2**30, packer=packer, deterministic=True, time_budget_ms=5)
+        except ModuleNotFoundError as exc:   # the exact packer needs ortools
+            if exc.name is None or not exc.name.startswith("ortools"):
+                raise
+            skipped = tuple(sorted(set(skipped) | {packer}))
+        extra += 1
+    return runs + more + 1 + extra, skipped
+
+
+def _marker():
+    """The cache folder's warm marker for this installation: a file named by a hash of the
+    versions and of the path, size and mtime of every module holding numba kernels. O(modules)."""
+    import numba
+    from numba.core.registry import CPUDispatcher
+
+    parts = [jit_cache.waveplan_version(), numba.__version__]
+    for name in sorted(n for n in list(sys.modules) if n.startswith("waveplan.")):
+        module = sys.modules[name]
+        path = getattr(module, "__file__", None)
+        if path and any(isinstance(v, CPUDispatcher) for v in vars(module).values()):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return jit_cache.cache_dir() / f".warm-{digest}"
+
+
+def _mark(path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        pass   # a read-only cache: every process warms up in full
+
+
+_LOCK = threading.Lock()
+_STATE = {"done": False, "running": False}
+
+
+def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
+    """Compile or load every kernel a plan can need (see the module docstring), once per
+    process unless `force`. `lazy`: skip the plans when the cache folder's warm marker is
+    there (checked again once the lock is held: a process that waited for another's compile
+    skips them). Returns what it did, or None when nothing was run: the process was already
+    warm, is warming up in this very call stack, or (`lazy`) the cache is."""
+    from .planner import Planner
+
+    with _LOCK:
+        if _STATE["running"] or (_STATE["done"] and not force):
+            return None
+        _STATE["running"] = True
+    try:
+        marker = _marker()
+        if lazy and marker.exists():
+            _STATE["done"] = True
+            return None
+        t0 = time.perf_counter()
+        with jit_cache.compile_lock(), CompileClock() as clock:
+            if lazy and marker.exists():
+                _STATE["done"] = True
+                return None
+            runs, skipped = _run(Planner)
+            _mark(marker)
+        _STATE["done"] = True
+        return WarmupReport(seconds=time.perf_counter() - t0, compile_s=clock.compile_s,
+                            compiles=clock.compiles, jit_s=clock.jit_s, plans=runs,
+                            cache_dir=str(jit_cache.cache_dir()), skipped=skipped)
+    finally:
+        _STATE["running"] = False
+
+
+def ensure_warm() -> None:
+    """`warmup(lazy=True)` unless this process is warm already. O(1) when warm."""
+    if not _STATE["done"]:
+        warmup(lazy=True)
