@@ -4,6 +4,11 @@ Every request of STEP runs as one packed wave (its full `num_tokens`; no prefix 
 through a Megatron-core model with the geometry of `--model`, LoRA adapters trainable, in
 one forward and one backward (`waveplan.pricing.measure.trace.trace_wave`). Needs torch and
 megatron-core (`pip install 'waveplan[megatron]'`).
+
+With `--tp`, `--cp` or `--ep` above 1 the wave runs on every rank of that layout, one process
+per rank over gloo, with real tensors (`waveplan.pricing.measure.multirank`): the output lists
+every rank's peak and the busiest rank, and `--json` prints one record in the form
+`waveplan calibrate` reads (`{"cell": ..., "trace": ...}`).
 """
 
 from __future__ import annotations
@@ -31,8 +36,19 @@ def register(subparsers) -> None:
                         help="a preset name or a Hugging Face config.json")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="trace only the first N decoder layers (default: all)")
-    parser.add_argument("--device", choices=("cpu-fake", "cpu", "cuda"), default="cpu-fake",
-                        help="cpu-fake: fake tensors (default); cpu: real tensors; cuda: a GPU")
+    parser.add_argument("--device", choices=("cpu-fake", "cpu", "cuda"), default=None,
+                        help="cpu-fake: fake tensors (default for one rank); cpu: real tensors "
+                             "(the only device of a multi-rank trace); cuda: a GPU")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (multi-rank)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context parallel size (multi-rank; ring attention allocation model)")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (multi-rank, MoE)")
+    parser.add_argument("--routing", choices=("balanced", "router"), default="balanced",
+                        help="MoE routing of a multi-rank trace: balanced (default) or "
+                             "Megatron's top-k router on the random weights")
+    parser.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                        help="multi-rank: stop every rank after S seconds (default 1800)")
     parser.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
                         help="activation recompute (default full, uniform, 1 layer)")
     parser.add_argument("--lora-rank", type=int, default=16, metavar="R",
@@ -84,7 +100,10 @@ def run(args) -> int:
     layers = args.layers
     if layers is not None and layers >= geometry.num_layers:
         layers = None
-    result = trace_wave(geometry, seq_lens=seq_lens, num_layers=layers, device=args.device,
+    if args.tp * args.cp * args.ep > 1 or args.sp:
+        return _run_multirank(args, geometry, step, seq_lens, layers)
+    result = trace_wave(geometry, seq_lens=seq_lens, num_layers=layers,
+                        device=args.device or "cpu-fake",
                         recompute=Recompute(mode=args.recompute),
                         lora_rank=args.lora_rank or None,
                         decoder_only=not args.no_decoder_pass)
@@ -114,5 +133,55 @@ def run(args) -> int:
         print(f"  {label:<24}{shown:>19}  {_gib(value)}")
     print(f"  counted: {result.counted}")
     for note in notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def _step_notes(step) -> list[str]:
+    notes = []
+    if any(not r.grad for r in step.requests):
+        notes.append("requests with grad=false were traced with gradients like the others")
+    notes.append("each request runs its full num_tokens (no prefix sharing)")
+    return notes
+
+
+def _run_multirank(args, geometry, step, seq_lens, layers) -> int:
+    from waveplan.pricing.measure.multirank import trace_multirank, trace_record
+    from waveplan.pricing.parallel import ParallelLayout, Recompute
+    from waveplan.pricing.presets import list_presets
+
+    if args.device not in (None, "cpu"):
+        raise ConfigError(f"--device={args.device}: a multi-rank trace runs on real CPU "
+                          "tensors (--device cpu)")
+    layout = ParallelLayout(tp=args.tp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp)
+    result = trace_multirank(geometry, layout=layout, seq_lens=seq_lens, num_layers=layers,
+                             recompute=Recompute(mode=args.recompute),
+                             lora_rank=args.lora_rank or None, routing=args.routing,
+                             decoder_only=not args.no_decoder_pass, timeout_s=args.timeout)
+    preset = args.model.strip().lower() if args.model.strip().lower() in list_presets() else None
+    record = trace_record(result, geometry, model=preset, step=Path(args.step).name)
+    record["trace"]["notes"] = list(result.notes) + _step_notes(step)
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    lay = result.layout
+    print(f"trace {geometry.name}: {result.num_layers} of {result.model_layers} layers, "
+          f"{result.tokens} tokens in {len(result.seq_lens)} sequences (thd), TP{lay.tp}"
+          f"{' SP' if lay.sequence_parallel else ''} CP{lay.cp} EP{lay.ep} DP{lay.dp} "
+          f"({result.world_size} ranks, gloo), recompute {result.recompute['mode']}, "
+          f"LoRA rank {result.lora_rank or 'none'}, head {result.head}")
+    print(f"  {'rank':>4} {'tp':>3} {'cp':>3} {'dp':>3} {'ep':>3} {'rows':>7} "
+          f"{'peak forward':>16} {'peak backward':>16} {'peak':>16} {'decoder peak':>16}")
+    for r in result.ranks:
+        dec = "-" if r.decoder_peak_bytes is None else f"{r.decoder_peak_bytes:,d}"
+        mark = "  <- busiest" if r.rank == result.busiest_rank else ""
+        print(f"  {r.rank:>4} {r.tp_rank:>3} {r.cp_rank:>3} {r.dp_rank:>3} {r.ep_rank:>3} "
+              f"{r.rows:>7} {r.peak_forward_bytes:>16,d} {r.peak_backward_bytes:>16,d} "
+              f"{r.peak_bytes:>16,d} {dec:>16}{mark}")
+    print(f"  busiest rank {result.busiest_rank}: peak {result.peak_bytes:,d} B "
+          f"({_gib(result.peak_bytes).strip()}); baseline (not in peaks) "
+          f"{result.busiest.baseline_bytes:,d} B")
+    print(f"  counted: {result.counted}")
+    for note in record["trace"]["notes"]:
         print(f"  note: {note}")
     return 0

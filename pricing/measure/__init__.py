@@ -11,7 +11,11 @@ code that runs Megatron-core models to produce and check those numbers:
 - `training_wave`: a real training wave of a training loop, measured as `trace` measures;
 - `live_geometry`: a geometry, layout and LoRA setting read back from a live model;
 - `calibrate`: a coefficient table fitted to traced peaks (an LP; `simplex` solves it when
-  OR-Tools is absent).
+  OR-Tools is absent);
+- `multirank`: one wave on every rank of a TP/SP/CP/EP layout, one process per rank over
+  gloo with real CPU tensors; `ring_attention`: the CP ring attention those ranks run (an
+  allocation model of Megatron's); `live_anatomy`: which modules hold the bytes of a rank's
+  peaks.
 
 Importing this package imports none of them: torch and megatron-core (the `megatron` extra)
 load only with the submodules that need them, and `waveplan.pricing`, `waveplan.search` and

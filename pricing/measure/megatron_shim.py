@@ -11,7 +11,10 @@ of that to the CPU (or to the device chosen with `shim_device`, e.g. "meta"):
   tensors cannot answer);
 - `torch.cuda.Stream/stream/current_stream/synchronize` are no-ops;
 - `moe_utils.te_general_gemm`, left undefined by megatron-core 0.16.1 without Transformer
-  Engine, is defined as None (the router then uses torch.mm).
+  Engine, is defined as None (the router then uses torch.mm);
+- `maybe_move_tensor_to_cpu` (the all-to-all dispatcher's device-to-host copy of its split
+  sizes) converts CPU tensors too, as it converts CUDA ones: gloo's `all_to_all_single`
+  rejects split sizes that are still tensors.
 
 Once installed, the process cannot use CUDA through Megatron: run GPU traces in another
 process. torch and megatron are imported lazily; importing this module needs neither.
@@ -42,6 +45,19 @@ def _import_torch():
     return torch
 
 
+class _NullEvent:
+    """Stands in for `torch.cuda.Event` (what `_NullStream.record_event` returns)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
     """Stands in for `torch.cuda.Stream` on a machine without CUDA."""
 
@@ -54,8 +70,8 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, *args, **kwargs) -> None:
-        return None
+    def record_event(self, *args, **kwargs) -> _NullEvent:
+        return _NullEvent()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _NullStream)
@@ -124,7 +140,25 @@ def install_cpu_shim() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _patch_dtoh(moe_utils)
     _INSTALLED = True
+
+
+def _patch_dtoh(moe_utils) -> None:
+    """`maybe_move_tensor_to_cpu` for tensors already on the CPU: numpy when asked, as the
+    CUDA branch returns (the dispatcher's split sizes reach gloo as sequences, not tensors)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        torch = _import_torch()
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def shim_installed() -> bool:

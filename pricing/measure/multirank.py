@@ -1,0 +1,613 @@
+"""Multi-rank traces on the CPU: one process per rank, real Megatron-core parallel layers,
+real collectives over gloo, every rank's peak.
+
+`trace_multirank(geometry, layout=..., seq_lens=...)` (or `trace_multirank_batch` for several
+runs of one layout) spawns world = TP x CP x DP processes (`torch.multiprocessing`, "spawn"),
+where DP is the smallest data-parallel size that lets EP divide DP x CP (Megatron carves
+expert-parallel ranks out of the data- and context-parallel ones; expert tensor parallelism
+is TP). Each process sets up a gloo process group and Megatron's `parallel_state` with the
+layout, builds the model (`megatron_build.build_gpt`: tensor-parallel column/row linears,
+vocabulary-parallel embedding and output layer, LoRA adapters around them, the all-to-all MoE
+dispatcher when EP > 1) with real tensors, and runs the wave as the single-rank tracer does
+(`trace._trace_cpu`): a full pass (forward, Megatron's vocabulary-parallel cross entropy,
+backward) and a decoder-only pass, counting live untyped storages created by aten ops above
+the weights, buffers and inputs (`trace.StorageTracker`). Every rank runs the same wave: the
+TP ranks of a group share it (under sequence parallelism each holds 1/TP of the rows between
+the layers); a CP rank holds its load-balanced 2 chunks of each sequence (`ring_attention`);
+the DP ranks an EP layout needs run the same wave as if it were theirs.
+
+What is counted is each rank's own storages: collective outputs that Megatron allocates
+(all-gather buffers, all-to-all outputs) count; gloo's internal staging does not (as NCCL's
+buffers are not in `max_memory_allocated`).
+
+MoE routing is the single-rank tracer's balanced router by default (token t's j-th choice is
+expert (t x k + j) mod E, every rank's experts get the same load); `routing="router"` keeps
+Megatron's top-k router on the random weights (the load per rank then differs). Context
+parallelism runs the ring attention allocation model of `ring_attention` (Megatron-core
+needs Transformer Engine for CP). GDN layers are refused for CP (Megatron's GatedDeltaNet
+has no CP on the CPU).
+
+Rank processes: OMP_NUM_THREADS=1, TORCHDYNAMO_DISABLE=1; each writes its result to a file;
+the parent waits up to `timeout_s` (a hang guard, default 1800 s: cold imports of 8 ranks on
+a busy 2-core machine take minutes) and stops every rank if one fails, with that rank's
+traceback in the error. Rank processes import no numba kernel and price nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, bad
+from ..geometry import MixerKind, MlpKind, ModelGeometry
+from ..parallel import ParallelLayout, Recompute
+
+ROUTINGS = ("balanced", "router")
+DEFAULT_TIMEOUT_S = 1800.0
+COUNTED = ("live untyped storages created by aten ops during the step on each rank (real CPU "
+           "tensors, gloo collectives), above weights, buffers and inputs")
+
+
+# --- results -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's peaks, in bytes above its `baseline_bytes` (weights, buffers, inputs).
+
+    `rows`: the packed rows this rank ran through the layers' attention (the wave's padded
+    rows / CP); under sequence parallelism a rank holds rows / TP of them between layers."""
+
+    rank: int
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    ep_rank: int
+    rows: int
+    peak_forward_bytes: int
+    peak_backward_bytes: int
+    baseline_bytes: int
+    decoder_peak_forward_bytes: int | None
+    decoder_peak_backward_bytes: int | None
+    loss_sum: float
+    anatomy: dict | None = field(default=None, compare=False, repr=False)
+    max_rss_bytes: int = field(default=0, compare=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peak_forward_bytes, self.peak_backward_bytes)
+
+    @property
+    def decoder_peak_bytes(self) -> int | None:
+        if self.decoder_peak_forward_bytes is None:
+            return None
+        return max(self.decoder_peak_forward_bytes, self.decoder_peak_backward_bytes)
+
+    def to_dict(self) -> dict:
+        """Deterministic fields only (no loss, no anatomy)."""
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "cp_rank": self.cp_rank,
+                "dp_rank": self.dp_rank, "ep_rank": self.ep_rank, "rows": self.rows,
+                "peak_forward_bytes": self.peak_forward_bytes,
+                "peak_backward_bytes": self.peak_backward_bytes, "peak_bytes": self.peak_bytes,
+                "baseline_bytes": self.baseline_bytes,
+                "decoder_peak_forward_bytes": self.decoder_peak_forward_bytes,
+                "decoder_peak_backward_bytes": self.decoder_peak_backward_bytes,
+                "decoder_peak_bytes": self.decoder_peak_bytes}
+
+
+@dataclass(frozen=True)
+class MultiRankTrace:
+    """Every rank's peaks of one traced wave, and the busiest rank.
+
+    `busiest_rank`: the rank with the largest `peak_bytes` (the lowest such rank on a tie);
+    its peaks are the trace's `peak_*` (what a planner's budget must cover).
+    `decoder_busiest_rank`: the same for the decoder-only pass. `to_dict` is a
+    `TraceResult.to_dict()`-shaped object (so `waveplan calibrate` can read the record) plus
+    `layout`, `world_size`, `routing`, the busiest ranks and `ranks`."""
+
+    layout: ParallelLayout
+    ranks: tuple[RankPeak, ...]
+    num_layers: int
+    model_layers: int
+    seq_lens: tuple[int, ...]
+    recompute: dict
+    lora_rank: int | None
+    routing: str
+    head: str = "full-native"
+    packed: str = "thd"
+    counted: str = COUNTED
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def busiest_rank(self) -> int:
+        return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank)).rank
+
+    @property
+    def decoder_busiest_rank(self) -> int | None:
+        if self.ranks[0].decoder_peak_bytes is None:
+            return None
+        return max(self.ranks, key=lambda r: (r.decoder_peak_bytes, -r.rank)).rank
+
+    @property
+    def busiest(self) -> RankPeak:
+        return self.ranks[self.busiest_rank]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.busiest.peak_bytes
+
+    @property
+    def decoder_peak_bytes(self) -> int | None:
+        b = self.decoder_busiest_rank
+        return None if b is None else self.ranks[b].decoder_peak_bytes
+
+    def to_dict(self) -> dict:
+        b = self.busiest
+        d = None if self.decoder_busiest_rank is None else self.ranks[self.decoder_busiest_rank]
+        dec = self.decoder_peak_bytes
+        return {
+            "peak_forward_bytes": b.peak_forward_bytes,
+            "peak_backward_bytes": b.peak_backward_bytes,
+            "peak_bytes": b.peak_bytes,
+            "baseline_bytes": b.baseline_bytes,
+            "decoder_peak_forward_bytes": None if d is None else d.decoder_peak_forward_bytes,
+            "decoder_peak_backward_bytes": None if d is None else d.decoder_peak_backward_bytes,
+            "decoder_peak_bytes": dec,
+            "head_bytes": None if dec is None else b.peak_bytes - dec,
+            "num_layers": self.num_layers, "model_layers": self.model_layers,
+            "tokens": self.tokens, "seq_lens": list(self.seq_lens), "device": "cpu",
+            "recompute": self.recompute, "lora_rank": self.lora_rank, "head": self.head,
+            "packed": self.packed, "counted": self.counted, "notes": list(self.notes),
+            "layout": self.layout.to_dict(), "world_size": self.world_size,
+            "routing": self.routing, "busiest_rank": self.busiest_rank,
+            "decoder_busiest_rank": self.decoder_busiest_rank,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+
+# --- the layout's processes ----------------------------------------------------------------
+
+
+def rank_world(layout: ParallelLayout) -> ParallelLayout:
+    """The layout with the data-parallel size the traced world needs: the smallest DP with
+    EP dividing DP x CP. World size = TP x CP x DP (PP must be 1)."""
+    dp = layout.ep // math.gcd(layout.ep, layout.cp)
+    return ParallelLayout(tp=layout.tp, cp=layout.cp, pp=layout.pp, ep=layout.ep, dp=dp,
+                          sequence_parallel=layout.sequence_parallel)
+
+
+def padded_lens(seq_lens, layout: ParallelLayout) -> tuple[int, ...]:
+    """Each sequence padded to the layout's row multiple (2 x CP, times TP under SP)."""
+    m = layout.row_multiple
+    return tuple(-(-int(n) // m) * m for n in seq_lens)
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """One wave to trace on a layout's ranks."""
+
+    seq_lens: tuple[int, ...]
+    recompute: Recompute = field(default_factory=Recompute)
+    lora_rank: int | None = 16
+
+    def __post_init__(self) -> None:
+        lens = tuple(self.seq_lens)
+        if not lens or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lens):
+            raise bad(ConfigError, "seq_lens", list(lens), "must be a non-empty list of positive integers")
+        object.__setattr__(self, "seq_lens", lens)
+        if self.lora_rank is not None and (isinstance(self.lora_rank, bool)
+                                           or not isinstance(self.lora_rank, int)
+                                           or self.lora_rank <= 0):
+            raise bad(ConfigError, "lora_rank", self.lora_rank, "must be a positive integer or None")
+
+
+def _check(geometry: ModelGeometry, layout: ParallelLayout, num_layers, routing, timeout_s):
+    if layout.pp != 1:
+        raise bad(ConfigError, "parallel.pp", layout.pp, "multi-rank traces run PP = 1 (a PP "
+                  "stage has no head; pipeline parallelism has its own issue)")
+    layout.validate_for(geometry)
+    if routing not in ROUTINGS:
+        raise bad(ConfigError, "routing", routing, f"must be one of {', '.join(ROUTINGS)}")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                   or num_layers <= 0):
+        raise bad(ConfigError, "num_layers", num_layers, "must be a positive integer")
+    layers = geometry.layers if num_layers is None else geometry.layers[:num_layers]
+    if layout.cp > 1 and any(s.mixer == MixerKind.GDN for s in layers):
+        raise bad(ConfigError, "parallel.cp", layout.cp,
+                  "context parallelism is traced for attention layers only (GatedDeltaNet has "
+                  "no CP on the CPU)")
+    if layout.ep > 1 and not any(s.mlp == MlpKind.MOE for s in layers):
+        raise bad(ConfigError, "parallel.ep", layout.ep, "EP > 1 needs a MoE layer in the traced layers")
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise bad(ConfigError, "timeout_s", timeout_s, "must be a positive number of seconds")
+    return layers
+
+
+def trace_multirank(geometry: ModelGeometry, *, layout: ParallelLayout, seq_lens,
+                    num_layers: int | None = None, recompute: Recompute | None = None,
+                    lora_rank: int | None = 16, routing: str = "balanced",
+                    decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    anatomy: bool = False) -> MultiRankTrace:
+    """Trace one wave of `seq_lens` sequences on every rank of `layout`; see the module doc.
+    Spawns TP x CP x DP processes (`rank_world`). `anatomy=True` also records, per rank and
+    pass, what is live at the peak (`RankPeak.anatomy`, see `live_anatomy`)."""
+    job = TraceJob(seq_lens=tuple(int(n) for n in seq_lens), recompute=recompute or Recompute(),
+                   lora_rank=lora_rank)
+    return trace_multirank_batch(geometry, layout=layout, jobs=[job], num_layers=num_layers,
+                                 routing=routing, decoder_only=decoder_only,
+                                 timeout_s=timeout_s, anatomy=anatomy)[0]
+
+
+def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jobs,
+                          num_layers: int | None = None, routing: str = "balanced",
+                          decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          anatomy: bool = False) -> list[MultiRankTrace]:
+    """`trace_multirank` for several waves on one layout, in one set of rank processes (the
+    model is rebuilt per job; process start and imports are paid once). O(jobs) traces."""
+    jobs = list(jobs)
+    if not jobs or not all(isinstance(j, TraceJob) for j in jobs):
+        raise bad(ConfigError, "jobs", jobs, "must be a non-empty list of TraceJob")
+    layers = _check(geometry, layout, num_layers, routing, timeout_s)
+    world = rank_world(layout)
+    size = world.tp * world.cp * world.dp
+    notes = []
+    if num_layers is not None and num_layers < geometry.num_layers:
+        notes.append(f"layer count reduced: traced {len(layers)} of {geometry.num_layers} layers")
+    has_moe = any(s.mlp == MlpKind.MOE for s in layers)
+    if has_moe:
+        notes.append("MoE routing: " + ("balanced router (every expert the same load)"
+                                        if routing == "balanced" else
+                                        "Megatron's top-k router on random weights"))
+    if layout.cp > 1:
+        notes.append("context parallelism: ring attention allocation model of Transformer "
+                     "Engine's P2P kernel (pricing/measure/ring_attention.py)")
+    if world.dp > 1:
+        notes.append(f"DP={world.dp} ranks added for EP={layout.ep}: each runs the same wave")
+    spec = {
+        "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
+        "num_layers": len(layers), "layout": world.to_dict(), "routing": routing,
+        "decoder_only": bool(decoder_only), "timeout_s": float(timeout_s),
+        "anatomy": bool(anatomy),
+        "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
+                  "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
+    }
+    per_rank = _spawn(spec, size, timeout_s)
+    out = []
+    for k, job in enumerate(jobs):
+        lens = padded_lens(job.seq_lens, layout)
+        job_notes = list(notes)
+        if lens != job.seq_lens:
+            job_notes.append(f"each sequence padded to a multiple of {layout.row_multiple} rows")
+        ranks = tuple(RankPeak(**per_rank[r][k]) for r in range(size))
+        out.append(MultiRankTrace(
+            layout=world, ranks=ranks, num_layers=len(layers), model_layers=geometry.num_layers,
+            seq_lens=lens, recompute=job.recompute.to_dict(), lora_rank=job.lora_rank,
+            routing=routing if has_moe else "none", notes=tuple(job_notes)))
+    return out
+
+
+@contextlib.contextmanager
+def _child_env():
+    """Environment the rank processes inherit (spawn copies os.environ at start)."""
+    wanted = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _spawn(spec: dict, size: int, timeout_s: float) -> list[list[dict]]:
+    """Run `_rank_main` on `size` processes; every rank's list of job results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="waveplan-ranks-") as tmp:
+        spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp)
+        with _child_env():
+            ctx = mp.start_processes(_rank_main, args=(spec,), nprocs=size, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + timeout_s + 60.0
+        try:
+            while not ctx.join(timeout=2.0):
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"multi-rank trace: the {size} rank processes did not "
+                                      f"finish within timeout_s={timeout_s:g} s"
+                                      + _errors(tmp, size))
+        except ConfigError:
+            _stop(ctx)
+            raise
+        except Exception as exc:  # a rank failed: ProcessRaisedException / ProcessExitedException
+            _stop(ctx)
+            raise ConfigError(f"multi-rank trace failed: {exc}".rstrip() + _errors(tmp, size)) from None
+        results = []
+        for r in range(size):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(path):
+                raise ConfigError(f"multi-rank trace: rank {r} wrote no result" + _errors(tmp, size))
+            with open(path, encoding="utf-8") as fh:
+                results.append(json.load(fh))
+        return results
+
+
+def _errors(tmp: str, size: int) -> str:
+    """The first rank error file's text, for an error message."""
+    for r in range(size):
+        path = os.path.join(tmp, f"rank{r}.error")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                return f"\nrank {r}: " + fh.read()[-4000:]
+    return ""
+
+
+def _stop(ctx) -> None:
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    for p in ctx.processes:
+        p.join(10)
+
+
+# --- inside a rank process -----------------------------------------------------------------
+
+
+def _rank_main(rank: int, spec: dict) -> None:
+    """Entry point of rank `rank` (spawned). Writes rank{r}.json, or rank{r}.error and
+    re-raises; leaves with os._exit after a final barrier (gloo's teardown can abort a
+    process after its result is written)."""
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import datetime
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    layout = spec["layout"]
+    size = layout["tp"] * layout["cp"] * layout["dp"]
+    timeout = datetime.timedelta(seconds=spec["timeout_s"])
+    dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=rank,
+                            world_size=size, timeout=timeout)
+    try:
+        results = _trace_rank(spec)
+    except BaseException:
+        with open(os.path.join(spec["out_dir"], f"rank{rank}.error"), "w", encoding="utf-8") as fh:
+            fh.write(traceback.format_exc())
+        raise
+    tmp = os.path.join(spec["out_dir"], f"rank{rank}.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(results, fh)
+    os.replace(tmp, os.path.join(spec["out_dir"], f"rank{rank}.json"))
+    dist.barrier()
+    os._exit(0)
+
+
+def _trace_rank(spec: dict) -> list[dict]:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from .megatron_shim import install_cpu_shim, shim_device
+
+    install_cpu_shim()
+    lay = spec["layout"]
+    layout = ParallelLayout(**lay)
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                 pipeline_model_parallel_size=1,
+                                 context_parallel_size=layout.cp,
+                                 expert_model_parallel_size=layout.ep,
+                                 create_gloo_process_groups=False)
+    with shim_device("cpu"):
+        mrandom.model_parallel_cuda_manual_seed(1234)
+    geometry = ModelGeometry.from_dict(spec["geometry"])
+    if spec["extra"]:
+        import dataclasses
+
+        geometry = dataclasses.replace(geometry, extra=dict(spec["extra"]))
+    ranks = {"tp_rank": ps.get_tensor_model_parallel_rank(),
+             "cp_rank": ps.get_context_parallel_rank(),
+             "dp_rank": ps.get_data_parallel_rank(),
+             "ep_rank": ps.get_expert_model_parallel_rank()}
+    out = []
+    for job in spec["jobs"]:
+        res = _trace_job(torch, geometry, layout, spec, job)
+        out.append(dict(res, rank=torch.distributed.get_rank(), **ranks))
+    return out
+
+
+def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
+    """Token ids, positions, labels and packed-sequence parameters of this rank: the whole
+    wave (THD, global cu_seqlens) or, under CP, this rank's two chunks of each sequence
+    (positions and RoPE continue at each chunk's global offset)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from . import thd
+
+    total = sum(lens)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, total), generator=gen)
+    labels = torch.randint(0, vocab, (1, total), generator=gen)
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    if layout.cp > 1:
+        from .ring_attention import cp_split
+
+        split = cp_split(lens, layout.cp, cp_rank)
+        index = torch.tensor(split.global_index, dtype=torch.long)
+        ids, labels = ids[:, index], labels[:, index]
+        pos = torch.cat([torch.arange(off, off + (b - a)) for a, b, off in split.segments]).unsqueeze(0)
+        tree = [(a, b, None if off == 0 else (0, off)) for a, b, off in split.segments]
+    else:
+        pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+        tree = None
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    thd.register(cu, bounds, tree)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    return ids.contiguous(), pos, labels.contiguous(), params, cu
+
+
+def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dict, job: dict) -> dict:
+    """One job on this rank: the full pass and (optionally) the decoder-only pass."""
+    from megatron.core import parallel_state as ps
+
+    from . import thd
+    from .megatron_build import build_gpt
+    from .trace import _balanced_router, _seed_function, _tracker_class
+
+    lens = [int(n) for n in job["seq_lens"]]
+    recompute = Recompute(**{k: (tuple(v) if k == "modules" else v)
+                             for k, v in job["recompute"].items()})
+    layers = geometry.layers[:spec["num_layers"]]
+    has_moe = any(s.mlp == MlpKind.MOE for s in layers)
+    cp_rank = ps.get_context_parallel_rank()
+    if spec["anatomy"]:
+        from .live_anatomy import anatomy_tracker_class, module_stack
+
+        tracker_cls = anatomy_tracker_class()
+    else:
+        tracker_cls = _tracker_class()
+    stack_names: list[str] = []
+    anatomy: dict = {}
+    results: dict = {}
+    loss_sum = 0.0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(thd.rope_patch())
+        if has_moe and spec["routing"] == "balanced":
+            stack.enter_context(_balanced_router())
+        model = build_gpt(geometry, num_layers=len(layers), device="cpu",
+                          lora_rank=job["lora_rank"], recompute=recompute, layout=layout,
+                          seq_len=max(lens), perform_initialization=True)
+        if layout.cp > 1:
+            from .ring_attention import install_ring_attention
+
+            install_ring_attention(model)
+        if spec["anatomy"]:
+            stack.enter_context(module_stack(model, stack_names))
+        if model.pre_process:
+            model.embedding.register_forward_hook(_standard_strides, prepend=True)
+        model.train()
+        params = list(model.parameters()) + list(model.buffers())
+        weights = sum(t.untyped_storage().nbytes()
+                      for t in {id(t.untyped_storage()): t for t in params}.values())
+        runs = [("full", True)] + ([("decoder", False)] if spec["decoder_only"] else [])
+        for name, full_head in runs:
+            tracker = tracker_cls()
+            tracker.ignore(params)
+            if spec["anatomy"]:
+                tracker.stack = stack_names
+            for p in model.parameters():
+                p.grad = None
+            peaks = {}
+            with tracker:
+                # as the single-rank tracer counts: the inputs are made inside the tracker
+                # (so they stay in its live sum) and the peak starts after them
+                ids, pos, labels, packed, cu = _inputs(torch, lens, geometry.vocab, layout,
+                                                       cp_rank)
+                base = tracker.ignore([ids, pos, labels, cu])
+                tracker.reset_peak()
+                if full_head:
+                    out = model(ids, pos, None, labels=labels, packed_seq_params=packed)
+                    loss = out.sum()
+                    del out
+                else:
+                    model.post_process = False
+                    try:
+                        out = model(ids, pos, None, packed_seq_params=packed)
+                    finally:
+                        model.post_process = True
+                    loss = _seed_function().apply(out)
+                    del out
+                peaks["forward"] = tracker.peak
+                if spec["anatomy"]:
+                    anatomy[name] = {"forward": tracker.peak_groups()}
+                    tracker.phase = "backward"
+                tracker.reset_peak()
+                loss.backward()
+                peaks["backward"] = tracker.peak
+                if spec["anatomy"]:
+                    anatomy[name]["backward"] = tracker.peak_groups()
+            if full_head:
+                loss_sum = float(loss.detach().float())
+            del loss
+            peaks["baseline"] = weights + base
+            results[name] = peaks
+            for p in model.parameters():
+                p.grad = None
+        rows = ids.shape[1]
+    full, dec = results["full"], results.get("decoder")
+    return {"rows": int(rows),
+            "peak_forward_bytes": int(full["forward"]), "peak_backward_bytes": int(full["backward"]),
+            "baseline_bytes": int(full["baseline"]),
+            "decoder_peak_forward_bytes": None if dec is None else int(dec["forward"]),
+            "decoder_peak_backward_bytes": None if dec is None else int(dec["backward"]),
+            "loss_sum": loss_sum, "anatomy": anatomy or None,
+            "max_rss_bytes": _max_rss_bytes()}
+
+
+def _standard_strides(module, inputs, output):
+    """The embedding's output with row-major strides (a forward hook, before LoRA's).
+
+    Megatron transposes the embedding [b, s, h] to [s, b, h] and calls `.contiguous()`, which
+    keeps the transposed strides when b = 1. Every activation inherits them, and torch's CPU
+    `matmul` cannot fold such an input into one matrix product when a TP shard's weight is
+    involved: it broadcasts the weight over the s rows (a rows x out x in copy inside the op,
+    gigabytes, uncounted but real, and minutes of work). The copy made here replaces the
+    output (the original is released at once), so the counted bytes are unchanged."""
+    import torch
+
+    if isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[1] == 1 \
+            and output.stride(1) != output.shape[2]:
+        return output.clone(memory_format=torch.contiguous_format)
+    return None
+
+
+def _max_rss_bytes() -> int:
+    """This process's resident-set high-water mark so far (Linux: ru_maxrss in KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# --- records -------------------------------------------------------------------------------
+
+
+def trace_record(trace: MultiRankTrace, geometry: ModelGeometry, *, model: str | None = None,
+                 step: str | None = None) -> dict:
+    """The JSON Lines record of a multi-rank trace, in the form `waveplan calibrate` reads:
+    `{"cell": {...}, "trace": trace.to_dict()}`. The cell names the model (`model`, a preset
+    name: the shapes then come from the preset; otherwise the shapes are inline as
+    `geometry`), the traced layer count, recompute mode, LoRA rank, padded sequence lengths,
+    the layout and the routing; `step` (a step file's name) is kept when given. Deterministic:
+    bytes and shapes only."""
+    cell: dict = {"model": model or geometry.name}
+    if model is None:
+        cell["geometry"] = geometry.to_dict()
+    cell.update(num_layers=trace.num_layers, recompute=trace.recompute["mode"],
+                lora_rank=trace.lora_rank or 0, seq_lens=list(trace.seq_lens),
+                layout=trace.layout.to_dict(), routing=trace.routing)
+    if trace.recompute["mode"] == "selective":
+        cell["recompute_modules"] = list(trace.recompute["modules"])
+    if step is not None:
+        cell["step"] = step
+    return {"cell": cell, "trace": trace.to_dict()}

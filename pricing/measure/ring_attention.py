@@ -1,0 +1,384 @@
+"""Context parallelism on the CPU: the load-balanced THD split and a ring attention that
+allocates as Transformer Engine's does.
+
+Megatron-core runs context parallelism (CP) only through Transformer Engine's attention
+(`TEDotProductAttention`, `cp_comm_type="p2p"`: `AttnFuncWithCPAndKVP2P`), which needs CUDA.
+The multi-rank tracer (`multirank`) stands in for it the way the single-rank tracer stands in
+for flash attention (`megatron_build.SdpaAttention`): a real attention over real gloo
+point-to-point messages, whose tensors are the ones the GPU kernel allocates.
+
+**The split** (`cp_split`). Each sequence is padded to a multiple of 2 x CP rows and cut into
+2 x CP chunks of c rows; CP rank r holds chunks r and 2CP-1-r (Megatron's load balancing for
+causal attention), so every rank holds 2c rows of each sequence: its rows are the padded
+rows / CP. `packed_seq_params` carries the *global* (padded) cu_seqlens, as in Megatron; the
+ring divides them by CP.
+
+**The ring** (`RingAttention`, the allocation model of `AttnFuncWithCPAndKVP2P` in bf16,
+`thd`, causal). Per rank, with q [t, h, d] and k, v [t, g, d] its t = padded/CP rows:
+
+- forward, CP steps. The rank's k and v are copied into one send buffer (`cat`, 2tgd
+  elements); at step i < CP-1 a buffer of that size is allocated and receives the previous
+  rank's k/v while step i computes, so CP k/v buffers are alive at the end of the forward.
+  Step 0 is causal over the rank's own rows; a step whose k/v come from a lower rank
+  attends all q rows to the first half of those k/v (read into half-size copies); a step
+  whose k/v come from a higher rank attends the second half of q (a half-size copy) to all
+  of them. Every step keeps its partial output (bf16, [t or t/2, h, d]) and its log-sum-exp
+  (fp32, [h, t or t/2]) until the merge, which writes the output (bf16 [t, h, d]) and the
+  merged log-sum-exp (fp32 [h, t]). Kept for the backward: q, the last received k/v buffer,
+  the output and the log-sum-exp (k and v themselves are released).
+- backward, CP steps in the reverse order: dq (bf16, q's size) and two buffers of
+  [2, k/v size] (k/v and their gradient travel together around the ring, to the previous
+  rank); each step allocates its own dq and dk/dv (the sizes of its q and k/v parts) and
+  the half copies of q, out, dout and the log-sum-exp (or of k/v) that its part needs. The
+  returned dk, dv are views into the last buffer.
+
+Each step's attention is torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`
+and its backward), run per sequence into the step's packed buffers: as in the single-rank
+stand-in, one sequence's output is alive beside the packed buffer it is copied into, and the
+merge corrects outputs in blocks of `BLOCK_ROWS` rows (fp32 scratch of that size). Kernel
+scratch is not counted (as on the GPU). The numbers are real: the ring's output and
+gradients equal one rank's causal attention over the whole sequence (tests check the loss).
+
+Imports torch and megatron-core: only the multi-rank tracer's rank processes load it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, bad
+
+BLOCK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class CpSplit:
+    """The rows one CP rank holds of a packed wave.
+
+    `global_index`: the global (padded) row of each local row, in local order; `segments`:
+    (start, end, position offset) of each local chunk, two per sequence; `local_lens`: 2c per
+    sequence; `bounds`: the global cu_seqlens (padded)."""
+
+    global_index: tuple[int, ...]
+    segments: tuple[tuple[int, int, int], ...]
+    local_lens: tuple[int, ...]
+    bounds: tuple[int, ...]
+
+
+def cp_split(padded_lens, cp: int, cp_rank: int) -> CpSplit:
+    """The load-balanced split of sequences of `padded_lens` rows (each a multiple of 2 x cp)
+    for rank `cp_rank`: chunks r and 2cp-1-r of every sequence. O(rows)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise bad(ConfigError, "cp", cp, "must be a positive integer")
+    if not 0 <= cp_rank < cp:
+        raise bad(ConfigError, "cp_rank", cp_rank, f"must be in [0, {cp})")
+    index: list[int] = []
+    segments: list[tuple[int, int, int]] = []
+    bounds = [0]
+    local = 0
+    for n in padded_lens:
+        if n % (2 * cp):
+            raise bad(ConfigError, "seq_lens", n, f"must be padded to a multiple of 2 x CP = {2 * cp}")
+        c = n // (2 * cp)
+        start = bounds[-1]
+        for chunk in (cp_rank, 2 * cp - 1 - cp_rank):
+            index.extend(range(start + chunk * c, start + (chunk + 1) * c))
+            segments.append((local, local + c, chunk * c))
+            local += c
+        bounds.append(start + n)
+    return CpSplit(tuple(index), tuple(segments), tuple(2 * (n // (2 * cp)) for n in padded_lens),
+                   tuple(bounds))
+
+
+# --- the kernel's pieces -------------------------------------------------------------------
+
+_FWD = None
+_BWD = None
+
+
+def _ops():
+    global _FWD, _BWD
+    if _FWD is None:
+        _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    return _FWD, _BWD
+
+
+def _bhsd(x):
+    """[s, h, d] -> [1, h, s, d] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _halves(x, seqs, which: int):
+    """The first (0) or second (1) half of each local sequence of `x`, packed (a copy, as
+    Transformer Engine's `thd_read_half_tensor`). `seqs`: (start, c) per sequence."""
+    parts = [x[a + which * c:a + (which + 1) * c] for a, c in seqs]
+    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0].clone()
+
+
+def _half_rows(seqs):
+    """(start, c) of each sequence in a packed half tensor (`_halves`)."""
+    out, at = [], 0
+    for _, c in seqs:
+        out.append((at, c))
+        at += c
+    return out
+
+
+def _lse_cols(lse, seqs, which: int):
+    """The first/second-half columns of an [h, t] log-sum-exp, packed (a copy)."""
+    parts = [lse[:, a + which * c:a + (which + 1) * c] for a, c in seqs]
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+
+
+def _lse_dtype(q):
+    """The kernel's log-sum-exp dtype: fp32 for 16-bit inputs, else the inputs' own."""
+    return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+
+
+def _step_forward(kind: str, q, k, v, seqs, scale):
+    """One ring step's partial attention: ("causal" | "kv_half" | "q_half"). Returns the
+    packed partial output [rows, h, d] (q's dtype) and log-sum-exp [h, rows] (fp32)."""
+    fwd, _ = _ops()
+    h = q.shape[1]
+    if kind == "q_half":
+        qh = _halves(q, seqs, 1)
+        rows, qseq, kseq = qh.shape[0], _half_rows(seqs), [(a, 2 * c) for a, c in seqs]
+        src = qh
+    elif kind == "kv_half":
+        k, v = _halves(k, seqs, 0), _halves(v, seqs, 0)
+        rows, qseq, kseq = q.shape[0], [(a, 2 * c) for a, c in seqs], _half_rows(seqs)
+        src = q
+    else:
+        rows, qseq, kseq = q.shape[0], [(a, 2 * c) for a, c in seqs], [(a, 2 * c) for a, c in seqs]
+        src = q
+    out = torch.empty((rows,) + tuple(q.shape[1:]), dtype=q.dtype)
+    lse = torch.empty((h, rows), dtype=_lse_dtype(q))
+    for (qa, qn), (ka, kn) in zip(qseq, kseq, strict=True):
+        o, m = fwd(_bhsd(src[qa:qa + qn]), _bhsd(k[ka:ka + kn]), _bhsd(v[ka:ka + kn]), 0.0,
+                   kind == "causal", scale=scale)
+        out[qa:qa + qn].copy_(o[0].transpose(0, 1))
+        lse[:, qa:qa + qn].copy_(m[0])
+        del o, m
+    return out, lse
+
+
+def _merge(q, outs, lses, kinds, seqs):
+    """The merged output (q's dtype, [t, h, d]) and log-sum-exp (fp32, [h, t]) of the steps,
+    corrected block by block (fp32 scratch of BLOCK_ROWS rows)."""
+    t, h = q.shape[0], q.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.empty((h, t), dtype=_lse_dtype(q))
+    half = _half_rows(seqs)
+    for s, (a, c) in enumerate(seqs):
+        for which in (0, 1):
+            base = a + which * c
+            for lo in range(0, c, BLOCK_ROWS):
+                n = min(BLOCK_ROWS, c - lo)
+                parts = []  # (output rows, lse cols) of each step covering these rows
+                for o, m, kind in zip(outs, lses, kinds, strict=True):
+                    if kind == "q_half":
+                        if which == 0:
+                            continue
+                        at = half[s][0] + lo
+                    else:
+                        at = base + lo
+                    parts.append((o[at:at + n], m[:, at:at + n]))
+                total = parts[0][1]
+                for _, m in parts[1:]:
+                    total = torch.logaddexp(total, m)
+                acc = None
+                for o, m in parts:
+                    w = torch.exp(m - total).transpose(0, 1).unsqueeze(-1)  # [n, h, 1]
+                    term = o.to(w.dtype) * w
+                    acc = term if acc is None else acc + term
+                out[base + lo:base + lo + n].copy_(acc)
+                lse[:, base + lo:base + lo + n].copy_(total)
+                del parts, total, acc
+    return out, lse
+
+
+def _exchange(send, dst, recv, src, group):
+    """Post one send and one receive (gloo point-to-point); returns their requests."""
+    return [dist.isend(send, dst, group=group), dist.irecv(recv, src, group=group)]
+
+
+def _step_kind(step: int, cp_rank: int) -> str:
+    """Forward step `step` of rank `cp_rank`: its k/v come from rank (cp_rank - step) mod CP."""
+    if step == 0:
+        return "causal"
+    return "kv_half" if step <= cp_rank else "q_half"
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seqs, group, ranks, scale):
+        cp = len(ranks)
+        r = dist.get_rank(group)
+        nxt, prv = ranks[(r + 1) % cp], ranks[(r - 1) % cp]
+        n_k = k.numel()
+        bufs = [torch.cat((k.reshape(-1), v.reshape(-1)))]
+        outs, lses, kinds = [], [], []
+        reqs: list = []
+        for i in range(cp):
+            for req in reqs:
+                req.wait()
+            reqs = []
+            if i < cp - 1:
+                bufs.append(torch.empty_like(bufs[i]))
+                reqs = _exchange(bufs[i], nxt, bufs[i + 1], prv, group)
+            kv = bufs[i]
+            kind = _step_kind(i, r)
+            o, m = _step_forward(kind, q, kv[:n_k].view(k.shape), kv[n_k:].view(v.shape), seqs,
+                                 scale)
+            outs.append(o)
+            lses.append(m)
+            kinds.append(kind)
+        out, lse = _merge(q, outs, lses, kinds, seqs)
+        del outs, lses
+        ctx.save_for_backward(q, bufs[-1], out, lse)
+        ctx.seqs, ctx.group, ctx.ranks, ctx.scale = seqs, group, ranks, scale
+        ctx.k_shape, ctx.v_shape = k.shape, v.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        _, bwd = _ops()
+        q, kv_last, out, lse = ctx.saved_tensors
+        seqs, group, ranks, scale = ctx.seqs, ctx.group, ctx.ranks, ctx.scale
+        cp = len(ranks)
+        r = dist.get_rank(group)
+        # backward passes k/v and their gradients to the previous rank
+        dst, src = ranks[(r - 1) % cp], ranks[(r + 1) % cp]
+        n_k = kv_last.numel() - int(torch.Size(ctx.v_shape).numel())
+        dout = dout.contiguous().view(q.shape)
+        dq = torch.zeros_like(q)
+        bufs = [torch.empty((2, kv_last.numel()), dtype=kv_last.dtype),
+                torch.empty((2, kv_last.numel()), dtype=kv_last.dtype)]
+        bufs[0][0].copy_(kv_last)
+        full = [(a, 2 * c) for a, c in seqs]
+        half = _half_rows(seqs)
+        reqs: list = []
+        for i in range(cp):
+            for req in reqs:
+                req.wait()
+            send, recv = bufs[i % 2], bufs[(i + 1) % 2]
+            if i == 0:
+                send, recv = send[0], recv[0]
+            elif i == cp - 1:
+                send, recv = send[1], recv[1]
+            reqs = _exchange(send, dst, recv, src, group)
+            kv = bufs[i % 2][0]
+            k, v = kv[:n_k].view(ctx.k_shape), kv[n_k:].view(ctx.v_shape)
+            kind = _step_kind(cp - 1 - i, r)
+            if kind == "q_half":
+                q_, out_, dout_ = (_halves(x, seqs, 1) for x in (q, out, dout))
+                lse_ = _lse_cols(lse, seqs, 1)
+                qseq, kseq = half, full
+            elif kind == "kv_half":
+                q_, out_, dout_, lse_ = q, out, dout, lse
+                k, v = _halves(k, seqs, 0), _halves(v, seqs, 0)
+                qseq, kseq = full, half
+            else:
+                q_, out_, dout_, lse_ = q, out, dout, lse
+                qseq, kseq = full, full
+            dq_ = torch.empty_like(q_)
+            dk_, dv_ = torch.empty_like(k), torch.empty_like(v)
+            for (qa, qn), (ka, kn) in zip(qseq, kseq, strict=True):
+                g = bwd(_bhsd(dout_[qa:qa + qn]), _bhsd(q_[qa:qa + qn]), _bhsd(k[ka:ka + kn]),
+                        _bhsd(v[ka:ka + kn]), _bhsd(out_[qa:qa + qn]),
+                        lse_[:, qa:qa + qn].unsqueeze(0), 0.0, kind == "causal", scale=scale)
+                dq_[qa:qa + qn].copy_(g[0][0].transpose(0, 1))
+                dk_[ka:ka + kn].copy_(g[1][0].transpose(0, 1))
+                dv_[ka:ka + kn].copy_(g[2][0].transpose(0, 1))
+                del g
+            if kind == "q_half":
+                for (a, c), (ha, _) in zip(seqs, half, strict=True):
+                    dq[a + c:a + 2 * c].add_(dq_[ha:ha + c])
+            else:
+                dq.add_(dq_)
+            del q_, out_, dout_, lse_, dq_
+            for req in reqs:  # the gradient of this step's k/v has arrived (except at step 0)
+                req.wait()
+            reqs = []
+            dkv = bufs[(i + 1) % 2][1]
+            dk, dv = dkv[:n_k].view(ctx.k_shape), dkv[n_k:].view(ctx.v_shape)
+            if i == 0:
+                dk.zero_()
+                dv.zero_()
+            if kind == "kv_half":
+                for (a, c), (ha, _) in zip(seqs, half, strict=True):
+                    dk[a:a + c].add_(dk_[ha:ha + c])
+                    dv[a:a + c].add_(dv_[ha:ha + c])
+            else:
+                dk.add_(dk_)
+                dv.add_(dv_)
+            del dk_, dv_, k, v
+        dkv = bufs[cp % 2][1]
+        return dq, dkv[:n_k].view(ctx.k_shape), dkv[n_k:].view(ctx.v_shape), None, None, None, None
+
+
+def ring_attention(q, k, v, bounds, group, ranks, scale=None):
+    """Causal attention of THD q [t, h, d], k, v [t, g, d] (this CP rank's rows of sequences
+    whose global padded cu_seqlens are `bounds`) over the CP group `group` (global `ranks`,
+    in group order). Returns [t, h, d]."""
+    cp = len(ranks)
+    seqs, at = [], 0
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=False):
+        n = (hi - lo) // cp
+        seqs.append((at, n // 2))
+        at += n
+    if at != q.shape[0]:
+        raise bad(ConfigError, "cu_seqlens", list(bounds),
+                  f"hold {at * cp} rows over CP={cp}, but this rank has {q.shape[0]}")
+    return _Ring.apply(q, k, v, tuple(seqs), group, tuple(ranks), scale)
+
+
+def ring_attention_class():
+    """A Megatron core-attention module (the constructor and call of `SdpaAttention`) that
+    runs `ring_attention` over Megatron's context-parallel group. Built lazily."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.module import MegatronModule
+
+    from .thd import bounds_of
+
+    class RingAttention(MegatronModule):
+        """Causal core attention over the context-parallel ring (THD input only)."""
+
+        def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                     pg_collection=None, **kwargs) -> None:
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+                raise bad(ConfigError, "packed_seq_params", None,
+                          "the CP ring attention takes packed (THD) input only")
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            out = ring_attention(query, key, value, bounds_of(cu),
+                                 parallel_state.get_context_parallel_group(),
+                                 parallel_state.get_context_parallel_global_ranks(),
+                                 self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
+
+    return RingAttention
+
+
+def install_ring_attention(model) -> int:
+    """Replace every `SdpaAttention` core attention of `model` by `RingAttention`; returns
+    how many were replaced."""
+    from .megatron_build import sdpa_attention_class
+
+    sdpa, ring = sdpa_attention_class(), ring_attention_class()
+    found = [(m, m.core_attention) for m in model.modules()
+             if isinstance(getattr(m, "core_attention", None), sdpa)]
+    for module, old in found:
+        module.core_attention = ring(old.config, softmax_scale=old.softmax_scale)
+    return len(found)
