@@ -30,6 +30,7 @@ from .reprice_jit import merge_candidates, wave_loads_jit
 from .result import PackedWave
 
 MERGE_TRIES_PER_WAVE = 6   # exact prices per wave (the fast path makes each a few us)
+MERGE_BEYOND_ESTIMATE = 2  # pairs priced exactly when the estimate refuses every pair
 
 
 @dataclass
@@ -166,6 +167,10 @@ def merge_waves(drafts: list[Draft], items: Items, pricer: SearchPricer, budget:
         exact = np.asarray([d.price.admitted_bytes for d in flat], dtype=np.float64)
         ratio = np.minimum(exact / np.maximum(env, 1.0), 1.0)
         cand = merge_candidates(loads, const, items.cap, ratio, float(budget))
+        if len(cand) == 0:
+            # The summed loads charge a prompt both waves hold twice, so the estimate can refuse
+            # a pair whose exact price fits (shared prefixes): price the closest pairs anyway.
+            cand = merge_candidates(loads, const, items.cap, ratio, np.inf)[:MERGE_BEYOND_ESTIMATE]
         if len(cand) == 0:
             break
         alive = np.ones(len(flat), dtype=bool)
