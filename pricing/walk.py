@@ -68,8 +68,13 @@ class WalkGroups(NamedTuple):
 
 
 def walk_charges(arrays: dict) -> WalkCharges:
-    """The walk's charges from a model's arrays (`PricingModel.arrays`). O(1)."""
-    return WalkCharges(*(arrays[name] for name in WalkCharges._fields))
+    """The walk's charges from a model's arrays (`PricingModel.arrays`), built once and kept
+    there beside the model's other caches. O(1)."""
+    charges = arrays.get("walk_charges")
+    if charges is None:
+        charges = WalkCharges(*(arrays[name] for name in WalkCharges._fields))
+        arrays["walk_charges"] = charges
+    return charges
 
 
 # `_start` and `_offer` are inlined into `walk`: it passes them literal point codes, for which

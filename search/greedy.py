@@ -68,16 +68,17 @@ class GreedyInputs(NamedTuple):
 
 
 @njit(cache=True)
-def _choose(opened, n_open, rule, load, scnt, ccnt, pieces, i, hdr, tmp, limit):
-    """Wave for piece i of `pieces` under `rule` among the open waves (ascending), or -1 when
-    none holds it. Ties go to the lowest wave."""
+def _choose(opened, rule, load, scnt, ccnt, w, subs, classes, sub_hdr, class_hdr, tmp, limit):
+    """Wave under `rule` among the open waves `opened` (ascending) for a piece of weight `w`
+    touching subgroups `subs` and classes `classes`, or -1 when none holds it. Ties go to the
+    lowest wave."""
     best = -1
     best_key = 0.0
     best_key2 = 0.0
     P = load.shape[1]
-    for j in range(n_open):
+    for j in range(opened.shape[0]):
         b = opened[j]
-        m = delta(load, scnt, ccnt, b, pieces, i, hdr, tmp, limit)
+        m = delta(load, scnt, ccnt, b, w, subs, classes, sub_hdr, class_hdr, tmp, limit)
         if m > limit:
             continue
         if rule == FIRST_FIT:
@@ -147,26 +148,23 @@ def greedy_run(border, rule, mode, fixed, inputs):
     `inputs` (a `GreedyInputs`). Returns (atom_wave[num_atoms] with -1 for atoms not packed,
     waves); waves = -1 when `fixed` > 0 waves cannot hold everything (some may stay empty).
     A piece only looks at the waves still open to its first class (see `_close_full`)."""
-    blocks = inputs.blocks
-    atoms = inputs.atoms
-    hdr = inputs.headers
+    bw, bsptr, bs, bcptr, bc = inputs.blocks
+    aw, asptr, as_, acptr, ac = inputs.atoms
+    sub_hdr, class_hdr = inputs.headers
     bptr = inputs.block_ptr
     batoms = inputs.block_atoms
     balone = inputs.block_alone
+    num_atoms = inputs.num_atoms
     wmin = inputs.wmin
     limit = inputs.limit
-    bcptr = blocks.cptr
-    bc = blocks.c
-    acptr = atoms.cptr
-    ac = atoms.c
-    P = hdr.sub.shape[1]
-    S = hdr.sub.shape[0]
-    K = hdr.cls.shape[0]
+    P = sub_hdr.shape[1]
+    S = sub_hdr.shape[0]
+    K = class_hdr.shape[0]
     cap0 = fixed if fixed > 0 else 16
     load = np.zeros((cap0, P))
     scnt = np.zeros((cap0, S), dtype=np.int32)
     ccnt = np.zeros((cap0, K), dtype=np.int32)
-    atom_wave = -np.ones(inputs.num_atoms, dtype=np.int64)
+    atom_wave = -np.ones(num_atoms, dtype=np.int64)
     nw = fixed if fixed > 0 else 0
     opened = np.empty((max(K, 1), cap0), dtype=np.int64)
     n_open = np.zeros(max(K, 1), dtype=np.int64)
@@ -176,8 +174,9 @@ def greedy_run(border, rule, mode, fixed, inputs):
     for bi in range(border.shape[0]):
         blk = border[bi]
         k0 = bc[bcptr[blk]] if bcptr[blk + 1] > bcptr[blk] else 0
-        b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, blocks, blk, hdr, tmp,
-                    limit)
+        b = _choose(opened[k0][:n_open[k0]], rule, load, scnt, ccnt, bw[blk],
+                    bs[bsptr[blk]:bsptr[blk + 1]], bc[bcptr[blk]:bcptr[blk + 1]], sub_hdr,
+                    class_hdr, tmp, limit)
         whole_alone = True
         for p in range(P):
             if balone[blk, p] > limit:
@@ -190,15 +189,16 @@ def greedy_run(border, rule, mode, fixed, inputs):
         if b >= 0:
             for j in range(bptr[blk], bptr[blk + 1]):
                 a = batoms[j]
-                add_atom(b, a, load, scnt, ccnt, atoms, hdr)
+                add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
                 atom_wave[a] = b
-            _close_full(b, opened, n_open, load, ccnt, wmin, hdr.cls, limit)
+            _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit)
             continue
         for j in range(bptr[blk], bptr[blk + 1]):
             a = batoms[j]
             k0 = ac[acptr[a]] if acptr[a + 1] > acptr[a] else 0
-            b = _choose(opened[k0], n_open[k0], rule, load, scnt, ccnt, atoms, a, hdr, tmp,
-                        limit)
+            b = _choose(opened[k0][:n_open[k0]], rule, load, scnt, ccnt, aw[a],
+                        as_[asptr[a]:asptr[a + 1]], ac[acptr[a]:acptr[a + 1]], sub_hdr,
+                        class_hdr, tmp, limit)
             if b < 0:
                 if fixed > 0:
                     return atom_wave, -1
@@ -206,9 +206,9 @@ def greedy_run(border, rule, mode, fixed, inputs):
                 b = nw
                 nw += 1
                 opened = _open_wave(opened, n_open, b)
-            add_atom(b, a, load, scnt, ccnt, atoms, hdr)
+            add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
             atom_wave[a] = b
-            _close_full(b, opened, n_open, load, ccnt, wmin, hdr.cls, limit)
+            _close_full(b, opened, n_open, load, ccnt, wmin, class_hdr, limit)
     return atom_wave, nw
 
 

@@ -5,8 +5,11 @@ touch each subgroup (int32[W, S]) and each class (int32[W, K]); a subgroup or cl
 header only while its count is positive. Every primitive is O(P (1 + s)) for an atom touching
 s subgroups, except `build_state` (O(A P)).
 
-The kernels take the packing items as two bundles: `Pieces` (what the greedy places: atoms,
-or blocks of atoms) and `Headers` (what a subgroup or class present in a wave pays once).
+The kernels' entry points (`greedy.greedy_run`, `local.eliminate`, ...) take the packing
+items as bundles: `Pieces` (what the greedy places: atoms, or blocks of atoms) and `Headers`
+(what a subgroup or class present in a wave pays once). They unpack them once into local
+arrays; the primitives here, called in their inner loops, take the plain arrays (numba
+compiles the same loops as before the bundles existed).
 """
 
 from __future__ import annotations
@@ -57,27 +60,23 @@ def grow(load, scnt, ccnt, need):
 
 
 @njit(cache=True)
-def delta(load, scnt, ccnt, b, pieces, i, hdr, out, limit):
-    """out = load of wave b after adding piece i of `pieces`; returns max(out), or a value >
-    limit as soon as the request weights alone overflow (out is then incomplete)."""
+def delta(load, scnt, ccnt, b, w, subs, classes, sub_hdr, class_hdr, out, limit):
+    """out = load of wave b after adding a piece of weight `w` touching subgroups `subs` and
+    classes `classes`; returns max(out), or a value > limit as soon as the request weights
+    alone overflow (out is then incomplete)."""
     P = load.shape[1]
-    w = pieces.w[i]
-    s_arr = pieces.s
-    c_arr = pieces.c
-    sub_hdr = hdr.sub
-    class_hdr = hdr.cls
     for p in range(P):
         v = load[b, p] + w[p]
         if v > limit:
             return v
         out[p] = v
-    for j in range(pieces.sptr[i], pieces.sptr[i + 1]):
-        s = s_arr[j]
+    for j in range(subs.shape[0]):
+        s = subs[j]
         if scnt[b, s] == 0:
             for p in range(P):
                 out[p] += sub_hdr[s, p]
-    for j in range(pieces.cptr[i], pieces.cptr[i + 1]):
-        k = c_arr[j]
+    for j in range(classes.shape[0]):
+        k = classes[j]
         if ccnt[b, k] == 0:
             for p in range(P):
                 out[p] += class_hdr[k, p]
@@ -89,23 +88,17 @@ def delta(load, scnt, ccnt, b, pieces, i, hdr, out, limit):
 
 
 @njit(cache=True)
-def add_atom(b, a, load, scnt, ccnt, atoms, hdr):
-    """Put atom a (of the `Pieces` `atoms`) into wave b, paying the headers it brings."""
+def add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
     P = load.shape[1]
-    aw = atoms.w
-    as_ = atoms.s
-    ac = atoms.c
-    sub_hdr = hdr.sub
-    class_hdr = hdr.cls
     for p in range(P):
         load[b, p] += aw[a, p]
-    for j in range(atoms.sptr[a], atoms.sptr[a + 1]):
+    for j in range(asptr[a], asptr[a + 1]):
         s = as_[j]
         if scnt[b, s] == 0:
             for p in range(P):
                 load[b, p] += sub_hdr[s, p]
         scnt[b, s] += 1
-    for j in range(atoms.cptr[a], atoms.cptr[a + 1]):
+    for j in range(acptr[a], acptr[a + 1]):
         k = ac[j]
         if ccnt[b, k] == 0:
             for p in range(P):
@@ -114,23 +107,17 @@ def add_atom(b, a, load, scnt, ccnt, atoms, hdr):
 
 
 @njit(cache=True)
-def remove_atom(b, a, load, scnt, ccnt, atoms, hdr):
-    """Take atom a out of wave b, refunding the headers nothing else there pays."""
+def remove_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
     P = load.shape[1]
-    aw = atoms.w
-    as_ = atoms.s
-    ac = atoms.c
-    sub_hdr = hdr.sub
-    class_hdr = hdr.cls
     for p in range(P):
         load[b, p] -= aw[a, p]
-    for j in range(atoms.sptr[a], atoms.sptr[a + 1]):
+    for j in range(asptr[a], asptr[a + 1]):
         s = as_[j]
         scnt[b, s] -= 1
         if scnt[b, s] == 0:
             for p in range(P):
                 load[b, p] -= sub_hdr[s, p]
-    for j in range(atoms.cptr[a], atoms.cptr[a + 1]):
+    for j in range(acptr[a], acptr[a + 1]):
         k = ac[j]
         ccnt[b, k] -= 1
         if ccnt[b, k] == 0:
@@ -139,13 +126,13 @@ def remove_atom(b, a, load, scnt, ccnt, atoms, hdr):
 
 
 @njit(cache=True)
-def build_state(atom_wave, nw, active, atoms, hdr):
-    """The state of the waves `atom_wave` assigns to the active atoms."""
-    P = hdr.sub.shape[1]
+def build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
+    P = sub_hdr.shape[1]
     load = np.zeros((max(nw, 1), P))
-    scnt = np.zeros((max(nw, 1), hdr.sub.shape[0]), dtype=np.int32)
-    ccnt = np.zeros((max(nw, 1), hdr.cls.shape[0]), dtype=np.int32)
+    scnt = np.zeros((max(nw, 1), sub_hdr.shape[0]), dtype=np.int32)
+    ccnt = np.zeros((max(nw, 1), class_hdr.shape[0]), dtype=np.int32)
     for i in range(active.shape[0]):
         a = active[i]
-        add_atom(atom_wave[a], a, load, scnt, ccnt, atoms, hdr)
+        add_atom(atom_wave[a], a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                  class_hdr)
     return load, scnt, ccnt

@@ -2,7 +2,8 @@
 
 `eliminate` empties the lightest waves into the others (the greedy and the multistart apply
 it to every run); `balance` moves atoms out of the most loaded wave while that lowers the
-largest load (exact wave counts). Both keep every wave within the envelope.
+largest load (exact wave counts). Both keep every wave within the envelope. Both take the
+items' atoms and headers as `kernels.Pieces` and `kernels.Headers` (`greedy.atom_args`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from .kernels import add_atom, build_state, delta, remove_atom
 def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
     """Empty light waves by moving their atoms into other waves (cheapest increase), up to
     `candidates` lightest waves per round, until no wave can be emptied. Returns the new
-    number of waves (atom_wave is updated in place, waves renumbered densely). `atoms`,
-    `hdr`: the items' `Pieces` and `Headers` (`greedy.atom_args`).
+    number of waves (atom_wave is updated in place, waves renumbered densely).
     O(rounds * candidates * A_w * W * P)."""
-    load, scnt, ccnt = build_state(atom_wave, nw, active, atoms, hdr)
-    P = hdr.sub.shape[1]
+    aw, asptr, as_, acptr, ac = atoms
+    sub_hdr, class_hdr = hdr
+    load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
+                                   sub_hdr, class_hdr)
+    P = sub_hdr.shape[1]
     tmp = np.empty(P)
     order_a = active[np.argsort(-asize[active], kind="mergesort")]
     moved_a = np.empty(active.shape[0], dtype=np.int64)
@@ -46,10 +49,14 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                 # choose among waves != c: cheapest increase
                 best = -1
                 best_key = 0.0
+                wa = aw[a]
+                subs = as_[asptr[a]:asptr[a + 1]]
+                classes = ac[acptr[a]:acptr[a + 1]]
                 for b in range(nw):
                     if b == c:
                         continue
-                    m = delta(load, scnt, ccnt, b, atoms, a, hdr, tmp, limit)
+                    m = delta(load, scnt, ccnt, b, wa, subs, classes, sub_hdr, class_hdr, tmp,
+                              limit)
                     if m > limit:
                         continue
                     inc = 0.0
@@ -61,8 +68,10 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                 if best < 0:
                     ok = False
                     break
-                remove_atom(c, a, load, scnt, ccnt, atoms, hdr)
-                add_atom(best, a, load, scnt, ccnt, atoms, hdr)
+                remove_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                             class_hdr)
+                add_atom(best, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                          class_hdr)
                 atom_wave[a] = best
                 moved_a[nm] = a
                 moved_to[nm] = best
@@ -85,8 +94,10 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                 break
             for j in range(nm - 1, -1, -1):
                 a = moved_a[j]
-                remove_atom(moved_to[j], a, load, scnt, ccnt, atoms, hdr)
-                add_atom(c, a, load, scnt, ccnt, atoms, hdr)
+                remove_atom(moved_to[j], a, load, scnt, ccnt, aw, asptr, as_, acptr, ac,
+                             sub_hdr, class_hdr)
+                add_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                          class_hdr)
                 atom_wave[a] = c
         if not done:
             break
@@ -97,8 +108,11 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
 def balance(atom_wave, nw, active, max_moves, atoms, hdr, limit):
     """Move atoms out of the most loaded wave while that lowers the largest load, keeping
     every wave non-empty. In place; returns the number of moves. O(max_moves * A * W * P)."""
-    load, scnt, ccnt = build_state(atom_wave, nw, active, atoms, hdr)
-    P = hdr.sub.shape[1]
+    aw, asptr, as_, acptr, ac = atoms
+    sub_hdr, class_hdr = hdr
+    load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
+                                   sub_hdr, class_hdr)
+    P = sub_hdr.shape[1]
     tmp = np.empty(P)
     rem = np.empty(P)
     count = np.zeros(nw, dtype=np.int64)
@@ -123,15 +137,19 @@ def balance(atom_wave, nw, active, max_moves, atoms, hdr, limit):
             if atom_wave[a] != top:
                 continue
             # load of `top` without a
-            remove_atom(top, a, load, scnt, ccnt, atoms, hdr)
+            remove_atom(top, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                         class_hdr)
             for p in range(P):
                 rem[p] = load[top, p]
-            add_atom(top, a, load, scnt, ccnt, atoms, hdr)
+            add_atom(top, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
             rm = rem.max()
+            wa = aw[a]
+            subs = as_[asptr[a]:asptr[a + 1]]
+            classes = ac[acptr[a]:acptr[a + 1]]
             for b in range(nw):
                 if b == top:
                     continue
-                m = delta(load, scnt, ccnt, b, atoms, a, hdr, tmp, limit)
+                m = delta(load, scnt, ccnt, b, wa, subs, classes, sub_hdr, class_hdr, tmp, limit)
                 if m > limit:
                     continue
                 val = max(m, rm)
@@ -141,8 +159,10 @@ def balance(atom_wave, nw, active, max_moves, atoms, hdr, limit):
                     best_b = b
         if best_a < 0:
             break
-        remove_atom(top, best_a, load, scnt, ccnt, atoms, hdr)
-        add_atom(best_b, best_a, load, scnt, ccnt, atoms, hdr)
+        remove_atom(top, best_a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                     class_hdr)
+        add_atom(best_b, best_a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                  class_hdr)
         atom_wave[best_a] = best_b
         count[top] -= 1
         count[best_b] += 1
