@@ -3,15 +3,14 @@ kernels are compiled before the ranks start, and the timeout leaves room for a c
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from gloo_ranks import run_ranks
 
 pytest.importorskip("torch.distributed")
 
@@ -112,37 +111,9 @@ def worker(tmp_path_factory):
     return script
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(script, tmp_path, case: str) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [open(tmp_path / f"r{r}.log", "wb") for r in range(4)]  # files: a full pipe cannot block
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), case,
-                               str(tmp_path / f"r{r}.json")], env=env,
-                              stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(4)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-    finally:
-        for f in logs:
-            f.close()
-    logs = [(tmp_path / f"r{r}.log").read_text(errors="replace")[-3000:] for r in range(4)]
-    if any(p.returncode is None or p.returncode < 0 for p in procs):
-        pytest.fail(f"plan_distributed hung ({case}): a rank did not finish in {TIMEOUT_S} s\n"
-                    + "\n".join(logs))
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-3000:]}"
-    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+    return run_ranks(script, tmp_path, 4, lambda r, port, out: [str(r), str(port), case, str(out)],
+                     TIMEOUT_S, what=f"plan_distributed ({case})")
 
 
 @pytest.mark.slow

@@ -10,16 +10,12 @@ GPT with LoRA, on the CPU, through Megatron-core's own `get_forward_backward_fun
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gloo_ranks import run_ranks
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -177,12 +173,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_gloo_dp_ranks_agree_on_the_wave_count(setup, tmp_path):
     # the numba kernels are compiled (and cached) by this process's planner first: the fixture
@@ -194,26 +184,9 @@ def test_two_gloo_dp_ranks_agree_on_the_wave_count(setup, tmp_path):
     planner.plan(StepData.from_sequences(seqs, prompt_lengths=plens).step, 3 * MIB)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [open(tmp_path / f"r{r}.log", "wb") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.json"),
-                               str(Path(__file__).resolve().parent)],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-    finally:
-        for f in logs:
-            f.close()
-    text = [(tmp_path / f"r{r}.log").read_text(errors="replace")[-3000:] for r in range(2)]
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[r]}"
-    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    tests_dir = str(Path(__file__).resolve().parent)
+    res = run_ranks(script, tmp_path, 2, lambda r, port, out: [str(r), str(port), str(out), tests_dir],
+                    TIMEOUT_S)
     assert res[0]["alone"] < res[1]["alone"], res  # on its own, rank 0 would run fewer waves
     assert res[0]["waves"] == res[1]["waves"] == res[1]["alone"], res
     for r in res:

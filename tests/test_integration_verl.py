@@ -13,15 +13,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from gloo_ranks import run_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("verl")  # the dev extra installs verl==0.9.1
@@ -250,12 +246,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_gloo_dp_ranks_agree_on_the_micro_batch_count(planner, tmp_path):
     # compile (and cache) the numba kernels here first, so the workers only load them
@@ -263,25 +253,8 @@ def test_two_gloo_dp_ranks_agree_on_the_micro_batch_count(planner, tmp_path):
                                free_bytes=12 * GIB)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [open(tmp_path / f"r{r}.log", "wb") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.json")],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-    finally:
-        for f in logs:
-            f.close()
-    text = [(tmp_path / f"r{r}.log").read_text(errors="replace")[-3000:] for r in range(2)]
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[r]}"
-    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    res = run_ranks(script, tmp_path, 2, lambda r, port, out: [str(r), str(port), str(out)],
+                    TIMEOUT_S)
     assert res[0]["alone"] < res[1]["alone"], res
     assert res[0]["agreed"] == res[1]["agreed"] == res[1]["alone"], res
     assert all(r["covered"] for r in res), res
