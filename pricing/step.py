@@ -446,11 +446,7 @@ class Step:
                             completion_tokens=req.num_completion_tokens)
             else:
                 line["completion_tokens"] = req.num_tokens
-            if req.slot != DEFAULT_SLOT:
-                line["slot"] = req.slot
-            if not req.grad:
-                line["grad"] = False
-            lines.append(line)
+            lines.append(_with_slot_and_grad(line, req))
         return lines
 
     def to_tree_form(self) -> list[dict]:
@@ -473,12 +469,17 @@ class Step:
         for i, req in enumerate(self.requests):
             line: dict = {"id": req.id, "num_tokens": req.num_tokens,
                           "tree_position": int(self.rank[i]), "shared_tokens": int(shared[i])}
-            if req.slot != DEFAULT_SLOT:
-                line["slot"] = req.slot
-            if not req.grad:
-                line["grad"] = False
-            lines.append(line)
+            lines.append(_with_slot_and_grad(line, req))
         return lines
+
+
+def _with_slot_and_grad(line: dict, req: Request) -> dict:
+    """A step line with the request's `slot` and `grad` added where they are not the defaults."""
+    if req.slot != DEFAULT_SLOT:
+        line["slot"] = req.slot
+    if not req.grad:
+        line["grad"] = False
+    return line
 
 
 TREE_FIELDS = frozenset({"id", "num_tokens", "tree_position", "shared_tokens", "slot", "grad"})
