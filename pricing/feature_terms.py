@@ -1,4 +1,5 @@
-"""Pricing terms of the model-family features (`geometry.ModelFeatures`, `geometry.MlaSpec`).
+"""Pricing terms of the model-family features (`geometry.ModelFeatures`, `geometry.MlaSpec`;
+evidence: docs/memory-model.md#family-features).
 
 Each term is the bytes per row (per routed row for experts) of the extra tensors one feature
 creates, on top of the baseline terms (`pricing.terms`, sized on the seeds' Qwen3/Llama

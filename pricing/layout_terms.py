@@ -1,6 +1,5 @@
 """Terms that scale with the parallel layout: what TP (with or without sequence parallelism) and
-CP leave unsharded, fitted per traced layout class (docs/memory-model.md#tensor-parallel,
-#context-parallel).
+CP leave unsharded, fitted per traced layout class (docs/memory-model.md#layout-residuals).
 
 The structural sharding lives in the per-rank widths (`pricing.model.layer_widths`: F, qkv,
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
@@ -46,7 +45,7 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
     c x H, c from entry `layout_residual` (group `retained` for selective/no recompute, charged
     per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 and for a table
     without the entry. Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
-    bench/layout_validation.py on the 2048-token cells (docs/memory-model.md#tensor-parallel).
+    bench/layout_validation.py on the 2048-token cells (docs/memory-model.md#layout-residuals).
     """
     group = table.terms.get(ENTRY, {}).get("retained" if retained else "full", {})
     return max(0.0, float(group.get(layout_key(tp, sequence_parallel, cp), 0.0))) * widths["H"]
