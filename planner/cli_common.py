@@ -21,7 +21,9 @@ DEFAULT_MODEL = "qwen3.8-27b"
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None = DEFAULT_MODEL,
-                   default_tp: int = 1, default_sp: bool = False) -> None:
+                   default_tp: int = 1, default_sp: bool = False, table: bool = True) -> None:
+    """The model flags; `table=False` leaves out --backend and --safety (for a command whose
+    --backend means something else: `calibrate`)."""
     parser.add_argument("--model", default=default_model,
                         help=f"preset name or HF config.json (default: {default_model})")
     parser.add_argument("--tp", type=int, default=default_tp, help="tensor parallel size")
@@ -37,6 +39,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                              "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
                         help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
+    if not table:
+        return
     parser.add_argument("--backend", "--coefficients", dest="backend", default=DEFAULT_BACKEND,
                         help="coefficient table: a shipped backend (te-gpu, torch-cpu) or a JSON file, "
                              f"e.g. one fitted by `waveplan calibrate` (default {DEFAULT_BACKEND})")

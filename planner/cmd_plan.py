@@ -57,6 +57,9 @@ def register(sub) -> None:
     parser.add_argument("--num-waves", type=int, default=None, metavar="N",
                         help="exactly N waves (all data-parallel ranks run the same count)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the randomised search")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="never read the clock: the iteration cap implied by --time-budget-ms "
+                             "alone decides, so the same inputs give the same plan byte for byte")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--report", metavar="FILE", help="write a replayable report (JSON)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the plan")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     step = resolve_step(args.step)
     log.info("step %s: %d requests, %d logical rows", args.step, step.num_requests, step.num_logical_rows)
     options = PlanOptions(packer=args.packer, time_budget_ms=args.time_budget_ms,
-                          num_waves=args.num_waves, seed=args.seed)
+                          num_waves=args.num_waves, seed=args.seed, deterministic=args.deterministic)
     start = time.perf_counter()
     try:
         plan = planner.plan(step, free_bytes=budget, **options.kwargs())

@@ -286,10 +286,20 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
 # --- scaling a table ------------------------------------------------------------------------
 
 
+def scaled_table(base: CoefficientTable, scales: dict[str, float], *, note: str | None = None,
+                 backend: str | None = None) -> CoefficientTable:
+    """`base` with each group's coefficients (`GROUPS`) multiplied by its scale (default 1);
+    every other entry kept, first execution and caller included (for fits to peaks measured
+    where those exist: `waveplan calibrate --profiles`). `note` marks the sources."""
+    return _scaled(base, {g: s for g, s in scales.items() if g in GROUPS}, note=note,
+                   backend=backend, cpu_zeroed=False)
+
+
 def _scaled(base: CoefficientTable, scales: dict[str, float], *, note: str | None,
-            backend: str | None = None) -> CoefficientTable:
+            backend: str | None = None, cpu_zeroed: bool = True) -> CoefficientTable:
     """`base` with each group's coefficients multiplied by its scale (default 1) and each
-    unit group's term set to factor x unit (default: the base's own entry, or none)."""
+    unit group's term set to factor x unit (default: the base's own entry, or none).
+    `cpu_zeroed`: first execution and caller set to 0, as CPU traces show them."""
     terms = copy.deepcopy(base.terms)
     for group, names in GROUPS.items():
         s = scales.get(group, 1.0)
@@ -316,19 +326,20 @@ def _scaled(base: CoefficientTable, scales: dict[str, float], *, note: str | Non
         entry["source"] = (f"{note}: group '{group}' = {s:.4f} x the structural unit "
                            f"{json.dumps(unit)}: {evidence}" if note is not None else "fit")
         terms[name] = entry
+    zeroed = ZEROED if cpu_zeroed else {}
     if note is not None:
-        for name, key in ZEROED.items():
+        for name, key in zeroed.items():
             terms[name] = {key: 0, "source": f"{note}: 0 (CPU traces show no first-execution "
                                              f"transients or caller loss buffers; the full-native "
                                              f"head is traced and priced by head_full_native)"}
-        fitted = {spec.split(":")[0] for g in GROUPS.values() for spec in g} | set(ZEROED) \
+        fitted = {spec.split(":")[0] for g in GROUPS.values() for spec in g} | set(zeroed) \
             | {UNITS[g][0] for g in UNITS if g in scales}
         for name in terms:
             if name not in fitted:
                 terms[name] = dict(terms[name], source=f"{note}: kept from the base "
                                                        f"({terms[name]['source']})")
     else:
-        for name, key in ZEROED.items():
+        for name, key in zeroed.items():
             terms[name] = dict(terms[name], **{key: 0})
     return CoefficientTable(backend=backend or base.backend, terms=terms)
 
