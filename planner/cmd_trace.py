@@ -31,7 +31,8 @@ def register(subparsers) -> None:
                     "Megatron's cross entropy on the full logits. Peaks are bytes above the "
                     "weights (what a wave adds). cpu-fake traces full-size models at no memory "
                     "cost. Needs torch and megatron-core.")
-    parser.add_argument("step", help="step file (JSON Lines) or a bundled step name")
+    parser.add_argument("step", help="step file (JSON Lines), a bundled step name, or - for "
+                                     "standard input")
     parser.add_argument("--model", required=True, metavar="PRESET|config.json",
                         help="a preset name or a Hugging Face config.json")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
@@ -60,12 +61,10 @@ def register(subparsers) -> None:
 
 
 def _load_step(spec: str):
-    from waveplan.pricing.step import bundled_step, list_bundled_steps, load_step
+    """STEP: a file, a bundled step name, or `-` for standard input (`cli_common.read_step`)."""
+    from .cli_common import read_step
 
-    path = Path(spec)
-    if not path.is_file() and spec.removesuffix(".jsonl") in list_bundled_steps():
-        path = bundled_step(spec)
-    return load_step(path)
+    return read_step(spec)
 
 
 def _gib(n: int | None) -> str:

@@ -120,6 +120,12 @@ def test_plan_reads_stdin_and_names_it_in_errors(capsys, monkeypatch):
     assert code == 2 and "<stdin>:2" in _one_error_line(err)
 
 
+def test_trace_reads_stdin_and_names_it_in_errors(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"id": "a", "completion_tokens": 300}\n{oops\n'))
+    assert main(["trace", "-", "--model", "qwen3-8b"]) == 2
+    assert "<stdin>:2" in _one_error_line(capsys.readouterr().err)
+
+
 def test_ep_on_a_dense_model_is_an_error(capsys):
     code, _, err = _plan(capsys, *FAST, "--ep", "2")
     assert code == 2
