@@ -68,6 +68,24 @@ def estimate(cell: dict, table: CoefficientTable, moe_load: float | None = None)
     return b.raw_bytes, model
 
 
+def needed_load(cell: dict, trace: dict, table: CoefficientTable) -> tuple[float, float]:
+    """(the smallest moe_load, to 0.01, whose price is not under the trace; the worst case)."""
+    from waveplan.pricing import moe_terms
+
+    g = ModelGeometry.from_dict(cell["geometry"])
+    worst = moe_terms.worst_case_load(g.moe, cell["layout"]["ep"])
+    lo, hi = 100, int(round(worst * 100))
+    if estimate(cell, table, moe_load=1.0)[0] >= trace["peak_bytes"]:
+        return 1.0, worst
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if estimate(cell, table, moe_load=mid / 100)[0] >= trace["peak_bytes"]:
+            hi = mid
+        else:
+            lo = mid
+    return hi / 100, worst
+
+
 def report() -> list[str]:
     table = load_table("torch-cpu")
     rows: dict[tuple[str, str, str], list[tuple[str, float]]] = {}
@@ -99,6 +117,16 @@ def report() -> list[str]:
                      f"{sum(r < 1 for r in ratios):5d} {statistics.median(ratios):7.3f} {max(ratios):7.3f}  "
                      + " ".join(f"{r:.3f}" for r in held))
         summary.setdefault((name, load), []).extend(held)
+    lines += ["", "router cells: the smallest moe_load (to 0.01) whose price covers the traced busiest rank,",
+              "i.e. the load Megatron's top-k router (random weights) put on it, against the worst case"]
+    for rec in load_cells():
+        cell, trace = rec["cell"], rec["trace"]
+        if cell.get("routing") != "router":
+            continue
+        needed, worst = needed_load(cell, trace, table)
+        lines.append(f"  {class_of(cell):32s} {cell['recompute']:9s} {trace['tokens']:5d} tokens: "
+                     f"load {needed:.2f} (worst case {worst:g}); ranks' peaks MiB "
+                     + " ".join(f"{r['peak_bytes'] / 2**20:.1f}" for r in trace["ranks"]))
     lines += ["", "held-out cells per class (all recompute modes): cells, under, median, worst"]
     for (name, load), held in sorted(summary.items()):
         if held:

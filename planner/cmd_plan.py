@@ -108,9 +108,10 @@ def plot_plan(plan_dict: dict, path: str) -> None:
 
 
 def _basis(breakdown) -> str:
-    """The basis as the table prints it: a conservative price names its reasons on the line."""
-    if breakdown.basis == "conservative" and breakdown.reasons:
-        return f"conservative: {'; '.join(breakdown.reasons)}"
+    """The basis as the table prints it: a conservative or assumed price names its reasons on
+    the line."""
+    if breakdown.basis in ("conservative", "assumed") and breakdown.reasons:
+        return f"{breakdown.basis}: {'; '.join(breakdown.reasons)}"
     return breakdown.basis
 
 

@@ -43,7 +43,8 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
     Covered (docs/memory-model.md#basis): the multi-rank traced layouts (`layout_gaps`) with
     one-layer full recompute, or selective/no recompute for dense models (GDN hybrids at TP1);
-    PP1 (PP > 1: `pipeline_gaps`); MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
+    PP1 (PP > 1: `pipeline_gaps`); MoE at any EP (the busiest EP rank's load is the worst case,
+    `moe_terms.busiest_rank_load`; traced at EP2/4/8). Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
     conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
     return (layout_gaps(geometry, parallel, recompute, table) + pipeline_gaps(parallel)
@@ -90,7 +91,8 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
     else:
         if geometry.moe is not None:
-            gaps.append(f"MoE with {recompute.mode.value} recompute (no trace)")
+            gaps.append(f"MoE with {recompute.mode.value} recompute (traced on the CPU only: "
+                        "bench/results/moe_validation.txt)")
         if parallel.tp > 1 and geometry.gdn is not None:
             gaps.append(f"GDN layers at TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
     return gaps
@@ -104,7 +106,7 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
     grows with more TP, SP or CP (the layout properties the traces show and the tests check),
     so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
-    EP > 2, MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
+    MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
