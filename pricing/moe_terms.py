@@ -91,7 +91,7 @@ def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:
     its `moe_routed` was fitted to GPU runs that include the permutation, source 002).
     Evidence: bench/results/layouts_anatomy.txt (MoE-wide TP1: `L0.mlp index_select` and
     `L0.mlp cat`, 2H per routed row each); the single-rank tracer's stand-in dispatcher
-    (`measure.trace._BalancedDispatcher`) makes neither sort copy, which is why the torch-cpu
+    (`measure.trace._BalancedDispatcher`) makes neither sort copy, one reason the torch-cpu
     table fitted on its cells priced the real dispatcher 21 % under
     (docs/memory-model.md#expert-parallel).
     """
