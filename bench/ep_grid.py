@@ -7,7 +7,8 @@ The shape (inline; no preset has it): hidden 512, 32 experts, top 8, expert FFN 
 4 KV groups of 64, vocabulary 2048 (its layers bind, not its head), 2 layers; at EP8 each rank
 holds 4 local experts (fewer than top 8, so the worst-case load is EP x 4 / 8 = 4). Its expert
 FFN / hidden ratio differs from the grid's two MoE shapes (both 512-wide experts), so its cells
-are held out of the torch-cpu MoE coefficients that bench/moe_validation.py checks.
+are held out of the torch-cpu MoE coefficients that bench/moe_validation.py checks. The grid's
+wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with.
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
@@ -35,6 +36,8 @@ LAYOUTS = (
     ("MoE-a3b EP4", MOE_A3B, {"ep": 4}, "balanced", grid.RECOMPUTES),
     ("MoE-a3b EP8", MOE_A3B, {"ep": 8}, "balanced", grid.RECOMPUTES),
     ("MoE-a3b EP8 router", MOE_A3B, {"ep": 8}, "router", ("full",)),
+    # MoE under TP with SP and no EP: the layout the basis credits MoE with (TP4+SP)
+    ("MoE-wide TP4+SP", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
 )
 
 

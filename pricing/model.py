@@ -265,7 +265,7 @@ class PricingModel:
         # the busiest EP rank's routed rows over rows x top_k (moe_terms), and what the
         # all-to-all dispatcher adds per wave row on that rank (its top-k copies and receive buffer)
         ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, self.moe_load) if g.moe is not None else 1.0
-        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, load=ep_skew)
+        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.tp, load=ep_skew)
                         if g.moe is not None else 0.0)
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
         layers = g.layers

@@ -65,19 +65,25 @@ def check_assumed_load(assumed: float | None) -> None:
                   "must be a finite number >= 1 (the busiest EP rank's routed rows over rows x top_k)")
 
 
-def dispatch_per_routed_row(widths: dict, ep: int) -> float:
-    """The all-to-all dispatcher's receive buffer on the busiest EP rank, per routed row.
+def dispatch_per_routed_row(widths: dict, ep: int, tp: int = 1) -> float:
+    """The token dispatcher's receive buffers on the busiest rank, per routed row of the
+    gathered wave (rows x top_k x load).
 
     At EP > 1 the dispatch all-to-all writes the routed rows this rank receives into a new
     [routed rows, H] bf16 tensor (`new_empty` in the anatomy), live beside the permuted input
-    and its regrouping by local expert; the combine's all-to-all back reuses that much again
-    only after the dispatch buffer is freed (it is never both at the traced peaks): 2H bytes per
-    routed row, 0 at EP1 (no all-to-all). Evidence: multi-rank CPU traces of the wide MoE shape
-    (bench/results/layouts_anatomy.txt, MoE-wide EP2/EP4 against TP1): balanced routing holds
-    exactly rows x top_k x 2H more at EP2 and at EP4, every recompute mode, both waves
+    and its regrouping by local expert; the combine's all-to-all back reuses that much only
+    after the dispatch buffer is freed (never both at the traced peaks): 2H bytes per routed
+    row. Under TP (Megatron's MoE needs sequence parallelism there) each TP rank routes its
+    1/TP shard of the rows, so that buffer is 2H / TP per gathered routed row, and the
+    dispatcher then all-gathers the routed rows over TP (`gather_from_sequence_parallel_region`):
+    2H more per gathered routed row. So 2H x ([EP > 1] / TP + [TP > 1]); 0 at TP1 EP1.
+    Evidence: multi-rank CPU traces of the wide MoE shape: balanced EP2 and EP4 hold exactly
+    rows x top_k x 2H more than TP1 at every recompute mode, both waves
+    (bench/results/layouts_anatomy.txt); TP2+SP+EP2 holds about 1H per routed row more than that
+    structure without the TP term (bench/results/moe_validation.txt)
     (docs/memory-model.md#expert-parallel). Structural, so both tables charge it.
     """
-    return 2.0 * widths["H"] if ep > 1 else 0.0
+    return 2.0 * widths["H"] * ((1.0 / tp if ep > 1 else 0.0) + (1.0 if tp > 1 else 0.0))
 
 
 def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:
@@ -100,9 +106,9 @@ def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:
     return table.per_row(PERMUTATION, widths, key="per_routed_row")
 
 
-def routed_extra_per_row(table: CoefficientTable, widths: dict, *, ep: int, load: float) -> float:
+def routed_extra_per_row(table: CoefficientTable, widths: dict, *, ep: int, tp: int, load: float) -> float:
     """Per wave row: top_k x load x (permutation copy + dispatch buffer), what the all-to-all
     dispatcher adds on the busiest EP rank beyond a MoE term's own bytes; charged in the MoE
     layer's gradient stage, its forward transients and a retained layer's backward (`pricing.model`)."""
     return widths["top_k"] * load * (permutation_per_routed_row(table, widths)
-                                     + dispatch_per_routed_row(widths, ep))
+                                     + dispatch_per_routed_row(widths, ep, tp))

@@ -50,6 +50,9 @@ def test_dispatch_buffer_only_with_an_all_to_all():
     widths = {"H": 1024}
     assert moe_terms.dispatch_per_routed_row(widths, 1) == 0.0
     assert moe_terms.dispatch_per_routed_row(widths, 2) == moe_terms.dispatch_per_routed_row(widths, 8) == 2048.0
+    # under TP (with SP) each rank receives 1/TP of the routed rows, then all-gathers them over TP
+    assert moe_terms.dispatch_per_routed_row(widths, 2, 2) == 2048.0 / 2 + 2048.0
+    assert moe_terms.dispatch_per_routed_row(widths, 1, 4) == 2048.0
     # the sort copy: the CPU table carries it, te-gpu's fitted stage already holds it
     g = load_preset("qwen3-30b-a3b")
     w = layer_widths(g, tp=1)
