@@ -30,6 +30,10 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
     parser.add_argument("--cp", type=int, default=1, help="context parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--moe-load", type=float, default=None, metavar="X",
+                        help="opt-in: the busiest EP rank receives at most X x its balanced share of "
+                             "routed rows (e.g. Megatron's moe_expert_capacity_factor with token "
+                             "dropping); basis 'assumed'. Default: the worst case any router can produce")
     parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=default_sp,
                         help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
@@ -58,7 +62,7 @@ def model_from_args(args: argparse.Namespace) -> PricingModel:
         parallel=ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp),
         recompute=Recompute(mode=args.recompute),
         lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
-        backend=args.backend, head=args.head, safety=args.safety)
+        backend=args.backend, head=args.head, safety=args.safety, moe_load=args.moe_load)
 
 
 STEP_HELP = "step file (JSON Lines), a bundled step ({}), or - for standard input"

@@ -33,7 +33,7 @@ log = logging.getLogger("waveplan.plan")
 LEGEND = ("columns: requests = requests in the wave; packed / logical = token rows with / without "
           "shared prompt prefixes run once; admitted = estimated peak x safety, <= budget; "
           "binding = the point of the pass where the peak sits (phase:layer:mixer/mlp) and the "
-          "basis of its price (evidence, conservative, profile); first:SLOTS = the wave is the "
+          "basis of its price (evidence, conservative, assumed, profile); first:SLOTS = the wave is the "
           "first of these LoRA slots and also holds their adapter gradients")
 
 
@@ -111,16 +111,17 @@ def plot_plan(plan_dict: dict, path: str) -> None:
 
 
 def _basis(breakdown) -> str:
-    """The basis as the table prints it: a conservative price names its reasons on the line."""
-    if breakdown.basis == "conservative" and breakdown.reasons:
-        return f"conservative: {'; '.join(breakdown.reasons)}"
+    """The basis as the table prints it: a conservative or assumed price names its reasons on
+    the line."""
+    if breakdown.basis in ("conservative", "assumed") and breakdown.reasons:
+        return f"{breakdown.basis}: {'; '.join(breakdown.reasons)}"
     return breakdown.basis
 
 
 def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> None:
     m = planner.model
     print(f"model {m.geometry.name}  TP{m.parallel.tp} CP{m.parallel.cp}"
-          f"{f' PP{m.parallel.pp}' if m.parallel.pp > 1 else ''}"
+          f"{f' PP{m.parallel.pp}' if m.parallel.pp > 1 else ''}{f' EP{m.parallel.ep}' if m.parallel.ep > 1 else ''}"
           f"{' SP' if m.parallel.sequence_parallel else ''}  {m.recompute.mode.value} recompute  "
           f"head {m.head}  backend {m.table.backend}  safety x{m.safety}")
     print(f"{'wave':>4} {'requests':>8} {'packed':>9} {'logical':>9} {'admitted GiB':>12} "

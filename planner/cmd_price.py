@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(breakdown.to_dict(), indent=1))
         return 0
     print(f"model {model.geometry.name}  TP{model.parallel.tp} CP{model.parallel.cp} "
-          f"{'SP ' if model.parallel.sequence_parallel else ''}{model.recompute.mode.value} recompute  "
+          f"{'SP ' if model.parallel.sequence_parallel else ''}"
+          f"{f'EP{model.parallel.ep} ' if model.parallel.ep > 1 else ''}{model.recompute.mode.value} recompute  "
           f"head {model.head}  backend {model.table.backend}")
     print(f"{len(step.requests)} requests as one wave; binding point: {breakdown.binding}")
     for name, value in breakdown.terms.items():
@@ -46,5 +47,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"raw {gib(breakdown.raw_bytes)} GiB, admitted {gib(breakdown.admitted_bytes)} GiB "
           f"(x{model.safety}); basis: {breakdown.basis}")
     for reason in breakdown.reasons:
-        print(f"  conservative: {reason}")
+        print(f"  {'assumed' if reason in model.assumptions else 'conservative'}: {reason}")
     return 0

@@ -179,11 +179,11 @@ class Planner:
     def __init__(self, *, geometry: ModelGeometry, parallel: ParallelLayout | None = None,
                  recompute: Recompute | str | None = None, lora: LoraConfig | None = None,
                  backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
-                 profiles_path: str | os.PathLike | None = None) -> None:
+                 profiles_path: str | os.PathLike | None = None, moe_load: float | None = None) -> None:
         if isinstance(recompute, str):
             recompute = Recompute(mode=recompute)
         model = PricingModel.build(geometry, parallel=parallel, recompute=recompute, lora=lora,
-                                   backend=backend, head=head, safety=safety)
+                                   backend=backend, head=head, safety=safety, moe_load=moe_load)
         self._setup(model, None, profiles_path)
 
     @classmethod
@@ -191,13 +191,17 @@ class Planner:
                     sequence_parallel: bool = False, recompute: Recompute | str = "full",
                     lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
                     head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
-                    profiles_path: str | os.PathLike | None = None) -> Planner:
+                    profiles_path: str | os.PathLike | None = None,
+                    moe_load: float | None = None) -> Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
-        linear layer unless `lora` is given."""
+        linear layer unless `lora` is given. `moe_load` (opt-in): the busiest EP rank's routed
+        rows over rows x top_k that the caller guarantees (`pricing.moe_terms.busiest_rank_load`;
+        default: the worst case any router can produce)."""
         return cls(geometry=load_preset(name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
-                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path,
+                   moe_load=moe_load)
 
     @classmethod
     def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
@@ -206,14 +210,15 @@ class Planner:
                        backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                        safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
-                       name: str | None = None) -> Planner:
+                       name: str | None = None, moe_load: float | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
         or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
         arguments as `from_preset`."""
         return cls(geometry=load_hf_config(config, name=name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
-                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path,
+                   moe_load=moe_load)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,

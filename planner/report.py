@@ -132,7 +132,7 @@ def model_from_dict(data: dict) -> PricingModel:
                         parallel=ParallelLayout(**data["parallel"]),
                         recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
                         table=table_from_dict(data["coefficients"]), head=data["head"],
-                        safety=data["safety"])
+                        safety=data["safety"], moe_load=data.get("moe_load"))
 
 
 def report_lines(step: Step) -> list[dict]:

@@ -23,7 +23,7 @@ WIDTHS = ("H", "F", "qkv", "core", "in_proj", "conv", "value", "expert_ffn", "sh
 REQUIRED_TERMS = (
     "boundary", "input_gradient", "residual_norm_shards", "norm_gathered", "mlp_dense_grad_stage",
     "mlp_dense_nograd", "attention_stage", "gdn_stage", "moe_routed", "moe_router",
-    "moe_shared_expert", "moe_ep_skew", "gdn_state_bytes", "first_execution",
+    "moe_shared_expert", "gdn_state_bytes", "first_execution",
     "caller_per_logical_token", "head_chunk", "head_full_native", "head_full_te",
     "retained_attention_layer", "retained_gdn_layer", "retained_moe_mlp",
     "selective_core_attn_discount",
@@ -37,6 +37,7 @@ OPTIONAL_TERMS = {
     "retained_forward": "the no-grad transient alone at a retained layer's forward point",
     "retained_backward": "the recomputed layer's full stage workspace in a retained layer's backward",
     "moe_nograd": "the MoE gradient-stage workspace plus 6H as a MoE layer's forward transient",
+    "moe_permutation": "0: the fitted MoE stage holds the dispatcher's top-k copies (pricing.moe_terms)",
 }
 _COEF_KEYS = ("per_row", "per_routed_row")
 _SCALAR_KEYS = ("value", "per_row_vocab", "retained_per_row_vocab", "transient_per_row_vocab")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import feature_terms, layout_terms, terms
+from . import feature_terms, layout_terms, moe_terms, terms
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
@@ -43,7 +43,8 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
     Covered (docs/memory-model.md#basis): the multi-rank traced layouts (`layout_gaps`) with
     one-layer full recompute, or selective/no recompute for dense models (GDN hybrids at TP1);
-    PP1 (PP > 1: `pipeline_gaps`); MoE with EP <= 2. Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
+    PP1 (PP > 1: `pipeline_gaps`); MoE at any EP (the busiest EP rank's load is the worst case,
+    `moe_terms.busiest_rank_load`; traced at EP2/4/8). Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
     conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
     return (layout_gaps(geometry, parallel, recompute, table) + pipeline_gaps(parallel)
@@ -85,14 +86,13 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
         gaps.append(f"{kind} layers at TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} "
                     f"CP{parallel.cp} (the multi-rank traces cover dense layers; {kind} is traced "
                     f"at {', '.join(sorted(_MIXED_TRACED))})")
-    if parallel.ep > 2:
-        gaps.append(f"EP{parallel.ep} (traced up to EP2)")
     if recompute.mode == RecomputeMode.FULL:
         if not recompute.is_one_layer_full:
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
     else:
         if geometry.moe is not None:
-            gaps.append(f"MoE with {recompute.mode.value} recompute (no trace)")
+            gaps.append(f"MoE with {recompute.mode.value} recompute (traced on the CPU only: "
+                        "bench/results/moe_validation.txt)")
         if parallel.tp > 1 and geometry.gdn is not None:
             gaps.append(f"GDN layers at TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
     return gaps
@@ -106,7 +106,7 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
     grows with more TP, SP or CP (the layout properties the traces show and the tests check),
     so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
-    EP > 2, MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
+    MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -175,9 +175,13 @@ class PricingModel:
     table: CoefficientTable
     head: str = DEFAULT_HEAD
     safety: float = DEFAULT_SAFETY
+    # opt-in: the busiest EP rank's routed rows over rows x top_k the caller guarantees (None:
+    # the worst case any router can produce, `moe_terms.busiest_rank_load`)
+    moe_load: float | None = None
     # derived (set in __post_init__)
     basis: str = field(init=False)
     gaps: tuple[str, ...] = field(init=False)
+    assumptions: tuple[str, ...] = field(init=False)
     layout_gaps: tuple[str, ...] = field(init=False)
     credit: ParallelLayout = field(init=False)
     slot_names: tuple[str, ...] = field(init=False)
@@ -188,13 +192,16 @@ class PricingModel:
             raise bad(ConfigError, "safety", self.safety, "must be a finite number >= 1.0")
         self.parallel.validate_for(self.geometry)
         parse_head(self.head)
+        moe_terms.check_assumed_load(self.moe_load)
         lgaps = tuple(layout_gaps(self.geometry, self.parallel, self.recompute, self.table))
         gaps = lgaps + tuple(pipeline_gaps(self.parallel) + feature_terms.feature_gaps(self.geometry))
         object.__setattr__(self, "gaps", gaps)
         object.__setattr__(self, "layout_gaps", lgaps)
         object.__setattr__(self, "credit", credit_layout(self.geometry, self.parallel, self.recompute,
                                                          self.table) if lgaps else self.parallel)
-        object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
+        object.__setattr__(self, "assumptions", self._assumptions())
+        object.__setattr__(self, "basis", "conservative" if gaps else
+                           "assumed" if self.assumptions else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
         object.__setattr__(self, "arrays", self._build_arrays())
 
@@ -202,10 +209,26 @@ class PricingModel:
     def build(cls, geometry: ModelGeometry, *, parallel: ParallelLayout | None = None,
               recompute: Recompute | None = None, lora: LoraConfig | None = None,
               backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
-              safety: float = DEFAULT_SAFETY) -> PricingModel:
+              safety: float = DEFAULT_SAFETY, moe_load: float | None = None) -> PricingModel:
         return cls(geometry=geometry, parallel=parallel or ParallelLayout(),
                    recompute=recompute or Recompute(), lora=lora or LoraConfig(),
-                   table=load_table(backend), head=head, safety=safety)
+                   table=load_table(backend), head=head, safety=safety, moe_load=moe_load)
+
+    def _assumptions(self) -> tuple[str, ...]:
+        """Opt-in assumptions the price rests on instead of a bound (basis "assumed" when the
+        configuration has no gap): an assumed MoE load at EP > 1 (`moe_load`)."""
+        moe, ep = self.geometry.moe, self.parallel.ep
+        if self.moe_load is None or moe is None or ep == 1:
+            return ()
+        worst = moe_terms.worst_case_load(moe, ep)
+        used = moe_terms.busiest_rank_load(moe, ep, self.moe_load)
+        return (f"MoE load {used:g} assumed (opt-in moe_load: the caller's bound on the busiest EP{ep} "
+                f"rank's routed rows over rows x top_k; without it the worst case {worst:g} is priced)",)
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """Why the basis is not "evidence": the gaps, then the opt-in assumptions."""
+        return self.gaps + self.assumptions
 
     @property
     def conservative(self) -> bool:
@@ -239,7 +262,11 @@ class PricingModel:
         g, p, t = self.geometry, self.parallel, self.table
         widths = layer_widths(g, tp=self.width_tp)
         sp_div = self.sp_div
-        ep_skew = t.scalar("moe_ep_skew") if p.ep > 1 else 1.0
+        # the busiest EP rank's routed rows over rows x top_k (moe_terms), and what the
+        # all-to-all dispatcher adds per wave row on that rank (its top-k copies and receive buffer)
+        ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, self.moe_load) if g.moe is not None else 1.0
+        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.tp, load=ep_skew)
+                        if g.moe is not None else 0.0)
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
         layers = g.layers
         mode = self.recompute.mode
@@ -259,6 +286,10 @@ class PricingModel:
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
+            if moe_extra:
+                workspace[i] += moe_extra
+                nograd[i] = nograd_plain[i] = nograd[i] + moe_extra
             # model-family features: their extra tensors live in the stage, the forward
             # transient and (without full recompute) the retained activations alike
             extra = feature_terms.layer_extra_per_row(g, widths, layer, tp=self.width_tp,
@@ -283,11 +314,15 @@ class PricingModel:
             else:
                 retained[i] = layer_retained
                 own = terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
-                                                     layer_retained=layer_retained)
+                                                     layer_retained=layer_retained) + moe_extra
                 retained_fwd[i] = own
                 nograd[i] = max(nograd[i], own)
+                stage = workspace[i]
                 workspace[i] = terms.retained_backward_per_row(t, widths_r, layer.mlp, ep_skew=ep_skew,
-                                                               stage=workspace[i])
+                                                               stage=stage)
+                if "retained_backward" in t.terms:
+                    # the backward's all-to-all and un-sort copies of the routed gradients
+                    workspace[i] += moe_extra
         # what the layout leaves unsharded (layout_terms): per layer when layers retain
         # activations, once per wave (every point) under full recompute
         c = self.credit
@@ -349,7 +384,10 @@ class PricingModel:
 
     def to_dict(self) -> dict:
         """Everything needed to rebuild this model (for reports)."""
-        return {"geometry": self.geometry.to_dict(), "parallel": self.parallel.to_dict(),
-                "recompute": self.recompute.to_dict(), "lora": self.lora.to_dict(),
-                "coefficients": self.table.to_dict(), "head": self.head, "safety": self.safety}
+        doc = {"geometry": self.geometry.to_dict(), "parallel": self.parallel.to_dict(),
+               "recompute": self.recompute.to_dict(), "lora": self.lora.to_dict(),
+               "coefficients": self.table.to_dict(), "head": self.head, "safety": self.safety}
+        if self.moe_load is not None:
+            doc["moe_load"] = self.moe_load
+        return doc
 

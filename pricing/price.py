@@ -116,7 +116,7 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
         terms={name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)},
         binding=_binding_name(model, code, layer),
         basis=model.basis,
-        reasons=model.gaps,
+        reasons=model.reasons,
     )
 
 

@@ -1,0 +1,50 @@
+"""Expert-parallel grid for issue 12: multi-rank CPU traces of a MoE shape with Qwen3-30B-A3B's
+proportions (top 8 of many experts, expert FFN 0.375 x hidden), at EP1/2/4/8.
+
+    python bench/ep_grid.py     # trace the cells missing from bench/results/traces_multirank_ep.jsonl
+
+The shape (inline; no preset has it): hidden 512, 32 experts, top 8, expert FFN 192, 8 heads in
+4 KV groups of 64, vocabulary 2048 (its layers bind, not its head), 2 layers; at EP8 each rank
+holds 4 local experts (fewer than top 8, so the worst-case load is EP x 4 / 8 = 4). Its expert
+FFN / hidden ratio differs from the grid's two MoE shapes (both 512-wide experts), so its cells
+are held out of the torch-cpu MoE coefficients that bench/moe_validation.py checks. The grid's
+wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with.
+Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
+appended to their own file so traces_multirank.jsonl stays as traced.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import multirank_grid as grid  # noqa: E402
+
+MOE_A3B = {"name": "grid-moe-a3b-h512", "hidden": 512, "ffn": 0, "vocab": 2048, "dtype": "bf16",
+           "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+           "attention": {"num_heads": 8, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
+           "gdn": None,
+           "moe": {"num_experts": 32, "top_k": 8, "expert_ffn": 192, "shared_expert_ffn": 0}}
+TRACES = grid.RESULTS / "traces_multirank_ep.jsonl"
+LAYOUTS = (
+    ("MoE-a3b TP1", MOE_A3B, {}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b EP2", MOE_A3B, {"ep": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b EP4", MOE_A3B, {"ep": 4}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b EP8", MOE_A3B, {"ep": 8}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b EP8 router", MOE_A3B, {"ep": 8}, "router", ("full",)),
+    # MoE under TP with SP and no EP: the layout the basis credits MoE with (TP4+SP)
+    ("MoE-wide TP4+SP", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+)
+
+
+def main(argv=None) -> int:
+    grid.LAYOUTS = LAYOUTS
+    return grid.main(["trace", "--traces", str(TRACES)] + list(argv or sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Expert-parallel MoE terms: what Megatron's all-to-all token dispatcher allocates per routed
+row on the busiest expert-parallel rank, and how many routed rows that rank can receive
+(docs/memory-model.md#expert-parallel).
+
+A MoE layer of top-k routing turns a wave's `rows` tokens into rows x top_k *routed rows*.
+With EP ranks, each rank holds num_experts / EP local experts and receives, through the
+all-to-all, the routed rows every rank of its EP group sends to them. `busiest_rank_load` is
+the busiest rank's routed rows over rows x top_k (1 when every rank gets the same share); the
+routed-row terms of `pricing.terms` and the two buffers below are charged x top_k x that load.
+
+All functions are O(1) and torch-free.
+"""
+
+from __future__ import annotations
+
+from .coefficients import CoefficientTable
+from .errors import ConfigError, bad
+from .geometry import MoeSpec
+
+# the table entry for the dispatcher's top-k copies (optional: 0 where a table lacks it, e.g.
+# te-gpu, whose fitted `moe_routed` already holds the permuted rows of source 002's GPU runs)
+PERMUTATION = "moe_permutation"
+
+
+def worst_case_load(moe: MoeSpec, ep: int) -> float:
+    """The largest share of routed rows one EP rank can receive, for any router.
+
+    Each of the EP ranks of the group sends at most min(top_k, E/EP) of a token's top_k
+    (distinct) choices to one rank's E/EP local experts, so one rank receives at most
+    EP x rows x min(top_k, E/EP) routed rows, when every rank of the group runs a wave of at
+    most `rows` rows (the same assumption the multi-rank traces make: every EP rank runs the
+    same wave). Over rows x top_k that is EP x min(top_k, E/EP) / top_k; 1 at EP1.
+    Evidence: structural (Megatron's all-to-all dispatcher has no capacity limit unless
+    `moe_expert_capacity_factor` is set); docs/memory-model.md#expert-parallel.
+    """
+    local = moe.num_experts // ep
+    return ep * min(moe.top_k, local) / moe.top_k
+
+
+def busiest_rank_load(moe: MoeSpec, ep: int, assumed: float | None = None) -> float:
+    """Routed rows of the busiest EP rank over rows x top_k: the price's load factor.
+
+    Default (`assumed` None): `worst_case_load`, a bound whatever the router does, so the
+    price is never under a skewed router's busiest rank. `assumed` (opt-in, the caller's
+    `moe_load`): a bound the caller guarantees instead, e.g. Megatron's
+    `moe_expert_capacity_factor` c with token dropping (each expert then takes at most c x its
+    balanced share: load <= c) or a load measured on its own router; it is capped at the worst
+    case, and the basis names it (`pricing.model.PricingModel.assumptions`). Balanced routing
+    is `assumed=1`. Evidence: bench/results/moe_validation.txt (the traced busiest ranks of
+    EP2/EP4 with Megatron's router and with a balanced one).
+    """
+    worst = worst_case_load(moe, ep)
+    if assumed is None:
+        return worst
+    return min(float(assumed), worst)
+
+
+def check_assumed_load(assumed: float | None) -> None:
+    """`moe_load` must be None or a finite number >= 1 (the balanced share is the least a
+    busiest rank can hold)."""
+    if assumed is None:
+        return
+    if isinstance(assumed, bool) or not isinstance(assumed, int | float) or not 1.0 <= assumed < float("inf"):
+        raise bad(ConfigError, "moe_load", assumed,
+                  "must be a finite number >= 1 (the busiest EP rank's routed rows over rows x top_k)")
+
+
+def dispatch_per_routed_row(widths: dict, ep: int, tp: int = 1) -> float:
+    """The token dispatcher's receive buffers on the busiest rank, per routed row of the
+    gathered wave (rows x top_k x load).
+
+    At EP > 1 the dispatch all-to-all writes the routed rows this rank receives into a new
+    [routed rows, H] bf16 tensor (`new_empty` in the anatomy), live beside the permuted input
+    and its regrouping by local expert; the combine's all-to-all back reuses that much only
+    after the dispatch buffer is freed (never both at the traced peaks): 2H bytes per routed
+    row. Under TP (Megatron's MoE needs sequence parallelism there) each TP rank routes its
+    1/TP shard of the rows, so that buffer is 2H / TP per gathered routed row, and the
+    dispatcher then all-gathers the routed rows over TP (`gather_from_sequence_parallel_region`):
+    2H more per gathered routed row. So 2H x ([EP > 1] / TP + [TP > 1]); 0 at TP1 EP1.
+    Evidence: multi-rank CPU traces of the wide MoE shape: balanced EP2 and EP4 hold exactly
+    rows x top_k x 2H more than TP1 at every recompute mode, both waves
+    (bench/results/layouts_anatomy.txt); TP2+SP+EP2 holds about 1H per routed row more than that
+    structure without the TP term (bench/results/moe_validation.txt)
+    (docs/memory-model.md#expert-parallel). Structural, so both tables charge it.
+    """
+    return 2.0 * widths["H"] * ((1.0 / tp if ep > 1 else 0.0) + (1.0 if tp > 1 else 0.0))
+
+
+def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:
+    """The dispatcher's top-k copies of the hidden rows, per routed row.
+
+    Megatron's all-to-all dispatcher copies each token once per choice (`permute`:
+    `index_select`, [rows x top_k, H]) and, with several local experts, sorts those copies by
+    local expert (`sort_chunks_by_idxs`: a `cat` of the same size), then un-sorts the experts'
+    output the same way in the combine: 2 x 2H bytes per routed row live in the recomputed
+    MoE stage. Entry `moe_permutation` (`per_routed_row`); 0 where the table lacks it (te-gpu:
+    its `moe_routed` was fitted to GPU runs that include the permutation, source 002).
+    Evidence: bench/results/layouts_anatomy.txt (MoE-wide TP1: `L0.mlp index_select` and
+    `L0.mlp cat`, 2H per routed row each); the single-rank tracer's stand-in dispatcher
+    (`measure.trace._BalancedDispatcher`) makes neither sort copy, one reason the torch-cpu
+    table fitted on its cells priced the real dispatcher 21 % under
+    (docs/memory-model.md#expert-parallel).
+    """
+    if PERMUTATION not in table.terms:
+        return 0.0
+    return table.per_row(PERMUTATION, widths, key="per_routed_row")
+
+
+def routed_extra_per_row(table: CoefficientTable, widths: dict, *, ep: int, tp: int, load: float) -> float:
+    """Per wave row: top_k x load x (permutation copy + dispatch buffer), what the all-to-all
+    dispatcher adds on the busiest EP rank beyond a MoE term's own bytes; charged in the MoE
+    layer's gradient stage, its forward transients and a retained layer's backward (`pricing.model`)."""
+    return widths["top_k"] * load * (permutation_per_routed_row(table, widths)
+                                     + dispatch_per_routed_row(widths, ep, tp))
