@@ -34,7 +34,7 @@ TRACES = RESULTS / "traces_families_cpu_fake.jsonl"
 # one representative per family; layers: enough for each layer kind the family has
 FAMILIES = (
     ("qwen2.5-7b", 2), ("mistral-7b", 2), ("phi-4", 2), ("gemma-2-9b", 2), ("gemma-3-27b", 2),
-    ("mixtral-8x7b", 2), ("deepseek-v2-lite", 2), ("deepseek-v3", 4),
+    ("mixtral-8x7b", 2), ("deepseek-v2-lite", 2), ("deepseek-v3", 4), ("gpt-oss-20b", 2),
 )
 WAVES = ([1024], [2048, 2048], [512] * 4, [3000, 1000])
 RANKS = (8, 16, 32, 64)
@@ -44,6 +44,9 @@ ABLATIONS = (
     ("GeGLU (vs SwiGLU)", "gemma-3-27b", {"mlp_activation": "swiglu"}),
     ("sandwich norms", "gemma-3-27b", {"sandwich_norms": False}),
     ("final-logit soft-cap", "gemma-2-9b", {"final_softcap": 0.0}),
+    ("attention sinks", "gpt-oss-20b", {"attention_sinks": False}),
+    ("biases on every linear", "gpt-oss-20b", {"linear_bias": False}),
+    ("clamped SwiGLU (vs SwiGLU)", "gpt-oss-20b", {"mlp_activation": "swiglu"}),
 )
 ABLATION_WAVE = [1024]
 
