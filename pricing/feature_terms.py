@@ -57,22 +57,33 @@ def attention_sinks_per_row(widths: dict, heads_per_rank: float) -> float:
     return BF16 * widths["core"] + FP32 * heads_per_rank
 
 
-def mla_per_row(attention: AttentionSpec, *, tp: int) -> float:
-    """Multi-latent attention (DeepSeek V2/V3), beyond the projections the attention stage
-    already prices (`qkv` = all q and kv projection outputs, `core` = heads x v_head_dim).
+def mla_stage_per_row(attention: AttentionSpec, *, tp: int) -> float:
+    """A recomputed multi-latent-attention layer's attention stage (DeepSeek V2/V3), by its
+    true widths, in place of the fused-QKV `attention_stage` term (whose 6 x (qkv + core)
+    copies of one fused projection output MLA does not make: its up projections' outputs are
+    split, rotated and released).
 
-    Megatron's MLA concatenates the no-rope and rotary parts into full queries and keys
-    ([heads, qk_nope + qk_rope] each, new tensors) and runs RMSNorms on the query and
-    key/value latents (a plain torch RMSNorm keeps an fp32 copy of its input). Charged, per
-    rank (heads / TP): 2 x bf16 x heads x (qk_nope + qk_rope) + fp32 x (q_lora_rank +
-    kv_lora_rank). Evidence: cpu-fake traces of DeepSeek-V2-Lite (2 layers) and DeepSeek-V3
-    (4 layers) with the flash stand-in (values padded to the query width): every cell above
-    its trace, the decoder-only peaks +1 to +15 % (bench/results/family_validation.txt); no GPU
-    trace, so the basis stays conservative.
+    What the layer holds for its backward while the rest of it runs, per row and rank
+    (heads h = num_heads / TP; dqk = qk_nope + qk_rope, dv = v_head_dim): the queries and
+    keys, bf16 x h x dqk each (the rotated query is the up projection's output, rotated in
+    place by the fused YaRN RoPE on a GPU, a new tensor on Megatron's local path; keys are
+    new tensors either way, nope and rotated rope parts joined); the values and the
+    attention output, bf16 x h x dv each on a flash kernel that takes a narrower value head
+    (Transformer Engine), charged here at bf16 x h x dqk each, the width the CPU flash
+    stand-in pads them to (`megatron_build.SdpaAttention`), plus the bf16 x h x dv
+    contiguous copy of the output that the stand-in's slice makes; and the latent norms'
+    fp32 inputs and bf16 outputs, (fp32 + bf16) x (q_lora_rank + kv_lora_rank), replicated
+    over TP as the down projections are. So bf16 x h x (4 dqk + dv) + 6 x latents; on a GPU
+    the padding and the copy, bf16 x h x (2 (dqk - dv) + dv), are not held (conservative).
+
+    Evidence: the decoder-only peaks of cpu-fake traces of DeepSeek-V3 (4 layers) and
+    DeepSeek-V2-Lite (2 layers) hold exactly these tensors of the recomputed MLA layer
+    (bench/family_study.py anatomy; bench/results/family_validation.txt).
     """
     mla = attention.mla
     heads = attention.num_heads / tp
-    return 2 * BF16 * heads * mla.qk_head_dim + FP32 * (mla.q_lora_rank + mla.kv_lora_rank)
+    return (BF16 * heads * (4 * mla.qk_head_dim + mla.v_head_dim)
+            + (FP32 + BF16) * (mla.q_lora_rank + mla.kv_lora_rank))
 
 
 def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
@@ -119,8 +130,6 @@ def attention_extra_per_row(geometry: ModelGeometry, widths: dict, *, tp: int) -
     extra = 0.0
     if f.attention_sinks:
         extra += attention_sinks_per_row(widths, att.num_heads / tp)
-    if att.mla is not None:
-        extra += mla_per_row(att, tp=tp)
     return extra
 
 
@@ -172,8 +181,9 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
     f, att = geometry.features, geometry.attention
     gaps = []
     if att is not None and att.mla is not None:
-        gaps.append("multi-latent attention (traced on cpu-fake only: rebuilt queries and keys, "
-                    "latent norms; no GPU trace)")
+        gaps.append("multi-latent attention (its stage priced by true widths as cpu-fake traces "
+                    "hold it; with it, DeepSeek's decoder-only cells fall 2-17% under the "
+                    "torch-cpu table's MoE terms; no GPU trace)")
     if f.attention_softcap:
         gaps.append("attention logit soft-capping (priced as flash attention's in-kernel cap; an "
                     "unfused attention's [heads, s, s] scores are not priced)")

@@ -135,7 +135,7 @@ def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
     geometry says (a live Megatron model does), else its features' explicit flag, else the
     Megatron builder's own default (`measure.megatron_build`: on for Qwen models). Multi-latent
-    attention normalises its latents instead (priced by `feature_terms.mla_per_row`)."""
+    attention normalises its latents instead (priced by `feature_terms.mla_stage_per_row`)."""
     if geometry.attention is not None and geometry.attention.mla is not None:
         return False
     flag = (geometry.extra or {}).get("qk_layernorm")
@@ -252,7 +252,10 @@ class PricingModel:
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
         for i, layer in enumerate(layers):
-            mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
+            if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
+                mixer = feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
+            else:
+                mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             if layer.mixer == MixerKind.ATTENTION:
                 mixer += qk_norm
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)

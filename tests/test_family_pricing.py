@@ -106,18 +106,19 @@ def test_each_layer_feature_adds_exactly_its_term():
     assert full_a["head_transient"] == full_b["head_transient"]
 
 
-def test_mla_term_and_widths(monkeypatch):
+def test_mla_stage_by_its_true_widths(monkeypatch):
     v3 = load_preset("deepseek-v3")
     att = v3.attention
-    # the concatenated queries and keys (128 x 192 each, bf16), the latent norms' fp32 copies
-    expected = 2 * 2 * 128 * 192 + 4 * (1536 + 512)
-    assert feature_terms.mla_per_row(att, tp=1) == expected
-    assert feature_terms.mla_per_row(att, tp=4) < expected
+    # queries and keys (128 heads x 192, bf16), values and output padded to 192 as the CPU
+    # flash stand-in holds them, the output's 128-wide copy, the latent norms' fp32 + bf16
+    expected = 2 * 128 * (4 * 192 + 128) + 6 * (1536 + 512)
+    assert feature_terms.mla_stage_per_row(att, tp=1) == expected
+    assert feature_terms.mla_stage_per_row(att, tp=4) == 2 * 32 * (4 * 192 + 128) + 6 * (1536 + 512)
     widths = layer_widths(v3, tp=4)
     assert widths["qkv"] == att.qkv_width_per_rank(4) and widths["core"] == 128 * 128 / 4
-    # the recomputed layer's workspace carries the term in every (attention) layer
+    # the recomputed layer's workspace carries the MLA stage in place of the fused-QKV one
     with_mla = PricingModel.build(v3).arrays["workspace"]
-    monkeypatch.setattr(feature_terms, "mla_per_row", lambda attention, tp: 0.0)
+    monkeypatch.setattr(feature_terms, "mla_stage_per_row", lambda attention, tp: 0.0)
     without = PricingModel.build(v3).arrays["workspace"]
     np.testing.assert_allclose(with_mla - without, expected)
 
