@@ -72,7 +72,7 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
     with and without SP at CP1, TP1 at CP2 and CP4, TP2 with SP at CP2), for every recompute
     mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED`, and without full recompute
-    only at TP1 (no trace)."""
+    only at TP1 (no trace); multi-latent attention only at TP1."""
     table = table or load_table("torch-cpu")
     gaps = []
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -87,6 +87,10 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
                     f"at {', '.join(sorted(_MIXED_TRACED))})")
     if parallel.ep > 2:
         gaps.append(f"EP{parallel.ep} (traced up to EP2)")
+    if parallel.tp > 1 and geometry.attention is not None and geometry.attention.mla is not None:
+        gaps.append(f"multi-latent attention at TP{parallel.tp} (no trace; Megatron-core's local "
+                    "spec splits the down projections that Transformer Engine and the pricing "
+                    "replicate): priced without TP credit")
     if recompute.mode == RecomputeMode.FULL:
         if not recompute.is_one_layer_full:
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
@@ -106,7 +110,8 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
     grows with more TP, SP or CP (the layout properties the traces show and the tests check),
     so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
-    EP > 2, MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
+    EP > 2, MoE or GDN without full recompute, multi-latent attention at TP > 1) gets no
+    credit: TP1, CP1. O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)

@@ -142,3 +142,46 @@ def test_mla_stand_in_attention_is_linear_in_rows():
                       attention=AttentionSpec(8, 8, 48, mla=mla))
     short, long = (_trace(g, [n]).decoder_peak_bytes for n in (1024, 2048))
     assert long / short < 2.2
+
+
+_MLA_TP2 = """
+import dataclasses, json, warnings
+warnings.simplefilter("ignore")
+from waveplan.pricing.measure.megatron_build import build_gpt
+from waveplan.pricing.measure.megatron_shim import init_single_process
+from waveplan.pricing.parallel import ParallelLayout
+from waveplan.pricing.presets import load_preset
+g = load_preset("deepseek-v3")
+g = dataclasses.replace(g, layers=g.layers[:1])
+with init_single_process(tp=2):
+    att = build_gpt(g, device="meta", layout=ParallelLayout(tp=2)).decoder.layers[0].self_attention
+    print(json.dumps({n: list(getattr(att, n).weight.shape) for n in
+                      ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj")}))
+"""
+
+
+def test_mla_at_tp2_splits_the_down_projections_so_the_pricing_fails_closed():
+    """Megatron-core's local spec builds MLA's down projections column-parallel (split, then
+    gathered), while Transformer Engine duplicates them and the pricing replicates them: no
+    trace covers MLA at TP > 1, so it is priced without TP credit, with the reason."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from waveplan.pricing.model import PricingModel
+    from waveplan.pricing.presets import load_preset
+
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, "-c", _MLA_TP2], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    shapes = json.loads(out.strip().splitlines()[-1])
+    v3 = load_preset("deepseek-v3")
+    mla, heads = v3.attention.mla, v3.attention.num_heads
+    assert shapes["linear_q_down_proj"] == [mla.q_lora_rank // 2, v3.hidden]  # split, not replicated
+    assert shapes["linear_kv_down_proj"] == [(mla.kv_lora_rank + mla.qk_rope_head_dim) // 2, v3.hidden]
+    assert shapes["linear_q_up_proj"] == [heads * mla.qk_head_dim // 2, mla.q_lora_rank]
+    model = PricingModel.build(v3, parallel=ParallelLayout(tp=2))
+    assert model.basis == "conservative" and model.width_tp == 1
+    assert any("multi-latent attention at TP2" in gap for gap in model.layout_gaps)
+    assert PricingModel.build(v3).width_tp == 1 and not PricingModel.build(v3).layout_gaps
