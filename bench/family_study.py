@@ -43,6 +43,7 @@ ABLATIONS = (
     ("q/k/v biases", "qwen2.5-7b", {"qkv_bias": False}),
     ("GeGLU (vs SwiGLU)", "gemma-3-27b", {"mlp_activation": "swiglu"}),
     ("sandwich norms", "gemma-3-27b", {"sandwich_norms": False}),
+    ("sandwich norms", "gemma-2-9b", {"sandwich_norms": False}),
     ("final-logit soft-cap", "gemma-2-9b", {"final_softcap": 0.0}),
     ("attention sinks", "gpt-oss-20b", {"attention_sinks": False}),
     ("biases on every linear", "gpt-oss-20b", {"linear_bias": False}),
@@ -143,9 +144,12 @@ def cmd_report(args) -> int:
         dd = (a["trace"]["decoder_peak_bytes"] - b["trace"]["decoder_peak_bytes"]) / rows_
         dp = (a["trace"]["peak_bytes"] - b["trace"]["peak_bytes"]) / rows_
         g = cell_model(on)
+        est = calibrate.estimate(table, b)  # the estimate without the feature, on its trace
         lines.append(f"  {label:22s} ({on['model']}, H={g.hidden}, F={g.ffn}, V={g.vocab}): "
                      f"decoder peak +{dd:,.0f} B/row ({dd / g.hidden:.2f} H), whole peak +{dp:,.0f} "
-                     f"B/row ({dp / g.vocab:.2f} V)")
+                     f"B/row ({dp / g.vocab:.2f} V); without it est/measured decoder "
+                     f"{est['decoder'] / b['trace']['decoder_peak_bytes'] - 1:+.2%}, whole "
+                     f"{est['peak'] / b['trace']['peak_bytes'] - 1:+.2%}")
     text = "\n".join(lines) + "\n"
     (RESULTS / "family_validation.txt").write_text(text, encoding="utf-8")
     print(text)
