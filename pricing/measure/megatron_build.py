@@ -23,7 +23,11 @@ sqrt(hidden); `cap x tanh(logits / cap)` on the output layer's logits; an RMSNor
 attention output and one on the MLP output, before each residual add), so traces see their
 tensors; and records them in `model.waveplan_features`, which `live_geometry` reads back.
 Attention logit soft-capping is not run (flash attention applies it in-kernel; the SDPA
-stand-in has no cap), nor are attention sinks (a per-head logit in the kernel).
+stand-in has no cap). Attention sinks run in the stand-in on the CPU (the flash output
+rescaled by sigmoid(lse - sink): a rescaled copy a fused kernel does not make), not on CUDA.
+A biased expert MLP (gpt-oss) gets its FC2 output copied before Megatron-core 0.16.1's
+in-place bias add, which autograd refuses on the view the TP1 reduction returns
+(`_install_expert_bias_fix`; the peak is unchanged).
 
 LoRA adapters are `LoraLinear` wrappers around Megatron's linear modules: trainable A
 (rank x in) and B (out x rank), frozen base. Every base weight is frozen; MoE expert
