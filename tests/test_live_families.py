@@ -185,3 +185,55 @@ def test_mla_at_tp2_splits_the_down_projections_so_the_pricing_fails_closed():
     assert model.basis == "conservative" and model.width_tp == 1
     assert any("multi-latent attention at TP2" in gap for gap in model.layout_gaps)
     assert PricingModel.build(v3).width_tp == 1 and not PricingModel.build(v3).layout_gaps
+
+
+def _tiny_oss(**features):
+    from waveplan.pricing.geometry import AttentionSpec, ModelFeatures, ModelGeometry, MoeSpec
+
+    base = dict(linear_bias=True, attention_sinks=True, mlp_activation="clamped-swiglu",
+                sliding_window=64, full_attention_interval=2)
+    return ModelGeometry(name="tiny-oss", hidden=128, ffn=0, vocab=512,
+                         layers=(("attention", "moe"),) * 2, attention=AttentionSpec(4, 2, 32),
+                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=128),
+                         features=ModelFeatures(**dict(base, **features)))
+
+
+def test_biased_experts_trace_and_sinks_add_their_rescaled_output():
+    """gpt-oss-like layers (biased experts, sinks, clamped SwiGLU) trace at TP1 on cpu-fake:
+    Megatron-core's in-place expert bias add runs on a copy of the FC2 output. The sinks'
+    stand-in holds a rescaled core output and a per-head gate beyond the plain kernel."""
+    rows = 256
+    with_sinks = _trace(_tiny_oss(), [rows])
+    without = _trace(_tiny_oss(attention_sinks=False), [rows])
+    assert with_sinks.decoder_peak_bytes > without.decoder_peak_bytes
+    assert with_sinks.decoder_peak_bytes - without.decoder_peak_bytes <= rows * (2 * 4 * 32 + 4 * 4)
+    unbiased = _trace(_tiny_oss(linear_bias=False), [rows])
+    assert unbiased.decoder_peak_bytes == with_sinks.decoder_peak_bytes  # biases: nothing at the peak
+
+
+def test_sink_stand_in_is_a_sink_logit_in_the_softmax():
+    """The stand-in's rescaled flash output equals softmax over the scores with one more
+    logit per head (transformers' eager gpt-oss attention), on real tensors."""
+    import torch
+
+    from waveplan.pricing.measure.megatron_build import sdpa_attention_class
+
+    class Config:  # what SdpaAttention reads
+        attention_dropout = 0.0
+        softmax_type = "learnable"
+        num_attention_heads = 4
+        tensor_model_parallel_size = 1
+        params_dtype = torch.float32
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        att = sdpa_attention_class()(Config(), softmax_scale=0.25)
+    att.softmax_offset.data = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))  # [b, heads, s, d]
+    got = att._sdpa(q, k, v)
+    scores = (q @ k.transpose(-1, -2)) * 0.25
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    sink = att.softmax_offset.detach().view(1, 4, 1, 1).expand(1, 4, 6, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    torch.testing.assert_close(got, probs @ v, rtol=1e-4, atol=1e-5)
