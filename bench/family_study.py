@@ -114,7 +114,7 @@ def cmd_report(args) -> int:
     if not grid:
         print(f"no family traces in {args.traces}", file=sys.stderr)
         return 2
-    lines = [f"family study: {len(grid)} cpu-fake cells at real width (2 layers, TP1, full "
+    lines = [f"family study: {len(grid)} cpu-fake cells at real width (2 layers, 4 for DeepSeek-V3; TP1, full "
              "recompute), all held out against the shipped torch-cpu table (fitted on the "
              "Qwen3/Llama grid, not refitted); over = estimate / measured - 1 (raw)", ""]
     rows = []
