@@ -11,19 +11,23 @@ No seed (GPU) traces these features. Every term charges the feature's extra tens
 explicitly, at their full size (bf16, fp32 where the op computes in fp32), sized where
 possible by cpu-fake traces at real width (`bench/family_study.py`: one representative per
 family and one ablation per feature, bench/results/family_validation.txt), so an estimate
-does not fall under what the feature adds; `feature_gaps` names each feature that adds
-memory, and a model with any of them has basis "conservative" with those reasons
-(`pricing.model.evidence_gaps`), saying whether a cpu-fake trace covers it. They keep
-their TP and sequence-parallel credit: the extra tensors shard like the tensors they come from.
+does not fall under what the feature adds. A feature whose family's traced cells meet the
+targets (none under its trace, median within 3 % over, whole step and decoder only) needs
+no gap; `feature_gaps` names the others (untraced, or traced but missing the targets), and a
+model with any of them has basis "conservative" with those reasons
+(`pricing.model.evidence_gaps`). They keep their TP and sequence-parallel credit: the extra
+tensors shard like the tensors they come from.
 
 Features that add no memory, and why (no term, no gap):
 - sliding windows (Mistral, Gemma, gpt-oss): flash-attention kernels keep O(rows) memory
   (output and log-sum-exp) whatever the window; full causal attention, which the baseline
   terms price, holds the same;
-- q/k/v biases alone (Qwen2): Transformer Engine adds them inside the GEMM; Megatron's local
-  linear adds them out of place, a copy that replaces the GEMM output at once, and the
-  cpu-fake traces of Qwen2.5-7B with and without them peak at the same bytes
-  (bench/results/family_validation.txt);
+- biases (Qwen2's q/k/v biases; gpt-oss's on every linear, its experts' and its router's):
+  Transformer Engine adds them inside the GEMM; Megatron's local linear adds them out of
+  place, a copy that replaces the GEMM output at once (an expert's FC2 bias in place,
+  `megatron_build._install_expert_bias_fix`); cpu-fake traces of Qwen2.5-7B with and
+  without q/k/v biases, and of GPT-OSS-20B with and without biases everywhere, peak at the
+  same bytes (bench/results/family_validation.txt);
 - GeGLU (Gemma): the tanh GELU saves its input, as SiLU does; cpu-fake traces of Gemma 3 with
   GeGLU and with SwiGLU peak at the same bytes (bench/results/family_validation.txt);
 - tied embeddings: the output layer reads the embedding weight; activations are unchanged;
@@ -42,44 +46,46 @@ from .geometry import AttentionSpec, MixerKind, MlpActivation, MlpKind, ModelGeo
 BF16, FP32 = 2, 4
 
 
-def projection_bias_per_row(widths: dict, *, qkv: bool, output: bool) -> float:
-    """Biases on every attention projection (gpt-oss: q/k/v and output).
-
-    A bias added after the GEMM out of place (Megatron's local linear does) holds a second
-    projection output while the layer runs: bf16 x qkv for the QKV projection, bf16 x H for
-    the output projection (Transformer Engine fuses the bias into the GEMM: 0 there).
-    Conservative: both charged. Evidence: none traced with biases everywhere (structural);
-    q/k/v biases alone add nothing at the peak (cpu-fake, Qwen2.5-7B) and are not charged.
-    """
-    return (BF16 * widths["qkv"] if qkv else 0.0) + (BF16 * widths["H"] if output else 0.0)
-
-
 def attention_sinks_per_row(widths: dict, heads_per_rank: float) -> float:
-    """Attention sinks (gpt-oss): a learned logit per head joins each row's softmax.
+    """Attention sinks (gpt-oss): a learned logit z per head joins each row's softmax.
 
-    The kernel keeps per-head softmax statistics with the sink folded in, and backward adds
-    the sink's gradient: 2 x fp32 x heads per row. Conservative (no trace; flash kernels
-    with sinks keep only the log-sum-exp they keep anyway).
+    As the flash stand-in computes them (`megatron_build.SdpaAttention`: the flash output
+    rescaled by sigmoid(lse - z)): a rescaled bf16 copy of the core output and the per-head
+    gate, bf16 x core + fp32 x heads per row. A fused kernel (cuDNN, FlashAttention 3)
+    applies the sink in-kernel and holds neither, so this bounds it. Evidence: cpu-fake
+    traces of GPT-OSS-20B with and without sinks differ by bf16 x (core + heads) at the
+    decoder's peak (bench/results/family_validation.txt).
     """
-    return 2 * FP32 * heads_per_rank
+    return BF16 * widths["core"] + FP32 * heads_per_rank
 
 
-def mla_per_row(attention: AttentionSpec, *, tp: int) -> float:
-    """Multi-latent attention (DeepSeek V2/V3), beyond the projections the attention stage
-    already prices (`qkv` = all q and kv projection outputs, `core` = heads x v_head_dim).
+def mla_stage_per_row(attention: AttentionSpec, *, tp: int) -> float:
+    """A recomputed multi-latent-attention layer's attention stage (DeepSeek V2/V3), by its
+    true widths, in place of the fused-QKV `attention_stage` term (whose 6 x (qkv + core)
+    copies of one fused projection output MLA does not make: its up projections' outputs are
+    split, rotated and released).
 
-    Megatron's MLA concatenates the no-rope and rotary parts into full queries and keys
-    ([heads, qk_nope + qk_rope] each, new tensors) and runs RMSNorms on the query and
-    key/value latents (a plain torch RMSNorm keeps an fp32 copy of its input). Charged, per
-    rank (heads / TP): 2 x bf16 x heads x (qk_nope + qk_rope) + fp32 x (q_lora_rank +
-    kv_lora_rank). Evidence: cpu-fake traces of DeepSeek-V2-Lite (2 layers) and DeepSeek-V3
-    (4 layers) with the flash stand-in (values padded to the query width): every cell above
-    its trace, the decoder-only peaks +1 to +15 % (bench/results/family_validation.txt); no GPU
-    trace, so the basis stays conservative.
+    What the layer holds for its backward while the rest of it runs, per row and rank
+    (heads h = num_heads / TP; dqk = qk_nope + qk_rope, dv = v_head_dim): the queries and
+    keys, bf16 x h x dqk each (the rotated query is the up projection's output, rotated in
+    place by the fused YaRN RoPE on a GPU, a new tensor on Megatron's local path; keys are
+    new tensors either way, nope and rotated rope parts joined); the values and the
+    attention output, bf16 x h x dv each on a flash kernel that takes a narrower value head
+    (Transformer Engine), charged here at bf16 x h x dqk each, the width the CPU flash
+    stand-in pads them to (`megatron_build.SdpaAttention`), plus the bf16 x h x dv
+    contiguous copy of the output that the stand-in's slice makes; and the latent norms'
+    fp32 inputs and bf16 outputs, (fp32 + bf16) x (q_lora_rank + kv_lora_rank), replicated
+    over TP as the down projections are. So bf16 x h x (4 dqk + dv) + 6 x latents; on a GPU
+    the padding and the copy, bf16 x h x (2 (dqk - dv) + dv), are not held (conservative).
+
+    Evidence: the decoder-only peaks of cpu-fake traces of DeepSeek-V3 (4 layers) and
+    DeepSeek-V2-Lite (2 layers) hold exactly these tensors of the recomputed MLA layer
+    (bench/family_study.py anatomy; bench/results/family_validation.txt).
     """
     mla = attention.mla
     heads = attention.num_heads / tp
-    return 2 * BF16 * heads * mla.qk_head_dim + FP32 * (mla.q_lora_rank + mla.kv_lora_rank)
+    return (BF16 * heads * (4 * mla.qk_head_dim + mla.v_head_dim)
+            + (FP32 + BF16) * (mla.q_lora_rank + mla.kv_lora_rank))
 
 
 def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
@@ -88,9 +94,9 @@ def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
     Each keeps its input for backward (a plain torch RMSNorm upcasts it to fp32, 4H) and
     writes a bf16 output (2H): 2 x (fp32 + bf16) x H per row, hidden-wide (a shard under
     sequence parallelism); a fused norm keeps only the bf16 input. Evidence: cpu-fake traces
-    of Gemma 3 with and without them (modelled by `megatron_build`: Megatron-core has none)
-    differ by 11.9H per row at the decoder's peak (bench/results/family_validation.txt).
-    """
+    of Gemma 3 and of Gemma 2 with and without them (modelled by `megatron_build`:
+    Megatron-core has none) differ by 11.85H to 11.97H per row at the decoder's peak
+    (bench/results/family_validation.txt)."""
     return 2 * (FP32 + BF16) * widths["H"] / sp_div
 
 
@@ -98,43 +104,34 @@ def activation_per_ffn_row(activation: MlpActivation) -> float:
     """Extra bytes per F-wide unit of one gated MLP's activation, beyond SwiGLU's.
 
     GeGLU (Gemma): 0, the tanh GELU saves its input as SiLU does (cpu-fake traces of Gemma 3
-    with either peak at the same bytes). Clamped SwiGLU (gpt-oss): the clamped gate and up,
-    the scaled gate, its sigmoid, the gated product and up + 1, six bf16 F-wide tensors (12).
-    Conservative (no trace): each intermediate charged as if kept.
+    with either peak at the same bytes). Clamped SwiGLU (gpt-oss, as Megatron-core computes
+    it: clamp gate and up, gate x sigmoid(1.702 gate) x (up + 1)): the clamped gate and up
+    are two more bf16 F-wide tensors kept for backward, 2 x bf16. Evidence: cpu-fake traces
+    of GPT-OSS-20B with it and with plain SwiGLU differ by 4 B x expert F per routed row at
+    the decoder's peak (bench/results/family_validation.txt).
     """
     if activation == MlpActivation.CLAMPED_SWIGLU:
-        return 6 * BF16
+        return 2 * BF16
     return 0.0
-
-
-def mlp_bias_per_row(ffn: float, hidden: float) -> float:
-    """Biases on an MLP's (or one expert's) linears (gpt-oss), added out of place after each
-    GEMM: a second FC1 output, bf16 x 2F, and a second FC2 output, bf16 x H. Conservative
-    (no trace)."""
-    return BF16 * 2 * ffn + BF16 * hidden
 
 
 def router_per_row(widths: dict, features) -> float:
     """Routers beyond a plain softmax top-k (DeepSeek-V3: sigmoid scores, top-k within the best
     groups, a selection bias): the biased selection scores and the group-masked scores, two
-    more fp32 [rows, experts] tensors: 2 x fp32 x experts. A router with a bias (gpt-oss) adds
-    its out-of-place logits, fp32 x experts. Conservative (no trace)."""
+    more fp32 [rows, experts] tensors: 2 x fp32 x experts. Conservative (no trace). A router
+    bias (gpt-oss) adds nothing at the peak (see the module doc: biases)."""
     extra = 0.0
     if features.router_score != RouterScore.SOFTMAX or features.router_groups > 1:
         extra += 2 * FP32 * widths["experts"]
-    if features.linear_bias:
-        extra += FP32 * widths["experts"]
     return extra
 
 
 def attention_extra_per_row(geometry: ModelGeometry, widths: dict, *, tp: int) -> float:
     """All feature terms of one attention layer's mixer (per gathered row)."""
     f, att = geometry.features, geometry.attention
-    extra = projection_bias_per_row(widths, qkv=f.linear_bias, output=f.linear_bias)
+    extra = 0.0
     if f.attention_sinks:
         extra += attention_sinks_per_row(widths, att.num_heads / tp)
-    if att.mla is not None:
-        extra += mla_per_row(att, tp=tp)
     return extra
 
 
@@ -144,16 +141,9 @@ def mlp_extra_per_row(geometry: ModelGeometry, widths: dict, mlp: MlpKind, *, ep
     f = geometry.features
     act = activation_per_ffn_row(f.mlp_activation)
     if mlp == MlpKind.DENSE:
-        extra = act * widths["F"]
-        if f.linear_bias:
-            extra += mlp_bias_per_row(widths["F"], widths["H"])
-        return extra
+        return act * widths["F"]
     routed = act * widths["expert_ffn"]
-    if f.linear_bias:
-        routed += mlp_bias_per_row(widths["expert_ffn"], widths["H"])
     shared = act * widths["shared_ffn"]
-    if f.linear_bias and widths["shared_ffn"]:
-        shared += mlp_bias_per_row(widths["shared_ffn"], widths["H"])
     return widths["top_k"] * ep_skew * routed + shared + router_per_row(widths, f)
 
 
@@ -193,23 +183,17 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
     f, att = geometry.features, geometry.attention
     gaps = []
     if att is not None and att.mla is not None:
-        gaps.append("multi-latent attention (traced on cpu-fake only: rebuilt queries and keys, "
-                    "latent norms; no GPU trace)")
-    if f.linear_bias:
-        gaps.append("biases on every linear (no trace: each biased output charged twice)")
-    if f.attention_sinks:
-        gaps.append("attention sinks (no trace: per-head fp32 softmax statistics charged)")
+        gaps.append("multi-latent attention (its stage priced by true widths as cpu-fake traces "
+                    "hold it; with it, DeepSeek's decoder-only cells fall 2-17% under the "
+                    "torch-cpu table's MoE terms; no GPU trace)")
     if f.attention_softcap:
         gaps.append("attention logit soft-capping (priced as flash attention's in-kernel cap; an "
                     "unfused attention's [heads, s, s] scores are not priced)")
-    if f.final_softcap:
-        gaps.append("final-logit soft-capping (traced on cpu-fake only, as transformers computes "
-                    "it: one more [rows, vocab] tensor; no GPU trace)")
-    if f.sandwich_norms:
-        gaps.append("sandwich norms (traced on cpu-fake only: two more norms' fp32 inputs and "
-                    "outputs; no GPU trace)")
     if f.mlp_activation == MlpActivation.CLAMPED_SWIGLU:
-        gaps.append("clamped-swiglu MLP (no trace: its six extra activation tensors charged)")
+        gaps.append("clamped-swiglu MoE (gpt-oss; traced on cpu-fake with its biases and sinks: "
+                    "decoder-only cells 1.6-1.7% under the torch-cpu table, whose routed-row "
+                    "terms were fitted on experts narrower or wider than the hidden size; no GPU "
+                    "trace)")
     if geometry.moe is not None and (f.router_score != RouterScore.SOFTMAX or f.router_groups > 1):
         gaps.append("group-limited sigmoid routing (no trace: two more fp32 score tensors charged)")
     return gaps

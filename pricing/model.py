@@ -73,7 +73,7 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
     with and without SP at CP1, TP1 at CP2 and CP4, TP2 with SP at CP2), for every recompute
     mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED`, and without full recompute
-    only at TP1 (no trace)."""
+    only at TP1 (no trace); multi-latent attention only at TP1."""
     table = table or load_table("torch-cpu")
     gaps = []
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -86,6 +86,10 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
         gaps.append(f"{kind} layers at TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} "
                     f"CP{parallel.cp} (the multi-rank traces cover dense layers; {kind} is traced "
                     f"at {', '.join(sorted(_MIXED_TRACED))})")
+    if parallel.tp > 1 and geometry.attention is not None and geometry.attention.mla is not None:
+        gaps.append(f"multi-latent attention at TP{parallel.tp} (no trace; Megatron-core's local "
+                    "spec splits the down projections that Transformer Engine and the pricing "
+                    "replicate): priced without TP credit")
     if recompute.mode == RecomputeMode.FULL:
         if not recompute.is_one_layer_full:
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
@@ -106,7 +110,8 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
     grows with more TP, SP or CP (the layout properties the traces show and the tests check),
     so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
-    MoE or GDN without full recompute) gets no credit: TP1, CP1. O(divisors)."""
+    MoE or GDN without full recompute, multi-latent attention at TP > 1) gets no credit: TP1,
+    CP1. O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -135,7 +140,7 @@ def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
     geometry says (a live Megatron model does), else its features' explicit flag, else the
     Megatron builder's own default (`measure.megatron_build`: on for Qwen models). Multi-latent
-    attention normalises its latents instead (priced by `feature_terms.mla_per_row`)."""
+    attention normalises its latents instead (priced by `feature_terms.mla_stage_per_row`)."""
     if geometry.attention is not None and geometry.attention.mla is not None:
         return False
     flag = (geometry.extra or {}).get("qk_layernorm")
@@ -279,7 +284,10 @@ class PricingModel:
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
         for i, layer in enumerate(layers):
-            mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
+            if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
+                mixer = feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
+            else:
+                mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             if layer.mixer == MixerKind.ATTENTION:
                 mixer += qk_norm
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)

@@ -142,3 +142,98 @@ def test_mla_stand_in_attention_is_linear_in_rows():
                       attention=AttentionSpec(8, 8, 48, mla=mla))
     short, long = (_trace(g, [n]).decoder_peak_bytes for n in (1024, 2048))
     assert long / short < 2.2
+
+
+_MLA_TP2 = """
+import dataclasses, json, warnings
+warnings.simplefilter("ignore")
+from waveplan.pricing.measure.megatron_build import build_gpt
+from waveplan.pricing.measure.megatron_shim import init_single_process
+from waveplan.pricing.parallel import ParallelLayout
+from waveplan.pricing.presets import load_preset
+g = load_preset("deepseek-v3")
+g = dataclasses.replace(g, layers=g.layers[:1])
+with init_single_process(tp=2):
+    att = build_gpt(g, device="meta", layout=ParallelLayout(tp=2)).decoder.layers[0].self_attention
+    print(json.dumps({n: list(getattr(att, n).weight.shape) for n in
+                      ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj")}))
+"""
+
+
+def test_mla_at_tp2_splits_the_down_projections_so_the_pricing_fails_closed():
+    """Megatron-core's local spec builds MLA's down projections column-parallel (split, then
+    gathered), while Transformer Engine duplicates them and the pricing replicates them: no
+    trace covers MLA at TP > 1, so it is priced without TP credit, with the reason."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from waveplan.pricing.model import PricingModel
+    from waveplan.pricing.presets import load_preset
+
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, "-c", _MLA_TP2], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    shapes = json.loads(out.strip().splitlines()[-1])
+    v3 = load_preset("deepseek-v3")
+    mla, heads = v3.attention.mla, v3.attention.num_heads
+    assert shapes["linear_q_down_proj"] == [mla.q_lora_rank // 2, v3.hidden]  # split, not replicated
+    assert shapes["linear_kv_down_proj"] == [(mla.kv_lora_rank + mla.qk_rope_head_dim) // 2, v3.hidden]
+    assert shapes["linear_q_up_proj"] == [heads * mla.qk_head_dim // 2, mla.q_lora_rank]
+    model = PricingModel.build(v3, parallel=ParallelLayout(tp=2))
+    assert model.basis == "conservative" and model.width_tp == 1
+    assert any("multi-latent attention at TP2" in gap for gap in model.layout_gaps)
+    assert PricingModel.build(v3).width_tp == 1 and not PricingModel.build(v3).layout_gaps
+
+
+def _tiny_oss(**features):
+    from waveplan.pricing.geometry import AttentionSpec, ModelFeatures, ModelGeometry, MoeSpec
+
+    base = dict(linear_bias=True, attention_sinks=True, mlp_activation="clamped-swiglu",
+                sliding_window=64, full_attention_interval=2)
+    return ModelGeometry(name="tiny-oss", hidden=128, ffn=0, vocab=512,
+                         layers=(("attention", "moe"),) * 2, attention=AttentionSpec(4, 2, 32),
+                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=128),
+                         features=ModelFeatures(**dict(base, **features)))
+
+
+def test_biased_experts_trace_and_sinks_add_their_rescaled_output():
+    """gpt-oss-like layers (biased experts, sinks, clamped SwiGLU) trace at TP1 on cpu-fake:
+    Megatron-core's in-place expert bias add runs on a copy of the FC2 output. The sinks'
+    stand-in holds a rescaled core output and a per-head gate beyond the plain kernel."""
+    rows = 256
+    with_sinks = _trace(_tiny_oss(), [rows])
+    without = _trace(_tiny_oss(attention_sinks=False), [rows])
+    assert with_sinks.decoder_peak_bytes > without.decoder_peak_bytes
+    assert with_sinks.decoder_peak_bytes - without.decoder_peak_bytes <= rows * (2 * 4 * 32 + 4 * 4)
+    unbiased = _trace(_tiny_oss(linear_bias=False), [rows])
+    assert unbiased.decoder_peak_bytes == with_sinks.decoder_peak_bytes  # biases: nothing at the peak
+
+
+def test_sink_stand_in_is_a_sink_logit_in_the_softmax():
+    """The stand-in's rescaled flash output equals softmax over the scores with one more
+    logit per head (transformers' eager gpt-oss attention), on real tensors."""
+    import torch
+
+    from waveplan.pricing.measure.megatron_build import sdpa_attention_class
+
+    class Config:  # what SdpaAttention reads
+        attention_dropout = 0.0
+        softmax_type = "learnable"
+        num_attention_heads = 4
+        tensor_model_parallel_size = 1
+        params_dtype = torch.float32
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        att = sdpa_attention_class()(Config(), softmax_scale=0.25)
+    att.softmax_offset.data = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))  # [b, heads, s, d]
+    got = att._sdpa(q, k, v)
+    scores = (q @ k.transpose(-1, -2)) * 0.25
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    sink = att.softmax_offset.detach().view(1, 4, 1, 1).expand(1, 4, 6, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    torch.testing.assert_close(got, probs @ v, rtol=1e-4, atol=1e-5)

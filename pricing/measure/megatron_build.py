@@ -23,7 +23,11 @@ sqrt(hidden); `cap x tanh(logits / cap)` on the output layer's logits; an RMSNor
 attention output and one on the MLP output, before each residual add), so traces see their
 tensors; and records them in `model.waveplan_features`, which `live_geometry` reads back.
 Attention logit soft-capping is not run (flash attention applies it in-kernel; the SDPA
-stand-in has no cap), nor are attention sinks (a per-head logit in the kernel).
+stand-in has no cap). Attention sinks run in the stand-in on the CPU (the flash output
+rescaled by sigmoid(lse - sink): a rescaled copy a fused kernel does not make), not on CUDA.
+A biased expert MLP (gpt-oss) gets its FC2 output copied before Megatron-core 0.16.1's
+in-place bias add, which autograd refuses on the view the TP1 reduction returns
+(`_install_expert_bias_fix`; the peak is unchanged).
 
 LoRA adapters are `LoraLinear` wrappers around Megatron's linear modules: trainable A
 (rank x in) and B (out x rank), frozen base. Every base weight is frozen; MoE expert
@@ -141,6 +145,27 @@ def _sdpa_attention_class():
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
             self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+            self.softmax_offset = None
+            if config.softmax_type == "learnable":  # attention sinks (gpt-oss), as Megatron's
+                heads = config.num_attention_heads // config.tensor_model_parallel_size
+                self.softmax_offset = nn.Parameter(torch.zeros(
+                    heads, device=torch.cuda.current_device(), dtype=config.params_dtype))
+
+        def _sdpa(self, q, k, v):
+            if self.softmax_offset is None or q.device.type == "cuda":
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale,
+                    dropout_p=self.dropout_p if self.training else 0.0,
+                    enable_gqa=q.shape[1] != k.shape[1])
+            # A sink logit z per head joins each row's softmax: out x sigmoid(lse - z), with
+            # lse the row's log-sum-exp (kept by the flash kernel, which takes grouped keys as they are). The rescaled output is a
+            # new bf16 [heads, s, d] tensor and sigmoid(lse - z) an fp32 [heads, s] one (a
+            # fused kernel applies the sink in-kernel and holds neither). On CUDA the sink
+            # is not run (the flash op's lse is not public there): a note says so.
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, is_causal=True, scale=self.softmax_scale)
+            gate = torch.sigmoid(lse - self.softmax_offset.float()[None, :, None])
+            return out * gate.to(out.dtype).unsqueeze(-1)
 
         def _one(self, q, k, v):
             # q: [b, s, h, d] -> [b, h, s, d]
@@ -151,10 +176,7 @@ def _sdpa_attention_class():
                 # flash kernel wants one head width (else it falls back to the math kernel,
                 # which holds [heads, s, s] scores); pad the values, slice the output.
                 v = F.pad(v, (0, q.shape[-1] - dv))
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0,
-                enable_gqa=q.shape[1] != k.shape[1])
+            out = self._sdpa(q, k, v)
             if dv != out.shape[-1]:
                 out = out[..., :dv]
             return out.transpose(1, 2)  # [b, s, h, d]
@@ -379,6 +401,34 @@ def _install_unmodelled(model, geometry: ModelGeometry, config) -> None:
                 sub.register_forward_hook(_post_norm_hook(norm))
 
 
+def _fresh_output_hook(module, inputs, output):
+    out, bias = output
+    return out.clone(), bias
+
+
+def _install_expert_bias_fix(model) -> None:
+    """Let a biased expert MLP (gpt-oss) run its backward in the local spec.
+
+    Megatron-core 0.16.1's `MLP.forward` adds an expert's FC2 bias in place
+    (`output += output_bias * per_token_scale`), and the local `RowParallelLinear`'s output
+    is `_ReduceFromModelParallelRegion`'s input returned as-is at TP1, a view that autograd
+    refuses to modify in place. A forward hook on each expert's `linear_fc2` returns a copy
+    of the output, which replaces it at once (the GEMM output is freed when the hook
+    returns, nothing saves it), so the in-place add runs on an ordinary tensor. What is
+    modelled: the GEMM output [routed rows, H] and, for the add, the scaled bias of the same
+    shape: the two [routed rows, H] tensors a GPU's in-place add holds too; the copy holds
+    the same two for one op, so the peak is unchanged. At TP > 1 the all-reduce already
+    returns a new tensor and the copy changes nothing but its timing."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            for expert in module.local_experts:
+                fc2 = expert.linear_fc2
+                if getattr(fc2, "bias", None) is not None:
+                    fc2.register_forward_hook(_fresh_output_hook)
+
+
 def _layers(geometry: ModelGeometry, num_layers: int | None):
     if num_layers is None:
         return geometry.layers
@@ -556,6 +606,8 @@ def build_gpt(geometry: ModelGeometry, *, num_layers: int | None = None, device:
         with shim_device(device), torch.device(device):
             model = GPTModel(**kwargs)
             _install_unmodelled(model, geometry, config)
+    if geometry.features.linear_bias:
+        _install_expert_bias_fix(model)
     # As Megatron's Float16Module does: every floating parameter and buffer in `dtype`
     # (the local norms are built in fp32 and would otherwise promote activations).
     _cast_floating(model, dtype)

@@ -337,6 +337,8 @@ def trace_wave(geometry: ModelGeometry, *, seq_lens: list[int], num_layers: int 
                      "tensors differ from a GPU run's")
     if has_moe and device != "cuda":
         notes.append("MoE routing replaced by a balanced router (fake tensors cannot route)")
+    if geometry.features.attention_sinks and device == "cuda":
+        notes.append("attention sinks not run (the SDPA stand-in applies them on the CPU only)")
     if layout.cp != 1 or layout.pp != 1:
         raise bad(ConfigError, "layout", layout.to_dict(),
                   "traces run CP = PP = 1 (context parallelism needs Transformer Engine's "
