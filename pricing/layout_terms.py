@@ -4,8 +4,12 @@ CP leave unsharded, fitted per traced layout class (docs/memory-model.md#layout-
 The structural sharding lives in the per-rank widths (`pricing.model.layer_widths`: F, qkv,
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
-by multi-rank CPU traces (bench/results/traces_multirank.jsonl: real Megatron-core layers over
-gloo, one dense geometry) and charged here as hidden-wide bytes per gathered row:
+by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
+real Megatron-core layers over gloo, two dense geometries). Two parts are structural terms
+(`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
+`head_point_transient`: the final norm's backward runs after the logits are released, which binds
+when TP shards the vocabulary and not the norm); the rest is charged as hidden-wide bytes per
+gathered row:
 
 - `layout_residual` entry, `full`: under full recompute, bytes the busiest rank holds at every
   point beyond the sharded terms (TP without SP: the full-rows all-reduced outputs and input
@@ -45,7 +49,8 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
     c x H, c from entry `layout_residual` (group `retained` for selective/no recompute, charged
     per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 and for a table
     without the entry. Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
-    bench/layout_validation.py on the 2048-token cells (docs/memory-model.md#layout-residuals).
+    bench/layout_validation.py on the 2048-token cells of both dense geometries, checked on the
+    3072-token cells and across geometries (docs/memory-model.md#layout-residuals).
     """
     group = table.terms.get(ENTRY, {}).get("retained" if retained else "full", {})
     return max(0.0, float(group.get(layout_key(tp, sequence_parallel, cp), 0.0))) * widths["H"]
