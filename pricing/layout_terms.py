@@ -84,13 +84,14 @@ def cp_attention_release_per_row(table: CoefficientTable, widths: dict, *, cp: i
 
 
 def head_point_transient(logits_retained: float, logits_transient: float, norm_backward: float, *,
-                         vocab_sharded: bool) -> float:
+                         released: bool) -> float:
     """The head point's transient per gathered row beyond the logits it retains.
 
     What memory: the loss's backward (logits retained plus their gradient, `logits_transient`) and
     the final norm's backward (`norm_backward`) run one after the other; the logits are released
-    before the norm's backward starts. With the vocabulary sharded over TP (`vocab_sharded`) the
-    head point is therefore norm_saved + max(logits_retained + logits_transient, norm_backward),
+    before the norm's backward starts. With the vocabulary sharded over TP, and for TE's head at any
+    TP (`released`; its head terms are structural, docs/memory-model.md#head-full-te) the head
+    point is therefore norm_saved + max(logits_retained + logits_transient, norm_backward),
     written as the logits retained plus max(logits_transient, norm_backward - logits_retained):
     without SP the hidden-wide norm backward is replicated on every rank while the logits shrink
     by TP, so the norm's backward binds with no logits live beside it. At TP1 the norm's backward
@@ -103,6 +104,6 @@ def head_point_transient(logits_retained: float, logits_transient: float, norm_b
     the peak is the final norm's fp32 backward, no logits live; TP2/4/8 without SP, selective and
     none, over by 9-14% before, 1.4-2.8% after). O(1).
     """
-    if not vocab_sharded:
+    if not released:
         return max(logits_transient, norm_backward)
     return max(logits_transient, norm_backward - logits_retained)

@@ -318,8 +318,10 @@ class PricingModel:
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
         head_ret = logits_ret + norm_saved
-        sharded = self.width_tp > 1
-        head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, vocab_sharded=sharded)
+        # the norm's backward runs after the logits are released: priced so when TP shards the
+        # vocabulary, and for TE's head at any TP (its terms are structural, not calibrate-fitted)
+        released = self.width_tp > 1 or kind == "full-te"
+        head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + (residual if mode == RecomputeMode.FULL else 0.0))
         arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
@@ -331,7 +333,7 @@ class PricingModel:
             "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
                            "norm_saved": norm_saved, "norm_backward": norm_bwd,
                            "layout_residual": residual if mode == RecomputeMode.FULL else 0.0,
-                           "logits_at_norm": 0.0 if sharded else logits_ret},
+                           "logits_at_norm": 0.0 if released else logits_ret},
             "forward_parts": {"nograd": nograd_plain, "retained_forward": retained_fwd},
             "caller": terms.caller_per_logical_token(t),
             "first_exec": terms.first_execution_bytes(t),
