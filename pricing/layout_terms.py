@@ -74,7 +74,9 @@ def cp_attention_release_per_row(table: CoefficientTable, widths: dict, *, cp: i
     without the entry (te-gpu: Transformer Engine's own attention keeps no such copies at CP1, so
     there is nothing to release). Charged negatively where the attention's saved tensors are live:
     the recomputed layer's workspace (full recompute) and each layer's retained activations (no
-    recompute); selective recompute of core attention retains none of them.
+    recompute); selective recompute of core attention retains none of them. Only plain attention
+    (the traced kind) gets it: an output gate is a view of the projection output and keeps it
+    alive, and multi-latent attention projects differently (`pricing.model` passes 0 for both).
     Evidence: docs/memory-model.md#cp-attention-release (CP2/CP4/TP2+SP+CP2 against TP1/TP2+SP,
     two dense geometries). O(1).
     """

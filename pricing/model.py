@@ -251,8 +251,10 @@ class PricingModel:
         retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
-        # ring attention (CP > 1) releases the projection output the attention would keep
-        cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp)
+        # ring attention (CP > 1) releases the projection output the attention would keep;
+        # traced for plain attention only (an output gate is a view of that output and keeps it)
+        plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
+        cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
         for i, layer in enumerate(layers):
             mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             if layer.mixer == MixerKind.ATTENTION:
