@@ -84,7 +84,8 @@ def estimate(cell: dict, table: CoefficientTable) -> tuple[int, PricingModel]:
 def fit(shapes: frozenset[str] | None = None) -> dict:
     """Largest shortfall per class and group over the fit cells (2048 tokens; of the dense
     geometries named in `shapes`, default all), in units of H per row (per layer for the retained
-    group), rounded up to the next quarter H plus a quarter H."""
+    group), rounded up to the next quarter H plus a quarter H (full) or the next eighth H plus an
+    eighth H per layer (retained)."""
     base = load_table("torch-cpu")
     bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k != layout_terms.ENTRY})
     residual = {"full": {}, "retained": {}}
@@ -106,9 +107,11 @@ def fit(shapes: frozenset[str] | None = None) -> dict:
         per = (trace["peak_bytes"] - raw) / rows / model.geometry.hidden
         if group == "retained":
             per /= cell["num_layers"]
-        # next quarter H plus a quarter H: the fit cells are exact to the byte, the held-out
-        # ones differ in segments and padding by up to ~0.1 H per row
-        c = np.ceil(per * 4) / 4 + 0.25 if per > 0 else 0.0
+        # full: next quarter H plus a quarter H (the fit cells are exact to the byte; the
+        # held-out ones differ in segments and padding by up to ~0.2 H per row); retained: next
+        # eighth plus an eighth per layer (held-out differences up to 0.05 H per layer)
+        step = 4 if group == "full" else 8
+        c = np.ceil(per * step) / step + 1 / step if per > 0 else 0.0
         residual[group].setdefault(key, 0.0)
         residual[group][key] = max(residual[group][key], c)
     return residual
