@@ -52,7 +52,15 @@ MOE_WIDE = {"name": "grid-moe-h1024", "hidden": 1024, "ffn": 0, "vocab": 2048, "
                           "output_gate": False},
             "gdn": None,
             "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 512, "shared_expert_ffn": 0}}
+# a second dense geometry, the held-out shape of the layout residuals (bench/layout_validation.py):
+# another hidden, head width, GQA ratio (multi-head: 8 KV groups of 8 heads, against 2 heads per
+# group above), FFN ratio (2.67 against 2.75) and vocabulary; one wave, a subset of recomputes
+DENSE2 = {"name": "grid-dense-h768", "hidden": 768, "ffn": 2048, "vocab": 4096, "dtype": "bf16",
+          "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+          "attention": {"num_heads": 8, "num_kv_groups": 8, "head_dim": 96, "output_gate": False},
+          "gdn": None, "moe": None}
 WAVES = ((1024, 640, 384), (2048, 512, 256, 256))
+WAVES2 = ((1280, 512, 256),)
 RECOMPUTES = ("full", "selective", "none")
 LORA_RANK = 16
 
@@ -81,6 +89,11 @@ LAYOUTS = (
     ("MoE-wide TP2+SP+EP2", MOE_WIDE, {"tp": 2, "sequence_parallel": True, "ep": 2}, "balanced",
      RECOMPUTES),
 )
+
+# the second geometry's grid (`--grid dense2`, traces_multirank_dense2.jsonl)
+LAYOUTS2 = tuple((name, DENSE2, kwargs, "balanced", RECOMPUTES) for name, model, kwargs, _, _ in LAYOUTS
+                 if model is DENSE)
+TRACES2 = RESULTS / "traces_multirank_dense2.jsonl"
 
 
 def cell_key(cell: dict) -> str:
@@ -163,19 +176,20 @@ def current_estimate(cell: dict) -> dict:
 # --- trace ---------------------------------------------------------------------------------
 
 
-def planned() -> list[tuple[str, dict, dict, str, list[dict]]]:
-    """(class, model, layout kwargs, routing, cells) of the grid, in order."""
+def planned(grid: str = "main") -> list[tuple[str, dict, dict, str, list[dict]]]:
+    """(class, model, layout kwargs, routing, cells) of the grid ("main" or "dense2"), in order."""
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.measure.multirank import padded_lens, rank_world
 
     out = []
-    for name, model, kwargs, routing, recomputes in LAYOUTS:
+    layouts, waves = (LAYOUTS2, WAVES2) if grid == "dense2" else (LAYOUTS, WAVES)
+    for name, model, kwargs, routing, recomputes in layouts:
         layout = layout_of(kwargs)
         g = ModelGeometry.from_dict(model)
         layout.validate_for(g)
         cells = []
         for rc in recomputes:
-            for wave in WAVES:
+            for wave in waves:
                 cells.append({"model": model["name"], "geometry": model, "num_layers": 2,
                               "recompute": rc, "lora_rank": LORA_RANK,
                               "seq_lens": list(padded_lens(wave, layout)),
@@ -190,10 +204,10 @@ def cmd_trace(args) -> int:
     from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch, trace_record
     from waveplan.pricing.parallel import Recompute
 
-    path = Path(args.traces)
+    path = Path(args.traces or (TRACES2 if args.grid == "dense2" else TRACES))
     records = _load(path)
     have = {cell_key(r["cell"]) for r in records}
-    grid = planned()
+    grid = planned(args.grid)
     # the parent prices before it spawns: numba compiles (or loads its cache) here, never
     # while the rank processes share the CPUs
     for *_, cells in grid:
@@ -283,7 +297,10 @@ def main(argv=None) -> int:
     t = sub.add_parser("trace")
     t.add_argument("--only", nargs="*", default=None, help="layout classes to trace (default all)")
     t.add_argument("--timeout", type=float, default=3600.0)
-    t.add_argument("--traces", default=str(TRACES), help="the JSONL file to complete")
+    t.add_argument("--grid", choices=("main", "dense2"), default="main",
+                   help="main: every layout class on three shapes; dense2: the second dense geometry")
+    t.add_argument("--traces", default=None,
+                   help="the JSONL file to complete (default: the grid's file in bench/results)")
     t.set_defaults(func=cmd_trace)
     r = sub.add_parser("report")
     r.set_defaults(func=cmd_report)

@@ -1,4 +1,5 @@
-"""`waveplan inspect`: a model's geometry and a step's prefix-tree statistics."""
+"""`waveplan inspect`: a model's geometry, the basis its prices get at a layout (with a
+conservative basis's reasons on the line), and a step's prefix-tree statistics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
 
+from .cli_common import add_model_args, model_from_args
+
 DEFAULT_MODEL = "qwen3.8-27b"
 DEFAULT_STEP = "grpo-8x8"
 
@@ -21,8 +24,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "inspect", help="show a model's geometry and a step's statistics",
         description="Show a model's geometry and a step's prefix-tree statistics.")
-    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="PRESET|config.json",
-                        help=f"a preset name or a Hugging Face config.json (default {DEFAULT_MODEL})")
+    add_model_args(parser, default_model=DEFAULT_MODEL)
     parser.add_argument("--step", default=DEFAULT_STEP, metavar="FILE",
                         help="a step file (JSON Lines) or a bundled step name "
                              f"({', '.join(list_bundled_steps())}; default {DEFAULT_STEP})")
@@ -140,14 +142,37 @@ def step_lines(step: Step, source: str, stats: dict) -> list[str]:
     ]
 
 
-def run(args: argparse.Namespace) -> int:
-    from waveplan.pricing.model_source import load_model
+def layout_words(model) -> str:
+    """'TP4 SP CP2, full recompute, te-gpu': the layout, recompute and table a basis is for."""
+    p = model.parallel
+    words = f"TP{p.tp}{' SP' if p.sequence_parallel else ''} CP{p.cp}"
+    words += f" PP{p.pp}" if p.pp > 1 else ""
+    words += f" EP{p.ep}" if p.ep > 1 else ""
+    return f"{words}, {model.recompute.mode.value} recompute, {model.table.backend}"
 
-    geometry = load_model(args.model)
+
+def basis_line(model) -> str:
+    """The basis of the model's prices, with a conservative basis's reasons (and the layout an
+    untraced one is credited as) on the same line, as the plan table prints them."""
+    text = f"basis      {model.basis} ({layout_words(model)})"
+    if model.basis != "conservative":
+        return text
+    c = model.credit
+    credit = (f"; priced as TP{c.tp}{' SP' if c.sequence_parallel else ''} CP{c.cp}"
+              if model.layout_gaps else "")
+    return f"{text}: {'; '.join(model.gaps)}{credit}"
+
+
+def run(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    geometry = model.geometry
     step, source = resolve_step(args.step)
     stats = step_stats(step)
     if args.json:
-        print(json.dumps({"model": geometry.to_dict(), "step": source, **stats}, indent=2))
+        print(json.dumps({"model": geometry.to_dict(), "step": source, **stats, "basis": model.basis,
+                          "reasons": list(model.gaps), "layout": model.parallel.to_dict(),
+                          "recompute": model.recompute.mode.value}, indent=2))
     else:
-        print("\n".join(geometry_lines(geometry) + [""] + step_lines(step, source, stats)))
+        print("\n".join(geometry_lines(geometry) + [basis_line(model), ""]
+                        + step_lines(step, source, stats)))
     return 0

@@ -56,6 +56,10 @@ def register(subparsers) -> None:
                         help="LoRA rank on every linear layer (default 16; 0: no adapters)")
     parser.add_argument("--no-decoder-pass", action="store_true",
                         help="skip the second, decoder-only pass (no head and loss)")
+    parser.add_argument("--head", choices=("full-native", "full-te"), default="full-native",
+                        help="loss on the full logits: Megatron's native cross entropy (bf16 logits "
+                             "and an fp32 copy; default) or Transformer Engine's (gradient written "
+                             "into the bf16 logits; on the CPU an allocation model of it); one rank")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -100,9 +104,12 @@ def run(args) -> int:
     if layers is not None and layers >= geometry.num_layers:
         layers = None
     if args.tp * args.cp * args.ep > 1 or args.sp:
+        if args.head != "full-native":
+            raise ConfigError(f"--head={args.head}: multi-rank traces run the full-native head; "
+                              "trace full-te on one rank")
         return _run_multirank(args, geometry, step, seq_lens, layers)
     result = trace_wave(geometry, seq_lens=seq_lens, num_layers=layers,
-                        device=args.device or "cpu-fake",
+                        device=args.device or "cpu-fake", head=args.head,
                         recompute=Recompute(mode=args.recompute),
                         lora_rank=args.lora_rank or None,
                         decoder_only=not args.no_decoder_pass)

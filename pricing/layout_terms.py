@@ -4,8 +4,12 @@ CP leave unsharded, fitted per traced layout class (docs/memory-model.md#layout-
 The structural sharding lives in the per-rank widths (`pricing.model.layer_widths`: F, qkv,
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
-by multi-rank CPU traces (bench/results/traces_multirank.jsonl: real Megatron-core layers over
-gloo, one dense geometry) and charged here as hidden-wide bytes per gathered row:
+by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
+real Megatron-core layers over gloo, two dense geometries). Two parts are structural terms
+(`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
+`head_point_transient`: the final norm's backward runs after the logits are released, which binds
+when TP shards the vocabulary and not the norm); the rest is charged as hidden-wide bytes per
+gathered row:
 
 - `layout_residual` entry, `full`: under full recompute, bytes the busiest rank holds at every
   point beyond the sharded terms (TP without SP: the full-rows all-reduced outputs and input
@@ -45,7 +49,63 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
     c x H, c from entry `layout_residual` (group `retained` for selective/no recompute, charged
     per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 and for a table
     without the entry. Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
-    bench/layout_validation.py on the 2048-token cells (docs/memory-model.md#layout-residuals).
+    bench/layout_validation.py on the 2048-token cells of both dense geometries, checked on the
+    3072-token cells and across geometries (docs/memory-model.md#layout-residuals).
     """
     group = table.terms.get(ENTRY, {}).get("retained" if retained else "full", {})
     return max(0.0, float(group.get(layout_key(tp, sequence_parallel, cp), 0.0))) * widths["H"]
+
+
+CP_ATTENTION = "cp_attention_release"
+
+
+def cp_attention_release_per_row(table: CoefficientTable, widths: dict, *, cp: int) -> float:
+    """Bytes per rank row an attention layer's saved tensors shrink by under context parallelism.
+
+    What memory: a single-rank attention keeps, for its backward, the fused qkv projection output
+    (v is a view of it), the rotated q and k, the per-sequence contiguous q copy and the output.
+    Ring attention (Transformer Engine's p2p CP, `measure.ring_attention`) copies its k/v into its
+    own send buffer, so the projection output is released, and keeps only q, one k/v buffer, the
+    output and the log-sum-exp. The difference, per rank row at per-TP-rank widths, is
+    2 qkv + 2 core + 2 k - 2 (k + v) = qkv + 3 core bytes (bf16), less the ring's fp32 log-sum-exps.
+
+    Formula: `per_row` x widths of entry `cp_attention_release` (torch-cpu: 0.95 x (qkv + 3 core),
+    the scale below the structural 1 covers the log-sum-exps) when cp > 1; 0 at CP1 or for a table
+    without the entry (te-gpu: Transformer Engine's own attention keeps no such copies at CP1, so
+    there is nothing to release). Charged negatively where the attention's saved tensors are live:
+    the recomputed layer's workspace (full recompute) and each layer's retained activations (no
+    recompute); selective recompute of core attention retains none of them. Only plain attention
+    (the traced kind) gets it: an output gate is a view of the projection output and keeps it
+    alive, and multi-latent attention projects differently (`pricing.model` passes 0 for both).
+    Evidence: docs/memory-model.md#cp-attention-release (CP2/CP4/TP2+SP+CP2 against TP1/TP2+SP,
+    two dense geometries). O(1).
+    """
+    if cp <= 1 or CP_ATTENTION not in table.terms:
+        return 0.0
+    return table.per_row(CP_ATTENTION, widths)
+
+
+def head_point_transient(logits_retained: float, logits_transient: float, norm_backward: float, *,
+                         released: bool) -> float:
+    """The head point's transient per gathered row beyond the logits it retains.
+
+    What memory: the loss's backward (logits retained plus their gradient, `logits_transient`) and
+    the final norm's backward (`norm_backward`) run one after the other; the logits are released
+    before the norm's backward starts. With the vocabulary sharded over TP, and for TE's head at any
+    TP (`released`; its head terms are structural, docs/memory-model.md#head-full-te) the head
+    point is therefore norm_saved + max(logits_retained + logits_transient, norm_backward),
+    written as the logits retained plus max(logits_transient, norm_backward - logits_retained):
+    without SP the hidden-wide norm backward is replicated on every rank while the logits shrink
+    by TP, so the norm's backward binds with no logits live beside it. At TP1 the norm's backward
+    stays charged beside the logits, max(logits_transient, norm_backward): the torch-cpu table's
+    head coefficients were fitted (`waveplan calibrate`, 126 TP1 cells) with that point, and 9 of
+    its small cells (hidden 128-512, vocabulary 512) fall up to 0.7% under without it (their peak
+    is the head's forward, 6 x vocab bytes, which the fitted 3.77 x vocab retained does not reach
+    alone); a chunked head retains nothing, so both forms agree.
+    Evidence: docs/memory-model.md#head-norm-order (bench/results/layouts_anatomy.txt, TP4 none:
+    the peak is the final norm's fp32 backward, no logits live; TP2/4/8 without SP, selective and
+    none, over by 9-14% before, 1.4-2.8% after). O(1).
+    """
+    if not released:
+        return max(logits_transient, norm_backward)
+    return max(logits_transient, norm_backward - logits_retained)

@@ -283,13 +283,17 @@ class PricingModel:
         retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
+        # ring attention (CP > 1) releases the projection output the attention would keep;
+        # traced for plain attention only (an output gate is a view of that output and keeps it)
+        plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
+        cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
         for i, layer in enumerate(layers):
             if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
                 mixer = feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
             else:
                 mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             if layer.mixer == MixerKind.ATTENTION:
-                mixer += qk_norm
+                mixer += qk_norm - (cp_release if mode == RecomputeMode.FULL else 0.0)
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
@@ -311,7 +315,7 @@ class PricingModel:
                 t, widths_r, layer.mixer, layer.mlp, sp_div=sp_div,
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
             if layer.mixer == MixerKind.ATTENTION:
-                layer_retained += qk_norm
+                layer_retained += qk_norm - (cp_release if mode == RecomputeMode.NONE else 0.0)
             if extra:
                 layer_retained += extra
             if mode == RecomputeMode.FULL:
@@ -359,7 +363,11 @@ class PricingModel:
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
         head_ret = logits_ret + norm_saved
-        head_tr = max(logits_tr, norm_bwd) + (residual if mode == RecomputeMode.FULL else 0.0)
+        # the norm's backward runs after the logits are released: priced so when TP shards the
+        # vocabulary, and for TE's head at any TP (its terms are structural, not calibrate-fitted)
+        released = self.width_tp > 1 or kind == "full-te"
+        head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
+                   + (residual if mode == RecomputeMode.FULL else 0.0))
         arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
             "pending": pending,
@@ -368,7 +376,9 @@ class PricingModel:
             "head_chunk_rows": chunk,
             # the head's parts before they are combined (calibration reads them)
             "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
-                           "norm_saved": norm_saved, "norm_backward": norm_bwd},
+                           "norm_saved": norm_saved, "norm_backward": norm_bwd,
+                           "layout_residual": residual if mode == RecomputeMode.FULL else 0.0,
+                           "logits_at_norm": 0.0 if released else logits_ret},
             "forward_parts": {"nograd": nograd_plain, "retained_forward": retained_fwd},
             "caller": terms.caller_per_logical_token(t),
             "first_exec": terms.first_execution_bytes(t),

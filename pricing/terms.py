@@ -203,8 +203,11 @@ def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[floa
 
     `full-native`: Megatron's cross entropy keeps bf16 logits and an fp32 copy, 6 x vocab/TP
     bytes, plus the bf16 gradient in backward. `full-te`: TE's fused cross entropy
-    writes the gradient in place, 2 x vocab/TP (docs/memory-model.md#head-modes). `chunked:N`: none is
-    retained; the chunk's transient is `head_chunk_bytes`.
+    writes the gradient in place, 2 x vocab/TP (docs/memory-model.md#head-modes), and the entry's
+    optional `per_row` widths add what lives beside the logits per gathered row (the head's
+    input, which the output layer saves, and the fp32 loss and per-row statistics;
+    docs/memory-model.md#head-full-te). `chunked:N`: none is retained; the chunk's transient is
+    `head_chunk_bytes`.
     """
     if head == "full-native":
         entry = "head_full_native"
@@ -212,7 +215,8 @@ def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[floa
         entry = "head_full_te"
     else:
         return 0.0, 0.0
-    return (table.scalar(entry, "retained_per_row_vocab") * widths["vocab"],
+    beside = table.per_row(entry, widths) if head == "full-te" else 0.0
+    return (table.scalar(entry, "retained_per_row_vocab") * widths["vocab"] + beside,
             table.scalar(entry, "transient_per_row_vocab") * widths["vocab"])
 
 

@@ -146,3 +146,60 @@ def test_small_cells_carry_their_geometry_inline():
     bad["cell"]["geometry"]["hidden"] = "wide"
     with pytest.raises(ConfigError):
         calibrate.fit_table([bad], calibrate.load_base())
+
+
+MULTIRANK = Path(__file__).resolve().parents[1] / "bench" / "results" / "traces_multirank.jsonl"
+
+
+def _multirank_dense() -> list[dict]:
+    """One dense multi-rank record per (layout, recompute) at 2048 tokens."""
+    if not MULTIRANK.exists():
+        pytest.skip("bench/results/traces_multirank.jsonl not present")
+    picked: dict = {}
+    for line in MULTIRANK.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        cell = rec["cell"]
+        if cell["geometry"]["moe"] is None and sum(cell["seq_lens"]) <= 2048:
+            key = (json.dumps(cell["layout"], sort_keys=True), cell["recompute"])
+            picked.setdefault(key, rec)
+    return list(picked.values())
+
+
+def test_multirank_records_are_priced_at_their_layout():
+    """A record carrying `cell.layout` is priced at that layout: its busiest rank, as the planner
+    prices it (not at TP1), and calibrate's affine points still are the walk."""
+    from waveplan.pricing.model import PricingModel
+    from waveplan.pricing.parallel import ParallelLayout
+
+    table = load_table("torch-cpu")
+    records = _multirank_dense()
+    assert len(records) >= 27
+    for rec in records:
+        layout = rec["cell"]["layout"]
+        model = calibrate._model(table, rec["cell"])
+        assert isinstance(model, PricingModel) and model.parallel == ParallelLayout(**layout)
+        price = calibrate._price(table, rec)
+        assert abs(calibrate.cell_points(table, rec).max() - price) <= 1.0
+        tp1 = calibrate._price(table, {**rec, "cell": {k: v for k, v in rec["cell"].items() if k != "layout"}})
+        if layout["tp"] * layout["cp"] > 1:
+            assert price < tp1   # the TP1 price would fit a sharded rank's trace to a TP1 rank
+        assert price >= rec["trace"]["peak_bytes"]   # the shipped residuals never under-price
+
+
+@pytest.mark.parametrize("layout, field", [({"tp": 0}, "cell.layout"), ("tp2", "cell.layout"),
+                                           ({"tp": 1, "pp": 2}, "cell.layout.pp"),
+                                           ({"tp": 2, "bogus": 1}, "cell.layout")])
+def test_a_bad_layout_is_refused_naming_the_field(tmp_path, layout, field):
+    rec = _multirank_dense()[0]
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({**rec, "cell": {**rec["cell"], "layout": layout}}) + "\n")
+    with pytest.raises(calibrate.ConfigError) as err:
+        calibrate.read_traces(path)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_trace_json_carries_its_layout_into_the_cell():
+    rec = _multirank_dense()[0]
+    obj = {**rec["trace"], "model": rec["cell"]["model"], "geometry": rec["cell"]["geometry"],
+           "recompute": rec["cell"]["recompute"], "seq_lens": rec["cell"]["seq_lens"]}
+    assert calibrate.record_from_trace(obj)["cell"]["layout"] == rec["trace"]["layout"]

@@ -62,3 +62,17 @@ def test_inspect_subprocess(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip() == f"waveplan: error: {path}:1: invalid JSON: " \
         "Expecting property name enclosed in double quotes (column 2)"
+
+
+def test_inspect_prints_the_conservative_reason_on_the_basis_line(capsys):
+    """An untraced layout: the basis line says conservative, why, and the layout it is credited as."""
+    assert main(["inspect", "--model", "qwen3-32b", "--tp", "4", "--sp", "--cp", "2"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("basis")]
+    assert len(lines) == 1
+    assert lines[0].startswith("basis      conservative (TP4 SP CP2, full recompute, te-gpu): TP4 SP CP2 (no multi-rank trace")
+    assert lines[0].endswith("priced as TP4 SP CP1")
+    assert main(["inspect", "--model", "qwen3-32b", "--tp", "4", "--sp"]) == 0
+    assert "basis      evidence (TP4 SP CP1, full recompute, te-gpu)\n" in capsys.readouterr().out
+    assert main(["inspect", "--json", "--model", "qwen3-32b", "--pp", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["basis"] == "conservative" and data["reasons"] == ["PP2 (no pipeline trace yet: stages priced under 1F1B)"]

@@ -11,8 +11,9 @@ query/key norms, the final norm, a retained layer's forward peak and backward tr
 MoE layer's forward transient; all neutral in te-gpu), a multiple of a structural unit read
 off cpu-fake traces (bench/results/validation_anatomy.txt). About twenty factors.
 
-Each cell is priced as the trace ran it: one gradient group of the wave's rows, head
-"full-native", `profiled=True`, the geometry cut to the traced layer count, adapter
+Each cell is priced as the trace ran it: at its parallel layout (`cell.layout`, what the
+multi-rank tracer records; TP1 when absent; `cell_layout`), its busiest rank's rows against the
+trace's busiest rank, one gradient group of the wave's rows, head "full-native", `profiled=True`, the geometry cut to the traced layer count, adapter
 gradients of 2 bytes (bf16 parameters, plain autograd), and one GDN segment when the trace
 concatenated the sequences into one row. The decoder-only peak of a cell is priced the same
 way with the head's logits terms (per row x vocab) set to zero — the final norm stays, as the
@@ -69,10 +70,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "retained_ffn": (f"{_RET_ATT}:F", f"{_RET_GDN}:F"),
     "selective_discount": ("selective_core_attn_discount",),
     "retained_moe": ("retained_moe_mlp",),
-    "head": ("head_full_native:retained_per_row_vocab", "head_full_te:retained_per_row_vocab",
-             "head_chunk"),
-    "head_transient": ("head_full_native:transient_per_row_vocab",
-                       "head_full_te:transient_per_row_vocab"),
+    # head_full_te is structural and checked on its own traces (bench/full_te_check.py,
+    # docs/memory-model.md#head-full-te): the full-native fit does not scale it
+    "head": ("head_full_native:retained_per_row_vocab", "head_chunk"),
+    "head_transient": ("head_full_native:transient_per_row_vocab",),
 }
 # group -> (term, its structural unit entry, evidence): terms a base table may lack. The
 # fitted entry is factor x unit. Units are the cpu-fake anatomy's decomposition
@@ -128,6 +129,8 @@ def record_from_trace(obj: dict) -> dict:
             "lora_rank": obj.get("lora_rank") or 0, "seq_lens": obj.get("seq_lens")}
     if "geometry" in obj:
         cell["geometry"] = obj["geometry"]
+    if isinstance(obj.get("layout"), dict):
+        cell["layout"] = obj["layout"]
     return {"cell": {k: v for k, v in cell.items() if v is not None}, "trace": obj}
 
 
@@ -173,6 +176,8 @@ def _check_record(rec: object, where: str) -> None:
             ModelGeometry.from_dict(cell["geometry"])
         except (ConfigError, KeyError, TypeError, ValueError) as exc:
             raise bad(ConfigError, "traces", where, f"cell.geometry is not a model geometry: {exc}") from None
+    if "layout" in cell:
+        cell_layout(cell, where)
     for key in ("peak_bytes", "decoder_peak_bytes"):
         value = trace.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -206,6 +211,27 @@ def cell_geometry(cell: dict):
     return _GEOMETRY_CACHE[key]
 
 
+def cell_layout(cell: dict, where: str = "cell"):
+    """The parallel layout a record was traced at: `cell.layout` (a `ParallelLayout.to_dict()`
+    object, what the multi-rank tracer writes; TP1 when absent). Each cell is priced at its own
+    layout, its busiest rank against the trace's busiest rank. ConfigError naming the field
+    when it is not a layout or has pipeline stages (a trace covers one stage's ranks only)."""
+    from ..parallel import ParallelLayout
+
+    raw = cell.get("layout")
+    if raw is None:
+        return ParallelLayout()
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError("not an object")
+        layout = ParallelLayout(**raw)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise bad(ConfigError, "cell.layout", raw, f"{where}: not a parallel layout ({exc})") from None
+    if layout.pp != 1:
+        raise bad(ConfigError, "cell.layout.pp", layout.pp, f"{where}: calibrate fits one pipeline stage (pp 1)")
+    return layout
+
+
 def _wave(record: dict) -> tuple[int, int]:
     """(rows, GDN segments) of a traced wave, as the trace ran it: sequences concatenated into
     one causal row (GDN hybrids) are one segment; packed (THD) sequences one each."""
@@ -218,7 +244,7 @@ def _wave(record: dict) -> tuple[int, int]:
 def _model(table: CoefficientTable, cell: dict):
     from ..lora import LoraConfig, LoraSlot
     from ..model import PricingModel
-    from ..parallel import ParallelLayout, Recompute
+    from ..parallel import Recompute
 
     geometry = cell_geometry(cell)
     if geometry.features.final_softcap and not table.scalar("head_full_native", "retained_per_row_vocab"):
@@ -226,7 +252,7 @@ def _model(table: CoefficientTable, cell: dict):
         geometry = dataclasses.replace(
             geometry, features=dataclasses.replace(geometry.features, final_softcap=0.0))
     # the traced adapters are bf16 parameters with plain autograd gradients: 2 bytes each
-    return PricingModel(geometry=geometry, parallel=ParallelLayout(),
+    return PricingModel(geometry=geometry, parallel=cell_layout(cell),
                         recompute=Recompute(mode=cell["recompute"]),
                         lora=LoraConfig(slots=(LoraSlot(rank=int(cell["lora_rank"]) or 1),),
                                         grad_bytes=2),
@@ -264,22 +290,30 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
     """Every walk point of the record's one-group wave, in bytes (`pricing.walk`'s schedule;
     the head's backward split in its logits and final-norm moments). Its maximum is the
     wave's raw price (tests check it against `price_groups`). O(layers)."""
+    from ..price import rank_rows
+
     rows, segments = _wave(record)
-    a = _model(table, record["cell"]).arrays
+    model = _model(table, record["cell"])
+    rows = rank_rows(model, rows)   # the busiest CP rank's rows (all of them at CP1)
+    a = model.arrays
     ret, ws, gdn = a["retained"], a["workspace"], a["gdn_state"]
     cum = np.cumsum(ret)
     total = float(ret.sum())
     suffix = np.cumsum(a["pending"][0][::-1])[::-1] if a["pending"].size else np.zeros(len(ret))
     parts, ig, const = a["head_parts"], a["input_grad"], a["head_const"]
     head_ret = parts["logits_retained"] + parts["norm_saved"]
+    late = ig + parts["layout_residual"]   # beside the head's backward (the residual: full recompute)
     fwd = a["forward_parts"]
     # in this order (`point_phases` says which pass each runs in)
     points = [rows * (cum - ret + fwd["nograd"]) + segments * gdn,
               rows * (cum - ret + fwd["retained_forward"]) + segments * gdn,
               rows * (cum + ws + ig) + suffix + segments * gdn,
               [rows * (total + head_ret) + const,
-               rows * (total + ig + head_ret + parts["logits_transient"]) + const,
-               rows * (total + ig + head_ret + parts["norm_backward"]) + const]]
+               rows * (total + late + head_ret + parts["logits_transient"]) + const,
+               # the final norm's backward, with the logits still charged at TP1
+               # (`layout_terms.head_point_transient`)
+               rows * (total + late + parts["norm_saved"] + parts["logits_at_norm"]
+                       + parts["norm_backward"]) + const]]
     return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a["caller"] * rows
 
 

@@ -21,7 +21,9 @@ causal attention and RoPE positions) for attention-only models; GDN hybrids cann
 packed input in Megatron-core 0.16, so their sequences are concatenated into one causal
 row (batch 1) and a note says so. The loss is Megatron's own cross entropy
 (`vocab_parallel_cross_entropy`) on the full logits ("full-native" head: bf16 logits plus
-an fp32 copy). A second, decoder-only pass (the same wave without output layer and loss;
+an fp32 copy), or, with `head="full-te"`, Megatron's Transformer Engine fusion path: on the CPU
+through `te_cross_entropy`'s allocation model of TE's parallel cross entropy (bf16 logits
+overwritten by their gradient, fp32 loss and per-row statistics). A second, decoder-only pass (the same wave without output layer and loss;
 the decoder output is released before the backward, which starts from one materialised
 gradient of its shape, as after the output layer's backward) gives the decoder's own peak.
 
@@ -43,7 +45,7 @@ from ..parallel import ParallelLayout, Recompute
 from .thd import packed_params, rope_patch
 
 DEVICES = ("cpu-fake", "cpu", "cuda")
-HEADS = ("full-native",)
+HEADS = ("full-native", "full-te")
 
 
 @dataclass(frozen=True)
@@ -429,6 +431,13 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
                           recompute=recompute, layout=layout, seq_len=max(lens),
                           perform_initialization=not fake)
         model.train()
+        if head == "full-te":
+            from .te_cross_entropy import te_cross_entropy_head
+
+            stack.enter_context(te_cross_entropy_head(model))
+            notes.append("full-te head: an allocation model of Transformer Engine's parallel cross "
+                         "entropy (bf16 logits overwritten by their gradient, fp32 loss and per-row "
+                         "max/sum/target; its fp32 chunk scratch, standing for TE's registers, is not counted)")
         if has_moe:
             _install_balanced_dispatch(model, layout)
         vocab = geometry.vocab
@@ -493,6 +502,10 @@ def _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout, deco
                           recompute=recompute, layout=layout, seq_len=max(lens),
                           perform_initialization=True)
         model.train()
+        if head == "full-te":
+            # Megatron's own TE fusion path (Transformer Engine must be installed)
+            model.config.cross_entropy_loss_fusion = True
+            model.config.cross_entropy_fusion_impl = "te"
         runs = [("full", True)] + ([("decoder", False)] if decoder_only else [])
         for name, full_head in runs:
             peaks = {}
