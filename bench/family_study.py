@@ -90,6 +90,9 @@ def cmd_trace(args) -> int:
             seen.add(cell_key(c))
             todo.append(c)
     print(f"{len(grid)} cells, {len(todo)} to trace", flush=True)
+    from waveplan.planner.progress import progress_bar
+
+    bar = progress_bar(len(todo), "family grid", unit="cell")
     for n, cell in enumerate(todo, 1):
         t0 = time.perf_counter()
         res = trace_wave(cell_model(cell), seq_lens=cell["seq_lens"], num_layers=cell["num_layers"],
@@ -101,6 +104,8 @@ def cmd_trace(args) -> int:
                                 sort_keys=True) + "\n")
         print(f"[{n}/{len(todo)}] {cell['model']} {cell['seq_lens']} peak={res.peak_bytes} {dt:.1f}s",
               flush=True)
+        bar.update(1)
+    bar.close()
     return 0
 
 

@@ -213,7 +213,12 @@ def cmd_trace(args) -> int:
     for *_, cells in grid:
         for cell in cells:
             current_estimate(cell)
+    from waveplan.planner.progress import progress_bar
+
     t_all = time.monotonic()
+    total = sum(1 for name, *_, cells in grid if not (args.only and name not in args.only)
+                for c in cells if cell_key(c) not in have)
+    bar = progress_bar(total, "multi-rank grid", unit="cell")
     for name, model, kwargs, routing, cells in grid:
         if args.only and name not in args.only:
             continue
@@ -233,6 +238,8 @@ def cmd_trace(args) -> int:
         _write(records, path)
         print(f"{name}: {len(todo)} cells, {tr.world_size} ranks, "
               f"{time.monotonic() - t0:.0f} s", flush=True)
+        bar.update(len(todo))
+    bar.close()
     print(f"grid traced in {time.monotonic() - t_all:.0f} s")
     return 0
 

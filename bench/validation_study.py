@@ -141,6 +141,9 @@ def cmd_trace(args) -> int:
     todo = [c for c in grid if cell_key(c) not in done]
     print(f"{len(grid)} cells, {len(grid) - len(todo)} cached, {len(todo)} to trace", flush=True)
     args.traces.parent.mkdir(parents=True, exist_ok=True)
+    from waveplan.planner.progress import progress_bar
+
+    bar = progress_bar(len(todo), "validation grid", unit="cell")
     for n, cell in enumerate(todo, 1):
         t0 = time.perf_counter()
         res = trace_wave(cell_model(cell), seq_lens=cell["seq_lens"],
@@ -152,6 +155,8 @@ def cmd_trace(args) -> int:
         with args.traces.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec, sort_keys=True) + "\n")
         print(f"[{n}/{len(todo)}] {cell_key(cell)} peak={res.peak_bytes} {dt:.1f}s", flush=True)
+        bar.update(1)
+    bar.close()
     return 0
 
 
