@@ -20,7 +20,7 @@ from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
-from .pipeline import fold_stages, stage_bounds, stage_charges
+from .pipeline import fold_stages, received_activation_per_row, stage_bounds, stage_charges
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
@@ -335,8 +335,10 @@ class PricingModel:
             # the per-layer arrays, each stage's charges, and the folded per-wave proxy
             arrays["layers"] = {name: arrays[name] for name in
                                 ("retained", "workspace", "nograd", "gdn_state", "pending")}
-            stages = stage_charges(arrays, pp=p.pp,
-                                   received_per_row=terms.boundary_per_row(t, widths, sp_div=sp_div))
+            boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
+            stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,
+                                   received_per_row=received_activation_per_row(
+                                       boundary, full_recompute=mode == RecomputeMode.FULL))
             arrays["stages"] = stages
             arrays.update(fold_stages(stages))
         return arrays

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,11 +63,46 @@ class StageCharges:
     window: int                # k = p - s, the in-flight waves at most
     charges: WalkCharges
     retained_per_row: float    # sum of the stage's retained rows (+ the loss's on the last)
+    grad_in_per_row: float = 0.0   # the received output gradient, through the wave's backward
+    held_per_row: float = 0.0      # the gradients a wave leaves held into the next wave's
+    pending_total: np.ndarray | None = None  # per slot: the stage's adapter gradients
 
 
-def stage_charges(arrays: dict, *, pp: int, received_per_row: float) -> tuple[StageCharges, ...]:
+def received_activation_per_row(boundary: float, *, full_recompute: bool) -> float:
+    """What stage s > 0 keeps per row of an in-flight wave beside its layers' retained rows:
+    the activation it received (Megatron's receive buffer, kept by the schedule in
+    `input_tensors` until the wave's backward). Under full recompute that tensor is the stage's
+    first layer's checkpointed input, the same storage its boundary already counts: 0. Without
+    full recompute, one boundary per row (conservative: not traced).
+    Evidence: docs/memory-model.md#pipeline-traces. O(1)."""
+    return 0.0 if full_recompute else boundary
+
+
+def received_gradient_per_row(boundary: float, *, stage: int, pp: int) -> float:
+    """Stage s < p - 1: the output gradient it receives for a wave's backward (a
+    boundary-wide tensor per row, in the pipeline dtype), held by the schedule
+    (`output_tensor_grad`) through the wave's whole backward, beside the layers' own input
+    gradient: charged at every point of the wave's walk. 0 on the last stage (its backward
+    starts at the loss). Evidence: docs/memory-model.md#pipeline-traces. O(1)."""
+    return boundary if stage < pp - 1 else 0.0
+
+
+def held_gradient_per_row(boundary: float, *, stage: int, pp: int) -> float:
+    """What a wave's backward leaves live into the next steps of the schedule: on stage
+    s > 0 its input gradient (the received activation's retained `.grad`, the schedule's
+    `input_tensor_grad`), on stage s < p - 1 its received output gradient
+    (`output_tensor_grad`); both are dropped only when the schedule reassigns them, after the
+    next forward (and, for the input gradient, the next backward). The window after it pays
+    them. Evidence: docs/memory-model.md#pipeline-traces. O(1)."""
+    return boundary * ((stage > 0) + (stage < pp - 1))
+
+
+def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
+                  boundary_per_row: float = 0.0) -> tuple[StageCharges, ...]:
     """Each stage's charges from a model's per-layer arrays over all L layers (`layers`,
-    the `PricingModel.arrays` entry of a PP > 1 model). O(p x L)."""
+    the `PricingModel.arrays` entry of a PP > 1 model): `received_per_row` what a stage s > 0
+    keeps of the activation it received (`received_activation_per_row`), `boundary_per_row`
+    one boundary-wide gradient per row (the schedule's held gradients). O(p x L)."""
     full = arrays["layers"]
     num_layers = full["retained"].shape[0]
     out = []
@@ -83,8 +119,12 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float) -> tuple[St
             float(arrays["head_transient"]) if last else 0.0,
             float(arrays["head_const"]) if last else 0.0,
             float(arrays["caller"]) if last else 0.0)
-        out.append(StageCharges(stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
-                                retained_per_row=float(retained.sum()) + charges.head_retained))
+        out.append(StageCharges(
+            stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
+            retained_per_row=float(retained.sum()) + charges.head_retained,
+            grad_in_per_row=received_gradient_per_row(boundary_per_row, stage=s, pp=pp),
+            held_per_row=held_gradient_per_row(boundary_per_row, stage=s, pp=pp),
+            pending_total=charges.pending.sum(axis=1)))
     return tuple(out)
 
 
@@ -137,52 +177,85 @@ class StagePeak:
                 "budget_bytes": self.budget_bytes}
 
 
-def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float) -> tuple[float, float]:
-    """(retained part, peak) of one wave at one stage, raw bytes. O(groups^2 + groups x L/p)."""
+class StageParts(NamedTuple):
+    """Each wave's parts at each stage, raw bytes, [p, W] arrays in the waves' order:
+    `kept` its retained part, `peak` its walk's peak (with its received output gradient),
+    `held` the gradients it leaves live into the next window (`held_gradient_per_row`),
+    `left` the adapter gradients its backward allocates (the slots it carries), live to the
+    step's end. None depends on the order; `take` reorders them."""
+
+    kept: np.ndarray
+    peak: np.ndarray
+    held: np.ndarray
+    left: np.ndarray
+
+    def take(self, order) -> StageParts:
+        return StageParts(*(a[:, order] for a in self))
+
+
+def wave_parts(stage: StageCharges, groups: WalkGroups,
+               first_exec: float) -> tuple[float, float, float, float]:
+    """(retained part, peak, held, left) of one wave at one stage, raw bytes (`StageParts`).
+    O(groups^2 + groups x L/p)."""
     best, _ = walk(stage.charges, first_exec, groups)
-    kept = float(np.sum(groups.rows[groups.grad])) * stage.retained_per_row
-    return kept, float(best[PEAK_BYTES])
+    rows = float(np.sum(groups.rows[groups.grad]))
+    kept = rows * stage.retained_per_row
+    peak = float(best[PEAK_BYTES]) + rows * stage.grad_in_per_row
+    left = 0.0
+    if stage.pending_total is not None:
+        left = float(stage.pending_total[np.unique(groups.slot[groups.carries])].sum())
+    return kept, peak, rows * stage.held_per_row, left
 
 
-def window_peak(kept: np.ndarray, peak: np.ndarray, k: int) -> tuple[float, int]:
-    """max over windows of k consecutive waves of sum(kept) + max(peak - kept), and the first
-    wave of the binding window. O(W x k)."""
+def window_peak(kept: np.ndarray, peak: np.ndarray, k: int, held: np.ndarray | None = None,
+                left: np.ndarray | None = None) -> tuple[float, int]:
+    """The largest, over windows of up to k consecutive waves starting at each wave i, of
+    sum(kept) + max(peak - kept + the adapter gradients `left` by the waves before it)
+    + the gradients `held` by wave i - 1; and the first wave of the binding window.
+    The windows at the end are shorter (the cool-down: fewer waves in flight, but the held
+    gradients of a wave inside the last full window). O(W x k)."""
     n = len(kept)
     k = max(1, min(k, n))
     transient = peak - kept
+    if left is not None:
+        transient = transient + np.concatenate(([0.0], np.cumsum(left)[:-1]))
     best, at = -math.inf, 0
-    for i in range(n - k + 1):
-        v = float(kept[i:i + k].sum() + transient[i:i + k].max())
+    for i in range(n if held is not None else n - k + 1):
+        j = min(i + k, n)
+        v = float(kept[i:j].sum() + transient[i:j].max())
+        if held is not None and i > 0:
+            v += float(held[i - 1])
         if v > best:
             best, at = v, i
     return best, at
 
 
 def stage_parts(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
-                first_exec: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(kept[p, W], peak[p, W]): each wave's retained part and peak at each stage, raw bytes.
-    They do not depend on the waves' order. O(p x W x (groups^2 + groups x L/p))."""
-    kept = np.zeros((len(stages), len(waves)))
-    peak = np.zeros((len(stages), len(waves)))
+                first_exec: Sequence[float]) -> StageParts:
+    """Each wave's parts at each stage (`StageParts`), raw bytes. They do not depend on the
+    waves' order. O(p x W x (groups^2 + groups x L/p))."""
+    parts = np.zeros((4, len(stages), len(waves)))
     for s, st in enumerate(stages):
         for w, groups in enumerate(waves):
-            kept[s, w], peak[s, w] = wave_parts(st, groups, first_exec[w])
-    return kept, peak
+            parts[:, s, w] = wave_parts(st, groups, first_exec[w])
+    return StageParts(*parts)
 
 
-def peaks_from_parts(stages: Sequence[StageCharges], kept: np.ndarray, peak: np.ndarray,
+def peaks_from_parts(stages: Sequence[StageCharges], parts: StageParts,
                      budgets: Sequence[int], safety: float) -> tuple[StagePeak, ...]:
     """Every stage's peak over the waves (columns of `stage_parts`) in column order, against
     each stage's budget. O(p x W x k)."""
     out = []
-    n = kept.shape[1]
+    n = parts.kept.shape[1]
     for st in stages:
-        k = in_flight(len(stages), st.stage, n)
-        raw, at = window_peak(kept[st.stage], peak[st.stage], k) if n else (0.0, 0)
-        out.append(StagePeak(stage=st.stage, layers=(st.lo, st.hi), in_flight=k,
+        s = st.stage
+        k = in_flight(len(stages), s, n)
+        raw, at = (window_peak(parts.kept[s], parts.peak[s], k, parts.held[s], parts.left[s])
+                   if n else (0.0, 0))
+        out.append(StagePeak(stage=s, layers=(st.lo, st.hi), in_flight=k,
                              peak_bytes=admitted(raw, safety) if n else 0,
-                             window=(at, at + min(k, n) - 1) if n else (0, -1),
-                             budget_bytes=int(budgets[st.stage])))
+                             window=(at, min(at + k, n) - 1) if n else (0, -1),
+                             budget_bytes=int(budgets[s])))
     return tuple(out)
 
 
@@ -197,8 +270,7 @@ def stage_peaks(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
     """Every stage's peak over `waves` run in this order (each wave: its forward calls as a
     `WalkGroups`, with its first-execution allowance), against each stage's budget.
     O(p x W x (groups^2 + groups x L/p) + p x W x k)."""
-    kept, peak = stage_parts(stages, waves, first_exec)
-    return peaks_from_parts(stages, kept, peak, budgets, safety)
+    return peaks_from_parts(stages, stage_parts(stages, waves, first_exec), budgets, safety)
 
 
 def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from .errors import ConfigError, bad
 from .model import PricingModel
-from .pipeline import StagePeak, stage_parts, stage_peaks
+from .pipeline import StageParts, StagePeak, stage_parts, stage_peaks
 from .price import GroupLoad, _group_arrays
 
 
@@ -30,8 +28,8 @@ def price_stages(model: PricingModel, waves: Sequence[tuple[Sequence[GroupLoad],
 
 
 def price_parts(model: PricingModel, waves: Sequence[tuple[Sequence[GroupLoad], frozenset[str]]],
-                *, profiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """`pipeline.stage_parts` of the waves: (kept[p, W], peak[p, W]), raw bytes, order-free."""
+                *, profiled: bool = False) -> StageParts:
+    """`pipeline.stage_parts` of the waves (`StageParts`: [p, W] arrays), raw bytes, order-free."""
     return stage_parts(_stages(model), *_walk_groups(model, waves, profiled))
 
 

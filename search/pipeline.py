@@ -112,7 +112,8 @@ def best_order(model, waves: Sequence[PackedWave],
     `fill_windows`) and its stage peaks. O(p x W x (groups^2 + groups x L/p) + W^2 x p x k)."""
     waves = list(waves)
     stages = model.arrays["stages"]
-    kept, peak = price_parts(model, [(w.loads, w.first_slots) for w in waves])
+    parts = price_parts(model, [(w.loads, w.first_slots) for w in waves])
+    kept, peak = parts.kept, parts.peak
     best, best_peaks = list(range(len(waves))), None
     orders = [best]
     if len(waves) > 2:
@@ -120,7 +121,7 @@ def best_order(model, waves: Sequence[PackedWave],
         room = np.asarray(budgets, dtype=np.float64) / model.safety
         orders += [alternate(waves, kept[0]), fill_windows(waves, kept, peak, windows, room)]
     for order in orders:
-        peaks = peaks_from_parts(stages, kept[:, order], peak[:, order], budgets, model.safety)
+        peaks = peaks_from_parts(stages, parts.take(order), budgets, model.safety)
         if best_peaks is None or _overshoot(peaks) < _overshoot(best_peaks):
             best, best_peaks = order, peaks
         if all(p.fits for p in peaks):
