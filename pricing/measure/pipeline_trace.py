@@ -128,6 +128,19 @@ def _check(geometry: ModelGeometry, layout: ParallelLayout, waves, num_layers, t
     return n, waves
 
 
+def pipeline_spec(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
+                  num_layers: int | None = None, recompute: Recompute | None = None,
+                  lora_rank: int | None = 16, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """What every rank process of a pipeline trace reads (`trace_pipeline_rank`): the checked
+    inputs, each sequence padded to the layout's row multiple. O(sequences)."""
+    n, waves = _check(geometry, layout, waves, num_layers, timeout_s)
+    recompute = recompute or Recompute()
+    return {"pipeline": True, "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
+            "num_layers": n, "layout": layout.to_dict(), "timeout_s": float(timeout_s),
+            "jobs": [{"waves": [list(padded_lens(w, layout)) for w in waves],
+                      "recompute": recompute.to_dict(), "lora_rank": lora_rank}]}
+
+
 def trace_pipeline(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
                    num_layers: int | None = None, recompute: Recompute | None = None,
                    lora_rank: int | None = 16,
@@ -137,18 +150,16 @@ def trace_pipeline(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
     layout's row multiple."""
     from .multirank import _spawn
 
+    spec = pipeline_spec(geometry, layout=layout, waves=waves, num_layers=num_layers,
+                         recompute=recompute, lora_rank=lora_rank, timeout_s=timeout_s)
     n, waves = _check(geometry, layout, waves, num_layers, timeout_s)
-    recompute = recompute or Recompute()
     padded = [padded_lens(w, layout) for w in waves]
     notes = []
     if n < geometry.num_layers:
         notes.append(f"layer count reduced: traced {n} of {geometry.num_layers} layers")
     if padded != waves:
         notes.append(f"each sequence padded to a multiple of {layout.row_multiple} rows")
-    spec = {"pipeline": True, "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
-            "num_layers": n, "layout": layout.to_dict(), "timeout_s": float(timeout_s),
-            "jobs": [{"waves": [list(w) for w in padded], "recompute": recompute.to_dict(),
-                      "lora_rank": lora_rank}]}
+    recompute = recompute or Recompute()
     size = layout.tp * layout.pp
     per_rank = _spawn(spec, size, timeout_s)
     ranks = []
@@ -213,7 +224,8 @@ def _labelled_tracker_class():
 
 
 def trace_pipeline_rank(spec: dict) -> list[dict]:
-    """This rank's results, one per job (called by `multirank._rank_main`)."""
+    """This rank's results, one per job (`pipeline_spec`), in a process whose gloo group
+    (TP x PP ranks) is initialised (`multirank._rank_main` does it)."""
     import dataclasses
 
     import torch
