@@ -64,7 +64,8 @@ class StageCharges:
     charges: WalkCharges
     retained_per_row: float    # sum of the stage's retained rows (+ the loss's on the last)
     grad_in_per_row: float = 0.0   # the received output gradient, through the wave's backward
-    held_per_row: float = 0.0      # the gradients a wave leaves held into the next wave's
+    held_per_row: float = 0.0      # the gradients a wave leaves held into the next forward
+    held_backward_per_row: float = 0.0  # ... and into the next backward
     pending_total: np.ndarray | None = None  # per slot: the stage's adapter gradients
 
 
@@ -87,13 +88,17 @@ def received_gradient_per_row(boundary: float, *, stage: int, pp: int) -> float:
     return boundary if stage < pp - 1 else 0.0
 
 
-def held_gradient_per_row(boundary: float, *, stage: int, pp: int) -> float:
-    """What a wave's backward leaves live into the next steps of the schedule: on stage
-    s > 0 its input gradient (the received activation's retained `.grad`, the schedule's
-    `input_tensor_grad`), on stage s < p - 1 its received output gradient
-    (`output_tensor_grad`); both are dropped only when the schedule reassigns them, after the
-    next forward (and, for the input gradient, the next backward). The window after it pays
-    them. Evidence: docs/memory-model.md#pipeline-traces. O(1)."""
+def held_gradient_per_row(boundary: float, *, stage: int, pp: int,
+                          into: str = "forward") -> float:
+    """What a wave's backward leaves live into the next steps of the schedule, per row: on
+    stage s > 0 its input gradient (the received activation's retained `.grad`, the
+    schedule's `input_tensor_grad`, reassigned when the next backward returns: held through
+    the next forward and the next backward); on stage s < p - 1 its received output gradient
+    (`output_tensor_grad`, reassigned when the next one is received: held through the next
+    forward only). `into`: "forward" or "backward", the next step priced.
+    Evidence: docs/memory-model.md#pipeline-traces. O(1)."""
+    if into == "backward":
+        return boundary * (stage > 0)
     return boundary * ((stage > 0) + (stage < pp - 1))
 
 
@@ -124,6 +129,8 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
             retained_per_row=float(retained.sum()) + charges.head_retained,
             grad_in_per_row=received_gradient_per_row(boundary_per_row, stage=s, pp=pp),
             held_per_row=held_gradient_per_row(boundary_per_row, stage=s, pp=pp),
+            held_backward_per_row=held_gradient_per_row(boundary_per_row, stage=s, pp=pp,
+                                                        into="backward"),
             pending_total=charges.pending.sum(axis=1)))
     return tuple(out)
 
@@ -180,51 +187,116 @@ class StagePeak:
 class StageParts(NamedTuple):
     """Each wave's parts at each stage, raw bytes, [p, W] arrays in the waves' order:
     `kept` its retained part, `peak` its walk's peak (with its received output gradient),
-    `held` the gradients it leaves live into the next window (`held_gradient_per_row`),
+    `forward` its forward's bound (`forward_charges`), `held_forward` / `held_backward` the
+    gradients it leaves live into the next forward / backward (`held_gradient_per_row`),
     `left` the adapter gradients its backward allocates (the slots it carries), live to the
-    step's end. None depends on the order; `take` reorders them."""
+    step's end, `left_layer` their largest layer's share (`accumulation_transient`). None
+    depends on the order; `take` reorders them."""
 
     kept: np.ndarray
     peak: np.ndarray
-    held: np.ndarray
+    forward: np.ndarray
+    held_forward: np.ndarray
+    held_backward: np.ndarray
     left: np.ndarray
+    left_layer: np.ndarray
 
     def take(self, order) -> StageParts:
         return StageParts(*(a[:, order] for a in self))
 
 
+def forward_charges(c: WalkCharges) -> WalkCharges:
+    """A bound of a wave's forward at a stage: its walk without the backward's gradients
+    (input gradient, pending adapter gradients, the head's backward transient). The
+    recomputed layer's workspace stays: the no-grad forward holds no more than the same
+    layer's forward with autograd on, and the table's own no-grad transient is not
+    validated (the CPU traces' forwards peak about 1.5x above it; at PP1 a forward never
+    binds). Evidence: docs/memory-model.md#pipeline-traces. O(L)."""
+    return c._replace(input_grad=0.0, pending=np.zeros_like(c.pending), head_transient=0.0)
+
+
+def below_top_charges(c: WalkCharges) -> WalkCharges | None:
+    """The stage's charges without its top layer, whose adapter gradients fold into the layer
+    below (so that layer's pending suffix keeps them): the walk's points below the top layer,
+    where the received output gradient is held beside the layer's own incoming gradient (at
+    the top layer they are one tensor). None for a one-layer stage. O(L)."""
+    if c.retained.shape[0] < 2:
+        return None
+    pending = np.ascontiguousarray(c.pending[:, :-1]).copy()
+    pending[:, -1] += c.pending[:, -1]
+    return c._replace(retained=c.retained[:-1].copy(), workspace=c.workspace[:-1].copy(),
+                      nograd=c.nograd[:-1].copy(), gdn_state=c.gdn_state[:-1].copy(),
+                      pending=pending)
+
+
 def wave_parts(stage: StageCharges, groups: WalkGroups,
-               first_exec: float) -> tuple[float, float, float, float]:
-    """(retained part, peak, held, left) of one wave at one stage, raw bytes (`StageParts`).
-    O(groups^2 + groups x L/p)."""
+               first_exec: float) -> tuple[float, ...]:
+    """(retained part, peak, forward bound, held into the next forward, held into the next
+    backward, left) of one wave at one stage, raw bytes (`StageParts`). The peak is the
+    walk's, or below the top layer the walk's plus the received output gradient
+    (`received_gradient_per_row`), the larger. O(groups^2 + groups x L/p)."""
     best, _ = walk(stage.charges, first_exec, groups)
+    fwd, _ = walk(forward_charges(stage.charges), first_exec, groups)
     rows = float(np.sum(groups.rows[groups.grad]))
     kept = rows * stage.retained_per_row
-    peak = float(best[PEAK_BYTES]) + rows * stage.grad_in_per_row
-    left = 0.0
-    if stage.pending_total is not None:
-        left = float(stage.pending_total[np.unique(groups.slot[groups.carries])].sum())
-    return kept, peak, rows * stage.held_per_row, left
+    peak = float(best[PEAK_BYTES])
+    if stage.grad_in_per_row and rows:
+        lower = below_top_charges(stage.charges)
+        if lower is not None:
+            below, _ = walk(lower, first_exec, groups)
+            peak = max(peak, float(below[PEAK_BYTES]) + rows * stage.grad_in_per_row)
+    carried = np.unique(groups.slot[groups.carries])
+    pending = stage.charges.pending[carried]
+    left = float(pending.sum())
+    return (kept, peak, float(fwd[PEAK_BYTES]), rows * stage.held_per_row,
+            rows * stage.held_backward_per_row, left, accumulation_transient(pending))
 
 
-def window_peak(kept: np.ndarray, peak: np.ndarray, k: int, held: np.ndarray | None = None,
-                left: np.ndarray | None = None) -> tuple[float, int]:
-    """The largest, over windows of up to k consecutive waves starting at each wave i, of
-    sum(kept) + max(peak - kept + the adapter gradients `left` by the waves before it)
-    + the gradients `held` by wave i - 1; and the first wave of the binding window.
-    The windows at the end are shorter (the cool-down: fewer waves in flight, but the held
-    gradients of a wave inside the last full window). O(W x k)."""
+def accumulation_transient(pending: np.ndarray) -> float:
+    """Bytes a backward adds while it accumulates into adapter gradients that exist already
+    (a wave after its slot's carrier): autograd computes a parameter's new gradient, then
+    adds it into `.grad`; at most one layer's adapter gradients (`pending`: [slots, layers]
+    of the carried slots) are such new tensors at once. Evidence:
+    docs/memory-model.md#pipeline-traces. O(slots x L)."""
+    return float(pending.sum(axis=0).max()) if pending.size else 0.0
+
+
+def schedule_points(parts: StageParts, s: int, k: int) -> list[tuple[float, int, int]]:
+    """Every operation of 1F1B at stage s (k waves in flight at most) priced: (bytes, first,
+    last wave in flight). Forward of wave j: its forward bound beside the retained parts of
+    the up to k - 1 waves before it still in flight; backward of wave i (the oldest in
+    flight): its peak beside the retained parts of the waves after it in flight
+    (i + 1 .. i + k - 1). Each point also carries the gradients still held from the last
+    backward before it (of wave j - k, resp. i - 1) and the adapter gradients of every
+    carrier whose backward ran; a backward after a carrier's also its gradients'
+    accumulation (`accumulation_transient`). O(W x k)."""
+    kept, peak, fwd, held_f, held_b, left, left_layer = (a[s] for a in parts)
+    n = len(kept)
+    done = np.concatenate(([0.0], np.cumsum(left)))   # done[m]: carriers among waves < m
+    adding = np.concatenate(([0.0], np.maximum.accumulate(left_layer)))
+    out = []
+    for j in range(n):
+        lo = max(0, j - k + 1)
+        v = fwd[j] + kept[lo:j].sum() + (held_f[j - k] if j >= k else 0.0) + done[lo]
+        out.append((float(v), lo, j))
+    for i in range(n):
+        hi = min(i + k, n)
+        v = peak[i] + kept[i + 1:hi].sum() + (held_b[i - 1] if i > 0 else 0.0) + done[i]
+        v += adding[i]
+        out.append((float(v), i, hi - 1))
+    return out
+
+
+def window_peak(kept: np.ndarray, peak: np.ndarray, k: int) -> tuple[float, int]:
+    """max over windows of k consecutive waves of sum(kept) + max(peak - kept), and the first
+    wave of the binding window: a bound of every 1F1B point when a wave's forward may peak as
+    high as its backward (`schedule_points` prices the schedule's points). O(W x k)."""
     n = len(kept)
     k = max(1, min(k, n))
     transient = peak - kept
-    if left is not None:
-        transient = transient + np.concatenate(([0.0], np.cumsum(left)[:-1]))
     best, at = -math.inf, 0
-    for i in range(n if held is not None else n - k + 1):
-        j = min(i + k, n)
-        v = float(kept[i:j].sum() + transient[i:j].max())
-        if held is not None and i > 0:
-            v += float(held[i - 1])
+    for i in range(n - k + 1):
+        v = float(kept[i:i + k].sum() + transient[i:i + k].max())
         if v > best:
             best, at = v, i
     return best, at
@@ -234,7 +306,7 @@ def stage_parts(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
                 first_exec: Sequence[float]) -> StageParts:
     """Each wave's parts at each stage (`StageParts`), raw bytes. They do not depend on the
     waves' order. O(p x W x (groups^2 + groups x L/p))."""
-    parts = np.zeros((4, len(stages), len(waves)))
+    parts = np.zeros((len(StageParts._fields), len(stages), len(waves)))
     for s, st in enumerate(stages):
         for w, groups in enumerate(waves):
             parts[:, s, w] = wave_parts(st, groups, first_exec[w])
@@ -243,19 +315,18 @@ def stage_parts(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
 
 def peaks_from_parts(stages: Sequence[StageCharges], parts: StageParts,
                      budgets: Sequence[int], safety: float) -> tuple[StagePeak, ...]:
-    """Every stage's peak over the waves (columns of `stage_parts`) in column order, against
-    each stage's budget. O(p x W x k)."""
+    """Every stage's peak over the waves (columns of `stage_parts`) in column order: its
+    highest 1F1B point (`schedule_points`) and the waves in flight then, against each
+    stage's budget. O(p x W x k)."""
     out = []
     n = parts.kept.shape[1]
     for st in stages:
         s = st.stage
         k = in_flight(len(stages), s, n)
-        raw, at = (window_peak(parts.kept[s], parts.peak[s], k, parts.held[s], parts.left[s])
-                   if n else (0.0, 0))
+        raw, lo, hi = max(schedule_points(parts, s, k), key=lambda p: p[0]) if n else (0.0, 0, -1)
         out.append(StagePeak(stage=s, layers=(st.lo, st.hi), in_flight=k,
                              peak_bytes=admitted(raw, safety) if n else 0,
-                             window=(at, min(at + k, n) - 1) if n else (0, -1),
-                             budget_bytes=int(budgets[s])))
+                             window=(lo, hi), budget_bytes=int(budgets[s])))
     return tuple(out)
 
 
