@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from waveplan.pricing.errors import InfeasibleError
+from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.pipeline import StagePeak, in_flight, peaks_from_parts, window_lower_bound
 from waveplan.pricing.stage_price import price_parts
 
@@ -145,9 +145,14 @@ def window_bound(model, pricer: object, budgets: Sequence[int]) -> int:
 def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
                   search: Callable[..., SearchResult], model) -> SearchResult:
     """Waves and their order such that every stage's window fits its budget (the module
-    docstring). Every stage's budget is `budget` (the minimum over ranks)."""
-    budgets = (int(budget),) * model.parallel.pp
-    per_wave = int(budget)
+    docstring): `options.stage_budgets` (one per stage), else `budget` for every stage. The
+    per-wave proxy packs against `budget` (the minimum over every rank), which no stage
+    budget may be below."""
+    budgets = options.stage_budgets or (int(budget),) * model.parallel.pp
+    if len(budgets) != model.parallel.pp:
+        raise bad(ConfigError, "stage_budgets", list(budgets),
+                  f"needs one budget per pipeline stage ({model.parallel.pp})")
+    per_wave = min(int(budget), *budgets)
     for tries in range(MAX_SHRINKS + 1):
         result = search(step, pricer, per_wave, options)
         waves, peaks = best_order(model, result.waves, budgets)

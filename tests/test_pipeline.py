@@ -155,3 +155,22 @@ def test_pp1_plan_has_no_stages():
     plan = planner.plan(load_step(bundled_step("grpo-8x8")), free_bytes=20 * GIB,
                         deterministic=True)
     assert plan.stages == [] and "stages" not in plan.to_dict()
+
+
+def test_stage_budgets_check_each_stage_against_its_own():
+    planner = Planner.from_preset("qwen3-32b", tp=4, pp=4, sequence_parallel=True)
+    step = load_step(bundled_step("grpo-8x8"))
+    budgets = [18 * GIB, 20 * GIB, 22 * GIB, 24 * GIB]
+    plan = planner.plan(step, 30 * GIB, deterministic=True, stage_free_bytes=budgets)
+    assert [s["budget_bytes"] for s in plan.stages] == budgets
+    assert all(s["peak_bytes"] <= s["budget_bytes"] for s in plan.stages)
+    assert plan.budget_bytes == 18 * GIB   # each wave: the smallest budget
+    # a stage given one budget per rank takes the smallest
+    same = planner.plan(step, 30 * GIB, deterministic=True,
+                        stage_free_bytes=[[18 * GIB, 19 * GIB], 20 * GIB, 22 * GIB, 24 * GIB])
+    assert same.stages == plan.stages
+    with pytest.raises(Exception, match="stage_free_bytes"):
+        planner.plan(step, 30 * GIB, stage_free_bytes=budgets[:3])
+    pp1 = Planner.from_preset("qwen3-32b", tp=4, sequence_parallel=True)
+    with pytest.raises(Exception, match="stage_free_bytes"):
+        pp1.plan(step, 30 * GIB, stage_free_bytes=[20 * GIB])
