@@ -53,6 +53,9 @@ def register(subparsers) -> None:
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline parallel size: run the step through Megatron-core's 1F1B "
                              "schedule on TP x PP ranks")
+    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                        help="with --pp: model chunks per rank; more than 1 (the interleaved "
+                             "schedule) is refused")
     parser.add_argument("--micro-batches", type=int, default=None, metavar="M",
                         help="with --pp: cut the requests, in order, into M consecutive "
                              "micro-batches (default 2 x PP, at most one per request)")
@@ -92,6 +95,9 @@ def run(args) -> int:
         raise ConfigError(f"--layers={args.layers}: must be a positive integer")
     if args.lora_rank < 0:
         raise ConfigError(f"--lora-rank={args.lora_rank}: must be >= 0")
+    from waveplan.pricing.pipeline import check_schedule
+
+    check_schedule(args.virtual_stages, args.pp)
     geometry = load_model(args.model)
     step = _load_step(args.step)
     for name in ("torch", "megatron.core"):
@@ -231,7 +237,8 @@ def _run_pipeline(args, geometry, step, seq_lens, layers) -> int:
                             sequence_parallel=args.sp)
     result = trace_pipeline(geometry, layout=layout, waves=micro_batches(seq_lens, count),
                             num_layers=layers, recompute=Recompute(mode=args.recompute),
-                            lora_rank=args.lora_rank or None, timeout_s=args.timeout)
+                            lora_rank=args.lora_rank or None, timeout_s=args.timeout,
+                            virtual_stages=args.virtual_stages)
     preset = args.model.strip().lower() if args.model.strip().lower() in list_presets() else None
     record = pipeline_record(result, geometry, model=preset)
     record["cell"]["step"] = Path(args.step).name

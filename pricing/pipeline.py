@@ -20,8 +20,9 @@ yet": no trace validates it):
   consecutive waves, of sum_{w in W} r_s(w) + max_{w in W} (walk_s(w) - r_s(w)): at any point
   one wave of the window is active (at most its walk's peak, of which at most r_s(w) is
   retained) and every other one holds at most its retained part.
-- The interleaved schedule (virtual stages) is not priced: `ParallelLayout` has no virtual
-  stage setting, so no plan assumes it.
+- The interleaved schedule (virtual stages) is not priced: `check_schedule` refuses it with
+  its reason (the CLI's `--virtual-stages`, the pipeline tracer); `ParallelLayout` has no
+  virtual-stage setting, so a plan assumes the non-interleaved schedule.
 
 `stage_charges` restricts the per-layer arrays of `PricingModel` to each stage;
 `fold_stages` folds them into one walk's charges, the per-wave proxy the search packs against
@@ -40,7 +41,26 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .errors import ConfigError, bad
 from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
+
+
+def check_schedule(virtual_stages: int, pp: int) -> None:
+    """Fail closed for the interleaved schedule. With v > 1 virtual stages (model chunks per
+    rank) Megatron runs `forward_backward_pipelining_with_interleaving`: rank r warms up
+    with (p - r - 1) x 2 + (v - 1) x p chunk forwards, so it holds chunks of up to that many
+    + 1 micro-batches, in an order the window model of the non-interleaved 1F1B schedule
+    (k_s = p - s consecutive waves) does not describe; nothing prices or traces it.
+    Raises ConfigError naming the setting, else returns. O(1)."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise bad(ConfigError, "virtual_stages", virtual_stages, "must be a positive integer")
+    if virtual_stages > 1:
+        raise bad(ConfigError, "virtual_stages", virtual_stages,
+                  f"the interleaved pipeline schedule is not priced: rank r holds chunks of up "
+                  f"to (p - r - 1) x 2 + (v - 1) x p + 1 = {2 * (pp - 1) + (virtual_stages - 1) * pp + 1}"
+                  f" micro-batches on stage 0 (p={pp}), in windows the 1F1B model (p - s "
+                  f"consecutive waves) does not cover; plan for the non-interleaved schedule "
+                  f"(virtual stages 1)")
 
 
 def stage_bounds(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:

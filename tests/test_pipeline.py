@@ -174,3 +174,18 @@ def test_stage_budgets_check_each_stage_against_its_own():
     pp1 = Planner.from_preset("qwen3-32b", tp=4, sequence_parallel=True)
     with pytest.raises(Exception, match="stage_free_bytes"):
         pp1.plan(step, 30 * GIB, stage_free_bytes=[20 * GIB])
+
+
+def test_interleaved_schedule_fails_closed_with_its_reason(capsys):
+    from waveplan.planner.cli import main
+    from waveplan.pricing.errors import ConfigError
+    from waveplan.pricing.pipeline import check_schedule
+
+    check_schedule(1, 4)
+    with pytest.raises(ConfigError, match=r"virtual_stages=2: the interleaved pipeline schedule "
+                                          r"is not priced.* = 11 micro-batches"):
+        check_schedule(2, 4)
+    assert main(["plan", "grpo-8x8", "--model", "qwen3-32b", "--tp", "4", "--sp", "--pp", "4",
+                 "--virtual-stages", "2", "--free", "40"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "virtual_stages=2" in err[0] and "interleaved" in err[0], err

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, bad
 from ..geometry import MlpKind, ModelGeometry
 from ..parallel import ParallelLayout, Recompute
+from ..pipeline import check_schedule
 from .multirank import DEFAULT_TIMEOUT_S, padded_lens
 
 COUNTED = ("live untyped storages created by aten ops during the pipeline step on each rank "
@@ -102,7 +103,9 @@ class PipelineTrace:
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
-def _check(geometry: ModelGeometry, layout: ParallelLayout, waves, num_layers, timeout_s):
+def _check(geometry: ModelGeometry, layout: ParallelLayout, waves, num_layers, timeout_s,
+           virtual_stages: int = 1):
+    check_schedule(virtual_stages, layout.pp)
     if layout.pp < 2:
         raise bad(ConfigError, "parallel.pp", layout.pp, "a pipeline trace needs pp >= 2")
     if layout.cp > 1 or layout.ep > 1:
@@ -130,10 +133,12 @@ def _check(geometry: ModelGeometry, layout: ParallelLayout, waves, num_layers, t
 
 def pipeline_spec(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
                   num_layers: int | None = None, recompute: Recompute | None = None,
-                  lora_rank: int | None = 16, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+                  lora_rank: int | None = 16, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  virtual_stages: int = 1) -> dict:
     """What every rank process of a pipeline trace reads (`trace_pipeline_rank`): the checked
-    inputs, each sequence padded to the layout's row multiple. O(sequences)."""
-    n, waves = _check(geometry, layout, waves, num_layers, timeout_s)
+    inputs, each sequence padded to the layout's row multiple. `virtual_stages` > 1 (the
+    interleaved schedule) is refused (`pipeline.check_schedule`). O(sequences)."""
+    n, waves = _check(geometry, layout, waves, num_layers, timeout_s, virtual_stages)
     recompute = recompute or Recompute()
     return {"pipeline": True, "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
             "num_layers": n, "layout": layout.to_dict(), "timeout_s": float(timeout_s),
@@ -143,15 +148,16 @@ def pipeline_spec(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
 
 def trace_pipeline(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
                    num_layers: int | None = None, recompute: Recompute | None = None,
-                   lora_rank: int | None = 16,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> PipelineTrace:
+                   lora_rank: int | None = 16, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   virtual_stages: int = 1) -> PipelineTrace:
     """Run `waves` (each a list of sequence lengths: one micro-batch) through Megatron-core's
     1F1B schedule on TP x PP gloo ranks; see the module doc. Each sequence is padded to the
     layout's row multiple."""
     from .multirank import _spawn
 
     spec = pipeline_spec(geometry, layout=layout, waves=waves, num_layers=num_layers,
-                         recompute=recompute, lora_rank=lora_rank, timeout_s=timeout_s)
+                         recompute=recompute, lora_rank=lora_rank, timeout_s=timeout_s,
+                         virtual_stages=virtual_stages)
     n, waves = _check(geometry, layout, waves, num_layers, timeout_s)
     padded = [padded_lens(w, layout) for w in waves]
     notes = []
