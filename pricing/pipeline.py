@@ -366,21 +366,33 @@ def stage_peaks(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
 
 def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,
                        safety: float) -> int:
-    """Waves no plan goes below at this stage. A wave w of R_w gradient rows keeps R_w x r
-    (r = `retained_per_row`) and its walk passes the backward of the stage's top layer, where
-    it holds R_w x (r + its workspace + the input gradient) = kept + R_w x t. Cut any plan into
-    ceil(W / k) blocks of at most k consecutive waves: a block's window peaks at least at
-    sum R_w r + max R_w t >= sum R_w (r + t / k), within budget / safety. Packed rows are
-    subadditive over waves, so the step's gradient rows `retained_rows` give
-    ceil(W / k) >= ceil(rows x (r + t / k) / (budget / safety)), i.e.
-    W >= k (that - 1) + 1. O(1)."""
+    """Waves no plan goes below at this stage, under `schedule_points`' prices. A wave i of
+    R_i gradient rows (one gradient group) keeps R_i x r (r = `retained_per_row`), and its
+    backward passes the stage's top layer holding R_i x (r' + t) (r': the layers' retained
+    rows, t: the top layer's workspace and input gradient). Its backward point B(i) adds the
+    retained parts of the waves after it in flight (i + 1 .. i + k - 1), and every B(i) is
+    within room = budget / safety. Summed over the W waves, wave j's retained part is counted
+    min(j, k - 1) times beside the others, so
+    W x room >= M (r' + t) + r ((k - 1) M - sum_{j < k-1} R_j (k - 1 - j)), with M the
+    step's gradient rows `retained_rows` (packed rows are subadditive over waves) and
+    R_j <= room / (r' + t): W >= M (r' + t + (k - 1) r) / room - r / (r' + t) x k (k - 1) / 2.
+    Each wave alone gives W >= M (r' + t) / room. A plan of W < k waves has W in flight:
+    the bound is the smallest W that satisfies its own k = min(k_s, W). O(k)."""
     room = budget / safety
     c = stage.charges
     top = float(c.workspace[-1]) if c.workspace.shape[0] else 0.0
-    mass = retained_rows * (stage.retained_per_row + (top + c.input_grad) / stage.window)
-    if mass <= 0:
+    own = float(c.retained.sum()) + top + float(c.input_grad)     # r' + t
+    r = stage.retained_per_row
+    if retained_rows <= 0 or own <= 0:
         return 1
     if room <= 0:
         return math.inf
-    blocks = math.ceil(mass / room - 1e-9)
-    return max(1, stage.window * (blocks - 1) + 1)
+
+    def needs(k: int) -> int:
+        v = retained_rows * (own + (k - 1) * r) / room - r / own * k * (k - 1) / 2
+        return max(1, math.ceil(v - 1e-9), math.ceil(retained_rows * own / room - 1e-9))
+
+    for w in range(1, stage.window):
+        if w >= needs(w):
+            return w
+    return needs(stage.window)
