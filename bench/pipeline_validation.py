@@ -10,7 +10,8 @@ processes over gloo, one micro-batch per wave, variable lengths) and appends one
 never traces: it prices every stage of each cell with today's model
 (`stage_price.price_stages`: the torch-cpu table, head full-native, 2-byte adapter gradients
 as the trace holds them, safety 1.0, no first-execution allowance, the first wave carrying
-the slot's pending gradients as the traced step's first backward allocates them) and writes
+the slot's pending gradients as the traced step's first backward allocates them, the step's
+longest sequence bounding each wave's RoPE cache entry) and writes
 bench/results/pipeline_validation.txt: stage, traced, priced, ratio, and the median and
 minimum ratio. The claim checked: no stage under its trace, median within 3% over.
 
@@ -96,7 +97,8 @@ def priced(cell: dict):
         rows = sum(w)
         load = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows, segments=len(w))
         waves.append(([load], frozenset({"default"}) if i == 0 else frozenset()))
-    return price_stages(model, waves, [2**62] * layout.pp, profiled=True)
+    longest = max(max(w) for w in cell["waves"])
+    return price_stages(model, waves, [2**62] * layout.pp, profiled=True, max_len=longest)
 
 
 def cmd_trace(args) -> int:

@@ -20,7 +20,13 @@ from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
-from .pipeline import fold_stages, received_activation_per_row, stage_bounds, stage_charges
+from .pipeline import (
+    fold_stages,
+    received_activation_per_row,
+    rope_cache_per_row,
+    stage_bounds,
+    stage_charges,
+)
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
@@ -336,9 +342,11 @@ class PricingModel:
             arrays["layers"] = {name: arrays[name] for name in
                                 ("retained", "workspace", "nograd", "gdn_state", "pending")}
             boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
+            rope = [rope_cache_per_row(g, layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
             stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,
                                    received_per_row=received_activation_per_row(
-                                       boundary, full_recompute=mode == RecomputeMode.FULL))
+                                       boundary, full_recompute=mode == RecomputeMode.FULL),
+                                   rope_per_row=rope, rows_cp=self.rows_cp)
             arrays["stages"] = stages
             arrays.update(fold_stages(stages))
         return arrays

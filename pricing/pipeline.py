@@ -87,6 +87,28 @@ class StageCharges:
     held_per_row: float = 0.0      # the gradients a wave leaves held into the next forward
     held_backward_per_row: float = 0.0  # ... and into the next backward
     pending_total: np.ndarray | None = None  # per slot: the stage's adapter gradients
+    rope_per_row: float = 0.0      # a RoPE cache entry's bytes per row of its sequence length
+    rows_cp: int = 1               # a wave's rank rows x rows_cp = its packed rows
+
+
+def rope_cache_per_row(geometry, layers: Sequence) -> float:
+    """Bytes per row of sequence length of one entry of Megatron's RoPE cache on a stage with
+    attention layers (`layers`: the stage's layer specs): `RotaryEmbedding.forward` is an
+    `lru_cache` (32 entries) that keeps, per distinct longest packed sequence of a
+    micro-batch, its frequencies [max_seqlen, rotary dim] in fp32, for the process's life.
+    A wave's own entry is in its traced walk; the entries of the waves before it stay beside
+    it. Rotary dim: the MLA rope head width, else head_dim x rotary_percent. 0 on a stage
+    without attention. Evidence: docs/memory-model.md#pipeline-traces. O(layers)."""
+    from .geometry import MixerKind
+
+    att = geometry.attention
+    if att is None or not any(spec.mixer == MixerKind.ATTENTION for spec in layers):
+        return 0.0
+    if getattr(att, "mla", None) is not None:
+        dim = att.mla.qk_rope_head_dim
+    else:
+        dim = att.head_dim * float((geometry.extra or {}).get("rotary_percent", 1.0))
+    return 4.0 * dim
 
 
 def received_activation_per_row(boundary: float, *, full_recompute: bool) -> float:
@@ -123,11 +145,13 @@ def held_gradient_per_row(boundary: float, *, stage: int, pp: int,
 
 
 def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
-                  boundary_per_row: float = 0.0) -> tuple[StageCharges, ...]:
+                  boundary_per_row: float = 0.0, rope_per_row: Sequence[float] | None = None,
+                  rows_cp: int = 1) -> tuple[StageCharges, ...]:
     """Each stage's charges from a model's per-layer arrays over all L layers (`layers`,
     the `PricingModel.arrays` entry of a PP > 1 model): `received_per_row` what a stage s > 0
     keeps of the activation it received (`received_activation_per_row`), `boundary_per_row`
-    one boundary-wide gradient per row (the schedule's held gradients). O(p x L)."""
+    one boundary-wide gradient per row (the schedule's held gradients), `rope_per_row` each
+    stage's `rope_cache_per_row`, `rows_cp` a wave's packed rows per rank row. O(p x L)."""
     full = arrays["layers"]
     num_layers = full["retained"].shape[0]
     out = []
@@ -151,7 +175,9 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
             held_per_row=held_gradient_per_row(boundary_per_row, stage=s, pp=pp),
             held_backward_per_row=held_gradient_per_row(boundary_per_row, stage=s, pp=pp,
                                                         into="backward"),
-            pending_total=charges.pending.sum(axis=1)))
+            pending_total=charges.pending.sum(axis=1),
+            rope_per_row=float(rope_per_row[s]) if rope_per_row is not None else 0.0,
+            rows_cp=int(rows_cp)))
     return tuple(out)
 
 
@@ -210,8 +236,9 @@ class StageParts(NamedTuple):
     `forward` its forward's bound (`forward_charges`), `held_forward` / `held_backward` the
     gradients it leaves live into the next forward / backward (`held_gradient_per_row`),
     `left` the adapter gradients its backward allocates (the slots it carries), live to the
-    step's end, `left_layer` their largest layer's share (`accumulation_transient`). None
-    depends on the order; `take` reorders them."""
+    step's end, `left_layer` their largest layer's share (`accumulation_transient`), `rope`
+    its RoPE cache entry (`rope_cache_per_row`). None depends on the order; `take` reorders
+    them."""
 
     kept: np.ndarray
     peak: np.ndarray
@@ -220,6 +247,7 @@ class StageParts(NamedTuple):
     held_backward: np.ndarray
     left: np.ndarray
     left_layer: np.ndarray
+    rope: np.ndarray
 
     def take(self, order) -> StageParts:
         return StageParts(*(a[:, order] for a in self))
@@ -249,12 +277,14 @@ def below_top_charges(c: WalkCharges) -> WalkCharges | None:
                       pending=pending)
 
 
-def wave_parts(stage: StageCharges, groups: WalkGroups,
-               first_exec: float) -> tuple[float, ...]:
+def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float,
+               max_len: float = math.inf) -> tuple[float, ...]:
     """(retained part, peak, forward bound, held into the next forward, held into the next
-    backward, left) of one wave at one stage, raw bytes (`StageParts`). The peak is the
-    walk's, or below the top layer the walk's plus the received output gradient
-    (`received_gradient_per_row`), the larger. O(groups^2 + groups x L/p)."""
+    backward, left, left_layer, rope) of one wave at one stage, raw bytes (`StageParts`).
+    The peak is the walk's, or below the top layer the walk's plus the received output
+    gradient (`received_gradient_per_row`), the larger. Its longest sequence, which sizes
+    its RoPE cache entry, is at most its packed rows and `max_len` (the step's longest).
+    O(groups^2 + groups x L/p)."""
     best, _ = walk(stage.charges, first_exec, groups)
     fwd, _ = walk(forward_charges(stage.charges), first_exec, groups)
     rows = float(np.sum(groups.rows[groups.grad]))
@@ -268,8 +298,10 @@ def wave_parts(stage: StageCharges, groups: WalkGroups,
     carried = np.unique(groups.slot[groups.carries])
     pending = stage.charges.pending[carried]
     left = float(pending.sum())
+    longest = min(float(np.sum(groups.rows)) * stage.rows_cp, max_len)
     return (kept, peak, float(fwd[PEAK_BYTES]), rows * stage.held_per_row,
-            rows * stage.held_backward_per_row, left, accumulation_transient(pending))
+            rows * stage.held_backward_per_row, left, accumulation_transient(pending),
+            longest * stage.rope_per_row)
 
 
 def accumulation_transient(pending: np.ndarray) -> float:
@@ -289,20 +321,24 @@ def schedule_points(parts: StageParts, s: int, k: int) -> list[tuple[float, int,
     (i + 1 .. i + k - 1). Each point also carries the gradients still held from the last
     backward before it (of wave j - k, resp. i - 1) and the adapter gradients of every
     carrier whose backward ran; a backward after a carrier's also its gradients'
-    accumulation (`accumulation_transient`). O(W x k)."""
-    kept, peak, fwd, held_f, held_b, left, left_layer = (a[s] for a in parts)
+    accumulation (`accumulation_transient`); and the RoPE cache entries of every other wave
+    whose forward ran (`rope_cache_per_row`; Megatron's cache keeps 32, this keeps all:
+    conservative past 32 waves). O(W x k)."""
+    kept, peak, fwd, held_f, held_b, left, left_layer, rope = (a[s] for a in parts)
     n = len(kept)
     done = np.concatenate(([0.0], np.cumsum(left)))   # done[m]: carriers among waves < m
     adding = np.concatenate(([0.0], np.maximum.accumulate(left_layer)))
+    cached = np.concatenate(([0.0], np.cumsum(rope)))  # cached[m]: RoPE entries of waves < m
     out = []
     for j in range(n):
         lo = max(0, j - k + 1)
         v = fwd[j] + kept[lo:j].sum() + (held_f[j - k] if j >= k else 0.0) + done[lo]
+        v += cached[j]
         out.append((float(v), lo, j))
     for i in range(n):
         hi = min(i + k, n)
         v = peak[i] + kept[i + 1:hi].sum() + (held_b[i - 1] if i > 0 else 0.0) + done[i]
-        v += adding[i]
+        v += adding[i] + cached[hi] - rope[i]
         out.append((float(v), i, hi - 1))
     return out
 
@@ -323,13 +359,13 @@ def window_peak(kept: np.ndarray, peak: np.ndarray, k: int) -> tuple[float, int]
 
 
 def stage_parts(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
-                first_exec: Sequence[float]) -> StageParts:
+                first_exec: Sequence[float], max_len: float = math.inf) -> StageParts:
     """Each wave's parts at each stage (`StageParts`), raw bytes. They do not depend on the
     waves' order. O(p x W x (groups^2 + groups x L/p))."""
     parts = np.zeros((len(StageParts._fields), len(stages), len(waves)))
     for s, st in enumerate(stages):
         for w, groups in enumerate(waves):
-            parts[:, s, w] = wave_parts(st, groups, first_exec[w])
+            parts[:, s, w] = wave_parts(st, groups, first_exec[w], max_len)
     return StageParts(*parts)
 
 
@@ -357,11 +393,12 @@ def admitted(raw: float, safety: float) -> int:
 
 def stage_peaks(stages: Sequence[StageCharges], waves: Sequence[WalkGroups],
                 first_exec: Sequence[float], budgets: Sequence[int],
-                safety: float) -> tuple[StagePeak, ...]:
+                safety: float, max_len: float = math.inf) -> tuple[StagePeak, ...]:
     """Every stage's peak over `waves` run in this order (each wave: its forward calls as a
     `WalkGroups`, with its first-execution allowance), against each stage's budget.
     O(p x W x (groups^2 + groups x L/p) + p x W x k)."""
-    return peaks_from_parts(stages, stage_parts(stages, waves, first_exec), budgets, safety)
+    return peaks_from_parts(stages, stage_parts(stages, waves, first_exec, max_len), budgets,
+                            safety)
 
 
 def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,

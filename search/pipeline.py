@@ -106,13 +106,13 @@ def fill_windows(waves: Sequence[PackedWave], kept: np.ndarray, peak: np.ndarray
     return order
 
 
-def best_order(model, waves: Sequence[PackedWave],
-               budgets: Sequence[int]) -> tuple[list[PackedWave], tuple[StagePeak, ...]]:
+def best_order(model, waves: Sequence[PackedWave], budgets: Sequence[int],
+               max_len: float = math.inf) -> tuple[list[PackedWave], tuple[StagePeak, ...]]:
     """The waves in the best of three orders (the search's, the heavy/light alternation,
     `fill_windows`) and its stage peaks. O(p x W x (groups^2 + groups x L/p) + W^2 x p x k)."""
     waves = list(waves)
     stages = model.arrays["stages"]
-    parts = price_parts(model, [(w.loads, w.first_slots) for w in waves])
+    parts = price_parts(model, [(w.loads, w.first_slots) for w in waves], max_len=max_len)
     kept, peak = parts.kept, parts.peak
     best, best_peaks = list(range(len(waves))), None
     orders = [best]
@@ -142,6 +142,14 @@ def window_bound(model, pricer: object, budgets: Sequence[int]) -> int:
                for st in model.arrays["stages"])
 
 
+def longest_sequence(step, model) -> float:
+    """The step's longest request in packed rows, padded to the layout's row multiple (a
+    bound of every wave's longest sequence). O(requests)."""
+    m = model.parallel.row_multiple
+    longest = max((int(r.num_tokens) for r in step.requests), default=0)
+    return float(-(-longest // m) * m)
+
+
 def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
                   search: Callable[..., SearchResult], model) -> SearchResult:
     """Waves and their order such that every stage's window fits its budget (the module
@@ -155,7 +163,7 @@ def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
     per_wave = min(int(budget), *budgets)
     for tries in range(MAX_SHRINKS + 1):
         result = search(step, pricer, per_wave, options)
-        waves, peaks = best_order(model, result.waves, budgets)
+        waves, peaks = best_order(model, result.waves, budgets, longest_sequence(step, model))
         if all(p.fits for p in peaks):
             bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
             stats = dict(result.stats, stages=[p.to_dict() for p in peaks],

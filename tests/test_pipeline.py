@@ -18,6 +18,7 @@ from waveplan.pricing.pipeline import (
 from waveplan.pricing.stage_price import price_stages
 from waveplan.pricing.step import bundled_step, load_step
 from waveplan.search.invariants import check_plan
+from waveplan.search.pipeline import longest_sequence
 
 GIB = 2**30
 
@@ -78,7 +79,7 @@ def test_pipeline_plan_fits_every_window(pp):
     pricer = planner.pricer(step)
     check_plan(step, pricer, plan, budget_bytes=budget)
     peaks = price_stages(planner.model, [(w.loads, w.first_slots) for w in plan.waves],
-                         [budget] * pp)
+                         [budget] * pp, max_len=longest_sequence(step, planner.model))
     assert [p.to_dict() for p in peaks] == plan.stages
     assert len(plan.stages) == pp and all(p.fits for p in peaks)
     assert plan.to_dict()["stages"] == plan.stages
@@ -114,8 +115,9 @@ def _one_f_one_b(n: int, k: int) -> list[tuple[str, int]]:
 def test_schedule_points_are_the_worst_1f1b_operation():
     """A simulation of the 1F1B schedule: at each operation the in-flight waves but the active
     one keep their retained part, the active one is at its forward or backward peak, the
-    gradients of the last backward are still held, and the adapter gradients of every
-    carrier whose backward ran are live. The stage's price is the worst operation's, with
+    gradients of the last backward are still held, the adapter gradients of every carrier
+    whose backward ran are live (and accumulate after it), and every other wave whose forward
+    ran keeps its RoPE cache entry. The stage's price is the worst operation's, with
     the waves in flight then; it is never above the window bound without held gradients."""
     rng = np.random.default_rng(2)
     for trial in range(200):
@@ -124,6 +126,7 @@ def test_schedule_points_are_the_worst_1f1b_operation():
         peak = kept + rng.random(n) * 3
         fwd = kept + (peak - kept) * rng.random(n)
         left[0] = rng.random()  # the carrier runs first
+        rope = rng.random(n) * 0.2
         worst, ran, done, last, at = -1.0, [], [], None, None
         for op, w in _one_f_one_b(n, k):
             if op == "F":
@@ -133,19 +136,20 @@ def test_schedule_points_are_the_worst_1f1b_operation():
             point = sum(kept[j] for j in live if j != w) + (peak[w] if op == "B" else fwd[w])
             point += (held[last] * (0.5 if op == "B" else 1.0) if last is not None else 0.0)
             point += sum(left[j] for j in done) + (0.1 * left[0] if op == "B" and done else 0.0)
+            point += sum(rope[j] for j in ran if j != w)
             if point > worst + 1e-12:
                 worst, at = point, (min(live), max(live))
             if op == "B":
                 done.append(w)
                 last = w
         parts = StageParts(*(a[None, :] for a in (kept, peak, fwd, held, held * 0.5, left,
-                                                   0.1 * left)))
+                                                   0.1 * left, rope)))
         points = schedule_points(parts, 0, min(k, n))
         best = max(points, key=lambda p: p[0])
         assert best[0] == pytest.approx(worst), trial
         assert (best[1], best[2]) == at or best[0] == pytest.approx(worst)
         no_held = StageParts(*(a[None, :] for a in (kept, peak, peak, 0 * held, 0 * held,
-                                                    0 * left, 0 * left)))
+                                                    0 * left, 0 * left, 0 * rope)))
         plain = max(p[0] for p in schedule_points(no_held, 0, min(k, n)))
         assert plain <= window_peak(kept, peak, k)[0] + 1e-12
 

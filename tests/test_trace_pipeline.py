@@ -88,7 +88,8 @@ def test_pp2_stages_report_their_1f1b_phases_and_prices_cover_them(tmp_path):
     waves = [([GroupLoad(packed_rows=sum(w), padded_rows=sum(w), logical_rows=sum(w),
                          segments=len(w))], frozenset({"default"}) if i == 0 else frozenset())
              for i, w in enumerate(WAVES)]
-    priced = price_stages(model, waves, [2**62] * 2, profiled=True)
+    priced = price_stages(model, waves, [2**62] * 2, profiled=True,
+                          max_len=max(max(w) for w in WAVES))
     for p, r in zip(priced, got, strict=True):
         assert p.peak_bytes >= r["peak_bytes"], (p, r["peak_bytes"])
 
