@@ -58,9 +58,11 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
 def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
     """PP > 1: every stage is priced under the 1F1B schedule (`pricing.pipeline`), keeping the
-    layout's TP and CP credit, but no trace validates that model yet."""
+    layout's TP and CP credit; CPU pipeline traces validate it (full recompute, PP2 and PP4,
+    docs/memory-model.md#pipeline-traces), no GPU source does yet."""
     if parallel.pp > 1:
-        return [f"PP{parallel.pp} (no pipeline trace yet: stages priced under 1F1B)"]
+        return [f"PP{parallel.pp} (stages priced under 1F1B, validated on CPU pipeline traces "
+                f"only)"]
     return []
 
 

@@ -1,7 +1,8 @@
 """Packing against the pipeline's in-flight window (PP > 1, `waveplan.pricing.pipeline`).
 
 Under 1F1B stage s holds up to k_s = p - s consecutive waves, so the waves' order matters and
-a stage's peak is a window sum (`pricing.stage_price.price_stages`). The search here:
+a stage's peak is its highest schedule point (`pricing.stage_price.price_stages`). The search
+here:
 1. packs as at PP1 (`packers._search`) against the per-wave proxy price of the model (each
    stage's layers with k_s copies of the wave in flight, `pipeline.fold_stages`): a plan whose
    waves are alike then fits every window;
@@ -11,12 +12,13 @@ a stage's peak is a window sum (`pricing.stage_price.price_stages`). The search 
    next wave the heaviest whose newest windows fit); the order whose worst stage is lowest
    is kept. Each wave's retained part and peak per stage do not depend on the order, so
    they are priced once per pack (`stage_price.price_parts`) and orders cost arithmetic;
-3. checks every stage's window sum exactly against its budget; if a stage is over, packs
+3. checks every stage's schedule points exactly against its budget (per stage:
+   `SearchOptions.stage_budgets`); if a stage is over, packs
    again with the per-wave budget scaled down by the worst stage's overshoot (at most
    MAX_SHRINKS times, then InfeasibleError naming the stage).
-The plan's lower bound is the window bound (`pipeline.window_lower_bound`): any k_s
-consecutive waves keep at most the budget, and the step's gradient rows keep at least their
-packed rows' retained bytes. The search's own bound holds for the proxy price only (a plan
+The plan's lower bound is the window bound (`pipeline.window_lower_bound`): every backward
+point, beside the retained parts of the waves after it, is within the budget, and the step's
+gradient rows keep at least their packed rows' bytes. The search's own bound holds for the proxy price only (a plan
 may mix a wave over the proxy with light ones), so it is kept in the stats only.
 Complexity: one PP1 search per try, plus O(p x W x (groups^2 + groups x L / p)) per order.
 """
