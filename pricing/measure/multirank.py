@@ -217,8 +217,8 @@ class TraceJob:
 
 def _check(geometry: ModelGeometry, layout: ParallelLayout, num_layers, routing, timeout_s):
     if layout.pp != 1:
-        raise bad(ConfigError, "parallel.pp", layout.pp, "multi-rank traces run PP = 1 (a PP "
-                  "stage has no head; pipeline parallelism has its own issue)")
+        raise bad(ConfigError, "parallel.pp", layout.pp, "multi-rank traces run PP = 1 (a "
+                  "pipeline runs its schedule: pipeline_trace.trace_pipeline, trace --pp)")
     layout.validate_for(geometry)
     if routing not in ROUTINGS:
         raise bad(ConfigError, "routing", routing, f"must be one of {', '.join(ROUTINGS)}")
