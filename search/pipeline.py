@@ -15,7 +15,8 @@ here:
 3. checks every stage's schedule points exactly against its budget (per stage:
    `SearchOptions.stage_budgets`); if a stage is over, packs
    again with the per-wave budget scaled down by the worst stage's overshoot (at most
-   MAX_SHRINKS times, then InfeasibleError naming the stage).
+   MAX_SHRINKS times, or until a request no longer fits alone), then tries one request per
+   wave, then raises InfeasibleError naming the stage.
 The plan's lower bound is the window bound (`pipeline.window_lower_bound`): every backward
 point, beside the retained parts of the waves after it, is within the budget, and the step's
 gradient rows keep at least their packed rows' bytes. The search's own bound holds for the proxy price only (a plan
@@ -31,7 +32,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
+from waveplan.pricing.errors import ConfigError, InfeasibleError, WaveplanError, bad
 from waveplan.pricing.pipeline import StagePeak, in_flight, peaks_from_parts, window_lower_bound
 from waveplan.pricing.stage_price import price_parts
 
@@ -162,19 +163,43 @@ def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
     if len(budgets) != model.parallel.pp:
         raise bad(ConfigError, "stage_budgets", list(budgets),
                   f"needs one budget per pipeline stage ({model.parallel.pp})")
-    per_wave = min(int(budget), *budgets)
+    first = per_wave = min(int(budget), *budgets)
+    longest = longest_sequence(step, model)
+
+    def done(result, waves, peaks, tries):
+        bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
+        stats = dict(result.stats, stages=[p.to_dict() for p in peaks],
+                     pipeline_wave_budget=per_wave, pipeline_shrinks=tries,
+                     lower_bound_search=int(result.lower_bound_waves))
+        return replace(result, waves=tuple(waves), lower_bound_waves=bound,
+                       proven_optimal=len(waves) <= bound, stats=stats)
+
+    worst = None
     for tries in range(MAX_SHRINKS + 1):
-        result = search(step, pricer, per_wave, options)
-        waves, peaks = best_order(model, result.waves, budgets, longest_sequence(step, model))
+        try:
+            result = search(step, pricer, per_wave, options)
+        except InfeasibleError:
+            if tries == 0:
+                raise
+            break   # a shrunk per-wave budget below what a request needs alone
+        waves, peaks = best_order(model, result.waves, budgets, longest)
         if all(p.fits for p in peaks):
-            bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
-            stats = dict(result.stats, stages=[p.to_dict() for p in peaks],
-                         pipeline_wave_budget=per_wave, pipeline_shrinks=tries,
-                         lower_bound_search=int(result.lower_bound_waves))
-            return replace(result, waves=tuple(waves), lower_bound_waves=bound,
-                           proven_optimal=len(waves) <= bound, stats=stats)
+            return done(result, waves, peaks, tries)
         worst = max(peaks, key=lambda p: p.peak_bytes / max(p.budget_bytes, 1))
         per_wave = min(per_wave - 1, math.floor(per_wave / _overshoot(peaks)))
+    # the last resort: one request per wave at the first per-wave budget (the schedule's
+    # cross-wave holdings can make a pack whose waves each fit alone miss a stage budget)
+    n = len(step.requests)
+    if options.num_waves is None and not options.atomic_units and n > 1:
+        per_wave = first
+        try:
+            result = search(step, pricer, first, replace(options, num_waves=n))
+        except WaveplanError:
+            result = None
+        if result is not None:
+            waves, peaks = best_order(model, result.waves, budgets, longest)
+            if all(p.fits for p in peaks):
+                return done(result, waves, peaks, MAX_SHRINKS + 1)
     raise InfeasibleError(f"pipeline stage {worst.stage}: window of waves {list(worst.window)} "
                           f"peaks at {worst.peak_bytes} bytes > budget {worst.budget_bytes} "
-                          f"after {MAX_SHRINKS} smaller per-wave budgets")
+                          f"after {MAX_SHRINKS} smaller per-wave budgets and one request per wave")
