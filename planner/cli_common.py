@@ -15,6 +15,7 @@ from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.pipeline import check_schedule
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step, parse_step
 
 DEFAULT_MODEL = "qwen3.8-27b"
@@ -29,6 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
     parser.add_argument("--tp", type=int, default=default_tp, help="tensor parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                        help="model chunks per pipeline rank: 1 (the 1F1B schedule); more "
+                             "(the interleaved schedule) is refused, not priced")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
     parser.add_argument("--moe-load", type=float, default=None, metavar="X",
                         help="opt-in: the busiest EP rank receives at most X x its balanced share of "
@@ -53,6 +57,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
 
 
 def model_from_args(args: argparse.Namespace) -> PricingModel:
+    check_schedule(getattr(args, "virtual_stages", 1), args.pp)
     geometry = load_model(args.model)
     if args.ep != 1 and geometry.moe is None:
         raise bad(ConfigError, "--ep", args.ep,

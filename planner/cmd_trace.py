@@ -9,6 +9,12 @@ With `--tp`, `--cp` or `--ep` above 1 the wave runs on every rank of that layout
 per rank over gloo, with real tensors (`waveplan.pricing.measure.multirank`): the output lists
 every rank's peak and the busiest rank, and `--json` prints one record in the form
 `waveplan calibrate` reads (`{"cell": ..., "trace": ...}`).
+
+With `--pp` above 1 the step runs through Megatron-core's own pipeline schedule (1F1B,
+variable-length micro-batches) on TP x PP gloo processes
+(`waveplan.pricing.measure.pipeline_trace`): the requests are cut, in file order, into
+`--micro-batches` consecutive micro-batches (one per wave), and the output lists each stage's
+peak and when it happened (micro-batch and phase).
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ def register(subparsers) -> None:
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallel size (multi-rank; ring attention allocation model)")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (multi-rank, MoE)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline parallel size: run the step through Megatron-core's 1F1B "
+                             "schedule on TP x PP ranks")
+    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                        help="with --pp: model chunks per rank; more than 1 (the interleaved "
+                             "schedule) is refused")
+    parser.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                        help="with --pp: cut the requests, in order, into M consecutive "
+                             "micro-batches (default 2 x PP, at most one per request)")
     parser.add_argument("--routing", choices=("balanced", "router"), default="balanced",
                         help="MoE routing of a multi-rank trace: balanced (default) or "
                              "Megatron's top-k router on the random weights")
@@ -83,6 +98,9 @@ def run(args) -> int:
         raise ConfigError(f"--layers={args.layers}: must be a positive integer")
     if args.lora_rank < 0:
         raise ConfigError(f"--lora-rank={args.lora_rank}: must be >= 0")
+    from waveplan.pricing.pipeline import check_schedule
+
+    check_schedule(args.virtual_stages, args.pp)
     geometry = load_model(args.model)
     step = _load_step(args.step)
     for name in ("torch", "megatron.core"):
@@ -103,6 +121,12 @@ def run(args) -> int:
     layers = args.layers
     if layers is not None and layers >= geometry.num_layers:
         layers = None
+    if args.pp > 1:
+        return _run_pipeline(args, geometry, step, seq_lens, layers)
+    if args.pp != 1:
+        raise ConfigError(f"--pp={args.pp}: must be a positive integer")
+    if args.micro_batches is not None:
+        raise ConfigError(f"--micro-batches={args.micro_batches}: needs --pp > 1")
     if args.tp * args.cp * args.ep > 1 or args.sp:
         if args.head != "full-native":
             raise ConfigError(f"--head={args.head}: multi-rank traces run the full-native head; "
@@ -187,6 +211,56 @@ def _run_multirank(args, geometry, step, seq_lens, layers) -> int:
     print(f"  busiest rank {result.busiest_rank}: peak {result.peak_bytes:,d} B "
           f"({_gib(result.peak_bytes).strip()}); baseline (not in peaks) "
           f"{result.busiest.baseline_bytes:,d} B")
+    print(f"  counted: {result.counted}")
+    for note in record["trace"]["notes"]:
+        print(f"  note: {note}")
+    return 0
+
+
+def micro_batches(seq_lens: list[int], count: int) -> list[list[int]]:
+    """`seq_lens` cut, in order, into `count` consecutive runs as even in number as possible."""
+    out, start = [], 0
+    for i in range(count):
+        end = start + (len(seq_lens) - start) // (count - i)
+        out.append(seq_lens[start:end])
+        start = end
+    return out
+
+
+def _run_pipeline(args, geometry, step, seq_lens, layers) -> int:
+    from waveplan.pricing.measure.pipeline_trace import pipeline_record, trace_pipeline
+    from waveplan.pricing.parallel import ParallelLayout, Recompute
+    from waveplan.pricing.presets import list_presets
+
+    if args.device not in (None, "cpu"):
+        raise ConfigError(f"--device={args.device}: a pipeline trace runs on real CPU tensors "
+                          "(--device cpu)")
+    count = args.micro_batches if args.micro_batches is not None else 2 * args.pp
+    if count <= 0:
+        raise ConfigError(f"--micro-batches={count}: must be a positive integer")
+    count = min(count, len(seq_lens))
+    layout = ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep,
+                            sequence_parallel=args.sp)
+    result = trace_pipeline(geometry, layout=layout, waves=micro_batches(seq_lens, count),
+                            num_layers=layers, recompute=Recompute(mode=args.recompute),
+                            lora_rank=args.lora_rank or None, timeout_s=args.timeout,
+                            virtual_stages=args.virtual_stages)
+    preset = args.model.strip().lower() if args.model.strip().lower() in list_presets() else None
+    record = pipeline_record(result, geometry, model=preset)
+    record["cell"]["step"] = Path(args.step).name
+    record["trace"]["notes"] = list(result.notes) + _step_notes(step)
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"trace {geometry.name}: {result.num_layers} of {result.model_layers} layers, "
+          f"{len(result.waves)} micro-batches of {[sum(w) for w in result.waves]} tokens (thd), "
+          f"PP{layout.pp} TP{layout.tp}{' SP' if layout.sequence_parallel else ''} "
+          f"({len(result.ranks)} ranks, gloo, 1F1B), recompute {result.recompute['mode']}, "
+          f"LoRA rank {result.lora_rank or 'none'}")
+    print(f"  {'stage':>5} {'rank':>4} {'layers':>7} {'peak':>16} {'':>10}  peak at")
+    for r in result.stage_peaks:
+        print(f"  {r.stage:>5} {r.rank:>4} {'{}-{}'.format(*r.layers):>7} {r.peak_bytes:>16,d} "
+              f"{_gib(r.peak_bytes)}  micro-batch {r.peak_at[0]} {r.peak_at[1]}")
     print(f"  counted: {result.counted}")
     for note in record["trace"]["notes"]:
         print(f"  note: {note}")

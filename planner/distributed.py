@@ -105,7 +105,7 @@ def _resolve(dist, spec, field: str, rank: int, world: int, world_group):
 
 
 def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_parallel_group=None,
-                     dp_group=None, **plan_kwargs) -> Plan:
+                     dp_group=None, pipeline_stage: int | None = None, **plan_kwargs) -> Plan:
     """Plan `step` on every rank so that the model-parallel peers share one budget and one plan
     and every data-parallel replica runs the same number of waves (see the module docstring for
     the collectives and the error protocol).
@@ -117,7 +117,9 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     every rank of `group`, which is right only when each model-parallel group is one rank).
     `plan_kwargs` go to `Planner.plan`; `deterministic` defaults to True so that model-parallel
     peers with the same inputs compute byte-identical plans. Ranks are global ranks of the
-    default group.
+    default group. `pipeline_stage` (PP > 1): this rank's pipeline stage; then each stage's
+    budget is the minimum over its ranks of the model-parallel group (one all_gather over MP),
+    and every rank plans with those `stage_free_bytes` (the same on every rank).
     """
     import torch
     import torch.distributed as dist
@@ -186,6 +188,9 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
 
     # 1. budget: MIN over the model-parallel group
     budget = step_local(lambda: budget_from_free_bytes(free_bytes))
+    if pipeline_stage is not None:
+        stage_budgets = _stage_budgets(dist, torch, mp, pipeline_stage, budget, planner)
+        plan_kwargs = dict(plan_kwargs, stage_free_bytes=step_local(stage_budgets))
     t = torch.tensor([budget], dtype=torch.int64)
     if mp is not None:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mp)
@@ -215,3 +220,31 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     else:
         flag(None)
     return plan
+
+
+def _stage_budgets(dist, torch, mp, stage, budget: int, planner: Planner):
+    """All_gather of (stage, budget) over the model-parallel group (collective: every rank
+    calls it); returns a function that gives each stage's budget, the minimum over its ranks,
+    or raises ConfigError (run through the error flag). O(MP)."""
+    mine = torch.tensor([int(stage) if isinstance(stage, int) and not isinstance(stage, bool)
+                         else -1, int(budget)], dtype=torch.int64)
+    if mp is not None:
+        out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(mp))]
+        dist.all_gather(out, mine, group=mp)
+    else:
+        out = [mine]
+    pairs = [(int(o[0]), int(o[1])) for o in out]
+
+    def stage_budgets() -> list[int]:
+        pp = planner.model.parallel.pp
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
+            raise ConfigError(f"pipeline_stage={stage!r}: must be an integer in [0, {pp}) "
+                              f"(the planner's pp={pp})")
+        budgets = [min((b for s, b in pairs if s == k), default=None) for k in range(pp)]
+        missing = [k for k, b in enumerate(budgets) if b is None]
+        if missing:
+            raise ConfigError(f"pipeline_stage: no rank of the model-parallel group is stage "
+                              f"{missing[0]} (stages seen: {sorted({s for s, _ in pairs})})")
+        return budgets
+
+    return stage_budgets

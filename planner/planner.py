@@ -295,20 +295,39 @@ class Planner:
         return _ProfiledPricer(WavePricer(step=step, model=self._model, adjust=adjust),
                                envelope_scale=self._store.max_ratio(self._config))
 
+    def _stage_budgets(self, stage_free_bytes) -> tuple[int, ...]:
+        """One budget per pipeline stage from `stage_free_bytes`. O(ranks)."""
+        pp = self.model.parallel.pp
+        if isinstance(stage_free_bytes, str | bytes) or not isinstance(stage_free_bytes, Sequence):
+            raise bad(ConfigError, "stage_free_bytes", stage_free_bytes,
+                      "must be a list with one entry per pipeline stage")
+        if pp == 1 or len(stage_free_bytes) != pp:
+            raise bad(ConfigError, "stage_free_bytes", list(stage_free_bytes),
+                      f"needs one entry per pipeline stage (pp={pp}, and pp > 1)")
+        return tuple(budget_from_free_bytes(f) for f in stage_free_bytes)
+
     def plan(self, step: Step | Sequence[Request] | str | os.PathLike, free_bytes, *,
              packer: PackerKind | str = DEFAULT_PACKER,
              time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
              atomic_units: Sequence[Sequence[int]] = (), num_waves: int | None = None,
-             seed: int = DEFAULT_SEED, deterministic: bool = False) -> Plan:
+             seed: int = DEFAULT_SEED, deterministic: bool = False,
+             stage_free_bytes: Sequence | None = None) -> Plan:
         """Cut `step` into waves that fit `free_bytes` (bytes free per rank: a number or one per
         rank; the minimum binds). `atomic_units` are lists of request indices that must share
         a wave; `num_waves` asks for exactly that many waves. Same inputs, same plan, unless the
         time budget cuts the search short; `deterministic=True` never reads the clock (the
-        iteration cap implied by `time_budget_ms` alone decides)."""
+        iteration cap implied by `time_budget_ms` alone decides). `stage_free_bytes` (PP > 1
+        only): the free bytes of each pipeline stage (a number or one per rank of the stage);
+        each stage's in-flight windows are checked against its own budget, each wave against
+        the smallest of them and `free_bytes`'s."""
         budget = budget_from_free_bytes(free_bytes)
+        stage_budgets = None
+        if stage_free_bytes is not None:
+            stage_budgets = self._stage_budgets(stage_free_bytes)
+            budget = min(budget, *stage_budgets)
         options = SearchOptions(packer=packer, time_budget_ms=time_budget_ms,
                                 atomic_units=atomic_units, num_waves=num_waves, seed=seed,
-                                deterministic=deterministic)
+                                deterministic=deterministic, stage_budgets=stage_budgets)
         step = _as_step(step)
         t0 = time.perf_counter()
         with CompileClock() as clock:

@@ -20,7 +20,13 @@ from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
-from .pipeline import fold_stages, stage_bounds, stage_charges
+from .pipeline import (
+    fold_stages,
+    received_activation_per_row,
+    rope_cache_per_row,
+    stage_bounds,
+    stage_charges,
+)
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
@@ -53,9 +59,11 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
 def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
     """PP > 1: every stage is priced under the 1F1B schedule (`pricing.pipeline`), keeping the
-    layout's TP and CP credit, but no trace validates that model yet."""
+    layout's TP and CP credit; CPU pipeline traces validate it (full recompute, PP2 and PP4,
+    docs/memory-model.md#pipeline-traces), no GPU source does yet."""
     if parallel.pp > 1:
-        return [f"PP{parallel.pp} (no pipeline trace yet: stages priced under 1F1B)"]
+        return [f"PP{parallel.pp} (stages priced under 1F1B, validated on CPU pipeline traces "
+                f"only)"]
     return []
 
 
@@ -388,8 +396,12 @@ class PricingModel:
             # the per-layer arrays, each stage's charges, and the folded per-wave proxy
             arrays["layers"] = {name: arrays[name] for name in
                                 ("retained", "workspace", "nograd", "gdn_state", "pending")}
-            stages = stage_charges(arrays, pp=p.pp,
-                                   received_per_row=terms.boundary_per_row(t, widths, sp_div=sp_div))
+            boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
+            rope = [rope_cache_per_row(g, layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
+            stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,
+                                   received_per_row=received_activation_per_row(
+                                       boundary, full_recompute=mode == RecomputeMode.FULL),
+                                   rope_per_row=rope, rows_cp=self.rows_cp)
             arrays["stages"] = stages
             arrays.update(fold_stages(stages))
         return arrays

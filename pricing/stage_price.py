@@ -6,33 +6,35 @@ Complexity: O(p x W x (groups^2 + groups x L / p) + p x W x k) for W waves on p 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-
-import numpy as np
 
 from .errors import ConfigError, bad
 from .model import PricingModel
-from .pipeline import StagePeak, stage_parts, stage_peaks
+from .pipeline import StageParts, StagePeak, stage_parts, stage_peaks
 from .price import GroupLoad, _group_arrays
 
 
 def price_stages(model: PricingModel, waves: Sequence[tuple[Sequence[GroupLoad], frozenset[str]]],
-                 budgets: Sequence[int], *, profiled: bool = False) -> tuple[StagePeak, ...]:
+                 budgets: Sequence[int], *, profiled: bool = False,
+                 max_len: float = math.inf) -> tuple[StagePeak, ...]:
     """Each stage's peak when `waves` (each: its group loads and `first_slots`) run in this
     order through the 1F1B schedule, against its budget (`budgets`: one per stage). The model
-    must have PP > 1. `profiled`: no first-execution allowance (as `price_groups`)."""
+    must have PP > 1. `profiled`: no first-execution allowance (as `price_groups`);
+    `max_len`: the step's longest packed sequence (bounds each wave's RoPE cache entry)."""
     stages = _stages(model)
     if stages is None:
         raise bad(ConfigError, "parallel.pp", model.parallel.pp, "stage prices need pp > 1")
     if len(budgets) != len(stages):
         raise bad(ConfigError, "budgets", list(budgets), f"needs one budget per stage ({len(stages)})")
-    return stage_peaks(stages, *_walk_groups(model, waves, profiled), budgets, model.safety)
+    return stage_peaks(stages, *_walk_groups(model, waves, profiled), budgets, model.safety,
+                       max_len)
 
 
 def price_parts(model: PricingModel, waves: Sequence[tuple[Sequence[GroupLoad], frozenset[str]]],
-                *, profiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """`pipeline.stage_parts` of the waves: (kept[p, W], peak[p, W]), raw bytes, order-free."""
-    return stage_parts(_stages(model), *_walk_groups(model, waves, profiled))
+                *, profiled: bool = False, max_len: float = math.inf) -> StageParts:
+    """`pipeline.stage_parts` of the waves (`StageParts`: [p, W] arrays), raw bytes, order-free."""
+    return stage_parts(_stages(model), *_walk_groups(model, waves, profiled), max_len)
 
 
 def _stages(model: PricingModel):

@@ -45,7 +45,9 @@ class SearchOptions:
     """How to search. `atomic_units`: lists of request indices that must share a wave
     (checked against the step when it is packed); `num_waves`: exactly that many waves (not
     with a baseline packer); `deterministic`: never read the clock, the iteration caps implied
-    by `time_budget_ms` decide (see `budget`). O(total atomic unit size) to validate."""
+    by `time_budget_ms` decide (see `budget`); `stage_budgets`: a pipeline's (PP > 1) budget
+    per stage, against which each stage's in-flight windows are checked (None: the search's
+    budget for every stage). O(total atomic unit size) to validate."""
 
     packer: PackerKind = DEFAULT_PACKER
     time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
@@ -53,6 +55,7 @@ class SearchOptions:
     num_waves: int | None = None
     seed: int = DEFAULT_SEED
     deterministic: bool = False
+    stage_budgets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -82,3 +85,13 @@ class SearchOptions:
         if not isinstance(self.deterministic, bool | np.bool_):
             raise bad(ConfigError, "deterministic", self.deterministic, "must be True or False")
         set_(self, "deterministic", bool(self.deterministic))
+        if self.stage_budgets is not None:
+            try:
+                budgets = tuple(self.stage_budgets)
+            except TypeError:
+                budgets = ()
+            if not budgets or any(isinstance(b, bool) or not isinstance(b, int | np.integer)
+                                  or b <= 0 for b in budgets):
+                raise bad(ConfigError, "stage_budgets", self.stage_budgets,
+                          "must be a non-empty list of positive byte counts, one per stage")
+            set_(self, "stage_budgets", tuple(int(b) for b in budgets))

@@ -1,7 +1,8 @@
 """Packing against the pipeline's in-flight window (PP > 1, `waveplan.pricing.pipeline`).
 
 Under 1F1B stage s holds up to k_s = p - s consecutive waves, so the waves' order matters and
-a stage's peak is a window sum (`pricing.stage_price.price_stages`). The search here:
+a stage's peak is its highest schedule point (`pricing.stage_price.price_stages`). The search
+here:
 1. packs as at PP1 (`packers._search`) against the per-wave proxy price of the model (each
    stage's layers with k_s copies of the wave in flight, `pipeline.fold_stages`): a plan whose
    waves are alike then fits every window;
@@ -11,12 +12,14 @@ a stage's peak is a window sum (`pricing.stage_price.price_stages`). The search 
    next wave the heaviest whose newest windows fit); the order whose worst stage is lowest
    is kept. Each wave's retained part and peak per stage do not depend on the order, so
    they are priced once per pack (`stage_price.price_parts`) and orders cost arithmetic;
-3. checks every stage's window sum exactly against its budget; if a stage is over, packs
+3. checks every stage's schedule points exactly against its budget (per stage:
+   `SearchOptions.stage_budgets`); if a stage is over, packs
    again with the per-wave budget scaled down by the worst stage's overshoot (at most
-   MAX_SHRINKS times, then InfeasibleError naming the stage).
-The plan's lower bound is the window bound (`pipeline.window_lower_bound`): any k_s
-consecutive waves keep at most the budget, and the step's gradient rows keep at least their
-packed rows' retained bytes. The search's own bound holds for the proxy price only (a plan
+   MAX_SHRINKS times, or until a request no longer fits alone), then tries one request per
+   wave, then raises InfeasibleError naming the stage.
+The plan's lower bound is the window bound (`pipeline.window_lower_bound`): every backward
+point, beside the retained parts of the waves after it, is within the budget, and the step's
+gradient rows keep at least their packed rows' bytes. The search's own bound holds for the proxy price only (a plan
 may mix a wave over the proxy with light ones), so it is kept in the stats only.
 Complexity: one PP1 search per try, plus O(p x W x (groups^2 + groups x L / p)) per order.
 """
@@ -29,7 +32,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from waveplan.pricing.errors import InfeasibleError
+from waveplan.pricing.errors import ConfigError, InfeasibleError, WaveplanError, bad
 from waveplan.pricing.pipeline import StagePeak, in_flight, peaks_from_parts, window_lower_bound
 from waveplan.pricing.stage_price import price_parts
 
@@ -106,13 +109,14 @@ def fill_windows(waves: Sequence[PackedWave], kept: np.ndarray, peak: np.ndarray
     return order
 
 
-def best_order(model, waves: Sequence[PackedWave],
-               budgets: Sequence[int]) -> tuple[list[PackedWave], tuple[StagePeak, ...]]:
+def best_order(model, waves: Sequence[PackedWave], budgets: Sequence[int],
+               max_len: float = math.inf) -> tuple[list[PackedWave], tuple[StagePeak, ...]]:
     """The waves in the best of three orders (the search's, the heavy/light alternation,
     `fill_windows`) and its stage peaks. O(p x W x (groups^2 + groups x L/p) + W^2 x p x k)."""
     waves = list(waves)
     stages = model.arrays["stages"]
-    kept, peak = price_parts(model, [(w.loads, w.first_slots) for w in waves])
+    parts = price_parts(model, [(w.loads, w.first_slots) for w in waves], max_len=max_len)
+    kept, peak = parts.kept, parts.peak
     best, best_peaks = list(range(len(waves))), None
     orders = [best]
     if len(waves) > 2:
@@ -120,7 +124,7 @@ def best_order(model, waves: Sequence[PackedWave],
         room = np.asarray(budgets, dtype=np.float64) / model.safety
         orders += [alternate(waves, kept[0]), fill_windows(waves, kept, peak, windows, room)]
     for order in orders:
-        peaks = peaks_from_parts(stages, kept[:, order], peak[:, order], budgets, model.safety)
+        peaks = peaks_from_parts(stages, parts.take(order), budgets, model.safety)
         if best_peaks is None or _overshoot(peaks) < _overshoot(best_peaks):
             best, best_peaks = order, peaks
         if all(p.fits for p in peaks):
@@ -141,24 +145,61 @@ def window_bound(model, pricer: object, budgets: Sequence[int]) -> int:
                for st in model.arrays["stages"])
 
 
+def longest_sequence(step, model) -> float:
+    """The step's longest request in packed rows, padded to the layout's row multiple (a
+    bound of every wave's longest sequence). O(requests)."""
+    m = model.parallel.row_multiple
+    longest = max((int(r.num_tokens) for r in step.requests), default=0)
+    return float(-(-longest // m) * m)
+
+
 def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
                   search: Callable[..., SearchResult], model) -> SearchResult:
     """Waves and their order such that every stage's window fits its budget (the module
-    docstring). Every stage's budget is `budget` (the minimum over ranks)."""
-    budgets = (int(budget),) * model.parallel.pp
-    per_wave = int(budget)
+    docstring): `options.stage_budgets` (one per stage), else `budget` for every stage. The
+    per-wave proxy packs against `budget` (the minimum over every rank), which no stage
+    budget may be below."""
+    budgets = options.stage_budgets or (int(budget),) * model.parallel.pp
+    if len(budgets) != model.parallel.pp:
+        raise bad(ConfigError, "stage_budgets", list(budgets),
+                  f"needs one budget per pipeline stage ({model.parallel.pp})")
+    first = per_wave = min(int(budget), *budgets)
+    longest = longest_sequence(step, model)
+
+    def done(result, waves, peaks, tries):
+        bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
+        stats = dict(result.stats, stages=[p.to_dict() for p in peaks],
+                     pipeline_wave_budget=per_wave, pipeline_shrinks=tries,
+                     lower_bound_search=int(result.lower_bound_waves))
+        return replace(result, waves=tuple(waves), lower_bound_waves=bound,
+                       proven_optimal=len(waves) <= bound, stats=stats)
+
+    worst = None
     for tries in range(MAX_SHRINKS + 1):
-        result = search(step, pricer, per_wave, options)
-        waves, peaks = best_order(model, result.waves, budgets)
+        try:
+            result = search(step, pricer, per_wave, options)
+        except InfeasibleError:
+            if tries == 0:
+                raise
+            break   # a shrunk per-wave budget below what a request needs alone
+        waves, peaks = best_order(model, result.waves, budgets, longest)
         if all(p.fits for p in peaks):
-            bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
-            stats = dict(result.stats, stages=[p.to_dict() for p in peaks],
-                         pipeline_wave_budget=per_wave, pipeline_shrinks=tries,
-                         lower_bound_search=int(result.lower_bound_waves))
-            return replace(result, waves=tuple(waves), lower_bound_waves=bound,
-                           proven_optimal=len(waves) <= bound, stats=stats)
+            return done(result, waves, peaks, tries)
         worst = max(peaks, key=lambda p: p.peak_bytes / max(p.budget_bytes, 1))
         per_wave = min(per_wave - 1, math.floor(per_wave / _overshoot(peaks)))
+    # the last resort: one request per wave at the first per-wave budget (the schedule's
+    # cross-wave holdings can make a pack whose waves each fit alone miss a stage budget)
+    n = len(step.requests)
+    if options.num_waves is None and not options.atomic_units and n > 1:
+        per_wave = first
+        try:
+            result = search(step, pricer, first, replace(options, num_waves=n))
+        except WaveplanError:
+            result = None
+        if result is not None:
+            waves, peaks = best_order(model, result.waves, budgets, longest)
+            if all(p.fits for p in peaks):
+                return done(result, waves, peaks, MAX_SHRINKS + 1)
     raise InfeasibleError(f"pipeline stage {worst.stage}: window of waves {list(worst.window)} "
                           f"peaks at {worst.peak_bytes} bytes > budget {worst.budget_bytes} "
-                          f"after {MAX_SHRINKS} smaller per-wave budgets")
+                          f"after {MAX_SHRINKS} smaller per-wave budgets and one request per wave")

@@ -260,12 +260,18 @@ def plan_json(plan) -> str:
 
 def feasible_budget(planner: Planner, step: Step) -> int:
     """A budget at which a plan exists: the largest exact price of one request alone (its
-    slot's pending gradients included; one request per wave fits)."""
+    slot's pending gradients included; one request per wave fits). With PP > 1 the pipeline
+    schedule also holds other waves' gradients and RoPE entries beside a wave, so the budget
+    also covers every stage's peak of a one-request-per-wave plan (the planner's last
+    resort, `search.pipeline.pack_pipeline`)."""
     pricer = planner.pricer(step)
     worst = 0
     for i, r in enumerate(step.requests):
         fs = frozenset({r.slot}) if r.grad else frozenset()
         worst = max(worst, pricer.price([np.asarray([i])], first_slots=fs).admitted_bytes)
+    if planner.model.parallel.pp > 1 and len(step.requests) > 1:
+        alone = planner.plan(step, PIB, num_waves=len(step.requests), deterministic=True)
+        worst = max([worst] + [s["peak_bytes"] for s in alone.stages])
     return worst
 
 

@@ -255,3 +255,43 @@ def init_single_process(tp: int = 1, *, pp: int = 1, cp: int = 1, ep: int = 1,
             if world == 1:
                 with contextlib.suppress(OSError):
                     os.unlink(init_file)
+
+
+class _CpuTorch:
+    """`torch` as Megatron's pipeline schedules see it on the CPU: every attribute is torch's,
+    except the constructors that the schedules call with `device="cuda"` (the token counter
+    `torch.zeros([], dtype=torch.int, device="cuda")`), which build on the CPU."""
+
+    def __init__(self, torch) -> None:
+        self._torch = torch
+
+    def __getattr__(self, name: str):
+        value = getattr(self._torch, name)
+        if name in ("zeros", "ones", "empty", "tensor"):
+            def build(*args, _f=value, **kwargs):
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return _f(*args, **kwargs)
+
+            return build
+        return value
+
+
+def install_pipeline_shim() -> None:
+    """Let Megatron-core's pipeline schedules (`forward_backward_pipelining_without_
+    interleaving`) run over gloo on the CPU. Idempotent. What megatron-core 0.16.1 needs:
+
+    - the schedules' token counter is made with `device="cuda"`: the schedules module sees
+      `_CpuTorch` (those constructors build on the CPU);
+    - its point-to-point communication (`p2p_communication.P2PCommunicator`: shapes exchange
+      under `variable_seq_lengths`, then the tensors) allocates its receive buffers on
+      `torch.cuda.current_device()`, which `install_cpu_shim` already answers "cpu", and calls
+      `torch.cuda.synchronize()`, a no-op there; `batch_isend_irecv` and plain isend/irecv
+      work on gloo as they are (gloo's send/recv need contiguous CPU tensors: Megatron's
+      are). Nothing else is patched."""
+    install_cpu_shim()
+    torch = _import_torch()
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _CpuTorch):
+        schedules.torch = _CpuTorch(torch)

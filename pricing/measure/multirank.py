@@ -217,8 +217,8 @@ class TraceJob:
 
 def _check(geometry: ModelGeometry, layout: ParallelLayout, num_layers, routing, timeout_s):
     if layout.pp != 1:
-        raise bad(ConfigError, "parallel.pp", layout.pp, "multi-rank traces run PP = 1 (a PP "
-                  "stage has no head; pipeline parallelism has its own issue)")
+        raise bad(ConfigError, "parallel.pp", layout.pp, "multi-rank traces run PP = 1 (a "
+                  "pipeline runs its schedule: pipeline_trace.trace_pipeline, trace --pp)")
     layout.validate_for(geometry)
     if routing not in ROUTINGS:
         raise bad(ConfigError, "routing", routing, f"must be one of {', '.join(ROUTINGS)}")
@@ -370,7 +370,8 @@ def _stop(ctx) -> None:
 
 
 def _rank_main(rank: int, spec: dict) -> None:
-    """Entry point of rank `rank` (spawned). Writes rank{r}.json, or rank{r}.error and
+    """Entry point of rank `rank` (spawned): the wave of `_trace_rank`, or with
+    `spec["pipeline"]` the pipeline schedule of `pipeline_trace.trace_pipeline_rank`. Writes rank{r}.json, or rank{r}.error and
     re-raises; leaves with os._exit after a final barrier (gloo's teardown can abort a
     process after its result is written)."""
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -383,12 +384,17 @@ def _rank_main(rank: int, spec: dict) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     layout = spec["layout"]
-    size = layout["tp"] * layout["cp"] * layout["dp"]
+    size = layout["tp"] * layout["cp"] * layout["dp"] * layout.get("pp", 1)
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
     dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=rank,
                             world_size=size, timeout=timeout)
     try:
-        results = _trace_rank(spec)
+        if spec.get("pipeline"):
+            from .pipeline_trace import trace_pipeline_rank
+
+            results = trace_pipeline_rank(spec)
+        else:
+            results = _trace_rank(spec)
     except BaseException:
         with open(os.path.join(spec["out_dir"], f"rank{rank}.error"), "w", encoding="utf-8") as fh:
             fh.write(traceback.format_exc())
