@@ -36,6 +36,7 @@ traceback in the error. Rank processes import no numba kernel and price nothing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -303,7 +304,8 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
 @contextlib.contextmanager
 def _child_env():
     """Environment the rank processes inherit (spawn copies os.environ at start)."""
-    wanted = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1"}
+    wanted = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1",
+              "PYTHONHASHSEED": "0"}
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:
@@ -518,6 +520,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
                       for t in {id(t.untyped_storage()): t for t in params}.values())
         runs = [("full", True)] + ([("decoder", False)] if spec["decoder_only"] else [])
         for name, full_head in runs:
+            gc.collect()   # as `trace.trace_wave`: the collector's timing independent of the past
             tracker = tracker_cls()
             tracker.ignore(params)
             if spec["anatomy"]:

@@ -35,6 +35,7 @@ t's j-th choice goes to expert (t * top_k + j) mod num_experts (see `_balanced_r
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -447,6 +448,10 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
              }.values())
         runs = [("full", True)] + ([("decoder", False)] if decoder_only else [])
         for name, full_head in runs:
+            # garbage of earlier work collected, and the collector's counters reset, so that
+            # when the cyclic collector runs inside the pass does not depend on what the
+            # process did before (a pass's peak is the same whatever ran before it)
+            gc.collect()
             tracker = tracker_cls()
             tracker.ignore(list(model.parameters()) + list(model.buffers()))
             peaks = {}
