@@ -230,7 +230,31 @@ def _model(table: CoefficientTable, cell: dict):
                         recompute=Recompute(mode=cell["recompute"]),
                         lora=LoraConfig(slots=(LoraSlot(rank=int(cell["lora_rank"]) or 1),),
                                         grad_bytes=2),
-                        table=table, head=HEAD, safety=1.0)
+                        table=traced_dispatcher_table(table), head=HEAD, safety=1.0)
+
+
+_STAND_IN_CACHE: dict = {}
+
+
+def traced_dispatcher_table(table: CoefficientTable) -> CoefficientTable:
+    """`table` as the single-rank tracer's MoE runs: without `moe_permutation` (the stand-in
+    dispatcher, `measure.trace._BalancedDispatcher`, copies each token once per choice but
+    makes no sort-by-local-expert copy, which Megatron's all-to-all dispatcher and the
+    pricing add: `moe_terms.permutation_per_routed_row`). The table itself when it has no
+    such entry (te-gpu). O(terms), cached per table."""
+    from ..moe_terms import PERMUTATION
+
+    if PERMUTATION not in table.terms:
+        return table
+    key = id(table)
+    hit = _STAND_IN_CACHE.get(key)
+    if hit is None or hit[0] is not table:
+        terms = {n: e for n, e in table.terms.items() if n != PERMUTATION}
+        hit = (table, CoefficientTable(backend=table.backend, terms=terms, path=table.path))
+        if len(_STAND_IN_CACHE) > 64:
+            _STAND_IN_CACHE.clear()
+        _STAND_IN_CACHE[key] = hit
+    return hit[1]
 
 
 def _price(table: CoefficientTable, record: dict) -> int:
@@ -265,7 +289,14 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
     the head's backward split in its logits and final-norm moments). Its maximum is the
     wave's raw price (tests check it against `price_groups`). O(layers)."""
     rows, segments = _wave(record)
-    a = _model(table, record["cell"]).arrays
+    return model_points(_model(table, record["cell"]), rows, segments)
+
+
+def model_points(model, rows: int, segments: int) -> np.ndarray:
+    """Every walk point of a one-group wave of `rows` rows (`segments` GDN segments) priced
+    by `model` (a `PricingModel` at PP1, any TP / CP / EP), in bytes; `cell_points`' schedule.
+    O(layers)."""
+    a = model.arrays
     ret, ws, gdn = a["retained"], a["workspace"], a["gdn_state"]
     cum = np.cumsum(ret)
     total = float(ret.sum())
