@@ -269,8 +269,8 @@ WHAT = {
                   "from the cpu-fake fit",
 }
 PERMUTATION_SOURCE = (
-    "structural, kept by bench/moe_fit.py: the all-to-all dispatcher's sort of the top-k copies "
-    "by local expert (sort_chunks_by_idxs: a cat of the permuted rows, 2H per routed row; "
+    "structural 2H, held fixed while bench/moe_fit.py fitted the other MoE entries: the "
+    "all-to-all dispatcher's sort of the top-k copies by local expert (sort_chunks_by_idxs: a cat of the permuted rows, 2H per routed row; "
     "`L0.mlp cat` in bench/results/layouts_anatomy.txt, MoE-wide TP1), which the single-rank "
     "tracer's stand-in dispatcher does not make: its cpu-fake cells are priced without it "
     "(measure.calibrate.traced_dispatcher_table), the multi-rank cells with it "
