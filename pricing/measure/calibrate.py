@@ -34,7 +34,10 @@ sequences differ by up to about 0.4 % in ways the terms do not capture, so a fit
 at its cells left some held-out cells a few tenths of a percent under.
 
 CPU traces have no first-execution transients and no caller loss buffers (the full-native
-head is traced), so `first_execution` and `caller_per_logical_token` are set to 0.
+head is traced), so `first_execution` and `caller_per_logical_token` are set to 0. Their MoE
+layers run a stand-in dispatcher that makes no sort copy, so a cell is priced without
+`moe_permutation` (`traced_dispatcher_table`; the fitted table keeps the entry for Megatron's
+all-to-all dispatcher, which makes it).
 """
 
 from __future__ import annotations
