@@ -22,11 +22,14 @@ adapter gradients, safety 1.0):
   TP2+SP+EP2, TP4+SP), at the default worst-case load and, for balanced cells at EP > 1,
   at the load 1 they ran (`bench/moe_validation.estimate`).
 
-The fit: every coefficient on a grid of 0.25 bytes; the routed stage (`moe_routed`, with
-`moe_nograd` at its structural 6H) on the full-recompute cells, then `moe_nograd` on the
-forward-bound cells, then `retained_moe_mlp` on the selective and no-recompute cells; each
-stage picks the pair with the smallest mean estimate / trace that leaves every cell at least
-`MARGIN` over (the calibration's 0.5 %). Deterministic.
+The fit (`fit`): each (H, expert_ffn) pair on a grid of 0.25 bytes, searched exhaustively;
+the routed stage (`moe_routed`, with `moe_nograd` at its structural 6H) on the full-recompute
+cells, then `moe_nograd` (floored at 6H) on every cell, then `retained_moe_mlp` on the
+selective and no-recompute cells, then `moe_nograd` again. Each step keeps the pair with the
+least mean estimate / trace (every family and recompute mode weighted alike; worst-case-load,
+router and TP > 1 cells are constraints only) that leaves every cell at least `MARGIN` over
+(the calibration's 0.5 %), or, for a cell these entries do not bind, no lower than it is with
+them at 0. Deterministic.
 
 Usage: python bench/moe_fit.py [--write]: writes bench/results/moe_fit.txt (per family and class,
 and the fit without the DeepSeek cells); --write updates the entries in the table. The walk
@@ -329,8 +332,15 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="update the table's MoE entries")
     args = parser.parse_args(argv)
     base = load_table("torch-cpu")
-    lin = linearise(base, cells())
+    all_cells = cells()
+    lin = linearise(base, all_cells)
     theta = fit(lin)
+    # the linearisation is exact: the fitted table, priced cell by cell, gives the same ratios
+    # (to the rounding of raw bytes to integers)
+    fitted = with_coefficients(base, theta)
+    direct = np.array([r for c in all_cells for _, r in price(fitted, c)])
+    if not np.allclose(direct, ratios(lin, theta), rtol=1e-6, atol=0):   # raw bytes are rounded
+        raise SystemExit("linearised ratios differ from the priced ones")
     lines = ["torch-cpu MoE refit (bench/moe_fit.py): estimate / trace - 1 per family and class",
              "(single-rank cpu-fake: whole and decoder-only peaks, no sort copy; multi-rank: the busiest",
              "rank at the default worst-case load, and 'load 1' for balanced EP cells)", "",
