@@ -125,13 +125,18 @@ def with_coefficients(base: CoefficientTable, theta) -> CoefficientTable:
 
 
 def _points(table: CoefficientTable, c: dict) -> list[tuple[str, np.ndarray, int]]:
-    """[(what, walk points in bytes, traced peak)] of one cell under `table`."""
+    """[(what, walk points in bytes, traced peak)] of one cell under `table`
+    (`calibrate.cell_points`; a multi-rank cell's model at its layout and load)."""
     rec = c["record"]
-    cell, tr = rec["cell"], rec["trace"]
-    rows = sum(int(n) for n in cell["seq_lens"])
+    tr = rec["trace"]
     if c["multirank"]:
-        _, model = multirank_estimate(cell, table, moe_load=c["load"])
-        return [("busiest", calibrate.model_points(model, rows, len(cell["seq_lens"])), tr["peak_bytes"])]
+        _, model = multirank_estimate(rec["cell"], table, moe_load=c["load"])
+        original = calibrate._model
+        calibrate._model = lambda _table, _cell: model   # the model `estimate` priced
+        try:
+            return [("busiest", calibrate.cell_points(table, rec), tr["peak_bytes"])]
+        finally:
+            calibrate._model = original
     return [("whole", calibrate.cell_points(table, rec), tr["peak_bytes"]),
             ("decoder", calibrate.cell_points(calibrate.decoder_table(table), rec), tr["decoder_peak_bytes"])]
 

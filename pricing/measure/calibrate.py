@@ -35,9 +35,9 @@ at its cells left some held-out cells a few tenths of a percent under.
 
 CPU traces have no first-execution transients and no caller loss buffers (the full-native
 head is traced), so `first_execution` and `caller_per_logical_token` are set to 0. Their MoE
-layers run a stand-in dispatcher that makes no sort copy, so a cell is priced without
-`moe_permutation` (`traced_dispatcher_table`; the fitted table keeps the entry for Megatron's
-all-to-all dispatcher, which makes it).
+layers run a stand-in dispatcher that makes no sort copy, so a single-rank cell (no
+`cell.layout`) is priced without `moe_permutation` (`traced_dispatcher_table`; the fitted
+table keeps the entry for Megatron's all-to-all dispatcher, which makes it).
 """
 
 from __future__ import annotations
@@ -224,6 +224,8 @@ def _model(table: CoefficientTable, cell: dict):
     from ..parallel import ParallelLayout, Recompute
 
     geometry = cell_geometry(cell)
+    if cell.get("layout") is None:   # a single-rank trace: its MoE makes no sort copy
+        table = traced_dispatcher_table(table)
     if geometry.features.final_softcap and not table.scalar("head_full_native", "retained_per_row_vocab"):
         # a table without logits terms prices the decoder-only pass: no logits to soft-cap
         geometry = dataclasses.replace(
@@ -233,18 +235,19 @@ def _model(table: CoefficientTable, cell: dict):
                         recompute=Recompute(mode=cell["recompute"]),
                         lora=LoraConfig(slots=(LoraSlot(rank=int(cell["lora_rank"]) or 1),),
                                         grad_bytes=2),
-                        table=traced_dispatcher_table(table), head=HEAD, safety=1.0)
+                        table=table, head=HEAD, safety=1.0)
 
 
 _STAND_IN_CACHE: dict = {}
 
 
 def traced_dispatcher_table(table: CoefficientTable) -> CoefficientTable:
-    """`table` as the single-rank tracer's MoE runs: without `moe_permutation` (the stand-in
-    dispatcher, `measure.trace._BalancedDispatcher`, copies each token once per choice but
-    makes no sort-by-local-expert copy, which Megatron's all-to-all dispatcher and the
-    pricing add: `moe_terms.permutation_per_routed_row`). The table itself when it has no
-    such entry (te-gpu). O(terms), cached per table."""
+    """`table` as the single-rank tracer's MoE runs (a record without `cell.layout`): without
+    `moe_permutation` (the stand-in dispatcher, `measure.trace._BalancedDispatcher`, copies
+    each token once per choice but makes no sort-by-local-expert copy, which Megatron's
+    all-to-all dispatcher, traced by the multi-rank tracer, and the pricing add:
+    `moe_terms.permutation_per_routed_row`). The table itself when it has no such entry
+    (te-gpu). O(terms), cached per table."""
     from ..moe_terms import PERMUTATION
 
     if PERMUTATION not in table.terms:
@@ -292,14 +295,7 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
     the head's backward split in its logits and final-norm moments). Its maximum is the
     wave's raw price (tests check it against `price_groups`). O(layers)."""
     rows, segments = _wave(record)
-    return model_points(_model(table, record["cell"]), rows, segments)
-
-
-def model_points(model, rows: int, segments: int) -> np.ndarray:
-    """Every walk point of a one-group wave of `rows` rows (`segments` GDN segments) priced
-    by `model` (a `PricingModel` at PP1, any TP / CP / EP), in bytes; `cell_points`' schedule.
-    O(layers)."""
-    a = model.arrays
+    a = _model(table, record["cell"]).arrays
     ret, ws, gdn = a["retained"], a["workspace"], a["gdn_state"]
     cum = np.cumsum(ret)
     total = float(ret.sum())
