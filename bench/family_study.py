@@ -120,8 +120,9 @@ def cmd_report(args) -> int:
         print(f"no family traces in {args.traces}", file=sys.stderr)
         return 2
     lines = [f"family study: {len(grid)} cpu-fake cells at real width (2 layers, 4 for DeepSeek-V3; TP1, full "
-             "recompute), all held out against the shipped torch-cpu table (fitted on the "
-             "Qwen3/Llama grid, not refitted); over = estimate / measured - 1 (raw)", ""]
+             "recompute), against the shipped torch-cpu table (fitted on the Qwen3/Llama grid; its MoE "
+             "routed-row entries on every MoE trace, these MoE families' cells included: "
+             "bench/moe_fit.py); over = estimate / measured - 1 (raw)", ""]
     rows = []
     for rec in grid:
         est = calibrate.estimate(table, rec)

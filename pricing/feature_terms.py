@@ -184,16 +184,14 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
     gaps = []
     if att is not None and att.mla is not None:
         gaps.append("multi-latent attention (its stage priced by true widths as cpu-fake traces "
-                    "hold it; with it, DeepSeek's decoder-only cells fall 2-17% under the "
-                    "torch-cpu table's MoE terms; no GPU trace)")
+                    "hold it; DeepSeek's cpu-fake cells 0.6-1.7% over the torch-cpu table; no GPU "
+                    "trace)")
     if f.attention_softcap:
         gaps.append("attention logit soft-capping (priced as flash attention's in-kernel cap; an "
                     "unfused attention's [heads, s, s] scores are not priced)")
     if f.mlp_activation == MlpActivation.CLAMPED_SWIGLU:
         gaps.append("clamped-swiglu MoE (gpt-oss; traced on cpu-fake with its biases and sinks: "
-                    "decoder-only cells 1.6-1.7% under the torch-cpu table, whose routed-row "
-                    "terms were fitted on experts narrower or wider than the hidden size; no GPU "
-                    "trace)")
+                    "cells 1.0-10.4% over the torch-cpu table; no GPU trace)")
     if geometry.moe is not None and (f.router_score != RouterScore.SOFTMAX or f.router_groups > 1):
         gaps.append("group-limited sigmoid routing (no trace: two more fp32 score tensors charged)")
     return gaps

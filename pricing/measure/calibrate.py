@@ -35,7 +35,10 @@ sequences differ by up to about 0.4 % in ways the terms do not capture, so a fit
 at its cells left some held-out cells a few tenths of a percent under.
 
 CPU traces have no first-execution transients and no caller loss buffers (the full-native
-head is traced), so `first_execution` and `caller_per_logical_token` are set to 0.
+head is traced), so `first_execution` and `caller_per_logical_token` are set to 0. Their MoE
+layers run a stand-in dispatcher that makes no sort copy, so a single-rank cell (no
+`cell.layout`) is priced without `moe_permutation` (`traced_dispatcher_table`; the fitted
+table keeps the entry for Megatron's all-to-all dispatcher, which makes it).
 """
 
 from __future__ import annotations
@@ -247,6 +250,8 @@ def _model(table: CoefficientTable, cell: dict):
     from ..parallel import Recompute
 
     geometry = cell_geometry(cell)
+    if cell.get("layout") is None:   # a single-rank trace: its MoE makes no sort copy
+        table = traced_dispatcher_table(table)
     if geometry.features.final_softcap and not table.scalar("head_full_native", "retained_per_row_vocab"):
         # a table without logits terms prices the decoder-only pass: no logits to soft-cap
         geometry = dataclasses.replace(
@@ -257,6 +262,31 @@ def _model(table: CoefficientTable, cell: dict):
                         lora=LoraConfig(slots=(LoraSlot(rank=int(cell["lora_rank"]) or 1),),
                                         grad_bytes=2),
                         table=table, head=HEAD, safety=1.0)
+
+
+_STAND_IN_CACHE: dict = {}
+
+
+def traced_dispatcher_table(table: CoefficientTable) -> CoefficientTable:
+    """`table` as the single-rank tracer's MoE runs (a record without `cell.layout`): without
+    `moe_permutation` (the stand-in dispatcher, `measure.trace._BalancedDispatcher`, copies
+    each token once per choice but makes no sort-by-local-expert copy, which Megatron's
+    all-to-all dispatcher, traced by the multi-rank tracer, and the pricing add:
+    `moe_terms.permutation_per_routed_row`). The table itself when it has no such entry
+    (te-gpu). O(terms), cached per table."""
+    from ..moe_terms import PERMUTATION
+
+    if PERMUTATION not in table.terms:
+        return table
+    key = id(table)
+    hit = _STAND_IN_CACHE.get(key)
+    if hit is None or hit[0] is not table:
+        terms = {n: e for n, e in table.terms.items() if n != PERMUTATION}
+        hit = (table, CoefficientTable(backend=table.backend, terms=terms, path=table.path))
+        if len(_STAND_IN_CACHE) > 64:
+            _STAND_IN_CACHE.clear()
+        _STAND_IN_CACHE[key] = hit
+    return hit[1]
 
 
 def _price(table: CoefficientTable, record: dict) -> int:
