@@ -61,8 +61,9 @@ from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
 from .bounds import lower_bound
-from .budget import run_cost_us, runs_within, search_us
+from .budget import eject_cost_us, run_cost_us, runs_within, search_us
 from .contract import Pricer, SearchPricer, SearchStep
+from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
 from .greedy import LIMIT, atom_args, pack_greedy
 from .items import Blocks, Items, atom_size, blocks_for, build_items
@@ -95,6 +96,12 @@ EXACT_BUDGET_SHARE = 0.5       # share of AUTO's time budget given to CP-SAT
 EXACT_PACKER_SHARE = 0.8       # share of EXACT's time budget given to CP-SAT
 BALANCE_MOVES_PER_ATOM = 2
 DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave, per wave
+EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of this many atoms
+EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's time, and at
+                              # most what one greedy run leaves of it
+EJECT_MIN_STEPS = 50          # placements per chain, at least (more with a larger budget)
+EJECT_MIN_CANDIDATES = 4      # light waves tried per round, at least
+EJECT_MAX_CANDIDATES = 16
 
 _BASELINES = {PackerKind.UNIFORM_WIDTH: baselines.uniform_width, PackerKind.FFD: baselines.ffd,
               PackerKind.KK: baselines.kk}
@@ -172,6 +179,7 @@ class _Search:
     lower: int               # envelope bound of the active atoms (CP-SAT may raise it)
     bound: int               # bound valid under exact prices, fixed atoms included
     left_us: float           # microseconds for the greedy and the multistart
+    eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
@@ -232,9 +240,15 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     bound = _valid_lower_bound(pricer, budget, lower + F, split, items)
     kind, ms = options.packer, options.time_budget_ms
     left_us = search_us(ms, lower + F)
+    eject_us = 0.0
+    if (kind == PackerKind.AUTO and options.num_waves is None
+            and len(active) >= EJECT_MIN_ATOMS):
+        one_run = run_cost_us(len(active), lower, len(items.points))
+        eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run))
+        left_us -= eject_us
     return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
-                   lower=lower, bound=bound, left_us=left_us,
+                   lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
                    deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
@@ -274,6 +288,7 @@ def _pack(s: _Search) -> list[Draft]:
     assign, nw, runs = _greedy(s, blocks)
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
+    assign, nw = _eject(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
@@ -312,6 +327,26 @@ def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
                                     deadline=s.deadline, max_iters=max_iters)
     s.stats["multistart_iterations"] = it
     return assign, nw
+
+
+def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
+    """Ejection chains (`eject`) empty light waves by moves and swaps against the envelope,
+    within the placements `eject_us` buys (an estimate in both modes, so the plan does not
+    depend on the clock), when a gap to the envelope bound is left. Returns (assign, waves)."""
+    if s.eject_us <= 0.0 or nw <= s.lower:
+        return assign, nw
+    A, P = len(s.active), s.num_points
+    work = int(s.eject_us // eject_cost_us(A, nw, P))
+    if work <= 0:
+        return assign, nw
+    steps = max(EJECT_MIN_STEPS, work // 8)
+    candidates = min(EJECT_MAX_CANDIDATES, max(EJECT_MIN_CANDIDATES, work // steps))
+    assign = assign.copy()
+    nw2, done = eject(assign, nw, s.active, atom_size(s.items), s.lower, candidates, steps, work,
+                      *atom_args(s.items), LIMIT)
+    s.stats["eject_placements"] = int(done)
+    s.stats["eject_waves"] = nw - nw2
+    return assign, nw2
 
 
 def _exact(s: _Search, assign: np.ndarray, nw: int, exact_fits: bool) -> tuple[np.ndarray, int]:
