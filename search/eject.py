@@ -12,8 +12,9 @@ never find. A subgroup's header is paid once per wave it appears in, so a chain 
 prompt group when that pays.
 
 The chain of one wave stops after `steps` placements; unless the pool is empty by then,
-everything it moved is rolled back. Waves are tried lightest first (sum of loads), up to
-`candidates` per round, while the plan is above `target` waves (a bound).
+everything it moved is rolled back. Waves are tried lightest (sum of loads) and fewest atoms
+first, alternately, up to `candidates` per round, while the plan is above `target` waves (a
+bound).
 
 Complexity: O(steps x A x P x s) per wave tried (a swap looks at every atom of every other
 wave), O(steps x W x P x s) when every atom of the pool fits directly.
@@ -137,7 +138,21 @@ def eject(atom_wave, nw, active, asize, target, candidates, steps, max_work, ato
         for b in range(nw):
             for p in range(P):
                 weight[b] += load[b, p]
-        worder = np.argsort(weight, kind="mergesort")
+        count = np.zeros(nw)
+        for i in range(active.shape[0]):
+            count[atom_wave[active[i]]] += 1.0
+        # candidates: the lightest and the fewest-atom waves, alternately
+        by_weight = np.argsort(weight, kind="mergesort")
+        by_count = np.argsort(count, kind="mergesort")
+        worder = np.empty(nw, dtype=np.int64)
+        seen = np.zeros(nw, dtype=np.bool_)
+        m = 0
+        for i in range(nw):
+            for x in (by_weight[i], by_count[i]):
+                if not seen[x]:
+                    seen[x] = True
+                    worder[m] = x
+                    m += 1
         emptied = False
         for ci in range(min(candidates, nw)):
             if work >= max_work:

@@ -99,9 +99,9 @@ DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave
 EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of this many atoms
 EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's time, and at
                               # most what one greedy run leaves of it
-EJECT_MIN_STEPS = 50          # placements per chain, at least (more with a larger budget)
-EJECT_MIN_CANDIDATES = 4      # light waves tried per round, at least
-EJECT_MAX_CANDIDATES = 16
+EJECT_MIN_STEPS = 50          # placements per chain, at least
+EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
+EJECT_CANDIDATES = 16         # light waves tried per round
 
 _BASELINES = {PackerKind.UNIFORM_WIDTH: baselines.uniform_width, PackerKind.FFD: baselines.ffd,
               PackerKind.KK: baselines.kk}
@@ -339,11 +339,10 @@ def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     work = int(s.eject_us // eject_cost_us(A, nw, P))
     if work <= 0:
         return assign, nw
-    steps = max(EJECT_MIN_STEPS, work // 8)
-    candidates = min(EJECT_MAX_CANDIDATES, max(EJECT_MIN_CANDIDATES, work // steps))
+    steps = max(EJECT_MIN_STEPS, work // EJECT_CHAINS)
     assign = assign.copy()
-    nw2, done = eject(assign, nw, s.active, atom_size(s.items), s.lower, candidates, steps, work,
-                      *atom_args(s.items), LIMIT)
+    nw2, done = eject(assign, nw, s.active, atom_size(s.items), s.lower, EJECT_CANDIDATES,
+                      steps, work, *atom_args(s.items), LIMIT)
     s.stats["eject_placements"] = int(done)
     s.stats["eject_waves"] = nw - nw2
     return assign, nw2
