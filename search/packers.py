@@ -14,8 +14,10 @@ Pipeline (AUTO):
 2. lower bounds: the envelope's (`bounds`), the greedy's target, and the bound valid under
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules, stopping at the envelope bound;
-   only if a gap is left: randomised multistart (`multistart`), then CP-SAT (`exact_cpsat`)
-   when the instance passes its size rule and `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
+   only if a gap is left: randomised multistart (`multistart`), ejection chains that empty
+   light waves by moves and swaps (`eject`; AUTO, steps of >= EJECT_MIN_ATOMS atoms), then
+   CP-SAT (`exact_cpsat`) when the instance passes its size rule and
+   `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
 4. exact re-pricing of every wave, repair of any wave over the budget, then, unless the plan
    already meets the valid bound (the exact price may leave room the envelope did not),
    merging pairs of waves and emptying the lightest wave into the others (`reprice`; GREEDY
@@ -38,7 +40,9 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 (`baselines`) replace steps 3-4.
 
 Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
-expected wave, the rest goes to the greedy runs, then the multistart.
+expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
+first sets aside up to EJECT_SHARE of it for the ejection chains (at most what one greedy run
+leaves), counted in placements by estimate in both modes.
 
 Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
 cut the greedy orders or the multistart short (the result may then depend on the machine); with
