@@ -90,20 +90,6 @@ def _range_lcp(table, a, b):
 
 
 @njit(cache=True)
-def _subgroup_rows(rank, table, length_at, members, ptr):
-    """Per subgroup (rows of the CSR members/ptr): packed and logical rows of its own tree.
-    O(n log n)."""
-    S = ptr.shape[0] - 1
-    out = np.zeros((S, 2))
-    for s in range(S):
-        _, logical, packed, _, _ = _tree_counts(rank, table, length_at,
-                                                members[ptr[s]:ptr[s + 1]].copy(), True)
-        out[s, 0] = packed
-        out[s, 1] = logical
-    return out
-
-
-@njit(cache=True)
 def _shared_out(rank, table, order_cls, order_sub, order_pos, S):
     """Per subgroup, the largest LCP across a boundary with another subgroup of its class in
     the class's tree order (requests sorted by (class, position)). O(n log n)."""
@@ -198,6 +184,116 @@ def undominated_points(coef0: np.ndarray, coef1: np.ndarray, pres: np.ndarray) -
     return np.flatnonzero(~(geq & (gt | earlier)).any(axis=0))
 
 
+@njit(cache=True)
+def _graph(idx, group_of, class_of, K, rank, table, length_at, prefix_rows, coef, keep, pres,
+           fe_k, budget, max_cand, starts):
+    """`find_cliques` in one jitted call: the subgroups of the requests `idx` (ordered by
+    (group, class)), their stems, private rows and own trees, the conflict graph of the
+    candidates over the points `keep`, and the greedy clique. Returns the excess (float64[.,
+    P]) of the clique's members and of the subgroups split in every plan."""
+    P = coef.shape[0]
+    n = idx.shape[0]
+    cls = np.empty(n, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        cls[i] = class_of[idx[i]]
+        key[i] = group_of[idx[i]] * K + cls[i]
+    o = np.argsort(key, kind="mergesort")
+    sub = np.empty(n, dtype=np.int64)
+    members = np.empty(n, dtype=np.int64)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    sub_key = np.empty(n, dtype=np.int64)
+    S = 0
+    for j in range(n):
+        i = o[j]
+        if j == 0 or key[i] != key[o[j - 1]]:
+            sub_key[S] = key[i]
+            S += 1
+            ptr[S] = ptr[S - 1]
+        sub[i] = S - 1
+        members[j] = idx[i]
+        ptr[S] += 1
+    pos = np.empty(n, dtype=np.int64)
+    key2 = np.empty(n, dtype=np.int64)
+    N = rank.shape[0]
+    for i in range(n):
+        pos[i] = rank[idx[i]]
+        key2[i] = cls[i] * N + pos[i]
+    o2 = np.argsort(key2, kind="mergesort")
+    stem = _shared_out(rank, table, cls[o2], sub[o2], pos[o2], S)
+    # candidates: a subgroup that can be split and pays no private rows adds nothing
+    cand = np.empty(S, dtype=np.int64)
+    priv = np.zeros(S)
+    m = 0
+    for t in range(S):
+        priv[t] = max(prefix_rows[sub_key[t] // K] - stem[t], 0.0)
+        if priv[t] > 0 or ptr[t + 1] - ptr[t] == 1:
+            cand[m] = t
+            m += 1
+    cand = cand[:m]
+    Pk = keep.shape[0]
+    load = np.zeros((m, Pk))
+    heavy = np.zeros(m)
+    for u in range(m):
+        t = cand[u]
+        k = sub_key[t] % K
+        _, logical, packed, _, _ = _tree_counts(rank, table, length_at,
+                                                members[ptr[t]:ptr[t + 1]].copy(), True)
+        for q in range(Pk):
+            load[u, q] = coef[keep[q], k, 0] * packed + coef[keep[q], k, 1] * logical
+            heavy[u] = max(heavy[u], load[u, q])
+    if m > max_cand:   # the heaviest ones (ties: the lower index), in index order
+        top = np.sort(np.argsort(-heavy, kind="mergesort")[:max_cand])
+        cand = cand[top]
+        load = load[top]
+        m = max_cand
+    c = np.empty(m, dtype=np.int64)
+    st = np.empty(m)
+    single = np.empty(m, dtype=np.bool_)
+    for u in range(m):
+        c[u] = sub_key[cand[u]] % K
+        st[u] = stem[cand[u]]
+        single[u] = ptr[cand[u] + 1] - ptr[cand[u]] == 1
+    coef0 = np.empty((Pk, K))
+    pres_k = np.empty((Pk, K))
+    for q in range(Pk):
+        for k in range(K):
+            coef0[q, k] = coef[keep[q], k, 0]
+            pres_k[q, k] = pres[keep[q], k]
+    adj, alone = _conflicts(load, st, c, coef0, pres_k, fe_k, budget)
+    excess = np.empty((m, P))
+    for u in range(m):
+        for p in range(P):
+            excess[u, p] = np.inf if single[u] else coef[p, c[u], 0] * priv[cand[u]]
+    rest = np.empty(m, dtype=np.int64)
+    nf = 0
+    nr = 0
+    forced = np.empty(m, dtype=np.int64)
+    for u in range(m):
+        if not alone[u]:
+            rest[nr] = u
+            nr += 1
+        elif not single[u]:
+            forced[nf] = u
+            nf += 1
+    sub_adj = np.zeros((nr, nr), dtype=np.bool_)
+    deg = np.zeros(nr, dtype=np.int64)
+    for i in range(nr):
+        for j in range(nr):
+            sub_adj[i, j] = adj[rest[i], rest[j]]
+            if sub_adj[i, j]:
+                deg[i] += 1
+    order = np.argsort(-deg, kind="mergesort")   # ties: the lower index
+    clique = _greedy_clique(sub_adj, order, deg, starts)
+    out_c = np.empty((clique.shape[0], P))
+    for i in range(clique.shape[0]):
+        out_c[i] = excess[rest[clique[i]]]
+    out_f = np.empty((nf, P))
+    for i in range(nf):
+        out_f[i] = excess[forced[i]]
+    return out_c, out_f
+
+
 def find_cliques(step: Step, class_of: np.ndarray, idx: np.ndarray, coef: np.ndarray,
                  pres: np.ndarray, grad: np.ndarray, budget: float, fe: float,
                  keep: np.ndarray | None = None) -> Cliques:
@@ -205,48 +301,19 @@ def find_cliques(step: Step, class_of: np.ndarray, idx: np.ndarray, coef: np.nda
     requests `idx` of the step (the module docstring), against the lower envelope
     (`coef`: float64[P, K, >=2], `pres`: float64[P, K]) and the first-execution allowance
     `fe` of gradient classes. `keep`: the points tested for conflicts
-    (`undominated_points`, which the caller may cache; None: computed here)."""
+    (`undominated_points`, which the caller may cache; None: computed here). One jitted
+    call (`_graph`)."""
     P, K = pres.shape
     idx = np.asarray(idx, dtype=np.int64)
-    empty = Cliques(np.zeros((0, P)), np.zeros((0, P)))
     if len(idx) < 2 or P == 0:
-        return empty
-    cls = class_of[idx]
-    key = step.group_of[idx] * K + cls
-    keys, sub = np.unique(key, return_inverse=True)
-    S = len(keys)
-    sub_cls = keys % K
-    sub_grp = keys // K
-    by_sub = np.argsort(sub, kind="stable")
-    ptr = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(sub, minlength=S), out=ptr[1:])
-    count = np.diff(ptr)
-    pos = step.rank[idx]
-    order = np.lexsort((pos, cls))
-    stem = _shared_out(step.rank, step.lcp_table, cls[order], sub[order], pos[order], S)
-    priv = np.maximum(step.prefix_rows[sub_grp] - stem, 0.0)
-    # candidates: a subgroup that can be split and pays no private rows adds nothing
-    cand = np.flatnonzero((priv > 0) | (count == 1))
-    if len(cand) == 0:
-        return empty
+        return Cliques(np.zeros((0, P)), np.zeros((0, P)))
     if keep is None:
         keep = undominated_points(coef[:, :, 0], coef[:, :, 1], pres)
-    coef0, coef1, pres_k = coef[keep, :, 0], coef[keep, :, 1], pres[keep]
-    rows = _subgroup_rows(step.rank, step.lcp_table, step.length_at,
-                          idx[by_sub], ptr)[cand]
-    c = sub_cls[cand]
-    load = coef0[:, c].T * rows[:, 0:1] + coef1[:, c].T * rows[:, 1:2]     # [S', P']
-    if len(cand) > MAX_CANDIDATES:   # the heaviest ones (ties: lower index)
-        top = np.lexsort((cand, -load.max(axis=1)))[:MAX_CANDIDATES]
-        top.sort()
-        cand, c, load = cand[top], c[top], load[top]
-    fe_k = np.where(np.asarray(grad, dtype=bool), fe, 0.0)
-    adj, alone = _conflicts(np.ascontiguousarray(load), np.ascontiguousarray(stem[cand]), c,
-                            np.ascontiguousarray(coef0), np.ascontiguousarray(pres_k), fe_k,
-                            float(budget))
-    excess = coef[:, c, 0].T * priv[cand][:, None]                        # all P points
-    excess[count[cand] == 1] = np.inf
-    forced = alone & (count[cand] > 1)
-    rest = np.flatnonzero(~alone)
-    clique = rest[greedy_clique(adj[np.ix_(rest, rest)])]
-    return Cliques(excess[clique], excess[forced])
+    fe_k = np.where(np.asarray(grad, dtype=bool), float(fe), 0.0)
+    clique, forced = _graph(idx, step.group_of, np.asarray(class_of, dtype=np.int64), K,
+                            step.rank, step.lcp_table, step.length_at, step.prefix_rows,
+                            np.ascontiguousarray(coef, dtype=np.float64),
+                            np.asarray(keep, dtype=np.int64),
+                            np.ascontiguousarray(pres, dtype=np.float64), fe_k,
+                            float(budget), MAX_CANDIDATES, CLIQUE_STARTS)
+    return Cliques(clique, forced)
