@@ -106,6 +106,8 @@ EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
+EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
+EJECT_MAX_SLOWDOWN = 50.0
 
 _BASELINES = {PackerKind.UNIFORM_WIDTH: baselines.uniform_width, PackerKind.FFD: baselines.ffd,
               PackerKind.KK: baselines.kk}
@@ -187,6 +189,7 @@ class _Search:
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
+    slowdown: float = 1.0    # clock mode: the greedy's wall time over its estimated cost
 
     @property
     def kind(self) -> PackerKind:
@@ -305,8 +308,13 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     runs)."""
     max_runs = (max(1, runs_within(s.left_us, len(s.active), s.lower, s.num_points))
                 if s.options.deterministic else None)
+    start = time.perf_counter() if s.deadline is not None else 0.0
     assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
                                    max_runs=max_runs)
+    if s.deadline is not None and runs:   # how much slower than estimated this machine runs
+        est = runs * run_cost_us(len(s.active), s.lower, s.num_points)
+        s.slowdown = min(max((time.perf_counter() - start) * 1e6 / est, EJECT_MIN_SLOWDOWN),
+                         EJECT_MAX_SLOWDOWN)
     s.stats["greedy_waves"] = nw + s.num_fixed
     s.stats["greedy_runs"] = runs
     return assign, nw, runs
@@ -335,12 +343,18 @@ def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
 
 def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     """Ejection chains (`eject`) empty light waves by moves and swaps against the envelope,
-    within the placements `eject_us` buys (an estimate in both modes, so the plan does not
-    depend on the clock), when a gap to the envelope bound is left. Returns (assign, waves)."""
+    when a gap to the envelope bound is left, within the placements `eject_us` buys by
+    estimate (`deterministic`), or, in clock mode, the placements the time left until the
+    end of their share buys at the greedy's measured pace (`slowdown`). Returns (assign,
+    waves)."""
     if s.eject_us <= 0.0 or nw <= s.lower:
         return assign, nw
     A, P = len(s.active), s.num_points
-    work = int(s.eject_us // eject_cost_us(A, nw, P))
+    us = s.eject_us
+    if s.deadline is not None:
+        end = s.t0 + (s.left_us + s.eject_us) / 1e6
+        us = min(us, max(0.0, (end - time.perf_counter()) * 1e6)) / s.slowdown
+    work = int(us // eject_cost_us(A, nw, P))
     if work <= 0:
         return assign, nw
     steps = max(EJECT_MIN_STEPS, work // EJECT_CHAINS)
