@@ -185,12 +185,13 @@ def undominated_points(coef0: np.ndarray, coef1: np.ndarray, pres: np.ndarray) -
 
 
 @njit(cache=True)
-def _graph(idx, group_of, class_of, K, rank, table, length_at, prefix_rows, coef, keep, pres,
-           fe_k, budget, max_cand, starts):
+def _graph(idx, class_of, K, tree, coef, keep, pres, fe_k, budget, max_cand, starts):
     """`find_cliques` in one jitted call: the subgroups of the requests `idx` (ordered by
     (group, class)), their stems, private rows and own trees, the conflict graph of the
-    candidates over the points `keep`, and the greedy clique. Returns the excess (float64[.,
-    P]) of the clique's members and of the subgroups split in every plan."""
+    candidates over the points `keep`, and the greedy clique. `tree`: the step's (group_of,
+    rank, lcp_table, length_at, prefix_rows). Returns the excess (float64[., P]) of the
+    clique's members and of the subgroups split in every plan."""
+    group_of, rank, table, length_at, prefix_rows = tree
     P = coef.shape[0]
     n = idx.shape[0]
     cls = np.empty(n, dtype=np.int64)
@@ -310,8 +311,8 @@ def find_cliques(step: Step, class_of: np.ndarray, idx: np.ndarray, coef: np.nda
     if keep is None:
         keep = undominated_points(coef[:, :, 0], coef[:, :, 1], pres)
     fe_k = np.where(np.asarray(grad, dtype=bool), float(fe), 0.0)
-    clique, forced = _graph(idx, step.group_of, np.asarray(class_of, dtype=np.int64), K,
-                            step.rank, step.lcp_table, step.length_at, step.prefix_rows,
+    tree = (step.group_of, step.rank, step.lcp_table, step.length_at, step.prefix_rows)
+    clique, forced = _graph(idx, np.asarray(class_of, dtype=np.int64), K, tree,
                             np.ascontiguousarray(coef, dtype=np.float64),
                             np.asarray(keep, dtype=np.int64),
                             np.ascontiguousarray(pres, dtype=np.float64), fe_k,

@@ -31,9 +31,12 @@ TABU = 3   # an atom placed within the last TABU placements does not leave again
 
 
 @njit(cache=True)
-def _place(a, c, nw, atom_wave, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-           class_hdr, tmp, limit):
-    """The wave (not c) where atom a fits tightest (largest max load after), or -1."""
+def _place(a, c, nw, state, atoms, hdr, tmp, limit):
+    """The wave (not c) where atom a fits tightest (largest max load after), or -1.
+    `state`: (load, scnt, ccnt) of the waves; `atoms`, `hdr`: `kernels.Pieces`, `Headers`."""
+    load, scnt, ccnt = state
+    aw, asptr, as_, acptr, ac = atoms
+    sub_hdr, class_hdr = hdr
     best = -1
     best_m = -1.0
     subs = as_[asptr[a]:asptr[a + 1]]
@@ -48,13 +51,17 @@ def _place(a, c, nw, atom_wave, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub
 
 
 @njit(cache=True)
-def _swap(a, c, nw, active, atom_wave, stamp, recent, left, asize, rm_ub, out, load, scnt,
-          ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr, tmp, limit):
+def _swap(a, c, nw, recent, chain, state, atoms, hdr, tmp, limit):
     """The atom y (in a wave other than c, not placed after placement `recent`) whose
     leaving lets atom a fit in y's wave, with the smallest asize[y] x (1 + left[y]) (ties:
-    the lower index); -1 when none. `rm_ub[y]` bounds what y's leaving frees (its weight
-    and every header it touches), so most atoms are rejected at their wave's worst point
-    without re-pricing; `out` (float64[W, P]) is scratch."""
+    the lower index); -1 when none. `chain`: (active, atom_wave, stamp, left, asize, rm_ub,
+    out); `rm_ub[y]` bounds what y's leaving frees (its weight and every header it touches),
+    so most atoms are rejected at their wave's worst point without re-pricing; `out`
+    (float64[W, P]) is scratch."""
+    active, atom_wave, stamp, left, asize, rm_ub, out = chain
+    load, scnt, ccnt = state
+    aw, asptr, as_, acptr, ac = atoms
+    sub_hdr, class_hdr = hdr
     P = load.shape[1]
     subs = as_[asptr[a]:asptr[a + 1]]
     classes = ac[acptr[a]:acptr[a + 1]]
@@ -132,6 +139,7 @@ def eject(atom_wave, nw, active, asize, target, candidates, steps, max_work, ato
         for j in range(acptr[y], acptr[y + 1]):
             for p in range(P):
                 rm_ub[y, p] += class_hdr[ac[j], p]
+    chain = (active, atom_wave, stamp, left, asize, rm_ub, out)
     work = 0
     while nw > max(target, 1):
         weight = np.zeros(nw)
@@ -184,12 +192,10 @@ def eject(atom_wave, nw, active, asize, target, candidates, steps, max_work, ato
                 npool -= 1
                 step += 1
                 work += 1
-                b = _place(a, c, nw, atom_wave, load, scnt, ccnt, aw, asptr, as_, acptr, ac,
-                           sub_hdr, class_hdr, tmp, limit)
+                b = _place(a, c, nw, (load, scnt, ccnt), atoms, hdr, tmp, limit)
                 if b < 0:
-                    y = _swap(a, c, nw, active, atom_wave, stamp, work - TABU, left, asize,
-                              rm_ub, out, load, scnt, ccnt, aw, asptr, as_, acptr, ac,
-                              sub_hdr, class_hdr, tmp, limit)
+                    y = _swap(a, c, nw, work - TABU, chain, (load, scnt, ccnt), atoms, hdr,
+                              tmp, limit)
                     if y < 0:
                         pool[npool] = a
                         npool += 1
