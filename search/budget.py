@@ -24,7 +24,7 @@ from __future__ import annotations
 POST_US_PER_WAVE = 60.0
 RUN_US_BASE = 10.0
 RUN_US_PER_UNIT = 0.06
-EJECT_US_PER_UNIT = 0.015   # one placement of `eject`: atoms + waves x points units
+EJECT_US_PER_UNIT = 0.03    # one placement of `eject`: atoms + waves x points units
 
 
 def search_us(time_budget_ms: float, waves: int) -> float:
@@ -39,8 +39,9 @@ def run_cost_us(atoms: int, waves: int, points: int) -> float:
 
 def eject_cost_us(atoms: int, waves: int, points: int) -> float:
     """Estimated microseconds of one placement of the ejection chains (`eject`): a scan of
-    the atoms and of every wave's load (measured 14-28 us at 512 atoms, 37 waves, 8 points,
-    on a loaded machine)."""
+    the atoms and of every wave's load. Measured 19 ns per unit at 512 atoms and 30-35 at
+    2048 (15 and 95-110 us a placement, generated GRPO steps, 8 points); the constant sits
+    at the slow end, like the greedy's."""
     return EJECT_US_PER_UNIT * (atoms + max(waves, 1) * points)
 
 
