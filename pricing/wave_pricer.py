@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
+from .clique_bound import find_cliques, undominated_points
 from .envelope import Envelope, build_envelope
 from .layout import _tree_counts, layout
 from .model import PricingModel
@@ -295,7 +296,11 @@ class WavePricer:
     def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
         """A wave count no plan of flat waves within the budget can go below, for the whole
         step or for `requests` (the search leaves out split units, which run alone).
-        O(P x K) once the class totals are known; see `_wave_bound` for the argument."""
+        The plain bound (`_wave_bound`, O(P x K) once the class totals are known) is raised
+        by the prompt groups that cannot share a wave whole (`clique_bound`: a clique of
+        them larger than the wave count forces prompts to be paid again), counting up from
+        it while the forced mass says the count is too small. O(n log n + S'^2 P') for the
+        conflict graph, then O(P x K) per count tried."""
         n = len(self.step.requests) if requests is None else len(requests)
         if n == 0:
             return 0
@@ -306,9 +311,30 @@ class WavePricer:
         # of the step that wave may be elsewhere (a split unit), so it is not counted then
         pend = lower.pending if (lower.pending is not None and requests is None) \
             else np.zeros_like(lower.presence)
-        return int(min(_wave_bound(lower.coef, lower.presence, pend,
-                                   self.class_totals(requests), grad, float(budget_bytes), fe),
-                       n))
+        totals = self.class_totals(requests)
+        P = lower.presence.shape[0]
+        bound = _wave_bound(lower.coef, lower.presence, pend, totals, grad,
+                            float(budget_bytes), fe, np.zeros(P))
+        if bound >= n:
+            return n
+        idx = np.arange(n, dtype=np.int64) if requests is None \
+            else np.asarray(requests, dtype=np.int64)
+        cache = self.model.arrays.setdefault("clique_points", {})
+        key = (self.class_grad, self.class_slot)
+        if key not in cache:
+            cache[key] = undominated_points(lower.coef[:, :, 0], lower.coef[:, :, 1],
+                                            lower.presence)
+        cliques = find_cliques(self.step, self.class_of, idx, lower.coef, lower.presence,
+                               grad, float(budget_bytes), fe, cache[key])
+        # the least N whose forced splits do not raise the bound above N (clique_bound)
+        waves = int(bound)
+        while waves < n:
+            possible, extra = cliques.extra(waves)
+            if possible and _wave_bound(lower.coef, lower.presence, pend, totals, grad,
+                                        float(budget_bytes), fe, extra) <= waves:
+                break
+            waves += 1
+        return waves
 
 
 @njit(cache=True)
@@ -339,7 +365,7 @@ def _ceil_div(mass, room):
 
 
 @njit(cache=True)
-def _wave_bound(coef, pres, pend, totals, grad, budget, fe):
+def _wave_bound(coef, pres, pend, totals, grad, budget, fe, extra):
     """Lower bound on the waves of any plan of flat waves within `budget`.
 
     Every wave W prices at least, at each lower-envelope point p (`build_envelope(...,
@@ -352,7 +378,9 @@ def _wave_bound(coef, pres, pend, totals, grad, budget, fe):
     G_k >= M_q^k / (budget - pres[q,k] - fe_k) at any point q, G >= M_q^grad / (budget - fe),
     and G >= G_k for gradient classes. The one wave that carries a present gradient class's
     pending adapter gradients adds pend[p,k] at p (the lower envelope's `pending`; zeros
-    when not counted). O(P x K).
+    when not counted). `extra[p]` is mass the caller knows every plan adds at p beyond the
+    step's full-sharing rows (prompts paid again by split groups, `clique_bound`; zeros for
+    none). O(P x K).
     """
     P = coef.shape[0]
     K = coef.shape[1]
@@ -380,7 +408,7 @@ def _wave_bound(coef, pres, pend, totals, grad, budget, fe):
         best = max(best, g_k[k])
     best = max(best, g)
     for p in range(P):
-        mass = fe * g
+        mass = fe * g + extra[p]
         for k in range(K):
             mass += own[p, k] + pres[p, k] * g_k[k]
             if grad[k] and totals[k, 1] > 0:

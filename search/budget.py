@@ -3,7 +3,9 @@
 The budget covers the whole search. Exact re-pricing, the pending-gradient order and the
 final breakdowns cost about POST_US_PER_WAVE per wave (measured on generated GRPO steps of
 32-2048 requests with the real pricer); that much is set aside from the start, using the
-lower bound for the wave count, and the rest goes to the greedy runs, then the multistart.
+lower bound for the wave count, and the rest goes to the greedy runs, then the multistart;
+on large steps AUTO first sets aside for the ejection chains up to EJECT_SHARE of it (at most
+what one greedy run leaves, `packers`), counted in placements (`eject_cost_us`).
 
 Without `deterministic`, the greedy and the multistart stop at the wall-clock deadline. With
 it, the clock is never read: the number of greedy runs and multistart iterations comes from
@@ -22,6 +24,7 @@ from __future__ import annotations
 POST_US_PER_WAVE = 60.0
 RUN_US_BASE = 10.0
 RUN_US_PER_UNIT = 0.06
+EJECT_US_PER_UNIT = 0.03    # one placement of `eject`: atoms + waves x points units
 
 
 def search_us(time_budget_ms: float, waves: int) -> float:
@@ -32,6 +35,14 @@ def search_us(time_budget_ms: float, waves: int) -> float:
 def run_cost_us(atoms: int, waves: int, points: int) -> float:
     """Estimated microseconds of one greedy run (with `eliminate`) or multistart iteration."""
     return RUN_US_BASE + RUN_US_PER_UNIT * atoms * (max(waves, 1) + points)
+
+
+def eject_cost_us(atoms: int, waves: int, points: int) -> float:
+    """Estimated microseconds of one placement of the ejection chains (`eject`): a scan of
+    the atoms and of every wave's load. Measured 19 ns per unit at 512 atoms and 30-35 at
+    2048 (15 and 95-110 us a placement, generated GRPO steps, 8 points); the constant sits
+    at the slow end, like the greedy's."""
+    return EJECT_US_PER_UNIT * (atoms + max(waves, 1) * points)
 
 
 def runs_within(us: float, atoms: int, waves: int, points: int) -> int:

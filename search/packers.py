@@ -14,8 +14,10 @@ Pipeline (AUTO):
 2. lower bounds: the envelope's (`bounds`), the greedy's target, and the bound valid under
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules, stopping at the envelope bound;
-   only if a gap is left: randomised multistart (`multistart`), then CP-SAT (`exact_cpsat`)
-   when the instance passes its size rule and `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
+   only if a gap is left: randomised multistart (`multistart`), ejection chains that empty
+   light waves by moves and swaps (`eject`; AUTO, steps of >= EJECT_MIN_ATOMS atoms), then
+   CP-SAT (`exact_cpsat`) when the instance passes its size rule and
+   `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
 4. exact re-pricing of every wave, repair of any wave over the budget, then, unless the plan
    already meets the valid bound (the exact price may leave room the envelope did not),
    merging pairs of waves and emptying the lightest wave into the others (`reprice`; GREEDY
@@ -38,7 +40,9 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 (`baselines`) replace steps 3-4.
 
 Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
-expected wave, the rest goes to the greedy runs, then the multistart.
+expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
+first sets aside up to EJECT_SHARE of it for the ejection chains (at most what one greedy run
+leaves), counted in placements by estimate in both modes.
 
 Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
 cut the greedy orders or the multistart short (the result may then depend on the machine); with
@@ -61,8 +65,9 @@ from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
 from .bounds import lower_bound
-from .budget import run_cost_us, runs_within, search_us
+from .budget import eject_cost_us, run_cost_us, runs_within, search_us
 from .contract import Pricer, SearchPricer, SearchStep
+from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
 from .greedy import LIMIT, atom_args, pack_greedy
 from .items import Blocks, Items, atom_size, blocks_for, build_items
@@ -95,6 +100,14 @@ EXACT_BUDGET_SHARE = 0.5       # share of AUTO's time budget given to CP-SAT
 EXACT_PACKER_SHARE = 0.8       # share of EXACT's time budget given to CP-SAT
 BALANCE_MOVES_PER_ATOM = 2
 DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave, per wave
+EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of this many atoms
+EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's time, and at
+                              # most what one greedy run leaves of it
+EJECT_MIN_STEPS = 50          # placements per chain, at least
+EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
+EJECT_CANDIDATES = 16         # light waves tried per round
+EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
+EJECT_MAX_SLOWDOWN = 50.0
 
 _BASELINES = {PackerKind.UNIFORM_WIDTH: baselines.uniform_width, PackerKind.FFD: baselines.ffd,
               PackerKind.KK: baselines.kk}
@@ -172,9 +185,11 @@ class _Search:
     lower: int               # envelope bound of the active atoms (CP-SAT may raise it)
     bound: int               # bound valid under exact prices, fixed atoms included
     left_us: float           # microseconds for the greedy and the multistart
+    eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
+    slowdown: float = 1.0    # clock mode: the greedy's wall time over its estimated cost
 
     @property
     def kind(self) -> PackerKind:
@@ -232,9 +247,15 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     bound = _valid_lower_bound(pricer, budget, lower + F, split, items)
     kind, ms = options.packer, options.time_budget_ms
     left_us = search_us(ms, lower + F)
+    eject_us = 0.0
+    if (kind == PackerKind.AUTO and options.num_waves is None
+            and len(active) >= EJECT_MIN_ATOMS):
+        one_run = run_cost_us(len(active), lower, len(items.points))
+        eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run))
+        left_us -= eject_us
     return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
-                   lower=lower, bound=bound, left_us=left_us,
+                   lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
                    deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
@@ -274,6 +295,7 @@ def _pack(s: _Search) -> list[Draft]:
     assign, nw, runs = _greedy(s, blocks)
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
+    assign, nw = _eject(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
@@ -286,8 +308,13 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     runs)."""
     max_runs = (max(1, runs_within(s.left_us, len(s.active), s.lower, s.num_points))
                 if s.options.deterministic else None)
+    start = time.perf_counter() if s.deadline is not None else 0.0
     assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
                                    max_runs=max_runs)
+    if s.deadline is not None and runs:   # how much slower than estimated this machine runs
+        est = runs * run_cost_us(len(s.active), s.lower, s.num_points)
+        s.slowdown = min(max((time.perf_counter() - start) * 1e6 / est, EJECT_MIN_SLOWDOWN),
+                         EJECT_MAX_SLOWDOWN)
     s.stats["greedy_waves"] = nw + s.num_fixed
     s.stats["greedy_runs"] = runs
     return assign, nw, runs
@@ -312,6 +339,31 @@ def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
                                     deadline=s.deadline, max_iters=max_iters)
     s.stats["multistart_iterations"] = it
     return assign, nw
+
+
+def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
+    """Ejection chains (`eject`) empty light waves by moves and swaps against the envelope,
+    when a gap to the envelope bound is left, within the placements `eject_us` buys by
+    estimate (`deterministic`), or, in clock mode, the placements the time left until the
+    end of their share buys at the greedy's measured pace (`slowdown`). Returns (assign,
+    waves)."""
+    if s.eject_us <= 0.0 or nw <= s.lower:
+        return assign, nw
+    A, P = len(s.active), s.num_points
+    us = s.eject_us
+    if s.deadline is not None:
+        end = s.t0 + (s.left_us + s.eject_us) / 1e6
+        us = min(us, max(0.0, (end - time.perf_counter()) * 1e6)) / s.slowdown
+    work = int(us // eject_cost_us(A, nw, P))
+    if work <= 0:
+        return assign, nw
+    steps = max(EJECT_MIN_STEPS, work // EJECT_CHAINS)
+    assign = assign.copy()
+    nw2, done = eject(assign, nw, s.active, atom_size(s.items), s.lower, EJECT_CANDIDATES,
+                      steps, work, *atom_args(s.items), LIMIT)
+    s.stats["eject_placements"] = int(done)
+    s.stats["eject_waves"] = nw - nw2
+    return assign, nw2
 
 
 def _exact(s: _Search, assign: np.ndarray, nw: int, exact_fits: bool) -> tuple[np.ndarray, int]:
