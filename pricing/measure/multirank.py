@@ -409,6 +409,17 @@ def _rank_main(rank: int, spec: dict) -> None:
     os._exit(0)
 
 
+def spec_geometry(spec: dict) -> ModelGeometry:
+    """The geometry a rank process was sent: `spec["geometry"]` with `spec["extra"]` (the
+    live-build switches, e.g. qk_layernorm) put back."""
+    geometry = ModelGeometry.from_dict(spec["geometry"])
+    if spec["extra"]:
+        import dataclasses
+
+        geometry = dataclasses.replace(geometry, extra=dict(spec["extra"]))
+    return geometry
+
+
 def _trace_rank(spec: dict) -> list[dict]:
     import torch
     from megatron.core import parallel_state as ps
@@ -426,11 +437,7 @@ def _trace_rank(spec: dict) -> list[dict]:
                                  create_gloo_process_groups=False)
     with shim_device("cpu"):
         mrandom.model_parallel_cuda_manual_seed(1234)
-    geometry = ModelGeometry.from_dict(spec["geometry"])
-    if spec["extra"]:
-        import dataclasses
-
-        geometry = dataclasses.replace(geometry, extra=dict(spec["extra"]))
+    geometry = spec_geometry(spec)
     ranks = {"tp_rank": ps.get_tensor_model_parallel_rank(),
              "cp_rank": ps.get_context_parallel_rank(),
              "dp_rank": ps.get_data_parallel_rank(),

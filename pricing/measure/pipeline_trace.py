@@ -34,7 +34,7 @@ from ..errors import ConfigError, bad
 from ..geometry import MlpKind, ModelGeometry
 from ..parallel import ParallelLayout, Recompute
 from ..pipeline import check_schedule
-from .multirank import DEFAULT_TIMEOUT_S, padded_lens
+from .multirank import DEFAULT_TIMEOUT_S, padded_lens, spec_geometry
 
 COUNTED = ("live untyped storages created by aten ops during the pipeline step on each rank "
            "(real CPU tensors, gloo p2p), above the stage's weights and the micro-batches' inputs")
@@ -232,7 +232,6 @@ def _labelled_tracker_class():
 def trace_pipeline_rank(spec: dict) -> list[dict]:
     """This rank's results, one per job (`pipeline_spec`), in a process whose gloo group
     (TP x PP ranks) is initialised (`multirank._rank_main` does it)."""
-    import dataclasses
 
     import torch
     from megatron.core import parallel_state as ps
@@ -247,9 +246,7 @@ def trace_pipeline_rank(spec: dict) -> list[dict]:
                                  create_gloo_process_groups=False)
     with shim_device("cpu"):
         mrandom.model_parallel_cuda_manual_seed(1234)
-    geometry = ModelGeometry.from_dict(spec["geometry"])
-    if spec["extra"]:
-        geometry = dataclasses.replace(geometry, extra=dict(spec["extra"]))
+    geometry = spec_geometry(spec)
     return [_run_job(torch, geometry, layout, spec, job) for job in spec["jobs"]]
 
 
@@ -289,21 +286,21 @@ def _run_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dict,
         losses: list = []
         original_forward, original_backward = schedules.forward_step, schedules.backward_step
 
-        def forward_step(*args, **kwargs):
-            i = counter["forward"]
-            tracker.set_label((i, "forward"))
-            out = original_forward(*args, **kwargs)
-            counter["forward"] += 1
-            tracker.set_label((i, "after forward"))
-            return out
+        def labelled(phase, original):
+            """`original` (the schedule's forward_step or backward_step), labelling the
+            tracker with (micro-batch, phase) while it runs and (micro-batch, after phase)
+            once it returns."""
+            def step(*args, **kwargs):
+                i = counter[phase]
+                tracker.set_label((i, phase))
+                out = original(*args, **kwargs)
+                counter[phase] += 1
+                tracker.set_label((i, f"after {phase}"))
+                return out
+            return step
 
-        def backward_step(*args, **kwargs):
-            i = counter["backward"]
-            tracker.set_label((i, "backward"))
-            out = original_backward(*args, **kwargs)
-            counter["backward"] += 1
-            tracker.set_label((i, "after backward"))
-            return out
+        forward_step = labelled("forward", original_forward)
+        backward_step = labelled("backward", original_backward)
 
         def step_func(data_iterator, model):
             ids, pos, labels, packed, _ = next(data_iterator)
