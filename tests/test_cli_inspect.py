@@ -75,4 +75,5 @@ def test_inspect_prints_the_conservative_reason_on_the_basis_line(capsys):
     assert "basis      evidence (TP4 SP CP1, full recompute, te-gpu)\n" in capsys.readouterr().out
     assert main(["inspect", "--json", "--model", "qwen3-32b", "--pp", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["basis"] == "conservative" and data["reasons"] == ["PP2 (no pipeline trace yet: stages priced under 1F1B)"]
+    assert data["basis"] == "conservative"
+    assert data["reasons"] == ["PP2 (stages priced under 1F1B, validated on CPU pipeline traces only)"]
