@@ -488,7 +488,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
 
     from . import thd
     from .megatron_build import build_gpt
-    from .trace import _balanced_router, _seed_function, _tracker_class
+    from .trace import _balanced_router, _seed_function, _tracker_class, storage_bytes
 
     lens = [int(n) for n in job["seq_lens"]]
     recompute = Recompute(**{k: (tuple(v) if k == "modules" else v)
@@ -523,8 +523,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             model.embedding.register_forward_hook(_standard_strides, prepend=True)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
-        weights = sum(t.untyped_storage().nbytes()
-                      for t in {id(t.untyped_storage()): t for t in params}.values())
+        weights = storage_bytes(params)
         runs = [("full", True)] + ([("decoder", False)] if spec["decoder_only"] else [])
         for name, full_head in runs:
             gc.collect()   # as `trace.trace_wave`: the collector's timing independent of the past

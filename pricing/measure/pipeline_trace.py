@@ -257,6 +257,7 @@ def _run_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dict,
     from . import thd
     from .megatron_build import build_gpt
     from .multirank import _inputs, _standard_strides
+    from .trace import storage_bytes
 
     waves = [[int(n) for n in w] for w in job["waves"]]
     recompute = Recompute(**{k: (tuple(v) if k == "modules" else v)
@@ -276,8 +277,7 @@ def _run_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dict,
             model.embedding.register_forward_hook(_standard_strides, prepend=True)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
-        weights = sum(t.untyped_storage().nbytes()
-                      for t in {id(t.untyped_storage()): t for t in params}.values())
+        weights = storage_bytes(params)
         tracker.ignore(params)
         batches = [_inputs(torch, w, geometry.vocab, layout, 0) for w in waves]
         inputs = [t for ids, pos, labels, _, cu in batches for t in (ids, pos, labels, cu)]

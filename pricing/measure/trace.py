@@ -294,6 +294,13 @@ def _check(geometry: ModelGeometry, seq_lens, num_layers, device, head):
     return lens
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted
+    once): a model's weights, the baseline every traced peak is measured above. O(tensors)."""
+    return sum(t.untyped_storage().nbytes()
+               for t in {id(t.untyped_storage()): t for t in tensors}.values())
+
+
 def _inputs(torch, lens, vocab, device, packed):
     total = sum(lens)
     gen = torch.Generator().manual_seed(0)
@@ -442,10 +449,7 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
         if has_moe:
             _install_balanced_dispatch(model, layout)
         vocab = geometry.vocab
-        baseline_weights = sum(
-            t.untyped_storage().nbytes() for t in
-            {id(t.untyped_storage()): t for t in list(model.parameters()) + list(model.buffers())
-             }.values())
+        baseline_weights = storage_bytes(list(model.parameters()) + list(model.buffers()))
         runs = [("full", True)] + ([("decoder", False)] if decoder_only else [])
         for name, full_head in runs:
             # garbage of earlier work collected, and the collector's counters reset, so that
