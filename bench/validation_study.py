@@ -281,12 +281,10 @@ def _anatomy_one(cell: dict) -> list[str]:
     """Trace `cell` on cpu-fake with a tracker that remembers who made each storage: what is
     live at each pass's peak, and, in backward, the live bytes when each layer's output
     gradient arrives and the highest live bytes until the next layer's arrives."""
-    import re
-
     import torch
-    from torch.utils._pytree import tree_leaves
 
     from waveplan.pricing.measure import trace as T
+    from waveplan.pricing.measure.live_anatomy import anatomy_tracker_class, module_stack
     from waveplan.pricing.parallel import Recompute
     from waveplan.pricing.presets import load_preset
 
@@ -294,22 +292,16 @@ def _anatomy_one(cell: dict) -> list[str]:
     trackers: list = []
     base_cls = T._tracker_class()
 
-    class Anatomy(base_cls):
+    class Anatomy(anatomy_tracker_class()):
+        """The live-anatomy tracker (labels and peak snapshots) plus backward windows: `mark`
+        starts a window at the live bytes now; each window keeps the most live until the next."""
+
         def __init__(self) -> None:
             super().__init__()
-            self.info: dict[int, tuple] = {}
-            self.snap: dict = {}
+            self.stack = stack
             self.marks: list[list] = []
             self.window = 0
-            self.phase = "forward"
             trackers.append(self)
-
-        def _snapshot(self) -> None:
-            self.snap = {k: (self.info.get(k), n) for k, n in self.live.items()}
-
-        def reset_peak(self) -> None:
-            super().reset_peak()
-            self._snapshot()
 
         def mark(self, name: str) -> None:
             if self.marks:
@@ -318,39 +310,14 @@ def _anatomy_one(cell: dict) -> list[str]:
             self.window = self.current
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            where = stack[-1] if stack else "(autograd)"
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    key = id(t.untyped_storage())
-                    new = key not in self.live and key not in self.ignored
-                    before = self.peak
-                    self._track(t)
-                    if new and key in self.live:
-                        self.info[key] = (self.phase, where, func.overloadpacket.__name__,
-                                          tuple(t.shape), str(t.dtype).replace("torch.", ""))
-                    if self.peak > before:
-                        self._snapshot()
-                    self.window = max(self.window, self.current)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.window = max(self.window, self.current)
             return out
-
-    def name_of(path: str) -> str:
-        path = re.sub(r"decoder\.layers\.(\d+)", r"L\1", path)
-        return re.sub(r"local_experts\.\d+", "local_experts.*", path) or "model"
 
     original_run = T._run_step
 
     def run_step(torch_, model, lens, vocab, dev, packed, full_head, phase):
-        names = {m: name_of(n) for n, m in model.named_modules()}
-        def enter(m, i):
-            stack.append(names.get(m, type(m).__name__))
-
-        def leave(m, i, o):  # a forward hook's return value would replace the output
-            if stack:
-                stack.pop()
-
-        hooks = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
-                 torch.nn.modules.module.register_module_forward_hook(leave)]
+        hooks = []
         for i, layer in enumerate(model.decoder.layers):
             def on_output(mod, inp, out, i=i):
                 o = out[0] if isinstance(out, tuple) else out
@@ -371,7 +338,8 @@ def _anatomy_one(cell: dict) -> list[str]:
                 tr.mark("backward starts (head, final norm)")
 
         try:
-            return original_run(torch_, model, lens, vocab, dev, packed, full_head, ph)
+            with module_stack(model, stack):
+                return original_run(torch_, model, lens, vocab, dev, packed, full_head, ph)
         finally:
             for h in hooks:
                 h.remove()
