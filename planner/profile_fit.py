@@ -124,14 +124,16 @@ def fit_cells(store: ProfileStore, model: PricingModel, *,
     return cells, skipped
 
 
-def _model_with(model: PricingModel, base: CoefficientTable, scales: dict[str, float]) -> PricingModel:
-    return dataclasses.replace(model, table=calibrate.scaled_table(base, scales))
+def _table_ratios(model: PricingModel, table: CoefficientTable,
+                  cells: Sequence[FitCell]) -> list[float]:
+    """estimate / peak of every cell with `model` priced from `table` (one model build)."""
+    m = dataclasses.replace(model, table=table)
+    return [_price(m, c) / c.peak_bytes for c in cells]
 
 
 def _ratios(model: PricingModel, base: CoefficientTable, scales: dict[str, float],
             cells: Sequence[FitCell]) -> list[float]:
-    m = _model_with(model, base, scales)
-    return [_price(m, c) / c.peak_bytes for c in cells]
+    return _table_ratios(model, calibrate.scaled_table(base, scales), cells)
 
 
 def fit_scales(model: PricingModel, cells: Sequence[FitCell], *,
@@ -196,12 +198,12 @@ def fit_profiles(store: ProfileStore, model: PricingModel, *, backend: str,
             f"{source_label}")
     table = calibrate.scaled_table(model.table, scales, note=note, backend=backend)
     # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
-    ratios = [_price(dataclasses.replace(model, table=table), c) / c.peak_bytes for c in cells]
+    ratios = _table_ratios(model, table, cells)
     if min(ratios) < 1.0 + margin:
         raise_by = (1.0 + margin) / min(ratios) * 1.00001
         scales = {g: s * raise_by for g, s in scales.items()}
         table = calibrate.scaled_table(model.table, scales, note=note, backend=backend)
-        ratios = [_price(dataclasses.replace(model, table=table), c) / c.peak_bytes for c in cells]
+        ratios = _table_ratios(model, table, cells)
     if min(ratios) < 1.0:  # pragma: no cover - one raise covers a rounding error
         raise bad(ConfigError, source_label, len(cells), "could not raise the fit above every peak")
     object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
