@@ -119,7 +119,8 @@ def router_per_row(widths: dict, features) -> float:
     """Routers beyond a plain softmax top-k (DeepSeek-V3: sigmoid scores, top-k within the best
     groups, a selection bias): the biased selection scores and the group-masked scores, two
     more fp32 [rows, experts] tensors: 2 x fp32 x experts. Conservative (no trace). A router
-    bias (gpt-oss) adds nothing at the peak (see the module doc: biases)."""
+    bias (gpt-oss) adds nothing at the peak (see the module doc: biases). Evidence: none
+    traced; docs/memory-model.md#family-features says why it is charged."""
     extra = 0.0
     if features.router_score != RouterScore.SOFTMAX or features.router_groups > 1:
         extra += 2 * FP32 * widths["experts"]
@@ -174,7 +175,9 @@ def final_softcap_per_row(widths: dict) -> tuple[float, float]:
 
 def final_softcap_chunk_per_row(widths: dict) -> float:
     """Final-logit soft-capping in a chunked head: the tanh output and the scaled logits of the
-    chunk, 2 x bf16 x vocab/TP per chunk row. Conservative (the chunked head is not traced)."""
+    chunk, 2 x bf16 x vocab/TP per chunk row. Conservative (the chunked head is not traced;
+    the full-native head's soft-cap, 2.00V per row traced, is in
+    docs/memory-model.md#family-features)."""
     return 2 * BF16 * widths["vocab"]
 
 
