@@ -35,6 +35,7 @@ from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.price import Breakdown
 from waveplan.pricing.step import Request, Step
 from waveplan.pricing.wave_pricer import WavePricer
 
@@ -44,6 +45,7 @@ TRACES2 = ROOT / "bench/results/traces_multirank_dense2.jsonl"
 OUT = ROOT / "bench/results/layout_validation.txt"
 TABLES = [ROOT / "pricing/data/coefficients/torch-cpu.json", ROOT / "pricing/data/coefficients/te-gpu.json"]
 FIT_TOKENS = 2048
+PER_ROW_LIMIT = True
 # te-gpu keeps TP4+SP full recompute without the CPU residual (docs/memory-model.md#layout-residuals)
 TE_GPU_FULL = {"tp4sp-cp1": 0.0}
 TE_GPU_NOTE = (", except tp4sp-cp1 full = 0: the GPU trace of the 27B hybrid at TP4+SP "
@@ -73,6 +75,13 @@ def class_of(cell: dict) -> str:
 
 
 def estimate(cell: dict, table: CoefficientTable) -> tuple[int, PricingModel]:
+    """The cell's raw estimate on its busiest rank, and the model that priced it."""
+    b, model = breakdown(cell, table)
+    return b.raw_bytes, model
+
+
+def breakdown(cell: dict, table: CoefficientTable) -> tuple[Breakdown, PricingModel]:
+    """The cell's priced breakdown (terms at the peak) and its model."""
     g = ModelGeometry.from_dict(cell["geometry"])
     g = dataclasses.replace(g, layers=g.layers[:cell["num_layers"]])
     model = PricingModel(geometry=g, parallel=ParallelLayout(**cell["layout"]),
@@ -82,16 +91,17 @@ def estimate(cell: dict, table: CoefficientTable) -> tuple[int, PricingModel]:
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
     b = WavePricer.build(step, model, profiled=True).price([np.arange(len(step.requests))],
                                                           first_slots=frozenset({"default"}))
-    return b.raw_bytes, model
+    return b, model
 
 
-def fit(shapes: frozenset[str] | None = None) -> dict:
+def fit(shapes: frozenset[str] | None = None, *, norm_point: bool = True) -> dict:
     """Largest shortfall per class and group over the fit cells (2048 tokens; of the dense
     geometries named in `shapes`, default all), in units of H per row (per layer for the retained
     group), rounded up to the next quarter H plus a quarter H (full) or the next eighth H plus an
     eighth H per layer (retained)."""
     base = load_table("torch-cpu")
-    bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k != layout_terms.ENTRY})
+    drop = {layout_terms.ENTRY} | (set() if norm_point else {layout_terms.NORM_POINT})
+    bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k not in drop})
     residual = {"full": {}, "retained": {}}
     for rec in load_cells():
         cell, trace = rec["cell"], rec["trace"]
@@ -105,9 +115,12 @@ def fit(shapes: frozenset[str] | None = None) -> dict:
         if key == layout_terms.layout_key(1, False, 1):
             continue
         # price with the layout covered but no residual, then measure the shortfall
-        raw, model = estimate(cell, dataclasses.replace(bare, terms=dict(
+        b, model = breakdown(cell, dataclasses.replace(bare, terms=dict(
             bare.terms, **{layout_terms.ENTRY: {"full": {key: 0.0}, "retained": {key: 0.0}, "source": "fit"}})))
         rows = trace["ranks"][trace["busiest_rank"]]["rows"]
+        # the pending adapter gradients are a constant per wave: a per-row residual that leaned
+        # on them at these small waves would fall short on larger ones (they weigh 1/rows)
+        raw = b.raw_bytes - b.terms["pending_gradients"] if PER_ROW_LIMIT else b.raw_bytes
         per = (trace["peak_bytes"] - raw) / rows / model.geometry.hidden
         if group == "retained":
             per /= cell["num_layers"]
@@ -127,20 +140,23 @@ def with_residual(table: CoefficientTable, residual: dict) -> CoefficientTable:
         layout_terms.ENTRY: {**residual, "source": "cross-shape fit"}}))
 
 
-def write_fit(residual: dict) -> None:
+def write_fit(residual: dict, te_residual: dict) -> None:
+    """Write `residual` into torch-cpu's `layout_residual` entry and `te_residual` (fitted
+    without the layer-norm point, which te-gpu has no entry for) into te-gpu's."""
     source = ("fitted by bench/layout_validation.py to the 2048-token cells of "
               "bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl (multi-rank CPU traces, "
               "real Megatron-core layers over gloo, two dense geometries: hidden 1024 GQA 2 and hidden 768 "
               "multi-head, 2 layers): the busiest rank's hidden-wide shortfall per gathered row "
               "(x H) beyond the sharded terms, per layout class; 'full' once per wave, 'retained' per layer. "
               "Keys are the traced layouts (layout_terms.layout_key); others are conservative. "
-              "Applied to te-gpu unchanged (no GPU multi-rank trace)")
-    residual = {group: {k: v for k, v in keys.items() if k not in HELD_BACK} for group, keys in residual.items()}
+              "Applied to te-gpu as fitted without the layer-norm point (no GPU multi-rank trace)")
     for path in TABLES:
-        entry = {**residual, "source": source}
+        fitted = te_residual if path.name == "te-gpu.json" else residual
+        fitted = {group: {k: v for k, v in keys.items() if k not in HELD_BACK} for group, keys in fitted.items()}
+        entry = {**fitted, "source": source}
         if path.name == "te-gpu.json":
             # TP4+SP full recompute is covered by a GPU trace without the CPU residual
-            entry = {**entry, "full": {**residual["full"], **TE_GPU_FULL}, "source": source + TE_GPU_NOTE}
+            entry = {**entry, "full": {**fitted["full"], **TE_GPU_FULL}, "source": source + TE_GPU_NOTE}
         line = f'    "{layout_terms.ENTRY}": ' + json.dumps(entry)
         # one line per term, as the tables are written: replace the entry's line or add it last
         lines = path.read_text().splitlines()
@@ -241,7 +257,7 @@ def report() -> list[str]:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "fit":
         residual = fit()
-        write_fit(residual)
+        write_fit(residual, fit(norm_point=False))
         print(json.dumps(residual, indent=1))
         return 0
     lines = report()

@@ -56,6 +56,58 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
     return max(0.0, float(group.get(layout_key(tp, sequence_parallel, cp), 0.0))) * widths["H"]
 
 
+def cp_rope_cache_per_row(rope_per_row: float, *, cp: int) -> float:
+    """Bytes per rank row of the RoPE cache entry beyond the rank's own rows under CP.
+
+    What memory: Megatron's `RotaryEmbedding.forward` computes (and keeps, in its lru_cache) the
+    frequencies of the whole longest packed sequence, [max_seqlen, rotary dim] in fp32, on every
+    rank; context parallelism gives the rank only padded/CP rows of the wave, but positions are
+    global, so the entry is not divided by CP. The per-row terms price one entry row per rank
+    row (`rope_per_row` = 4 x rotary dim, `pipeline.rope_cache_per_row`: at CP1 the longest
+    sequence is at most the wave's rows); a wave of one sequence has CP x rank rows of entry.
+
+    Formula: rope_per_row x (CP - 1) per rank row (the longest sequence is at most the wave's
+    padded rows, CP x the rank's rows: the bound the pricer can state without sequence lengths);
+    0 at CP1 or without attention. Charged at every point of the wave (one entry per wave, not
+    per layer). Evidence: docs/memory-model.md#cp-rope-cache (TP2+SP+CP4 h1024 full, the
+    3072-token wave against the 2048-token one: `rotary_pos_emb cat` [2048, 64] fp32 against
+    [1024, 64], 682.7 against 512 B per rank row, the whole of the busiest rank's per-row
+    growth). O(1).
+    """
+    return rope_per_row * (cp - 1) if cp > 1 else 0.0
+
+
+NORM_POINT = "layer_norm_point"
+
+
+def layer_norm_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row: float,
+                             replicated: bool) -> float:
+    """The recomputed layer's workspace at its input norm's backward, when the norms are replicated.
+
+    What memory: a layer's backward ends with its input norm's backward. Under TP without SP the
+    norms run on every rank over all rows, so at that point the rank holds, beside the saved
+    boundaries and the input gradient the walk charges: the norm's fp32 backward intermediates
+    (20H bytes per row, as the final norm's), both norms' inputs saved in fp32 (8H), the bf16
+    norm output, residual sum and gradient copy (4H), the attention's saved tensors at per-TP-rank
+    widths (the qkv projection output, rotated q and k, the contiguous q copy and the output:
+    2 qkv + 2 core + 2 k + 2 core + 2 core = 3 qkv + 5 core bytes, k = (qkv - core) / 2) and the
+    rotary frequencies gathered per row (2 x `rope_per_row` = 8 x rotary dim bytes). The MLP's
+    stage is released by then; the stage terms (fitted at TP1, all TP-sharded but the norms)
+    miss this point, which binds from TP2 on.
+
+    Formula: `per_row` of entry `layer_norm_point` (torch-cpu, structural: 32 H + 3 qkv + 5 core)
+    + 2 x rope_per_row when `replicated` (credited TP > 1 without SP, full recompute); 0 otherwise
+    or for a table without the entry (te-gpu: Transformer Engine's fused norms keep no fp32
+    intermediates). The model charges the larger of this and the stage sum. Evidence:
+    docs/memory-model.md#layer-norm-point (bench/results/layouts_anatomy.txt, TP4 full: the peak
+    is L1.input_layernorm's backward, 42,541 B per row = 32 H + 2,816 B of attention + 512 B of
+    rotary rows + boundaries and input gradient, no MLP tensor live). O(1).
+    """
+    if not replicated or NORM_POINT not in table.terms:
+        return 0.0
+    return table.per_row(NORM_POINT, widths) + 2.0 * rope_per_row
+
+
 CP_ATTENTION = "cp_attention_release"
 
 

@@ -305,6 +305,11 @@ class PricingModel:
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
+            if mode == RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION:
+                # the input norm's backward with replicated norms (TP without SP, layout_terms)
+                workspace[i] = max(workspace[i], layout_terms.layer_norm_point_per_row(
+                    t, widths, rope_per_row=rope_cache_per_row(g, [layer]),
+                    replicated=self.width_tp > 1 and sp_div == 1))
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
             if moe_extra:
@@ -354,6 +359,16 @@ class PricingModel:
             nograd += residual
         else:
             retained += residual
+        # the RoPE cache entry of the whole longest sequence under CP (layout_terms): once per
+        # wave, live from the first layer's forward on (layer 0's retained memory, and its
+        # forward transient; under full recompute beside the full residual at every point)
+        rope = layout_terms.cp_rope_cache_per_row(rope_cache_per_row(g, layers), cp=self.rows_cp)
+        if rope and mode == RecomputeMode.FULL:
+            workspace += rope
+            nograd += rope
+        elif rope:
+            retained[0] += rope
+            nograd[0] += rope
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
@@ -375,7 +390,7 @@ class PricingModel:
         # vocabulary, and for TE's head at any TP (its terms are structural, not calibrate-fitted)
         released = self.width_tp > 1 or kind == "full-te"
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
-                   + (residual if mode == RecomputeMode.FULL else 0.0))
+                   + (residual + rope if mode == RecomputeMode.FULL else 0.0))
         arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
             "pending": pending,
@@ -385,7 +400,7 @@ class PricingModel:
             # the head's parts before they are combined (calibration reads them)
             "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
                            "norm_saved": norm_saved, "norm_backward": norm_bwd,
-                           "layout_residual": residual if mode == RecomputeMode.FULL else 0.0,
+                           "layout_residual": residual + rope if mode == RecomputeMode.FULL else 0.0,
                            "logits_at_norm": 0.0 if released else logits_ret},
             "forward_parts": {"nograd": nograd_plain, "retained_forward": retained_fwd},
             "caller": terms.caller_per_logical_token(t),
