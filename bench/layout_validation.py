@@ -53,8 +53,7 @@ TE_GPU_NOTE = (", except tp4sp-cp1 full = 0: the GPU trace of the 27B hybrid at 
                "CPU shortfall at hidden 1024 is not seen there")
 # traced classes kept off the evidence basis: their fitted residual leaves a cell under its trace
 # (report: "Held back"); they stay conservative, credited as a covered class (pricing.model.credit_layout)
-HELD_BACK = {"tp2sp-cp4": "TP2+SP+CP4: its 3072-token h1024 full-recompute cell needs 0.80 H per row,\n"
-                          "the 2048-token fit cells 0.44 (the shortfall grows faster than the rank's rows)"}
+HELD_BACK: dict[str, str] = {}
 
 
 def load_cells() -> list[dict]:
