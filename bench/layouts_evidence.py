@@ -3,7 +3,7 @@
     python bench/layouts_evidence.py anatomy   # live storages at the peaks of a few cells
     python bench/layouts_evidence.py analyse   # today's terms, un-gated, against the grid
 
-`anatomy` traces a few cells of bench/multirank_grid.py with the per-rank anatomy
+`anatomy` traces a few cells of bench/multirank_grid.py (`--only LABEL..`, `--waves 0 1`) with the per-rank anatomy
 (`multirank.trace_multirank(anatomy=True)`) and writes bench/results/layouts_anatomy.txt: for
 the busiest rank, what is live at each pass's peak (bytes per row of the wave, grouped by the
 module and aten op that made each storage). `analyse` prices every traced cell of
@@ -44,6 +44,7 @@ ANATOMY_CELLS = (
     ("CP2", grid.DENSE, {"cp": 2}, "full"),
     ("CP2", grid.DENSE, {"cp": 2}, "none"),
     ("CP4", grid.DENSE, {"cp": 4}, "full"),
+    ("TP2+SP+CP4", grid.DENSE, {"tp": 2, "sequence_parallel": True, "cp": 4}, "full"),
     ("MoE-wide TP1", grid.MOE_WIDE, {}, "full"),
     ("MoE-wide EP2", grid.MOE_WIDE, {"ep": 2}, "full"),
     ("MoE-wide EP4", grid.MOE_WIDE, {"ep": 4}, "full"),
@@ -51,19 +52,20 @@ ANATOMY_CELLS = (
 )
 
 
-def _anatomy_lines(label, model, kwargs, rc) -> list[str]:
+def _anatomy_lines(label, model, kwargs, rc, wave: int = 0) -> list[str]:
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.measure.multirank import trace_multirank
     from waveplan.pricing.parallel import Recompute
 
     g = ModelGeometry.from_dict(model)
     t0 = time.monotonic()
-    tr = trace_multirank(g, layout=grid.layout_of(kwargs), seq_lens=list(grid.WAVES[0]),
+    tr = trace_multirank(g, layout=grid.layout_of(kwargs), seq_lens=list(grid.WAVES[wave]),
                          num_layers=2, recompute=Recompute(mode=rc), lora_rank=grid.LORA_RANK,
                          anatomy=True, timeout_s=3600)
     b = tr.busiest
     rows = sum(tr.seq_lens)
-    out = [f"== {label} {model['name']} recompute {rc}: {rows} rows ({b.rows} on the rank), "
+    out = [f"== {label} {model['name']} recompute {rc}: {rows} rows ({b.rows} on the rank; sequences "
+           f"{list(grid.WAVES[wave])}), "
            f"{tr.world_size} ranks, busiest rank {b.rank}",
            f"   peak {b.peak_bytes / rows:.0f} B/row (forward {b.peak_forward_bytes / rows:.0f}, "
            f"backward {b.peak_backward_bytes / rows:.0f}); decoder-only "
@@ -85,8 +87,9 @@ def cmd_anatomy(args) -> int:
     for cell in ANATOMY_CELLS:
         if args.only and cell[0] not in args.only:
             continue
-        out.extend(_anatomy_lines(*cell))
-        out.append("")
+        for wave in args.waves:
+            out.extend(_anatomy_lines(*cell, wave=wave))
+            out.append("")
     path = Path(args.out) if args.out else ANATOMY
     path.write_text("\n".join(out) + "\n", encoding="utf-8")
     return 0
@@ -145,6 +148,8 @@ def main(argv=None) -> int:
     a = sub.add_parser("anatomy")
     a.add_argument("--only", nargs="*", default=None)
     a.add_argument("--out", default=None)
+    a.add_argument("--waves", nargs="*", type=int, default=[0],
+                   help="indices into multirank_grid.WAVES (default: the 2048-token wave)")
     a.set_defaults(func=cmd_anatomy)
     b = sub.add_parser("analyse")
     b.set_defaults(func=cmd_analyse)

@@ -5,17 +5,21 @@ The structural sharding lives in the per-rank widths (`pricing.model.layer_width
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
 by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
-real Megatron-core layers over gloo, two dense geometries). Two parts are structural terms
+real Megatron-core layers over gloo, two dense geometries). Four parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
-when TP shards the vocabulary and not the norm); the rest is charged as hidden-wide bytes per
+when TP shards the vocabulary and not the norm; `layer_norm_point_per_row`: the recomputed layer's
+input-norm backward with replicated norms, TP without SP; `cp_rope_cache_per_row`: the RoPE cache
+entry of the whole longest sequence on every CP rank); the rest is charged as hidden-wide bytes per
 gathered row:
 
 - `layout_residual` entry, `full`: under full recompute, bytes the busiest rank holds at every
   point beyond the sharded terms (TP without SP: the full-rows all-reduced outputs and input
   gradients around column- and row-parallel layers, and the LoRA adapters' gathered inputs; TP
   with SP: the all-gathered layer input and the head's gathered input). Charged once per wave
-  (one layer is materialised at a time under full recompute).
+  (one layer is materialised at a time under full recompute). Fitted at the per-row limit
+  (bench/layout_validation.py: the pending adapter gradients, a constant per wave, are not
+  leaned on).
 - `retained`: under selective or no recompute, the same per layer (hidden-wide tensors each
   retained layer keeps gathered), charged per layer.
 
@@ -69,8 +73,8 @@ def cp_rope_cache_per_row(rope_per_row: float, *, cp: int) -> float:
     Formula: rope_per_row x (CP - 1) per rank row (the longest sequence is at most the wave's
     padded rows, CP x the rank's rows: the bound the pricer can state without sequence lengths);
     0 at CP1 or without attention. Charged at every point of the wave (one entry per wave, not
-    per layer). Evidence: docs/memory-model.md#cp-rope-cache (TP2+SP+CP4 h1024 full, the
-    3072-token wave against the 2048-token one: `rotary_pos_emb cat` [2048, 64] fp32 against
+    per layer). Evidence: docs/memory-model.md#cp-rope-cache (bench/results/cp_rope_anatomy.txt,
+    TP2+SP+CP4 h1024 full, the 3072-token wave against the 2048-token one: `rotary_pos_emb cat` [2048, 64] fp32 against
     [1024, 64], 682.7 against 512 B per rank row, the whole of the busiest rank's per-row
     growth). O(1).
     """

@@ -79,7 +79,8 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
 
     Covered layouts are those `table` (default: the torch-cpu table, whose multi-rank traces
     fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
-    with and without SP at CP1, TP1 at CP2 and CP4, TP2 and TP4 with SP at CP2), for every recompute
+    with and without SP at CP1, TP1 at CP2 and CP4, TP2 and TP4 with SP at CP2, TP2 with SP at
+    CP4), for every recompute
     mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED`, and without full recompute
     only at TP1 (no trace); multi-latent attention only at TP1."""
     table = table or load_table("torch-cpu")

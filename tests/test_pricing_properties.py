@@ -5,9 +5,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from waveplan.pricing import layout_terms
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.pipeline import rope_cache_per_row
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import GroupLoad, price_groups, rank_rows
 from waveplan.pricing.step import Request, Step
@@ -132,7 +134,11 @@ def test_cp_busiest_rank_rows():
     cp1 = model_for("qwen3-8b", ParallelLayout(), "selective", "chunked:512")
     half = price_groups(cp1, [GroupLoad(slot="a", packed_rows=2050, padded_rows=2050, logical_rows=4097,
                                         segments=1)])
-    assert price_groups(cp2, [load]).raw_bytes == pytest.approx(half.raw_bytes, rel=1e-9)
+    # the rank's half of the rows, plus the RoPE cache of the whole sequence beyond them
+    g = cp2.geometry
+    rope = layout_terms.cp_rope_cache_per_row(rope_cache_per_row(g, g.layers), cp=2) * 2050
+    assert rope == 4 * g.attention.head_dim * 2050
+    assert price_groups(cp2, [load]).raw_bytes == pytest.approx(half.raw_bytes + rope, rel=1e-9)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
