@@ -17,9 +17,9 @@ gathered row:
   point beyond the sharded terms (TP without SP: the full-rows all-reduced outputs and input
   gradients around column- and row-parallel layers, and the LoRA adapters' gathered inputs; TP
   with SP: the all-gathered layer input and the head's gathered input). Charged once per wave
-  (one layer is materialised at a time under full recompute). Fitted at the per-row limit
-  (bench/layout_validation.py: the pending adapter gradients, a constant per wave, are not
-  leaned on).
+  (one layer is materialised at a time under full recompute). Fitted to cover the per-row
+  limit too (bench/layout_validation.py: the pending adapter gradients, a constant per wave, are
+  not leaned on).
 - `retained`: under selective or no recompute, the same per layer (hidden-wide tensors each
   retained layer keeps gathered), charged per layer.
 
