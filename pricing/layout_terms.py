@@ -5,11 +5,12 @@ The structural sharding lives in the per-rank widths (`pricing.model.layer_width
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
 by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
-real Megatron-core layers over gloo, two dense geometries). Four parts are structural terms
+real Megatron-core layers over gloo, two dense geometries). Five parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
 when TP shards the vocabulary and not the norm; `layer_norm_point_per_row`: the recomputed layer's
-input-norm backward with replicated norms, TP without SP; `cp_rope_cache_per_row`: the RoPE cache
+input-norm backward with replicated norms, TP without SP; `sp_fc2_point_per_row`: the MLP's
+output projection's backward with the gathered inputs, TP with SP; `cp_rope_cache_per_row`: the RoPE cache
 entry of the whole longest sequence on every CP rank); the rest is charged as hidden-wide bytes per
 gathered row:
 
@@ -110,6 +111,38 @@ def layer_norm_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_
     if not replicated or NORM_POINT not in table.terms:
         return 0.0
     return table.per_row(NORM_POINT, widths) + 2.0 * rope_per_row
+
+
+SP_POINT = "sp_fc2_point"
+
+
+def sp_fc2_point_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
+                         sequence_parallel: bool) -> float:
+    """The recomputed layer's workspace at the MLP's output projection's backward under SP.
+
+    What memory: with sequence parallelism the layer's column-parallel inputs are all-gathered
+    and kept for their weight gradients (the attention's and the MLP's input, 2H bytes per
+    gathered row each), and the row-parallel LoRA adapter's output is full-row before the
+    reduce-scatter (its matmul and scale outputs, 4H): 8H per gathered row, not divided by TP.
+    Beside them, at per-TP-rank widths: the MLP's FC1 output and activations (10F bytes: the
+    2F-wide FC1 output, its LoRA sum, and the F-wide gate, up and product), the attention's
+    saved tensors (3 qkv + 5 core, as `layer_norm_point_per_row`), the rotary frequencies
+    gathered per row (2 x `rope_per_row` = 8 x rotary dim bytes), and the hidden-wide norms'
+    shards (two fp32 norm inputs 8H, bf16 norm output, residual and reduce-scatter output 6H:
+    14H / TP; the walk charges the input gradient). At TP1 the stage's own FC1 backward binds
+    (the FC1 gradient beside these; the fitted stage), from TP2 with SP this point does.
+
+    Formula: `gathered` (8 H) + `sharded` (14 H) / TP + `per_row` (10 F + 3 qkv + 5 core) of entry
+    `sp_fc2_point` (torch-cpu, structural) + 2 x rope_per_row, when `sequence_parallel` and TP > 1
+    (dense MLP layers with attention; the model charges the larger of this and the stage sum, less
+    the CP attention release under CP); 0 otherwise or without the entry (te-gpu). Evidence:
+    docs/memory-model.md#sp-fc2-point (bench/results/layouts_anatomy.txt, TP4+SP and TP8+SP full:
+    23,978 and 16,481 B per row, every storage of the formula live at the backward peak). O(1).
+    """
+    if not sequence_parallel or tp <= 1 or SP_POINT not in table.terms:
+        return 0.0
+    return (table.per_row(SP_POINT, widths, key="gathered") + table.per_row(SP_POINT, widths, key="sharded") / tp
+            + table.per_row(SP_POINT, widths) + 2.0 * rope_per_row)
 
 
 CP_ATTENTION = "cp_attention_release"

@@ -307,10 +307,18 @@ class PricingModel:
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             if mode == RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION:
-                # the input norm's backward with replicated norms (TP without SP, layout_terms)
-                workspace[i] = max(workspace[i], layout_terms.layer_norm_point_per_row(
-                    t, widths, rope_per_row=rope_cache_per_row(g, [layer]),
-                    replicated=self.width_tp > 1 and sp_div == 1))
+                # points of the recomputed layer's backward the TP1-fitted stage misses
+                # (layout_terms): the input norm's backward with replicated norms (TP without SP),
+                # the MLP's output projection's backward with gathered inputs (TP with SP)
+                rope_rows = rope_cache_per_row(g, [layer])
+                norm_point = layout_terms.layer_norm_point_per_row(
+                    t, widths, rope_per_row=rope_rows, replicated=self.width_tp > 1 and sp_div == 1)
+                fc2_point = layout_terms.sp_fc2_point_per_row(
+                    t, widths, tp=self.width_tp, rope_per_row=rope_rows,
+                    sequence_parallel=sp_div > 1) if layer.mlp == MlpKind.DENSE else 0.0
+                points = max(norm_point, fc2_point)
+                if points:
+                    workspace[i] = max(workspace[i], points - cp_release)
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
             moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
             if moe_extra:
