@@ -104,7 +104,7 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     eighth H per layer (retained); and at least the shortfall at the per-row limit. `points`:
     price with the layer-norm and SP FC2 points (False: the te-gpu fit, which has neither)."""
     base = load_table("torch-cpu")
-    drop = {layout_terms.ENTRY} | (set() if points else {layout_terms.NORM_POINT, layout_terms.SP_POINT})
+    drop = {layout_terms.ENTRY} | (set() if points else {layout_terms.NORM_POINT, layout_terms.SP_POINT, layout_terms.SP_RETAINED})
     bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k not in drop})
     residual = {"full": {}, "retained": {}}
     for rec in load_cells():

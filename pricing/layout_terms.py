@@ -145,6 +145,43 @@ def sp_fc2_point_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope
             + table.per_row(SP_POINT, widths) + 2.0 * rope_per_row)
 
 
+SP_RETAINED = "sp_retained_layer"
+
+
+def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
+                              sequence_parallel: bool, forward: bool = False) -> float:
+    """What a layer retains under selective or no recompute with SP (dense MLP, attention), and
+    its forward peak (`forward`).
+
+    What memory: the layer keeps its all-gathered attention and MLP inputs for the
+    column-parallel weight gradients (2H bytes per gathered row each, not divided by TP), and at
+    per-TP-rank widths the FC1 output and activations (10F), the attention's saved tensors
+    (3 qkv + 5 core, as `layer_norm_point_per_row`), the two norms' fp32 inputs (8H / TP), the
+    rotary frequencies gathered per row (2 x `rope_per_row`) and the LoRA adapters' rank-wide
+    intermediates (8 x rank). Its forward peaks at the MLP's output projection, whose row-parallel
+    LoRA output is full-row before the reduce-scatter (4H per gathered row) beside the
+    reduce-scatter output and the residual sum (4H / TP).
+
+    Formula: `gathered` (4 H) + `sharded` (8 H) / TP + `per_row` (10 F + 3 qkv + 5 core + 8 rank)
+    of entry `sp_retained_layer` (torch-cpu, structural) + 2 x rope_per_row; `forward` adds
+    `forward_gathered` (4 H) + `forward_sharded` (4 H) / TP; when `sequence_parallel` and TP > 1,
+    else 0 (and without the entry: te-gpu). The model charges the larger of this and the fitted
+    retained layer (less the CP attention release under no recompute, less the selective discount
+    under selective recompute). Evidence: docs/memory-model.md#sp-retained-layer (TP8+SP none at
+    both geometries: 10,688 B per layer per row at h1024, 8,640 at h768, every storage of the
+    formula live at the peak). O(1).
+    """
+    if not sequence_parallel or tp <= 1 or SP_RETAINED not in table.terms:
+        return 0.0
+    out = (table.per_row(SP_RETAINED, widths, key="gathered")
+           + table.per_row(SP_RETAINED, widths, key="sharded") / tp
+           + table.per_row(SP_RETAINED, widths) + 2.0 * rope_per_row)
+    if forward:
+        out += (table.per_row(SP_RETAINED, widths, key="forward_gathered")
+                + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp)
+    return out
+
+
 CP_ATTENTION = "cp_attention_release"
 
 

@@ -158,6 +158,14 @@ def has_qk_norm(geometry: ModelGeometry) -> bool:
     return geometry.qk_norm
 
 
+def table_discount(table: CoefficientTable, widths: dict) -> float:
+    """The selective core-attention recompute's discount of a retained attention layer
+    (`selective_core_attn_discount`; 0 without the entry)."""
+    if "selective_core_attn_discount" not in table.terms:
+        return 0.0
+    return table.per_row("selective_core_attn_discount", widths)
+
+
 def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
     """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths."""
     att, gdn, moe = geometry.attention, geometry.gdn, geometry.moe
@@ -340,6 +348,19 @@ class PricingModel:
                 layer_retained += qk_norm - (cp_release if mode == RecomputeMode.NONE else 0.0)
             if extra:
                 layer_retained += extra
+            sp_layer = sp_forward = 0.0
+            if (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
+                    and layer.mlp == MlpKind.DENSE and sp_div > 1):
+                # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
+                less = (cp_release if mode == RecomputeMode.NONE else
+                        table_discount(t, widths))
+                kw = dict(tp=self.width_tp, rope_per_row=rope_cache_per_row(g, [layer]),
+                          sequence_parallel=True)
+                sp_layer = layout_terms.sp_retained_layer_per_row(t, widths_r, **kw)
+                sp_layer = sp_layer - less + qk_norm if sp_layer else 0.0
+                sp_forward = layout_terms.sp_retained_layer_per_row(t, widths_r, forward=True, **kw)
+                sp_forward = sp_forward - less + qk_norm if sp_forward else 0.0
+                layer_retained = max(layer_retained, sp_layer)
             if mode == RecomputeMode.FULL:
                 retained[i] = terms.boundary_per_row(t, widths, sp_div=sp_div)
                 if self.recompute.num_layers > 1 or self.recompute.method == "block":
@@ -347,8 +368,9 @@ class PricingModel:
                     workspace[i] += (self.recompute.num_layers - 1) * layer_retained
             else:
                 retained[i] = layer_retained
-                own = terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
-                                                     layer_retained=layer_retained) + moe_extra
+                own = max(terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
+                                                         layer_retained=layer_retained) + moe_extra,
+                          sp_forward)
                 retained_fwd[i] = own
                 nograd[i] = max(nograd[i], own)
                 stage = workspace[i]
