@@ -14,8 +14,8 @@ measured against the estimate without the pending adapter gradients priced at th
 constant per wave, 0.03-0.95 H per rank row at these small waves), so the per-row residual does
 not lean on them and holds on larger waves. It writes them into the coefficient tables'
 `layout_residual` entry: torch-cpu's fitted with every layout term, te-gpu's fitted without the
-layer-norm and SP FC2 points (`layout_terms.layer_norm_point_per_row`, `sp_fc2_point_per_row`;
-te-gpu has no entry for them). `report` (default) checks every cell with the tables as they are and
+layer-norm and SP FC2 points and the SP retained layer (`layout_terms.layer_norm_point_per_row`,
+`sp_fc2_point_per_row`, `sp_retained_layer_per_row`; te-gpu has no entry for them). `report` (default) checks every cell with the tables as they are and
 writes bench/results/layout_validation.txt: per class and recompute mode, cells, cells under
 their trace, median and worst estimate / trace, fit and held-out cells apart (held out: the
 3072-token cells); and the cross-shape check: residuals fitted on one dense geometry alone,
@@ -102,7 +102,8 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     geometries named in `shapes`, default all), in units of H per row (per layer for the retained
     group), rounded up to the next quarter H plus a quarter H (full) or the next eighth H plus an
     eighth H per layer (retained); and at least the shortfall at the per-row limit. `points`:
-    price with the layer-norm and SP FC2 points (False: the te-gpu fit, which has neither)."""
+    price with the layer-norm and SP FC2 points and the SP retained layer (False: the te-gpu fit,
+    which has none of them)."""
     base = load_table("torch-cpu")
     drop = {layout_terms.ENTRY} | (set() if points else {layout_terms.NORM_POINT, layout_terms.SP_POINT, layout_terms.SP_RETAINED})
     bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k not in drop})
@@ -147,7 +148,8 @@ def with_residual(table: CoefficientTable, residual: dict) -> CoefficientTable:
 
 def write_fit(residual: dict, te_residual: dict) -> None:
     """Write `residual` into torch-cpu's `layout_residual` entry and `te_residual` (fitted
-    without the layer-norm and SP FC2 points, which te-gpu has no entry for) into te-gpu's."""
+    without the layer-norm and SP FC2 points and the SP retained layer, which te-gpu has no
+    entry for) into te-gpu's."""
     source = ("fitted by bench/layout_validation.py to the 2048-token cells of "
               "bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl (multi-rank CPU traces, "
               "real Megatron-core layers over gloo, two dense geometries: hidden 1024 GQA 2 and hidden 768 "
@@ -155,9 +157,13 @@ def write_fit(residual: dict, te_residual: dict) -> None:
               "(x H) beyond the sharded terms and the layout terms, covering the per-row limit too (the estimate "
               "without the pending adapter gradients), per layout class; 'full' once per wave, 'retained' per layer. "
               "Keys are the traced layouts (layout_terms.layout_key); others are conservative. "
-              "Applied to te-gpu as fitted without the layer-norm and SP FC2 points (no GPU multi-rank trace)")
+              "'full_bare'/'retained_bare' (torch-cpu): fitted without the layout points, for the layers "
+              "they do not cover (GDN mixers, MoE MLPs). "
+              "Applied to te-gpu as fitted without the layer-norm, SP FC2 and SP retained-layer terms (no GPU "
+              "multi-rank trace)")
     for path in TABLES:
-        fitted = te_residual if path.name == "te-gpu.json" else residual
+        fitted = te_residual if path.name == "te-gpu.json" else {
+            **residual, **{group + "_bare": keys for group, keys in te_residual.items()}}
         fitted = {group: {k: v for k, v in keys.items() if k not in HELD_BACK} for group, keys in fitted.items()}
         entry = {**fitted, "source": source}
         if path.name == "te-gpu.json":
@@ -209,8 +215,8 @@ def report() -> list[str]:
              "FFN 2816, vocabulary 8192; h768: hidden 768, 8 heads of 96 in 8 groups, FFN 2048, vocabulary",
              "4096), covering the per-row limit too (the estimate without the pending adapter gradients), checked",
              "on the 3072-token cells (held-out) and across geometries (below). Layout terms beside them:",
-             "the layer-norm point (TP without SP) and the SP FC2 point (full recompute), the CP RoPE cache and",
-             "the CP attention release.",
+             "the layer-norm point (TP without SP) and the SP FC2 point (full recompute), the SP retained layer",
+             "(selective/none), the CP RoPE cache and the CP attention release.",
              "Targets: no cell under, median <= 1.03, worst <= 1.10.",
              "",
              "Per dense layout class (both geometries, both waves; TP1 is the table's own fit). 'vs TP1':",

@@ -45,6 +45,8 @@ ANATOMY_CELLS = (
     ("CP2", grid.DENSE, {"cp": 2}, "none"),
     ("CP4", grid.DENSE, {"cp": 4}, "full"),
     ("TP2+SP+CP4", grid.DENSE, {"tp": 2, "sequence_parallel": True, "cp": 4}, "full"),
+    ("TP8+SP h1024", grid.DENSE, {"tp": 8, "sequence_parallel": True}, "none"),
+    ("TP8+SP h768", grid.DENSE2, {"tp": 8, "sequence_parallel": True}, "none"),
     ("MoE-wide TP1", grid.MOE_WIDE, {}, "full"),
     ("MoE-wide EP2", grid.MOE_WIDE, {"ep": 2}, "full"),
     ("MoE-wide EP4", grid.MOE_WIDE, {"ep": 4}, "full"),
@@ -58,14 +60,15 @@ def _anatomy_lines(label, model, kwargs, rc, wave: int = 0) -> list[str]:
     from waveplan.pricing.parallel import Recompute
 
     g = ModelGeometry.from_dict(model)
+    waves = grid.WAVES2 if model is grid.DENSE2 else grid.WAVES
     t0 = time.monotonic()
-    tr = trace_multirank(g, layout=grid.layout_of(kwargs), seq_lens=list(grid.WAVES[wave]),
+    tr = trace_multirank(g, layout=grid.layout_of(kwargs), seq_lens=list(waves[wave]),
                          num_layers=2, recompute=Recompute(mode=rc), lora_rank=grid.LORA_RANK,
                          anatomy=True, timeout_s=3600)
     b = tr.busiest
     rows = sum(tr.seq_lens)
     out = [f"== {label} {model['name']} recompute {rc}: {rows} rows ({b.rows} on the rank; sequences "
-           f"{list(grid.WAVES[wave])}), "
+           f"{list(waves[wave])}), "
            f"{tr.world_size} ranks, busiest rank {b.rank}",
            f"   peak {b.peak_bytes / rows:.0f} B/row (forward {b.peak_forward_bytes / rows:.0f}, "
            f"backward {b.peak_backward_bytes / rows:.0f}); decoder-only "

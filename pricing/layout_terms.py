@@ -5,12 +5,13 @@ The structural sharding lives in the per-rank widths (`pricing.model.layer_width
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
 by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
-real Megatron-core layers over gloo, two dense geometries). Five parts are structural terms
+real Megatron-core layers over gloo, two dense geometries). Six parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
 when TP shards the vocabulary and not the norm; `layer_norm_point_per_row`: the recomputed layer's
 input-norm backward with replicated norms, TP without SP; `sp_fc2_point_per_row`: the MLP's
-output projection's backward with the gathered inputs, TP with SP; `cp_rope_cache_per_row`: the RoPE cache
+output projection's backward with the gathered inputs, TP with SP; `sp_retained_layer_per_row`:
+what an SP layer retains gathered without full recompute; `cp_rope_cache_per_row`: the RoPE cache
 entry of the whole longest sequence on every CP rank); the rest is charged as hidden-wide bytes per
 gathered row:
 
@@ -48,16 +49,19 @@ def traced_layouts(table: CoefficientTable) -> frozenset[str]:
 
 
 def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, sequence_parallel: bool,
-                            cp: int, retained: bool) -> float:
+                            cp: int, retained: bool, bare: bool = False) -> float:
     """Hidden-wide bytes per gathered row the layout leaves unsharded beyond the structural terms.
 
     c x H, c from entry `layout_residual` (group `retained` for selective/no recompute, charged
     per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 and for a table
-    without the entry. Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
+    without the entry. `bare`: for a layer the structural points do not cover (GDN mixer, MoE
+    MLP), the group fitted without them (`full_bare` / `retained_bare`, when the table has it). Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
     bench/layout_validation.py on the 2048-token cells of both dense geometries, checked on the
     3072-token cells and across geometries (docs/memory-model.md#layout-residuals).
     """
-    group = table.terms.get(ENTRY, {}).get("retained" if retained else "full", {})
+    entry = table.terms.get(ENTRY, {})
+    name = "retained" if retained else "full"
+    group = entry.get(name + "_bare", entry.get(name, {})) if bare else entry.get(name, {})
     return max(0.0, float(group.get(layout_key(tp, sequence_parallel, cp), 0.0))) * widths["H"]
 
 

@@ -382,14 +382,19 @@ class PricingModel:
         # what the layout leaves unsharded (layout_terms): per layer when layers retain
         # activations, once per wave (every point) under full recompute
         c = self.credit
-        residual = layout_terms.layout_residual_per_row(
+        # layers the structural layout terms cover (dense MLP with attention) get the residual
+        # fitted with them; the others the one fitted without them (`bare`)
+        per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
-            retained=mode != RecomputeMode.FULL)
+            retained=mode != RecomputeMode.FULL,
+            bare=not (layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.DENSE))
+            for layer in layers]) if n else np.zeros(0)
+        residual = float(per_layer.max()) if n else 0.0   # beside the head's backward
         if mode == RecomputeMode.FULL:
-            workspace += residual
-            nograd += residual
+            workspace += per_layer
+            nograd += per_layer
         else:
-            retained += residual
+            retained += per_layer
         # the RoPE cache entry of the whole longest sequence under CP (layout_terms): once per
         # wave, live from the first layer's forward on (layer 0's retained memory, and its
         # forward transient; under full recompute beside the full residual at every point)
