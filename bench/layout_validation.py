@@ -55,6 +55,13 @@ TE_GPU_FULL = {"tp4sp-cp1": 0.0}
 TE_GPU_NOTE = (", except tp4sp-cp1 full = 0: the GPU trace of the 27B hybrid at TP4+SP "
                "(docs/memory-model.md#boundaries, 7.13 GB) is covered within 2.4% raw without it, and the "
                "CPU shortfall at hidden 1024 is not seen there")
+# te-gpu's residuals before the layout points and the CP RoPE cache term: a CPU refit does not
+# lower them (no GPU multi-rank trace at these layouts to lower a GPU price on)
+TE_GPU_FLOOR = {
+    "full": {"tp2-cp1": 4.0, "tp4-cp1": 13.5, "tp8-cp1": 11.75, "tp2sp-cp1": 1.0, "tp8sp-cp1": 6.0,
+             "tp2sp-cp2": 0.75, "tp4sp-cp2": 4.0},
+    "retained": {"tp2sp-cp1": 1.625, "tp4sp-cp1": 3.25, "tp8sp-cp1": 4.375, "tp2sp-cp2": 1.625,
+                 "tp4sp-cp2": 3.375}}
 # traced classes kept off the evidence basis: their fitted residual leaves a cell under its trace
 # (report: "Held back"); they stay conservative, credited as a covered class (pricing.model.credit_layout)
 HELD_BACK: dict[str, str] = {}
@@ -159,10 +166,11 @@ def write_fit(residual: dict, te_residual: dict) -> None:
               "Keys are the traced layouts (layout_terms.layout_key); others are conservative. "
               "'full_bare'/'retained_bare' (torch-cpu): fitted without the layout points, for the layers "
               "they do not cover (GDN mixers, MoE MLPs). "
-              "Applied to te-gpu as fitted without the layer-norm, SP FC2 and SP retained-layer terms (no GPU "
-              "multi-rank trace)")
+              "Applied to te-gpu as fitted without the layer-norm, SP FC2 and SP retained-layer terms, never "
+              "below te-gpu's values before them (no GPU multi-rank trace)")
     for path in TABLES:
-        fitted = te_residual if path.name == "te-gpu.json" else {
+        fitted = {group: {k: max(v, TE_GPU_FLOOR[group].get(k, 0.0)) for k, v in keys.items()}
+                  for group, keys in te_residual.items()} if path.name == "te-gpu.json" else {
             **residual, **{group + "_bare": keys for group, keys in te_residual.items()}}
         fitted = {group: {k: v for k, v in keys.items() if k not in HELD_BACK} for group, keys in fitted.items()}
         entry = {**fitted, "source": source}
