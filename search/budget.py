@@ -25,6 +25,10 @@ POST_US_PER_WAVE = 60.0
 RUN_US_BASE = 10.0
 RUN_US_PER_UNIT = 0.06
 EJECT_US_PER_UNIT = 0.03    # one placement of `eject`: atoms + waves x points units
+PRICE_US = 30.0             # one exact price of a wave in `swap` (the fast admitted path, ~11 us
+                            # at 512-2048 requests; 31-72 us a price in all measured at 512
+                            # on a loaded machine) ...
+PRICE_US_PER_UNIT = 0.05    # ... plus its share of the candidate estimates: atoms + waves units
 
 
 def search_us(time_budget_ms: float, waves: int) -> float:
@@ -48,3 +52,9 @@ def eject_cost_us(atoms: int, waves: int, points: int) -> float:
 def runs_within(us: float, atoms: int, waves: int, points: int) -> int:
     """How many runs of that cost fit in `us` microseconds (0 when none does)."""
     return int(max(0.0, us) // run_cost_us(atoms, waves, points))
+
+
+def exact_price_us(atoms: int, waves: int) -> float:
+    """Estimated microseconds per exact price spent by `swap` (the price and its share of the
+    vectorised candidate estimates of one placement)."""
+    return PRICE_US + PRICE_US_PER_UNIT * (atoms + max(waves, 1))

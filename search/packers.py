@@ -65,7 +65,7 @@ from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
 from .bounds import lower_bound
-from .budget import eject_cost_us, run_cost_us, runs_within, search_us
+from .budget import eject_cost_us, exact_price_us, run_cost_us, runs_within, search_us
 from .contract import Pricer, SearchPricer, SearchStep
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
@@ -94,6 +94,7 @@ from .reprice import (
     reprice_all,
 )
 from .result import PackedWave, SearchResult
+from .swap import empty_by_swaps
 
 EXACT_MIN_BUDGET_MS = 50.0     # AUTO calls CP-SAT only with at least this time budget
 EXACT_BUDGET_SHARE = 0.5       # share of AUTO's time budget given to CP-SAT
@@ -106,6 +107,8 @@ EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
+SWAP_SHARE = 0.5              # ... of which this share buys exact prices for emptying the
+                              # lightest wave by moves and swaps (`swap`)
 EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
 EJECT_MAX_SLOWDOWN = 50.0
 
@@ -186,6 +189,7 @@ class _Search:
     bound: int               # bound valid under exact prices, fixed atoms included
     left_us: float           # microseconds for the greedy and the multistart
     eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
+    swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
@@ -248,14 +252,19 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     kind, ms = options.packer, options.time_budget_ms
     left_us = search_us(ms, lower + F)
     eject_us = 0.0
+    swap_prices = 0
     if (kind == PackerKind.AUTO and options.num_waves is None
             and len(active) >= EJECT_MIN_ATOMS):
         one_run = run_cost_us(len(active), lower, len(items.points))
         eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run))
         left_us -= eject_us
+        swap_us = SWAP_SHARE * eject_us
+        eject_us -= swap_us
+        swap_prices = int(swap_us // exact_price_us(len(active), lower + F))
     return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
                    lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
+                   swap_prices=swap_prices,
                    deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
@@ -310,7 +319,8 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
                 if s.options.deterministic else None)
     start = time.perf_counter() if s.deadline is not None else 0.0
     assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
-                                   max_runs=max_runs)
+                                   max_runs=max_runs,
+                                   peak_first=len(s.active) >= EJECT_MIN_ATOMS)
     if s.deadline is not None and runs:   # how much slower than estimated this machine runs
         est = runs * run_cost_us(len(s.active), s.lower, s.num_points)
         s.slowdown = min(max((time.perf_counter() - start) * 1e6 / est, EJECT_MIN_SLOWDOWN),
@@ -396,6 +406,10 @@ def _merge(s: _Search, drafts: list[Draft]) -> list[Draft]:
     if s.kind != PackerKind.GREEDY and len(drafts) > floor:
         drafts, _ = dissolve_lightest(drafts, s.items, s.pricer, s.budget,
                                       DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8, floor)
+    if s.swap_prices > 0 and len(drafts) > floor:
+        drafts, spent = empty_by_swaps(drafts, s.items, s.pricer, s.budget, s.swap_prices,
+                                       floor)
+        s.stats["swap_prices"] = spent
     s.stats["merges"] = before - len(drafts)
     return drafts
 
