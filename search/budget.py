@@ -25,6 +25,8 @@ POST_US_PER_WAVE = 60.0
 RUN_US_BASE = 10.0
 RUN_US_PER_UNIT = 0.06
 EJECT_US_PER_UNIT = 0.03    # one placement of `eject`: atoms + waves x points units
+ANNEAL_US_PER_EVAL = 0.4   # one evaluation of `anneal` (a wave's load after a change, O(P));
+                           # 0.25-0.55 us measured at 512-2048 atoms on a loaded machine
 PRICE_US = 30.0             # one exact price of a wave in `swap` (the fast admitted path, ~11 us
                             # at 512-2048 requests; 31-72 us a price in all measured at 512
                             # on a loaded machine) ...

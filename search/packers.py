@@ -64,8 +64,16 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
+from .anneal import anneal
 from .bounds import lower_bound
-from .budget import eject_cost_us, exact_price_us, run_cost_us, runs_within, search_us
+from .budget import (
+    ANNEAL_US_PER_EVAL,
+    eject_cost_us,
+    exact_price_us,
+    run_cost_us,
+    runs_within,
+    search_us,
+)
 from .contract import Pricer, SearchPricer, SearchStep
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
@@ -102,13 +110,15 @@ EXACT_PACKER_SHARE = 0.8       # share of EXACT's time budget given to CP-SAT
 BALANCE_MOVES_PER_ATOM = 2
 DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave, per wave
 EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of this many atoms
-EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's time, and at
+EJECT_SHARE = 0.9             # ... giving them up to this share of the greedy's time, and at
                               # most what one greedy run leaves of it
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
-SWAP_SHARE = 0.5              # ... of which this share buys exact prices for emptying the
-                              # lightest wave by moves and swaps (`swap`)
+ANNEAL_SHARE = 0.8            # ... of which this share goes to annealing against the
+                              # envelope (`anneal`, in evaluations) ...
+SWAP_SHARE = 0.1              # ... and this share buys exact prices for emptying the
+                              # lightest wave by moves and swaps (`swap`); the rest: `eject`
 EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
 EJECT_MAX_SLOWDOWN = 50.0
 
@@ -190,6 +200,7 @@ class _Search:
     left_us: float           # microseconds for the greedy and the multistart
     eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
     swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
+    anneal_evals: int        # evaluations for `anneal` (same steps)
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
@@ -252,19 +263,19 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     kind, ms = options.packer, options.time_budget_ms
     left_us = search_us(ms, lower + F)
     eject_us = 0.0
-    swap_prices = 0
+    swap_prices = anneal_evals = 0
     if (kind == PackerKind.AUTO and options.num_waves is None
             and len(active) >= EJECT_MIN_ATOMS):
         one_run = run_cost_us(len(active), lower, len(items.points))
         eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run))
         left_us -= eject_us
-        swap_us = SWAP_SHARE * eject_us
-        eject_us -= swap_us
-        swap_prices = int(swap_us // exact_price_us(len(active), lower + F))
+        swap_prices = int(SWAP_SHARE * eject_us // exact_price_us(len(active), lower + F))
+        anneal_evals = int(ANNEAL_SHARE * eject_us / ANNEAL_US_PER_EVAL)
+        eject_us *= 1.0 - SWAP_SHARE - ANNEAL_SHARE
     return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
                    lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
-                   swap_prices=swap_prices,
+                   swap_prices=swap_prices, anneal_evals=anneal_evals,
                    deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
@@ -305,6 +316,7 @@ def _pack(s: _Search) -> list[Draft]:
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
     assign, nw = _eject(s, assign, nw)
+    assign, nw = _anneal(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
@@ -373,6 +385,21 @@ def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
                       steps, work, *atom_args(s.items), LIMIT)
     s.stats["eject_placements"] = int(done)
     s.stats["eject_waves"] = nw - nw2
+    return assign, nw2
+
+
+def _anneal(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
+    """Annealing against the envelope (`anneal`: the lightest wave to a pool, moves and swaps
+    that mix the gradient slots) while a gap to the envelope bound is left, within the
+    evaluations its share of the budget buys by estimate (`anneal_evals`; the same count in
+    both modes, seeded by the options' seed). Returns (assign, waves)."""
+    if s.anneal_evals <= 0 or nw <= s.lower:
+        return assign, nw
+    assign = assign.copy()
+    nw2, done = anneal(assign, nw, s.active, atom_size(s.items), s.lower, s.anneal_evals,
+                       s.options.seed, *atom_args(s.items), LIMIT)
+    s.stats["anneal_evals"] = int(done)
+    s.stats["anneal_waves"] = nw - nw2
     return assign, nw2
 
 
