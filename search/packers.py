@@ -13,15 +13,18 @@ Pipeline (AUTO):
    the budget climbs the split ladder (`ladder`); such atoms run alone.
 2. lower bounds: the envelope's (`bounds`), the greedy's target, and the bound valid under
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
-3. group-aware greedy (`greedy`), several orders and rules, stopping at the envelope bound;
-   only if a gap is left: randomised multistart (`multistart`), ejection chains that empty
-   light waves by moves and swaps (`eject`; AUTO, steps of >= EJECT_MIN_ATOMS atoms), then
-   CP-SAT (`exact_cpsat`) when the instance passes its size rule and
+3. group-aware greedy (`greedy`), several orders and rules (on steps of >= EJECT_MIN_ATOMS
+   atoms the slot-aware PEAK_INCREASE rule first), stopping at the envelope bound; only if a
+   gap is left: randomised multistart (`multistart`), ejection chains that empty light waves
+   by moves and swaps (`eject`) and annealing that empties the lightest wave by moves and
+   swaps that mix the gradient slots (`anneal`; both AUTO, steps of >= EJECT_MIN_ATOMS
+   atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
    `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
 4. exact re-pricing of every wave, repair of any wave over the budget, then, unless the plan
    already meets the valid bound (the exact price may leave room the envelope did not),
    merging pairs of waves and emptying the lightest wave into the others (`reprice`; GREEDY
-   only merges).
+   only merges), and on large AUTO steps emptying it by exactly priced moves and swaps
+   (`swap`, touched waves re-priced only).
 5. pending gradients and run order (`order`). When that step had to add waves, AUTO and
    EXACT first empty the light waves it left into the others, priced with their pending
    gradients (`order.dissolve_after_order`); if waves were still added, AUTO packs once more
@@ -41,8 +44,9 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 
 Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
 expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
-first sets aside up to EJECT_SHARE of it for the ejection chains (at most what one greedy run
-leaves), counted in placements by estimate in both modes.
+first sets aside up to EJECT_SHARE of it (at most what one greedy run leaves): ANNEAL_SHARE
+of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
+ejection chains (placements), each counted by estimate in both modes (`budget`).
 
 Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
 cut the greedy orders or the multistart short (the result may then depend on the machine); with
