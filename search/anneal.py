@@ -32,22 +32,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import add_atom, build_state, delta, remove_atom
+from .kernels import add_atom, build_state, delta, peak, remove_atom
 
 ROOM_BONUS = 0.2      # weight of the convex room bonus in the objective
 POOL_PENALTY = 1.5    # objective cost of an atom's size while it sits in the pool
 T_START = 0.05        # temperature at the start of a chain, x the mean atom size
 T_END = 0.002         # ... and at its end
 POOL_SHARE = 0.3      # share of the steps that work on the pool (the rest: wave to wave)
-
-
-@njit(cache=True)
-def _peak(load, b):
-    m = -1e300
-    for p in range(load.shape[1]):
-        if load[b, p] > m:
-            m = load[b, p]
-    return m
 
 
 @njit(cache=True)
@@ -144,7 +135,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                                   class_hdr, tmp, limit)
                     if after > limit:
                         continue
-                    before = _peak(load, b)
+                    before = peak(load, b)
                     if (best < 0 or after - before < best_rise or (
                             after - before == best_rise and after > best_after)):
                         best = b
@@ -173,11 +164,11 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 if asize[y] >= asize[a] and np.random.random() < 0.8:
                     continue
                 work += 1
-                v0 = _peak(load, b)
+                v0 = peak(load, b)
                 remove_atom(b, y, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                             class_hdr)
                 add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
-                v1 = _peak(load, b)
+                v1 = peak(load, b)
                 ok = v1 <= limit
                 if ok:
                     r0 = max(limit - v0, 0.0)
@@ -215,8 +206,8 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                                ac[acptr[x]:acptr[x + 1]], sub_hdr, class_hdr, tmp,
                                limit) > limit:
                 continue
-            va0 = _peak(load, wa)
-            vb0 = _peak(load, wb)
+            va0 = peak(load, wa)
+            vb0 = peak(load, wb)
             remove_atom(wa, x, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
             add_atom(wb, x, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr)
             if y >= 0:
@@ -224,8 +215,8 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                             class_hdr)
                 add_atom(wa, y, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                          class_hdr)
-            va1 = _peak(load, wa)
-            vb1 = _peak(load, wb)
+            va1 = peak(load, wa)
+            vb1 = peak(load, wb)
             ok = va1 <= limit and vb1 <= limit
             if ok:
                 ra0 = max(limit - va0, 0.0)
