@@ -4,8 +4,10 @@ The budget covers the whole search. Exact re-pricing, the pending-gradient order
 final breakdowns cost about POST_US_PER_WAVE per wave (measured on generated GRPO steps of
 32-2048 requests with the real pricer); that much is set aside from the start, using the
 lower bound for the wave count, and the rest goes to the greedy runs, then the multistart;
-on large steps AUTO first sets aside for the ejection chains up to EJECT_SHARE of it (at most
-what one greedy run leaves, `packers`), counted in placements (`eject_cost_us`).
+on large steps AUTO first sets aside up to EJECT_SHARE of it (at most what one greedy run
+leaves, `packers`) for annealing against the envelope (`anneal`, counted in evaluations,
+ANNEAL_US_PER_EVAL), exactly priced swaps (`swap`, counted in prices, `exact_price_us`) and
+the ejection chains (`eject`, counted in placements, `eject_cost_us`).
 
 Without `deterministic`, the greedy and the multistart stop at the wall-clock deadline. With
 it, the clock is never read: the number of greedy runs and multistart iterations comes from
@@ -25,6 +27,13 @@ POST_US_PER_WAVE = 60.0
 RUN_US_BASE = 10.0
 RUN_US_PER_UNIT = 0.06
 EJECT_US_PER_UNIT = 0.03    # one placement of `eject`: atoms + waves x points units
+ANNEAL_US_PER_EVAL = 0.3   # one evaluation of `anneal` (a wave's load after a change, O(P)):
+                           # 0.16-0.39 us measured at 512-2048 atoms on a loaded machine,
+                           # 0.15-0.28 scaled to the pace `eject`'s constant assumes
+PRICE_US = 30.0             # one exact price of a wave in `swap` (the fast admitted path, ~11 us
+                            # at 512-2048 requests; 31-72 us a price in all measured at 512
+                            # on a loaded machine) ...
+PRICE_US_PER_UNIT = 0.05    # ... plus its share of the candidate estimates: atoms + waves units
 
 
 def search_us(time_budget_ms: float, waves: int) -> float:
@@ -48,3 +57,9 @@ def eject_cost_us(atoms: int, waves: int, points: int) -> float:
 def runs_within(us: float, atoms: int, waves: int, points: int) -> int:
     """How many runs of that cost fit in `us` microseconds (0 when none does)."""
     return int(max(0.0, us) // run_cost_us(atoms, waves, points))
+
+
+def exact_price_us(atoms: int, waves: int) -> float:
+    """Estimated microseconds per exact price spent by `swap` (the price and its share of the
+    vectorised candidate estimates of one placement)."""
+    return PRICE_US + PRICE_US_PER_UNIT * (atoms + max(waves, 1))

@@ -88,6 +88,16 @@ def delta(load, scnt, ccnt, b, w, subs, classes, sub_hdr, class_hdr, out, limit)
 
 
 @njit(cache=True)
+def peak(load, b):
+    """The largest load of wave b over the points (its binding point's load). O(P)."""
+    m = -1e300
+    for p in range(load.shape[1]):
+        if load[b, p] > m:
+            m = load[b, p]
+    return m
+
+
+@njit(cache=True)
 def add_atom(b, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr, class_hdr):
     P = load.shape[1]
     for p in range(P):

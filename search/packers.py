@@ -13,15 +13,18 @@ Pipeline (AUTO):
    the budget climbs the split ladder (`ladder`); such atoms run alone.
 2. lower bounds: the envelope's (`bounds`), the greedy's target, and the bound valid under
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
-3. group-aware greedy (`greedy`), several orders and rules, stopping at the envelope bound;
-   only if a gap is left: randomised multistart (`multistart`), ejection chains that empty
-   light waves by moves and swaps (`eject`; AUTO, steps of >= EJECT_MIN_ATOMS atoms), then
-   CP-SAT (`exact_cpsat`) when the instance passes its size rule and
+3. group-aware greedy (`greedy`), several orders and rules (on steps of >= EJECT_MIN_ATOMS
+   atoms the slot-aware PEAK_INCREASE rule first), stopping at the envelope bound; only if a
+   gap is left: randomised multistart (`multistart`), ejection chains that empty light waves
+   by moves and swaps (`eject`) and annealing that empties the lightest wave by moves and
+   swaps that mix the gradient slots (`anneal`; both AUTO, steps of >= EJECT_MIN_ATOMS
+   atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
    `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
 4. exact re-pricing of every wave, repair of any wave over the budget, then, unless the plan
    already meets the valid bound (the exact price may leave room the envelope did not),
    merging pairs of waves and emptying the lightest wave into the others (`reprice`; GREEDY
-   only merges).
+   only merges), and on large AUTO steps emptying it by exactly priced moves and swaps
+   (`swap`, touched waves re-priced only).
 5. pending gradients and run order (`order`). When that step had to add waves, AUTO and
    EXACT first empty the light waves it left into the others, priced with their pending
    gradients (`order.dissolve_after_order`); if waves were still added, AUTO packs once more
@@ -41,8 +44,9 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 
 Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
 expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
-first sets aside up to EJECT_SHARE of it for the ejection chains (at most what one greedy run
-leaves), counted in placements by estimate in both modes.
+first sets aside up to EJECT_SHARE of it (at most what one greedy run leaves): ANNEAL_SHARE
+of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
+ejection chains (placements), each counted by estimate in both modes (`budget`).
 
 Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
 cut the greedy orders or the multistart short (the result may then depend on the machine); with
@@ -64,8 +68,16 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
+from .anneal import anneal
 from .bounds import lower_bound
-from .budget import eject_cost_us, run_cost_us, runs_within, search_us
+from .budget import (
+    ANNEAL_US_PER_EVAL,
+    eject_cost_us,
+    exact_price_us,
+    run_cost_us,
+    runs_within,
+    search_us,
+)
 from .contract import Pricer, SearchPricer, SearchStep
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
@@ -94,6 +106,7 @@ from .reprice import (
     reprice_all,
 )
 from .result import PackedWave, SearchResult
+from .swap import empty_by_swaps
 
 EXACT_MIN_BUDGET_MS = 50.0     # AUTO calls CP-SAT only with at least this time budget
 EXACT_BUDGET_SHARE = 0.5       # share of AUTO's time budget given to CP-SAT
@@ -101,11 +114,15 @@ EXACT_PACKER_SHARE = 0.8       # share of EXACT's time budget given to CP-SAT
 BALANCE_MOVES_PER_ATOM = 2
 DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave, per wave
 EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of this many atoms
-EJECT_SHARE = 0.6             # ... giving them up to this share of the greedy's time, and at
+EJECT_SHARE = 0.9             # ... giving them up to this share of the greedy's time, and at
                               # most what one greedy run leaves of it
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
+ANNEAL_SHARE = 0.8            # ... of which this share goes to annealing against the
+                              # envelope (`anneal`, in evaluations) ...
+SWAP_SHARE = 0.1              # ... and this share buys exact prices for emptying the
+                              # lightest wave by moves and swaps (`swap`); the rest: `eject`
 EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
 EJECT_MAX_SLOWDOWN = 50.0
 
@@ -186,6 +203,8 @@ class _Search:
     bound: int               # bound valid under exact prices, fixed atoms included
     left_us: float           # microseconds for the greedy and the multistart
     eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
+    swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
+    anneal_evals: int        # evaluations for `anneal` (same steps)
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
@@ -248,14 +267,19 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     kind, ms = options.packer, options.time_budget_ms
     left_us = search_us(ms, lower + F)
     eject_us = 0.0
+    swap_prices = anneal_evals = 0
     if (kind == PackerKind.AUTO and options.num_waves is None
             and len(active) >= EJECT_MIN_ATOMS):
         one_run = run_cost_us(len(active), lower, len(items.points))
         eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run))
         left_us -= eject_us
+        swap_prices = int(SWAP_SHARE * eject_us // exact_price_us(len(active), lower + F))
+        anneal_evals = int(ANNEAL_SHARE * eject_us / ANNEAL_US_PER_EVAL)
+        eject_us *= 1.0 - SWAP_SHARE - ANNEAL_SHARE
     return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
                    lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
+                   swap_prices=swap_prices, anneal_evals=anneal_evals,
                    deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
@@ -296,6 +320,7 @@ def _pack(s: _Search) -> list[Draft]:
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
     assign, nw = _eject(s, assign, nw)
+    assign, nw = _anneal(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
@@ -310,7 +335,8 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
                 if s.options.deterministic else None)
     start = time.perf_counter() if s.deadline is not None else 0.0
     assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
-                                   max_runs=max_runs)
+                                   max_runs=max_runs,
+                                   peak_first=len(s.active) >= EJECT_MIN_ATOMS)
     if s.deadline is not None and runs:   # how much slower than estimated this machine runs
         est = runs * run_cost_us(len(s.active), s.lower, s.num_points)
         s.slowdown = min(max((time.perf_counter() - start) * 1e6 / est, EJECT_MIN_SLOWDOWN),
@@ -366,6 +392,21 @@ def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     return assign, nw2
 
 
+def _anneal(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
+    """Annealing against the envelope (`anneal`: the lightest wave to a pool, moves and swaps
+    that mix the gradient slots) while a gap to the envelope bound is left, within the
+    evaluations its share of the budget buys by estimate (`anneal_evals`; the same count in
+    both modes, seeded by the options' seed). Returns (assign, waves)."""
+    if s.anneal_evals <= 0 or nw <= s.lower:
+        return assign, nw
+    assign = assign.copy()
+    nw2, done = anneal(assign, nw, s.active, atom_size(s.items), s.lower, s.anneal_evals,
+                       s.options.seed, *atom_args(s.items), LIMIT)
+    s.stats["anneal_evals"] = int(done)
+    s.stats["anneal_waves"] = nw - nw2
+    return assign, nw2
+
+
 def _exact(s: _Search, assign: np.ndarray, nw: int, exact_fits: bool) -> tuple[np.ndarray, int]:
     """CP-SAT (`exact_cpsat`) when a gap is left and it may run: it proves or improves the
     plan within its share of the time budget, and its proof raises the envelope bound (and
@@ -396,6 +437,10 @@ def _merge(s: _Search, drafts: list[Draft]) -> list[Draft]:
     if s.kind != PackerKind.GREEDY and len(drafts) > floor:
         drafts, _ = dissolve_lightest(drafts, s.items, s.pricer, s.budget,
                                       DISSOLVE_PRICES_PER_WAVE * len(drafts) + 8, floor)
+    if s.swap_prices > 0 and len(drafts) > floor:
+        drafts, spent = empty_by_swaps(drafts, s.items, s.pricer, s.budget, s.swap_prices,
+                                       floor)
+        s.stats["swap_prices"] = spent
     s.stats["merges"] = before - len(drafts)
     return drafts
 
