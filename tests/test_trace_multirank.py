@@ -179,6 +179,55 @@ def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp):
     assert max(max(e) for e in errs) < 1e-12, errs
 
 
+def _gloo_group():
+    """A one-rank gloo ProcessGroup (not the default group, so nothing else is touched)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                         dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=60)))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
+def test_traced_collectives_leave_gloo_no_reference_to_the_callers_tensors():
+    """gloo's worker thread holds a collective's tensors until it drops the work, after the
+    caller has seen the op complete; under the tracker it holds copies, so the caller's
+    storages die when the caller drops them (not at a random moment on gloo's thread: the
+    flaky TP2+SP decoder-only peak above the whole model's), and the results land in them."""
+    import torch
+
+    from waveplan.pricing.measure.trace import _tracker_class
+
+    def refs(t):
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    pg = _gloo_group()
+    tracker = _tracker_class()()
+    x = torch.full((64, 32), 2.0)
+    tracker.ignore([x])
+    with tracker:
+        y = torch.empty(64, 32)
+        z = torch.ones(64, 32)
+        before = [refs(t) for t in (x, y, z)]
+        gather = pg._allgather_base(y, x)
+        reduce = pg.allreduce([z])
+        # the works are alive (held here): what they hold is not the caller's
+        assert [refs(t) for t in (x, y, z)] == before
+        gather.wait()
+        reduce.wait()
+        assert bool((y == 2).all()) and bool((z == 1).all())
+        assert tracker.current == 2 * 64 * 32 * 4
+        del gather, reduce, y
+        assert tracker.current == 64 * 32 * 4
+        del z
+        assert tracker.current == 0
+
+
 def test_cp_split_gives_each_rank_chunks_r_and_2cp_minus_1_minus_r():
     from waveplan.pricing.measure.ring_attention import cp_split
 

@@ -74,7 +74,7 @@ def anatomy_tracker_class():
             self._snapshot()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            out = self._call(func, args, kwargs)
             where = self.stack[-1] if self.stack else "(autograd)"
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):

@@ -18,7 +18,10 @@ the DP ranks an EP layout needs run the same wave as if it were theirs.
 
 What is counted is each rank's own storages: collective outputs that Megatron allocates
 (all-gather buffers, all-to-all outputs) count; gloo's internal staging does not (as NCCL's
-buffers are not in `max_memory_allocated`).
+buffers are not in `max_memory_allocated`). The tracker runs each collective on copies
+(`trace._staged_collective`): gloo's worker thread would otherwise hold the rank's own
+tensors a moment after the op completes, and a storage would die whenever that thread let
+go of it rather than when the rank's code dropped it (a peak one tensor higher, at random).
 
 MoE routing is the single-rank tracer's balanced router by default (token t's j-th choice is
 expert (t x k + j) mod E, every rank's experts get the same load); `routing="router"` keeps

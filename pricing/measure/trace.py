@@ -116,7 +116,9 @@ def _tracker_class():
 
         Storages that exist before (registered with `ignore`) are never counted, so views
         of weights cost nothing. A storage is counted once, by its nbytes (updated if an op
-        resizes it), and dropped when its Python object dies with the storage.
+        resizes it), and dropped when its Python object dies with the storage. Collectives
+        on CPU tensors run on untracked copies (`_staged_collective`), so that a storage
+        dies when the traced program drops it, not when gloo's worker thread does.
         """
 
         def __init__(self) -> None:
@@ -162,14 +164,96 @@ def _tracker_class():
             if self.current > self.peak:
                 self.peak = self.current
 
+        @staticmethod
+        def _call(func, args, kwargs):
+            """`func(*args, **kwargs)`; a c10d op on CPU tensors through `_staged_collective`."""
+            kwargs = kwargs or {}
+            if func.namespace == "c10d" and all(
+                    t.device.type == "cpu" for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor)):
+                return _staged_collective(func, args, kwargs)
+            return func(*args, **kwargs)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            out = self._call(func, args, kwargs)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._track(t)
             return out
 
     return StorageTracker
+
+
+def _staged_collective(func, args, kwargs):
+    """Run the c10d op `func` (a collective or point-to-point op on CPU tensors, i.e. gloo's,
+    or the fake process group's) on copies of its tensors; the work it returns is wrapped so
+    that waiting on it copies the result back into the caller's output tensors (the op's
+    first argument, for the c10d ops whose name ends in "_": allreduce_, _allgather_base_,
+    _reduce_scatter_base_, alltoall_base_, broadcast_, recv_, ...). The copies are made
+    inside the tracker's dispatch, so they are not counted (as gloo's own staging is not);
+    the caller's tensors are counted as before, from the op that created them until the
+    caller drops them. O(bytes of the op's tensors) copying per collective.
+
+    Why: gloo runs a collective on a worker thread, and the work object that thread runs
+    holds the op's tensors (the all-gather output's chunks, the reduce-scatter input) until
+    the thread drops it, just *after* it has signalled completion to the caller. When the
+    caller drops such a tensor first (Megatron's sequence-parallel all-gather output, right
+    after the matmul that used it), the storage died on the worker thread at a moment that
+    raced the caller's next allocations, so a pass's peak sometimes held one more [rows, h]
+    tensor (a TP2+SP decoder-only peak came out one gathered buffer above the whole
+    model's). On copies, nothing the worker thread holds is a counted storage."""
+    import torch
+    from torch.utils._pytree import tree_leaves, tree_map_only
+
+    copies: dict = {}
+
+    def stage(t):
+        c = t.clone()
+        copies[id(c)] = (c, t)
+        return c
+
+    staged_args = tree_map_only(torch.Tensor, stage, tuple(args))
+    staged_kwargs = tree_map_only(torch.Tensor, stage, dict(kwargs))
+    back = []
+    if func.overloadpacket.__name__.endswith("_") and staged_args:
+        back = [(copies[id(c)][1], c) for c in tree_leaves(staged_args[0])
+                if isinstance(c, torch.Tensor)]
+    out = func(*staged_args, **staged_kwargs)
+    del staged_args, staged_kwargs
+
+    def original(x):
+        if isinstance(x, torch.Tensor):
+            hit = copies.get(id(x))
+            return hit[1] if hit is not None and hit[0] is x else x
+        if isinstance(x, torch.ScriptObject):   # the op's Work
+            return _copy_back_work(x, back)
+        return x
+
+    return tree_map_only((torch.Tensor, torch.ScriptObject), original, out)
+
+
+def _copy_back_work(boxed, back: list):
+    """A Work (boxed, as a c10d op returns it) whose `wait` waits on `boxed` and then copies
+    each (output, copy) pair of `back` into the output, once (no autograd version bump: the
+    op itself writes its output in place without one). The real wait runs with the dispatch
+    modes off: what gloo does in it (its reduce-scatter copies its result into the output
+    there, on the caller's thread) is its own staging, not counted."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    c10d = torch._C._distributed_c10d
+    real = c10d.Work.unbox(boxed)
+
+    def wait(timeout):
+        with _disable_current_modes():
+            done = real.wait(timeout)
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            for dst, src in back:
+                dst.copy_(src)
+        back.clear()
+        return done
+
+    return c10d.PythonCallbackWork(wait).boxed()
 
 
 # --- MoE: balanced routing ----------------------------------------------------------------
