@@ -21,6 +21,8 @@ import time
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import stable_argsort
+
 from .budget import runs_within
 from .greedy import (
     DRAWN_RULES,
@@ -51,7 +53,7 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, inputs, 
     for _it in range(n_iter):
         for i in range(nb):
             key[i] = -bsize[i] * np.exp(0.35 * np.random.standard_normal())
-        order = np.argsort(key, kind="mergesort")
+        order = stable_argsort(key)
         if fixed > 0:
             rule = WORST_FIT if np.random.random() < 0.5 else np.random.randint(0, DRAWN_RULES)
             mode = KEEP_BLOCKS
