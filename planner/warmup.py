@@ -40,7 +40,7 @@ from waveplan.pricing.step import Request, Step, bundled_step, load_step
 
 WARMUP_PRESET = "qwen3-8b"
 # a bundled step the greedy leaves a gap on: the randomised multistart runs (and CP-SAT for EXACT)
-GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8}, "grpo-8x8", 70)
+GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8}, "grpo-8x8", 80)
 # a large step (>= packers.EJECT_MIN_ATOMS atoms) with a gap: the multistart, `eliminate`
 # inside it and the ejection chains run (deterministic: the budget buys a fixed count)
 LARGE_GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8},
