@@ -48,12 +48,19 @@ _MODULE = "waveplan.planner.parallel_compile"   # the workers' entry point (also
 @dataclass(frozen=True)
 class Kernel:
     """One manifest entry: the dispatcher `module.name` compiled for `args` (numba types),
-    which cost `cpu_s` CPU seconds when recorded (nested kernels included)."""
+    which cost `cpu_s` CPU seconds when recorded (nested kernels included); `calls`: the
+    other entries' `module.name` it calls (they compile nested in it)."""
 
     module: str
     name: str
     args: tuple
     cpu_s: float
+    calls: tuple[str, ...] = ()
+    prelude: bool = False   # compiled here before any worker starts (see `compile_parallel`)
+
+    @property
+    def label(self) -> str:
+        return f"{self.module}.{self.name}"
 
 
 @dataclass(frozen=True)
@@ -76,20 +83,57 @@ def load_manifest(path: Path = MANIFEST) -> list[Kernel]:
     try:
         data = json.loads(path.read_text())
         return [Kernel(e["module"], e["name"], pickle.loads(base64.b64decode(e["args"])),
-                       float(e["cpu_s"])) for e in data["kernels"]]
+                       float(e["cpu_s"]), tuple(e.get("calls", ())), bool(e.get("prelude")))
+                for e in data["kernels"]]
     except Exception:   # noqa: BLE001 - any unreadable manifest means: no parallel compile
         return []
 
 
+def _units(kernels: list[Kernel], n: int) -> list[list[int]]:
+    """Kernels that call one another (`calls`, either way, transitively) form one unit, so
+    that a share compiles a callee once, not once in each process that needs it; when a unit
+    costs more than a fair share (total / n: many processes), its kernels go alone (a
+    duplicate compile in another process costs CPU, not wall time). O(E^2)."""
+    index = {k.label: i for i, k in enumerate(kernels)}
+    root = list(range(len(kernels)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for i, k in enumerate(kernels):
+        for callee in k.calls:
+            j = index.get(callee)
+            if j is not None and not kernels[j].prelude:   # the prelude is compiled first
+                root[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(kernels)):
+        groups.setdefault(find(i), []).append(i)
+    fair = sum(k.cpu_s for k in kernels) / max(n, 1)
+    units = []
+    for members in groups.values():
+        if len(members) > 1 and sum(kernels[i].cpu_s for i in members) > fair:
+            units.extend([i] for i in members)
+        else:
+            units.append(members)
+    return units
+
+
 def shares(kernels: list[Kernel], n: int) -> list[list[int]]:
-    """Split the kernels into `n` shares of about equal recorded cost: longest first, each
-    to the lightest share so far (ties: the lower share). Deterministic. O(E log E + E n)."""
+    """Split the kernels into `n` shares of about equal recorded cost: units of kernels
+    that call one another (`_units`), longest first, each to the lightest share so far
+    (ties: the lower share). Deterministic. O(E^2 + E n)."""
     out: list[list[int]] = [[] for _ in range(max(n, 1))]
     load = [0.0] * len(out)
-    for i in sorted(range(len(kernels)), key=lambda i: (-kernels[i].cpu_s, i)):
+    units = [kept for u in _units(kernels, len(out))
+             if (kept := [i for i in u if not kernels[i].prelude])]
+    cost = [sum(kernels[i].cpu_s for i in unit) for unit in units]
+    for u in sorted(range(len(units)), key=lambda u: (-cost[u], min(units[u]))):
         s = min(range(len(out)), key=lambda s: (load[s], s))
-        out[s].append(i)
-        load[s] += kernels[i].cpu_s
+        out[s].extend(sorted(units[u]))
+        load[s] += cost[u]
     return out
 
 
@@ -100,7 +144,7 @@ def compile_kernels(kernels: list[Kernel]) -> tuple[int, list[str]]:
 
     done, stale = 0, []
     for k in kernels:
-        label = f"{k.module}.{k.name}"
+        label = k.label
         try:
             disp = getattr(importlib.import_module(k.module), k.name)
             if not isinstance(disp, Dispatcher):
@@ -153,36 +197,66 @@ def compile_parallel(kernels: list[Kernel] | None = None) -> ParallelReport:
     n = worker_count(len(kernels)) if kernels else 1
     if n > 1 and not writable(jit_cache.cache_dir()):
         n = 1
+    # numba's cache index is read, updated and rewritten without a lock: two processes saving
+    # different signatures of one kernel at once could pair an index entry with the other's
+    # code. Kernels compiled for several signatures (nested ones included) are therefore
+    # compiled here first, and the workers load them.
+    here, stale = compile_kernels([k for k in kernels if k.prelude])
     split = shares(kernels, n)
     procs = [subprocess.Popen([sys.executable, "-m", _MODULE, "--share", str(s), str(n)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for s in range(1, n)]
     try:
-        here, stale = compile_kernels([kernels[i] for i in split[0]])
-    finally:
-        t0 = time.perf_counter()
-        by_workers, failed = 0, 0
+        done, failed_here = compile_kernels([kernels[i] for i in split[0]])
+    except BaseException:   # interrupted: end the workers, they would compile for no one
         for proc in procs:
-            left = max(1.0, WORKER_TIMEOUT_S - (time.perf_counter() - t0))
-            try:
-                out, _ = proc.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                failed += 1
-                continue
-            try:
-                report = json.loads(out.strip().splitlines()[-1])
-                by_workers += int(report["compiled"])
-                stale += report["stale"]
-            except (ValueError, IndexError, KeyError, TypeError):
-                failed += 1
-            if proc.returncode != 0:
-                failed += 1
-        wait_s = time.perf_counter() - t0
+            proc.kill()
+            proc.communicate()
+        raise
+    here += done
+    stale += failed_here
+    t0 = time.perf_counter()
+    by_workers, failed = 0, 0
+    for proc in procs:
+        left = max(1.0, WORKER_TIMEOUT_S - (time.perf_counter() - t0))
+        try:
+            out, _ = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failed += 1
+            continue
+        try:
+            report = json.loads(out.strip().splitlines()[-1])
+            by_workers += int(report["compiled"])
+            stale += report["stale"]
+        except (ValueError, IndexError, KeyError, TypeError):
+            failed += 1
+        else:
+            failed += proc.returncode != 0
+    wait_s = time.perf_counter() - t0
     return ParallelReport(processes=n, compiled_here=here, compiled_by_workers=by_workers,
                           stale=tuple(sorted(set(stale))), failed_workers=failed,
                           wait_s=wait_s)
+
+
+def _calls(module: str, name: str, labels: set[str]) -> list[str]:
+    """The kernels among `labels` that the kernel `module.name` calls, directly or through
+    other kernels: names its code reads that are numba dispatchers. O(kernels reached)."""
+    from numba.core.dispatcher import Dispatcher
+
+    seen: set[str] = set()
+    todo = [getattr(importlib.import_module(module), name)]
+    while todo:
+        func = todo.pop().py_func
+        for ref in func.__code__.co_names:
+            value = func.__globals__.get(ref)
+            if isinstance(value, Dispatcher):
+                label = f"{value.py_func.__module__}.{value.py_func.__name__}"
+                if label not in seen:
+                    seen.add(label)
+                    todo.append(value)
+    return sorted(seen & labels - {f"{module}.{name}"})
 
 
 def _record_here(path: Path) -> None:
@@ -190,8 +264,10 @@ def _record_here(path: Path) -> None:
     from Python to `path`, each with its CPU seconds (nested compiles included)."""
     from numba.core import event as ev
 
+    from . import warmup
     from .planner import Planner
-    from .warmup import _run
+
+    warmup._STATE["done"] = True   # no warm-up (nor parallel compile): only the plans compile
 
     found: dict[tuple[str, str, str], list] = {}
     stack: list[float] = []
@@ -215,8 +291,24 @@ def _record_here(path: Path) -> None:
             entry[3] += time.process_time() - start
 
     with ev.install_listener("numba:compile", _Top()):
-        _run(Planner)
+        warmup._run(Planner)
+    # every signature of a kernel compiled for several (nested ones included): the prelude
+    from numba.core.dispatcher import Dispatcher
+
+    multi = set()
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("waveplan."):
+            continue
+        for name, value in vars(module).items():
+            if (isinstance(value, Dispatcher) and value.py_func.__module__ == mod_name
+                    and len(value.signatures) > 1):
+                multi.add((mod_name, name))
+                for args in value.signatures:
+                    found.setdefault((mod_name, name, str(tuple(args))),
+                                     [mod_name, name, tuple(args), 0.0])
+    labels = {f"{m}.{n}" for m, n, _, _ in found.values()}
     kernels = [{"module": m, "name": n, "signature": str(a), "cpu_s": round(c, 2),
+                "calls": _calls(m, n, labels), "prelude": (m, n) in multi,
                 "args": base64.b64encode(pickle.dumps(a)).decode()}
                for m, n, a, c in found.values()]
     kernels.sort(key=lambda e: (e["module"], e["name"], e["signature"]))

@@ -48,7 +48,7 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                 if atom_wave[a] != c:
                     continue
                 # choose among waves != c: cheapest increase
-                best = -1
+                best = np.int64(-1)   # typed, not Literal[int]: one compile of add_atom
                 best_key = 0.0
                 wa = aw[a]
                 subs = as_[asptr[a]:asptr[a + 1]]

@@ -63,7 +63,8 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, inputs, 
         assign, nw = greedy_run(order, rule, mode, fixed, inputs)
         done += 1
         if nw > 0 and fixed == 0:
-            nw = eliminate(assign, nw, active, asize, ELIMINATE_CANDIDATES, inputs.atoms,
+            # typed, not the constant's Literal[int]: the same compile of eliminate as the greedy's
+            nw = eliminate(assign, nw, active, asize, np.int64(ELIMINATE_CANDIDATES), inputs.atoms,
                            inputs.headers, inputs.limit)
         if nw > 0 and (best_nw < 0 or nw < best_nw):
             best_nw = nw
