@@ -3,11 +3,18 @@
 numba compiles one kernel at a time per process (a global compiler lock), so a cold warm-up
 costs the sum of every kernel's compile. Here the kernels a warm-up needs are listed in a
 manifest (`data/warmup_kernels.json`: module, name, argument types, compile CPU seconds),
-split into shares of about equal cost (longest first, each to the lightest share), and
-compiled at once: share 0 in this process, the others in worker processes
+split into shares of about equal cost (longest first, each to the lightest share; kernels
+that call one another share a process, so that a callee compiles once), and compiled at
+once: share 0 in this process, the others in worker processes
 (`python -m waveplan.planner.parallel_compile --share I N`), one per core up to
 MAX_WORKERS. Every compiled kernel lands in the cache folder (numba saves each compile,
-nested ones included); the warm-up's plans then load them instead of compiling.
+nested ones included); the warm-up's plans then load them instead of compiling. Kernels
+compiled for several signatures (the manifest's prelude) compile in this process before the
+workers start: numba rewrites a kernel's cache index without a lock, so two processes must
+not save different signatures of one kernel at once.
+
+On this 2-core machine the wall time is about half the serial compile; on a 16-core node,
+about the longest share (the most expensive kernel with its callees).
 
 The caller holds the cache folder's lock (`jit_cache.compile_lock`); workers take no lock
 (they work for the holder). Where the folder cannot be written, no worker is started (their
