@@ -33,11 +33,9 @@ manifest misses a kernel the warm-up compiles.
 
 from __future__ import annotations
 
-import base64
 import importlib
 import json
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -84,12 +82,49 @@ class ParallelReport:
     wait_s: float
 
 
+def encode_type(ty) -> dict:
+    """A kernel argument's numba type as plain JSON data: a scalar, an array, or a (named)
+    tuple of those. Raises TypeError for any other type. O(size of the type)."""
+    from numba.core import types
+
+    if isinstance(ty, types.Array):
+        return {"array": str(ty.dtype), "ndim": ty.ndim, "layout": ty.layout,
+                "readonly": not ty.mutable}
+    if isinstance(ty, types.BaseTuple):
+        out = {"tuple": [encode_type(t) for t in ty.types]}
+        if isinstance(ty, types.BaseNamedTuple):
+            out["class"] = f"{ty.instance_class.__module__}.{ty.instance_class.__qualname__}"
+        return out
+    if isinstance(ty, (types.Integer, types.Float, types.Boolean)):
+        return {"scalar": str(ty)}
+    raise TypeError(f"no manifest encoding for the numba type {ty}")
+
+
+def decode_type(data: dict):
+    """The numba type `encode_type` wrote. O(size of the type)."""
+    import numpy as np
+    from numba.core import types
+    from numba.np.numpy_support import from_dtype
+
+    if "array" in data:
+        return types.Array(from_dtype(np.dtype(data["array"])), int(data["ndim"]),
+                           data["layout"], readonly=bool(data["readonly"]))
+    if "tuple" in data:
+        items = [decode_type(t) for t in data["tuple"]]
+        cls = None
+        if "class" in data:
+            module, _, name = data["class"].rpartition(".")
+            cls = getattr(importlib.import_module(module), name)
+        return types.BaseTuple.from_types(items, cls)
+    return from_dtype(np.dtype(data["scalar"]))
+
+
 def load_manifest(path: Path = MANIFEST) -> list[Kernel]:
-    """The manifest's kernels; [] when it is missing or unreadable (e.g. written by a numba
-    whose types do not unpickle here). O(entries)."""
+    """The manifest's kernels; [] when it is missing or unreadable (e.g. a type this numba
+    does not know). O(entries)."""
     try:
         data = json.loads(path.read_text())
-        return [Kernel(e["module"], e["name"], pickle.loads(base64.b64decode(e["args"])),
+        return [Kernel(e["module"], e["name"], tuple(decode_type(a) for a in e["args"]),
                        float(e["cpu_s"]), tuple(e.get("calls", ())), bool(e.get("prelude")))
                 for e in data["kernels"]]
     except Exception:   # noqa: BLE001 - any unreadable manifest means: no parallel compile
@@ -316,8 +351,10 @@ def _record_here(path: Path) -> None:
     labels = {f"{m}.{n}" for m, n, _, _ in found.values()}
     kernels = [{"module": m, "name": n, "signature": str(a), "cpu_s": round(c, 2),
                 "calls": _calls(m, n, labels), "prelude": (m, n) in multi,
-                "args": base64.b64encode(pickle.dumps(a)).decode()}
+                "args": [encode_type(ty) for ty in a]}
                for m, n, a, c in found.values()]
+    for k, (_, _, a, _) in zip(kernels, found.values(), strict=True):
+        assert tuple(decode_type(ty) for ty in k["args"]) == a, k["signature"]
     kernels.sort(key=lambda e: (e["module"], e["name"], e["signature"]))
     import numba
 

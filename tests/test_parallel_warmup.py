@@ -135,3 +135,19 @@ def test_two_cold_processes_compile_once_in_parallel_and_a_fresh_one_compiles_no
     # the manifest covered every kernel the warm-up's plans need: they only loaded
     assert cold["plan_compiles"] == 0, cold
     assert _finish(_start(FRESH, env)) == []
+
+
+def test_manifest_types_round_trip_through_plain_json():
+    from numba.core import types
+
+    from waveplan.search.kernels import Headers
+
+    arr = types.Array(types.float64, 2, "C")
+    samples = [types.int64, types.float64, types.boolean,
+               types.Array(types.int64, 1, "C", readonly=True), arr,
+               types.BaseTuple.from_types([arr, arr], Headers),
+               types.BaseTuple.from_types([types.int64, arr])]
+    for ty in samples:
+        assert pc.decode_type(json.loads(json.dumps(pc.encode_type(ty)))) == ty
+    with pytest.raises(TypeError, match="no manifest encoding"):
+        pc.encode_type(types.unicode_type)
