@@ -8,6 +8,10 @@ specialisation a later plan uses exists in this process. It runs under the cache
 file lock (`jit_cache.compile_lock`): concurrent cold processes on one node compile once,
 the others wait and load.
 
+A cold warm-up first compiles the kernels in parallel (`parallel_compile`: this process
+and one worker process per core compile disjoint shares into the cache folder), then runs
+the plans, which load them.
+
 `ensure_warm()` does it once per process; `Planner.plan` calls it before its first plan, so
 after the first plan of a process no kernel compiles. A warm-up that completes leaves a marker
 in the cache folder, keyed by waveplan's and numba's versions and the stamps of the kernel
@@ -36,7 +40,11 @@ from waveplan.pricing.step import Request, Step, bundled_step, load_step
 
 WARMUP_PRESET = "qwen3-8b"
 # a bundled step the greedy leaves a gap on: the randomised multistart runs (and CP-SAT for EXACT)
-GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8}, "grpo-8x8", 70)
+GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8}, "grpo-8x8", 80)
+# a large step (>= packers.EJECT_MIN_ATOMS atoms) with a gap: the multistart, `eliminate`
+# inside it and the ejection chains run (deterministic: the budget buys a fixed count)
+LARGE_GAP_CASE = ("llama-3.1-8b", {"tp": 2, "recompute": "selective", "lora_rank": 8},
+                  "grpo-32x16", 80, 50)
 SLOTS = ("a", "b")
 
 
@@ -53,10 +61,16 @@ class WarmupReport:
     plans: int
     cache_dir: str
     skipped: tuple[str, ...] = ()
+    processes: int = 1          # processes that compiled (1: this one only)
+    wait_s: float = 0.0         # seconds waiting for worker processes' compiles (in compile_s)
+    plan_compiles: int = 0      # kernels the plans compiled after the parallel compile (0: it
+                                # covered every kernel, see `parallel_compile`)
+    stale: tuple[str, ...] = ()  # manifest entries that failed to compile (stale manifest)
 
     def line(self) -> str:
-        what = (f"compiled {self.compiles} kernels in {self.compile_s:.2f} s" if self.compiles
-                else f"loaded kernels in {self.jit_s:.2f} s (nothing to compile)")
+        procs = f" over {self.processes} processes" if self.processes > 1 else ""
+        what = (f"compiled {self.compiles} kernels{procs} in {self.compile_s:.2f} s"
+                if self.compiles else f"loaded kernels in {self.jit_s:.2f} s (nothing to compile)")
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
         return (f"warm-up: {self.plans} plans, {what}, {self.seconds:.2f} s in all; "
                 f"cache {self.cache_dir}{skipped}")
@@ -150,7 +164,11 @@ def _run(planner_cls) -> tuple[int, tuple[str, ...]]:
                 raise
             skipped = tuple(sorted(set(skipped) | {packer}))
         extra += 1
-    return runs + more + 1 + extra, skipped
+    name, kwargs, step_name, gib, budget_ms = LARGE_GAP_CASE
+    large = planner_cls.from_preset(name, **kwargs)
+    large.plan(load_step(bundled_step(step_name)), free_bytes=gib * 2**30, deterministic=True,
+                 time_budget_ms=budget_ms)
+    return runs + more + 2 + extra, skipped
 
 
 def _marker():
@@ -203,21 +221,34 @@ def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
             _STATE["done"] = True
             return None
         t0 = time.perf_counter()
+        parallel = None
         with jit_cache.compile_lock(), CompileClock() as clock:
             if lazy and marker.exists():
                 _STATE["done"] = True
                 return None
-            runs, skipped = _run(Planner)
+            if not marker.exists():   # cold: compile every kernel at once, the plans load them
+                from .parallel_compile import compile_parallel
+
+                parallel = compile_parallel()
+            with CompileClock() as plans_clock:
+                runs, skipped = _run(Planner)
             _mark(marker)
         _STATE["done"] = True
-        return WarmupReport(seconds=time.perf_counter() - t0, compile_s=clock.compile_s,
-                            compiles=clock.compiles, jit_s=clock.jit_s, plans=runs,
-                            cache_dir=str(jit_cache.cache_dir()), skipped=skipped)
+        wait_s = parallel.wait_s if parallel else 0.0
+        return WarmupReport(seconds=time.perf_counter() - t0, compile_s=clock.compile_s + wait_s,
+                            compiles=clock.compiles + (parallel.compiled_by_workers if parallel else 0),
+                            jit_s=clock.jit_s + wait_s, plans=runs,
+                            cache_dir=str(jit_cache.cache_dir()), skipped=skipped,
+                            processes=parallel.processes if parallel else 1, wait_s=wait_s,
+                            plan_compiles=plans_clock.compiles,
+                            stale=parallel.stale if parallel else ())
     finally:
         _STATE["running"] = False
 
 
-def ensure_warm() -> None:
-    """`warmup(lazy=True)` unless this process is warm already. O(1) when warm."""
+def ensure_warm() -> WarmupReport | None:
+    """`warmup(lazy=True)` unless this process is warm already; returns what it did (None:
+    nothing). O(1) when warm."""
     if not _STATE["done"]:
-        warmup(lazy=True)
+        return warmup(lazy=True)
+    return None

@@ -46,6 +46,7 @@ import numpy as np
 from numba import njit
 
 from .layout import _tree_counts
+from .stable_sort import sorted_ints, stable_argsort
 from .step import Step
 
 CLIQUE_STARTS = 8        # greedy cliques tried, from the vertices of highest degree
@@ -199,12 +200,12 @@ def _graph(idx, class_of, K, tree, coef, keep, pres, fe_k, budget, max_cand, sta
     for i in range(n):
         cls[i] = class_of[idx[i]]
         key[i] = group_of[idx[i]] * K + cls[i]
-    o = np.argsort(key, kind="mergesort")
+    o = stable_argsort(key)
     sub = np.empty(n, dtype=np.int64)
     members = np.empty(n, dtype=np.int64)
     ptr = np.zeros(n + 1, dtype=np.int64)
     sub_key = np.empty(n, dtype=np.int64)
-    S = 0
+    S = np.int64(0)   # typed, not Literal[int]: _shared_out compiles once
     for j in range(n):
         i = o[j]
         if j == 0 or key[i] != key[o[j - 1]]:
@@ -220,7 +221,7 @@ def _graph(idx, class_of, K, tree, coef, keep, pres, fe_k, budget, max_cand, sta
     for i in range(n):
         pos[i] = rank[idx[i]]
         key2[i] = cls[i] * N + pos[i]
-    o2 = np.argsort(key2, kind="mergesort")
+    o2 = stable_argsort(key2)
     stem = _shared_out(rank, table, cls[o2], sub[o2], pos[o2], S)
     # candidates: a subgroup that can be split and pays no private rows adds nothing
     cand = np.empty(S, dtype=np.int64)
@@ -244,7 +245,7 @@ def _graph(idx, class_of, K, tree, coef, keep, pres, fe_k, budget, max_cand, sta
             load[u, q] = coef[keep[q], k, 0] * packed + coef[keep[q], k, 1] * logical
             heavy[u] = max(heavy[u], load[u, q])
     if m > max_cand:   # the heaviest ones (ties: the lower index), in index order
-        top = np.sort(np.argsort(-heavy, kind="mergesort")[:max_cand])
+        top = sorted_ints(stable_argsort(-heavy)[:max_cand])
         cand = cand[top]
         load = load[top]
         m = max_cand
@@ -284,14 +285,16 @@ def _graph(idx, class_of, K, tree, coef, keep, pres, fe_k, budget, max_cand, sta
             sub_adj[i, j] = adj[rest[i], rest[j]]
             if sub_adj[i, j]:
                 deg[i] += 1
-    order = np.argsort(-deg, kind="mergesort")   # ties: the lower index
+    order = stable_argsort(-deg)   # ties: the lower index
     clique = _greedy_clique(sub_adj, order, deg, starts)
     out_c = np.empty((clique.shape[0], P))
-    for i in range(clique.shape[0]):
-        out_c[i] = excess[rest[clique[i]]]
+    for i in range(clique.shape[0]):   # loops, not row copies (no shape-check overload to compile)
+        for p in range(P):
+            out_c[i, p] = excess[rest[clique[i]], p]
     out_f = np.empty((nf, P))
     for i in range(nf):
-        out_f[i] = excess[forced[i]]
+        for p in range(P):
+            out_f[i, p] = excess[forced[i], p]
     return out_c, out_f
 
 

@@ -25,6 +25,7 @@ from numba import njit
 
 from .errors import ConfigError, StepError, bad
 from .parallel import ParallelLayout
+from .stable_sort import sorted_ints
 from .step import Step
 
 
@@ -78,7 +79,7 @@ def _tree_counts(rank, table, length_at, indices, shared):  # pragma: no cover -
         if j < 0 or j >= n:
             return 1, i, 0, 0, empty
         pos[i] = rank[j]
-    pos.sort()
+    pos = sorted_ints(pos)
     for i in range(1, k):
         if pos[i] == pos[i - 1]:
             for j in range(n):  # name the request: error path only
@@ -90,7 +91,7 @@ def _tree_counts(rank, table, length_at, indices, shared):  # pragma: no cover -
         for i in range(k):
             rows[i] = length_at[pos[i]]
             logical += rows[i]
-        rows.sort()
+        rows = sorted_ints(rows)
         return 0, logical, logical, k, rows[::-1].copy()
     stack = np.empty(k + 1, np.int64)  # depths of the open LCP nodes; stack[0] = root
     stack[0] = 0
@@ -130,7 +131,7 @@ def _tree_counts(rank, table, length_at, indices, shared):  # pragma: no cover -
         else:
             segments += 1
     out = rows[:num_seq].copy()
-    out.sort()
+    out = sorted_ints(out)
     return 0, logical, packed, segments, out[::-1].copy()
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import stable_argsort
+
 from .kernels import add_atom, build_state, delta, remove_atom
 
 TABU = 3   # an atom placed within the last TABU placements does not leave again
@@ -97,7 +99,7 @@ def _swap(a, c, nw, recent, chain, state, atoms, hdr, tmp, limit):
         ys[m_y] = y
         keys[m_y] = asize[y] * (1.0 + left[y])
         m_y += 1
-    order = np.argsort(keys[:m_y], kind="mergesort")   # stable: ties by index
+    order = stable_argsort(keys[:m_y])   # stable: ties by index
     for j in range(m_y):
         y = ys[order[j]]
         b = atom_wave[y]
@@ -150,8 +152,8 @@ def eject(atom_wave, nw, active, asize, target, candidates, steps, max_work, ato
         for i in range(active.shape[0]):
             count[atom_wave[active[i]]] += 1.0
         # candidates: the lightest and the fewest-atom waves, alternately
-        by_weight = np.argsort(weight, kind="mergesort")
-        by_count = np.argsort(count, kind="mergesort")
+        by_weight = stable_argsort(weight)
+        by_count = stable_argsort(count)
         worder = np.empty(nw, dtype=np.int64)
         seen = np.zeros(nw, dtype=np.bool_)
         m = 0

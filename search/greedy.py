@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import stable_argsort
 from waveplan.pricing.tolerances import FIT_EPS, TIE_EPS
 
 from .items import Blocks, Items, atom_size
@@ -271,7 +272,7 @@ def balanced_order(alone, size):
         for p in range(1, P):
             if alone[b, p] > alone[b, dom[b]]:
                 dom[b] = p
-    by_size = np.argsort(-size, kind="mergesort")       # stable: ties by index
+    by_size = stable_argsort(-size)       # stable: ties by index
     heads = np.zeros(P + 1, dtype=np.int64)
     for b in range(nb):
         heads[dom[b] + 1] += 1

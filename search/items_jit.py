@@ -12,6 +12,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import sorted_ints, stable_argsort, unique_ints
+
 # Weight modes of `weights` (chosen by `items.weight_mode`): what the weights know of the step.
 GENERIC_BOUND = 0   # nothing: the envelope's generic two-level bound
 LENGTH_FORM = 1     # a length-form step: exactly two-level trees (the step-aware bound)
@@ -37,7 +39,7 @@ def subgroups(group_of, class_of, num_classes):
     n = group_of.shape[0]
     K = max(num_classes, 1)
     key = group_of * K + class_of
-    order = np.argsort(key, kind="mergesort")
+    order = stable_argsort(key)
     sub_of = np.empty(n, dtype=np.int64)
     sub_group = np.empty(n, dtype=np.int64)
     sub_class = np.empty(n, dtype=np.int64)
@@ -138,15 +140,15 @@ def blocks_by_group(active, size, req_w, block_key, req_sptr, req_s, sub_class, 
     for j in range(A):
         grp[j] = block_key[active[j]]
     # sort by (key, -size, index): stable sorts of an index-sorted list
-    by_index = np.argsort(active, kind="mergesort")
+    by_index = stable_argsort(active)
     neg = np.empty(A)
     for j in range(A):
         neg[j] = -size[active[by_index[j]]]
-    by_size = by_index[np.argsort(neg, kind="mergesort")]
+    by_size = by_index[stable_argsort(neg)]
     g_sorted = np.empty(A, dtype=np.int64)
     for j in range(A):
         g_sorted[j] = grp[by_size[j]]
-    order = by_size[np.argsort(g_sorted, kind="mergesort")]
+    order = by_size[stable_argsort(g_sorted)]
     atoms = np.empty(A, dtype=np.int64)
     ptr = np.zeros(A + 1, dtype=np.int64)
     nb = 0
@@ -182,7 +184,7 @@ def blocks_by_group(active, size, req_w, block_key, req_sptr, req_s, sub_class, 
                     seen_s[s] = True
                     s_flat[ns] = s
                     ns += 1
-        ordered = np.sort(s_flat[start:ns])
+        ordered = sorted_ints(s_flat[start:ns])
         for t in range(ns - start):   # a loop, not a slice copy (no shape-check overload to compile)
             s_flat[start + t] = ordered[t]
         for t in range(start, ns):
@@ -290,10 +292,10 @@ def tree_subgroups(leaf_parent, node_parent, num_nodes, class_of, num_classes, m
             keys[t] = v * K + k
             t += 1
             v = node_parent[v] if v < num_nodes else -1
-    uniq = np.unique(keys)
+    uniq = unique_ints(keys)
     req_s = np.searchsorted(uniq, keys).astype(np.int64)
     for i in range(n):
-        ordered = np.sort(req_s[ptr[i]:ptr[i + 1]])
+        ordered = sorted_ints(req_s[ptr[i]:ptr[i + 1]])
         for t in range(ordered.shape[0]):   # a loop, not a slice copy (compile time)
             req_s[ptr[i] + t] = ordered[t]
     return ptr, req_s, uniq // K, uniq % K, kept, skipped

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import stable_argsort
 from waveplan.pricing.tolerances import BALANCE_GAIN_EPS
 
 from .kernels import add_atom, build_state, delta, remove_atom
@@ -28,7 +29,7 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                                    sub_hdr, class_hdr)
     P = sub_hdr.shape[1]
     tmp = np.empty(P)
-    order_a = active[np.argsort(-asize[active], kind="mergesort")]
+    order_a = active[stable_argsort(-asize[active])]
     moved_a = np.empty(active.shape[0], dtype=np.int64)
     moved_to = np.empty(active.shape[0], dtype=np.int64)
     while nw > 1:
@@ -36,7 +37,7 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
         for b in range(nw):
             for p in range(P):
                 weight[b] += load[b, p]
-        worder = np.argsort(weight, kind="mergesort")
+        worder = stable_argsort(weight)
         done = False
         for ci in range(min(candidates, nw)):
             c = worder[ci]
@@ -47,7 +48,7 @@ def eliminate(atom_wave, nw, active, asize, candidates, atoms, hdr, limit):
                 if atom_wave[a] != c:
                     continue
                 # choose among waves != c: cheapest increase
-                best = -1
+                best = np.int64(-1)   # typed, not Literal[int]: one compile of add_atom
                 best_key = 0.0
                 wa = aw[a]
                 subs = as_[asptr[a]:asptr[a + 1]]
@@ -120,7 +121,7 @@ def balance(atom_wave, nw, active, max_moves, atoms, hdr, limit):
         count[atom_wave[active[i]]] += 1
     moves = 0
     while moves < max_moves:
-        top = 0
+        top = np.int64(0)   # typed, not Literal[int]: one compile of add/remove_atom
         top_m = -1e300
         for b in range(nw):
             m = load[b].max()
@@ -129,8 +130,8 @@ def balance(atom_wave, nw, active, max_moves, atoms, hdr, limit):
                 top = b
         if count[top] <= 1:
             break
-        best_a = -1
-        best_b = -1
+        best_a = np.int64(-1)
+        best_b = np.int64(-1)
         best_val = top_m - BALANCE_GAIN_EPS
         for i in range(active.shape[0]):
             a = active[i]

@@ -21,6 +21,8 @@ import time
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import stable_argsort
+
 from .budget import runs_within
 from .greedy import (
     DRAWN_RULES,
@@ -51,7 +53,7 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, inputs, 
     for _it in range(n_iter):
         for i in range(nb):
             key[i] = -bsize[i] * np.exp(0.35 * np.random.standard_normal())
-        order = np.argsort(key, kind="mergesort")
+        order = stable_argsort(key)
         if fixed > 0:
             rule = WORST_FIT if np.random.random() < 0.5 else np.random.randint(0, DRAWN_RULES)
             mode = KEEP_BLOCKS
@@ -61,7 +63,8 @@ def multistart_chunk(n_iter, seed, target, fixed, bsize, active, asize, inputs, 
         assign, nw = greedy_run(order, rule, mode, fixed, inputs)
         done += 1
         if nw > 0 and fixed == 0:
-            nw = eliminate(assign, nw, active, asize, ELIMINATE_CANDIDATES, inputs.atoms,
+            # typed, not the constant's Literal[int]: the same compile of eliminate as the greedy's
+            nw = eliminate(assign, nw, active, asize, np.int64(ELIMINATE_CANDIDATES), inputs.atoms,
                            inputs.headers, inputs.limit)
         if nw > 0 and (best_nw < 0 or nw < best_nw):
             best_nw = nw

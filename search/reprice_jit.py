@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.stable_sort import stable_argsort
+
 
 @njit(cache=True)
 def wave_loads_jit(req, ptr, req_w, req_sptr, req_s, sub_class, sub_hdr, class_hdr):
@@ -60,7 +62,7 @@ def merge_candidates(loads, const, cap, ratio, budget):
                 pi[c] = i
                 pj[c] = j
                 c += 1
-    order = np.argsort(est[:c], kind="mergesort")
+    order = stable_argsort(est[:c])
     out = np.empty((c, 2), dtype=np.int64)
     for t in range(c):
         out[t, 0] = pi[order[t]]
