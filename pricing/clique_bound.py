@@ -236,11 +236,12 @@ def _graph(idx, class_of, K, tree, coef, keep, pres, fe_k, budget, max_cand, sta
     Pk = keep.shape[0]
     load = np.zeros((m, Pk))
     heavy = np.zeros(m)
+    shared = np.bool_(True)   # typed, not Literal[bool]: _tree_counts compiles once
     for u in range(m):
         t = cand[u]
         k = sub_key[t] % K
         _, logical, packed, _, _ = _tree_counts(rank, table, length_at,
-                                                members[ptr[t]:ptr[t + 1]].copy(), True)
+                                                members[ptr[t]:ptr[t + 1]].copy(), shared)
         for q in range(Pk):
             load[u, q] = coef[keep[q], k, 0] * packed + coef[keep[q], k, 1] * logical
             heavy[u] = max(heavy[u], load[u, q])

@@ -54,6 +54,7 @@ def _loads(rank, table, length_at, class_of, reqs, ptr, num_classes, multiple):
     out = np.zeros((n_children * num_classes, 5), dtype=np.int64)
     count = 0
     members = np.empty(reqs.shape[0], dtype=np.int64)
+    shared = np.bool_(True)   # typed, not Literal[bool]: _tree_counts compiles once
     for c in range(n_children):
         lo, hi = ptr[c], ptr[c + 1]
         for k in range(num_classes):
@@ -68,7 +69,7 @@ def _loads(rank, table, length_at, class_of, reqs, ptr, num_classes, multiple):
             if m == 0:
                 continue
             status, logical, packed, segments, seq = _tree_counts(rank, table, length_at,
-                                                                  members[:m].copy(), True)
+                                                                  members[:m].copy(), shared)
             if status != 0:
                 return status, out[:0]
             padded = 0

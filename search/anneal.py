@@ -81,7 +81,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             pos[a] = cnt[b]
             mem[b, cnt[b]] = a
             cnt[b] += 1
-        c = 0
+        c = np.int64(0)   # typed, not Literal[int]: remove_atom compiles once
         best_w = 1e300
         for b in range(nw):
             w = 0.0
@@ -121,7 +121,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                             j = q
                 a = pool[j]
                 # insert: the smallest rise of the peak, then the tightest
-                best = -1
+                best = np.int64(-1)
                 best_rise = 0.0
                 best_after = 0.0
                 subs = as_[asptr[a]:asptr[a + 1]]
@@ -198,7 +198,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             if wa == wb or wa == c or wb == c or cnt[wa] == 0:
                 continue
             x = mem[wa, np.random.randint(0, cnt[wa])]
-            y = -1
+            y = np.int64(-1)
             if cnt[wb] > 0 and np.random.random() < 0.5:
                 y = mem[wb, np.random.randint(0, cnt[wb])]
             work += 2
