@@ -39,6 +39,23 @@ POOL_PENALTY = 1.5    # objective cost of an atom's size while it sits in the po
 T_START = 0.05        # temperature at the start of a chain, x the mean atom size
 T_END = 0.002         # ... and at its end
 POOL_SHARE = 0.3      # share of the steps that work on the pool (the rest: wave to wave)
+CHAIN_EVALS = 200000   # evaluations per chain: a chain out of them gives its pool back
+CHECKS_PER_EVAL = 1   # quick fit checks (two points of a wave) counted as one evaluation
+CHEAP_MOVES = True
+NEAR_SHARE = 0.5
+ROTATE = 1            # a failed chain hands over to the next of this many lightest waves
+TARGET_TRIES = 3      # draws for an atom of the pool atom's slot in the nearest wave
+MOVE_TRIES = 0
+
+
+@njit(cache=True)
+def argpeak(load, b):
+    """The binding point of wave b (the first of the largest loads). O(P)."""
+    q = 0
+    for p in range(1, load.shape[1]):
+        if load[b, p] > load[b, q]:
+            q = p
+    return q
 
 
 @njit(cache=True)
@@ -67,10 +84,22 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
     saved = atom_wave.copy()
     pool = np.empty(n_act, dtype=np.int64)
     tmp = np.empty(load.shape[1])
+    P = load.shape[1]
+    heavy = np.zeros(A, dtype=np.int64)      # the point where each atom weighs most
+    for i in range(n_act):
+        a = active[i]
+        for p in range(1, P):
+            if aw[a, p] > aw[a, heavy[a]]:
+                heavy[a] = p
+    bind = np.zeros(nw, dtype=np.int64)      # each wave's binding point
+    for b in range(nw):
+        bind[b] = argpeak(load, b)
     changed = np.zeros(nw, dtype=np.int64)   # when each wave last changed (a tick)
     seen = -np.ones(A, dtype=np.int64)       # when each pool atom last scanned the waves
     tick = 0
     work = 0
+    cheap = 0     # quick fit checks not yet counted as an evaluation
+    failed = 0    # chains that failed since the last wave was emptied
     while nw > max(target, 1) and work < max_work:
         # members and the lightest wave
         for b in range(nw):
@@ -81,15 +110,11 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             pos[a] = cnt[b]
             mem[b, cnt[b]] = a
             cnt[b] += 1
-        c = 0
-        best_w = 1e300
+        wsum = np.zeros(nw)
         for b in range(nw):
-            w = 0.0
             for p in range(load.shape[1]):
-                w += load[b, p]
-            if w < best_w:
-                best_w = w
-                c = b
+                wsum[b] += load[b, p]
+        c = np.argsort(wsum, kind="mergesort")[failed % min(ROTATE, nw)]
         for i in range(n_act):
             saved[active[i]] = atom_wave[active[i]]
         npool = 0
@@ -105,8 +130,8 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             seen[a] = -1
         cnt[c] = 0
         start = work
-        span = max(max_work - work, 1)
-        while npool > 0 and work < max_work:
+        span = max(min(max_work - work, CHAIN_EVALS), 1)
+        while npool > 0 and work < max_work and work - start < span:
             frac = (work - start) / span
             temp = mean_size * T_START * (T_END / T_START) ** frac
             if np.random.random() < POOL_SHARE or npool == n_act:
@@ -127,8 +152,18 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 subs = as_[asptr[a]:asptr[a + 1]]
                 classes = ac[acptr[a]:acptr[a + 1]]
                 scanned = 0
+                h = heavy[a]
+                near = -1
+                near_load = 0.0
                 for b in range(nw):
                     if b == c or changed[b] <= seen[a]:
+                        continue
+                    if near < 0 or load[b, h] < near_load:
+                        near = b
+                        near_load = load[b, h]
+                    if (load[b, h] + aw[a, h] > limit
+                            or load[b, bind[b]] + aw[a, bind[b]] > limit):
+                        cheap += 1     # two points read: a share of an evaluation
                         continue
                     scanned += 1
                     after = delta(load, scnt, ccnt, b, aw[a], subs, classes, sub_hdr,
@@ -143,12 +178,14 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                         best_after = after
                 tick += 1
                 seen[a] = tick
-                work += max(scanned, 1)
+                work += max(scanned, 1) + cheap // CHECKS_PER_EVAL
+                cheap %= CHECKS_PER_EVAL
                 if best >= 0:
                     add_atom(best, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                              class_hdr)
                     tick += 1
                     changed[best] = tick
+                    bind[best] = argpeak(load, best)
                     atom_wave[a] = best
                     pos[a] = cnt[best]
                     mem[best, cnt[best]] = a
@@ -156,11 +193,19 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                     pool[j] = pool[npool - 1]
                     npool -= 1
                     continue
-                # swap with a smaller atom of a drawn wave
+                # swap with a smaller atom of a drawn wave (or of the wave with the most room
+                # at the atom's point, for an atom of the same slot)
                 b = np.random.randint(0, nw)
+                if near >= 0 and np.random.random() < NEAR_SHARE:
+                    b = near
                 if b == c or cnt[b] == 0:
                     continue
                 y = mem[b, np.random.randint(0, cnt[b])]
+                if b == near:
+                    for _ in range(TARGET_TRIES):
+                        if heavy[y] == h and asize[y] < asize[a]:
+                            break
+                        y = mem[b, np.random.randint(0, cnt[b])]
                 if asize[y] >= asize[a] and np.random.random() < 0.8:
                     continue
                 work += 1
@@ -180,6 +225,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 if ok:
                     tick += 1
                     changed[b] = tick
+                    bind[b] = argpeak(load, b)
                     seen[y] = -1
                     atom_wave[a] = b
                     atom_wave[y] = -1
@@ -198,9 +244,31 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             if wa == wb or wa == c or wb == c or cnt[wa] == 0:
                 continue
             x = mem[wa, np.random.randint(0, cnt[wa])]
+            for _ in range(MOVE_TRIES):   # a row of wa's binding slot, into a wave it binds not
+                if heavy[x] == bind[wa]:
+                    break
+                x = mem[wa, np.random.randint(0, cnt[wa])]
+            for _ in range(MOVE_TRIES):
+                if bind[wb] != heavy[x]:
+                    break
+                w2 = np.random.randint(0, nw)
+                if w2 != wa and w2 != c:
+                    wb = w2
             y = -1
             if cnt[wb] > 0 and np.random.random() < 0.5:
                 y = mem[wb, np.random.randint(0, cnt[wb])]
+                for _ in range(MOVE_TRIES):   # ... for a row of another slot
+                    if heavy[y] != heavy[x]:
+                        break
+                    y = mem[wb, np.random.randint(0, cnt[wb])]
+            if y < 0 and CHEAP_MOVES and (
+                    load[wb, heavy[x]] + aw[x, heavy[x]] > limit
+                    or load[wb, bind[wb]] + aw[x, bind[wb]] > limit):
+                cheap += 1
+                if cheap >= CHECKS_PER_EVAL:
+                    work += 1
+                    cheap = 0
+                continue
             work += 2
             if y < 0 and delta(load, scnt, ccnt, wb, aw[x], as_[asptr[x]:asptr[x + 1]],
                                ac[acptr[x]:acptr[x + 1]], sub_hdr, class_hdr, tmp,
@@ -230,6 +298,8 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 tick += 1
                 changed[wa] = tick
                 changed[wb] = tick
+                bind[wa] = argpeak(load, wa)
+                bind[wb] = argpeak(load, wb)
                 atom_wave[x] = wb
                 px = pos[x]
                 if y >= 0:
@@ -256,10 +326,23 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 add_atom(wa, x, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                          class_hdr)
         if npool > 0:
-            # out of evaluations: roll the chain back
-            for i in range(n_act):
-                atom_wave[active[i]] = saved[active[i]]
-            break
+            # out of evaluations: the pool goes back to wave c, the moves are kept when it
+            # fits there; else the chain is rolled back
+            for j in range(npool):
+                a = pool[j]
+                add_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                         class_hdr)
+                atom_wave[a] = c
+            if peak(load, c) > limit:
+                for i in range(n_act):
+                    atom_wave[active[i]] = saved[active[i]]
+                load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr,
+                                               ac, sub_hdr, class_hdr)
+            for b in range(nw):
+                bind[b] = argpeak(load, b)
+            failed += 1
+            continue
+        failed = 0
         for i in range(n_act):
             a = active[i]
             if atom_wave[a] > c:
@@ -267,4 +350,6 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
         nw -= 1
         load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
                                        sub_hdr, class_hdr)
+        for b in range(nw):
+            bind[b] = argpeak(load, b)
     return nw, work
