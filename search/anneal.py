@@ -42,7 +42,7 @@ POOL_SHARE = 0.3      # share of the steps that work on the pool (the rest: wave
 CHAIN_EVALS = 200000   # evaluations per chain: a chain out of them gives its pool back
 CHECKS_PER_EVAL = 1   # quick fit checks (two points of a wave) counted as one evaluation
 CHEAP_MOVES = True
-NEAR_SHARE = 0.5
+NEAR_SHARE = 0.8
 ROTATE = 1            # a failed chain hands over to the next of this many lightest waves
 TARGET_TRIES = 3      # draws for an atom of the pool atom's slot in the nearest wave
 MOVE_TRIES = 0
@@ -158,9 +158,10 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 for b in range(nw):
                     if b == c or changed[b] <= seen[a]:
                         continue
-                    if near < 0 or load[b, h] < near_load:
+                    est = max(load[b, h] + aw[a, h], load[b, bind[b]] + aw[a, bind[b]])
+                    if near < 0 or est < near_load:
                         near = b
-                        near_load = load[b, h]
+                        near_load = est
                     if (load[b, h] + aw[a, h] > limit
                             or load[b, bind[b]] + aw[a, bind[b]] > limit):
                         cheap += 1     # two points read: a share of an evaluation
