@@ -36,8 +36,8 @@ from .kernels import add_atom, build_state, delta, peak, remove_atom
 
 ROOM_BONUS = 0.2      # weight of the convex room bonus in the objective
 POOL_PENALTY = 1.5    # objective cost of an atom's size while it sits in the pool
-T_START = 0.05        # temperature at the start of a chain, x the mean atom size
-T_END = 0.002         # ... and at its end
+T_START = 0.02        # temperature at the start of a chain, x the mean atom size
+T_END = 0.001         # ... and at its end
 POOL_SHARE = 0.3      # share of the steps that work on the pool (the rest: wave to wave)
 CHAIN_EVALS = 200000   # evaluations per chain: a chain out of them gives its pool back
 CHECKS_PER_EVAL = 1   # quick fit checks (two points of a wave) counted as one evaluation
@@ -45,7 +45,9 @@ CHEAP_MOVES = True
 NEAR_SHARE = 0.8
 ROTATE = 1            # a failed chain hands over to the next of this many lightest waves
 TARGET_TRIES = 3      # draws for an atom of the pool atom's slot in the nearest wave
-MOVE_TRIES = 0
+MOVE_X = 0
+MOVE_Y = 0
+MOVE_WB = 0
 
 
 @njit(cache=True)
@@ -245,11 +247,11 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             if wa == wb or wa == c or wb == c or cnt[wa] == 0:
                 continue
             x = mem[wa, np.random.randint(0, cnt[wa])]
-            for _ in range(MOVE_TRIES):   # a row of wa's binding slot, into a wave it binds not
+            for _ in range(MOVE_X):   # a row of wa's binding slot, into a wave it binds not
                 if heavy[x] == bind[wa]:
                     break
                 x = mem[wa, np.random.randint(0, cnt[wa])]
-            for _ in range(MOVE_TRIES):
+            for _ in range(MOVE_WB):
                 if bind[wb] != heavy[x]:
                     break
                 w2 = np.random.randint(0, nw)
@@ -258,7 +260,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             y = -1
             if cnt[wb] > 0 and np.random.random() < 0.5:
                 y = mem[wb, np.random.randint(0, cnt[wb])]
-                for _ in range(MOVE_TRIES):   # ... for a row of another slot
+                for _ in range(MOVE_Y):   # ... for a row of another slot
                     if heavy[y] != heavy[x]:
                         break
                     y = mem[wb, np.random.randint(0, cnt[wb])]
