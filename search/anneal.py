@@ -98,6 +98,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
         bind[b] = argpeak(load, b)
     changed = np.zeros(nw, dtype=np.int64)   # when each wave last changed (a tick)
     seen = -np.ones(A, dtype=np.int64)       # when each pool atom last scanned the waves
+    near_of = -np.ones(A, dtype=np.int64)    # ... and the wave nearest to holding it then
     tick = 0
     work = 0
     cheap = 0     # quick fit checks not yet counted as an evaluation
@@ -179,6 +180,9 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                         best = b
                         best_rise = after - before
                         best_after = after
+                if near < 0:   # no wave changed since its last scan: the nearest then
+                    near = near_of[a]
+                near_of[a] = near
                 tick += 1
                 seen[a] = tick
                 work += max(scanned, 1) + cheap // CHECKS_PER_EVAL
