@@ -36,18 +36,14 @@ from .kernels import add_atom, build_state, delta, peak, remove_atom
 
 ROOM_BONUS = 0.2      # weight of the convex room bonus in the objective
 POOL_PENALTY = 1.5    # objective cost of an atom's size while it sits in the pool
-T_START = 0.02        # temperature at the start of a chain, x the mean atom size
-T_END = 0.001         # ... and at its end
 POOL_SHARE = 0.3      # share of the steps that work on the pool (the rest: wave to wave)
-CHAIN_EVALS = 200000   # evaluations per chain: a chain out of them gives its pool back
-CHECKS_PER_EVAL = 1   # quick fit checks (two points of a wave) counted as one evaluation
-CHEAP_MOVES = True
-NEAR_SHARE = 0.8
-ROTATE = 1            # a failed chain hands over to the next of this many lightest waves
-TARGET_TRIES = 3      # draws for an atom of the pool atom's slot in the nearest wave
-MOVE_X = 0
-MOVE_Y = 0
-MOVE_WB = 0
+T_START = 0.05        # plain chains: temperature at the start of a chain, x the mean atom size
+T_END = 0.002         # ... and at its end
+AIM_T_START = 0.02    # aimed chains: the same, colder
+AIM_T_END = 0.001
+AIM_CHAIN_EVALS = 200000   # aimed: evaluations per chain; one out of them gives its pool back
+NEAR_SHARE = 0.8      # aimed: share of the pool swaps that go to the pool atom's nearest wave
+NEAR_TRIES = 3        # ... drawing up to this many atoms for one of its slot, and smaller
 
 
 @njit(cache=True)
@@ -61,11 +57,12 @@ def argpeak(load, b):
 
 
 @njit(cache=True)
-def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, limit):
+def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, limit, aimed):
     """Empty light waves by annealing (module docstring) while more than `target` waves are
     left, within `max_work` evaluations in all. atom_wave (int64[A], -1 for inactive atoms)
     is updated in place, waves renumbered densely. Returns (waves, evaluations spent).
-    `atoms`, `hdr`: `kernels.Pieces`, `kernels.Headers`; `limit`: the fit limit."""
+    `atoms`, `hdr`: `kernels.Pieces`, `kernels.Headers`; `limit`: the fit limit; `aimed`:
+    aimed chains (module docstring), else plain ones."""
     aw, asptr, as_, acptr, ac = atoms
     sub_hdr, class_hdr = hdr
     np.random.seed(seed)
@@ -101,8 +98,8 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
     near_of = -np.ones(A, dtype=np.int64)    # ... and the wave nearest to holding it then
     tick = 0
     work = 0
-    cheap = 0     # quick fit checks not yet counted as an evaluation
-    failed = 0    # chains that failed since the last wave was emptied
+    t_start = AIM_T_START if aimed else T_START
+    t_end = AIM_T_END if aimed else T_END
     while nw > max(target, 1) and work < max_work:
         # members and the lightest wave
         for b in range(nw):
@@ -113,11 +110,15 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             pos[a] = cnt[b]
             mem[b, cnt[b]] = a
             cnt[b] += 1
-        wsum = np.zeros(nw)
+        c = 0
+        best_w = 1e300
         for b in range(nw):
-            for p in range(load.shape[1]):
-                wsum[b] += load[b, p]
-        c = np.argsort(wsum, kind="mergesort")[failed % min(ROTATE, nw)]
+            w = 0.0
+            for p in range(P):
+                w += load[b, p]
+            if w < best_w:
+                best_w = w
+                c = b
         for i in range(n_act):
             saved[active[i]] = atom_wave[active[i]]
         npool = 0
@@ -133,10 +134,10 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             seen[a] = -1
         cnt[c] = 0
         start = work
-        span = max(min(max_work - work, CHAIN_EVALS), 1)
+        span = max(min(max_work - work, AIM_CHAIN_EVALS) if aimed else max_work - work, 1)
         while npool > 0 and work < max_work and work - start < span:
             frac = (work - start) / span
-            temp = mean_size * T_START * (T_END / T_START) ** frac
+            temp = mean_size * t_start * (t_end / t_start) ** frac
             if np.random.random() < POOL_SHARE or npool == n_act:
                 # a pool atom: the largest, or a drawn one
                 if np.random.random() < 0.5:
@@ -161,15 +162,14 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 for b in range(nw):
                     if b == c or changed[b] <= seen[a]:
                         continue
-                    est = max(load[b, h] + aw[a, h], load[b, bind[b]] + aw[a, bind[b]])
-                    if near < 0 or est < near_load:
-                        near = b
-                        near_load = est
-                    if (load[b, h] + aw[a, h] > limit
-                            or load[b, bind[b]] + aw[a, bind[b]] > limit):
-                        cheap += 1     # two points read: a share of an evaluation
-                        continue
                     scanned += 1
+                    if aimed:   # its load at two points: the nearest wave, a quick misfit
+                        est = max(load[b, h] + aw[a, h], load[b, bind[b]] + aw[a, bind[b]])
+                        if near < 0 or est < near_load:
+                            near = b
+                            near_load = est
+                        if est > limit:
+                            continue
                     after = delta(load, scnt, ccnt, b, aw[a], subs, classes, sub_hdr,
                                   class_hdr, tmp, limit)
                     if after > limit:
@@ -185,8 +185,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 near_of[a] = near
                 tick += 1
                 seen[a] = tick
-                work += max(scanned, 1) + cheap // CHECKS_PER_EVAL
-                cheap %= CHECKS_PER_EVAL
+                work += max(scanned, 1)
                 if best >= 0:
                     add_atom(best, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                              class_hdr)
@@ -203,13 +202,13 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 # swap with a smaller atom of a drawn wave (or of the wave with the most room
                 # at the atom's point, for an atom of the same slot)
                 b = np.random.randint(0, nw)
-                if near >= 0 and np.random.random() < NEAR_SHARE:
+                if aimed and near >= 0 and np.random.random() < NEAR_SHARE:
                     b = near
                 if b == c or cnt[b] == 0:
                     continue
                 y = mem[b, np.random.randint(0, cnt[b])]
                 if b == near:
-                    for _ in range(TARGET_TRIES):
+                    for _ in range(NEAR_TRIES):
                         if heavy[y] == h and asize[y] < asize[a]:
                             break
                         y = mem[b, np.random.randint(0, cnt[b])]
@@ -251,30 +250,12 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
             if wa == wb or wa == c or wb == c or cnt[wa] == 0:
                 continue
             x = mem[wa, np.random.randint(0, cnt[wa])]
-            for _ in range(MOVE_X):   # a row of wa's binding slot, into a wave it binds not
-                if heavy[x] == bind[wa]:
-                    break
-                x = mem[wa, np.random.randint(0, cnt[wa])]
-            for _ in range(MOVE_WB):
-                if bind[wb] != heavy[x]:
-                    break
-                w2 = np.random.randint(0, nw)
-                if w2 != wa and w2 != c:
-                    wb = w2
             y = -1
             if cnt[wb] > 0 and np.random.random() < 0.5:
                 y = mem[wb, np.random.randint(0, cnt[wb])]
-                for _ in range(MOVE_Y):   # ... for a row of another slot
-                    if heavy[y] != heavy[x]:
-                        break
-                    y = mem[wb, np.random.randint(0, cnt[wb])]
-            if y < 0 and CHEAP_MOVES and (
-                    load[wb, heavy[x]] + aw[x, heavy[x]] > limit
-                    or load[wb, bind[wb]] + aw[x, bind[wb]] > limit):
-                cheap += 1
-                if cheap >= CHECKS_PER_EVAL:
-                    work += 1
-                    cheap = 0
+            if aimed and y < 0 and (load[wb, heavy[x]] + aw[x, heavy[x]] > limit
+                                    or load[wb, bind[wb]] + aw[x, bind[wb]] > limit):
+                work += 1    # two points overflow: a quick misfit
                 continue
             work += 2
             if y < 0 and delta(load, scnt, ccnt, wb, aw[x], as_[asptr[x]:asptr[x + 1]],
@@ -333,23 +314,28 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 add_atom(wa, x, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                          class_hdr)
         if npool > 0:
-            # out of evaluations: the pool goes back to wave c, the moves are kept when it
-            # fits there; else the chain is rolled back
-            for j in range(npool):
-                a = pool[j]
-                add_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
-                         class_hdr)
-                atom_wave[a] = c
-            if peak(load, c) > limit:
-                for i in range(n_act):
-                    atom_wave[active[i]] = saved[active[i]]
-                load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr,
-                                               ac, sub_hdr, class_hdr)
+            # out of evaluations. Aimed: the pool goes back to wave c and the moves are kept
+            # when it fits there (the next chain starts from the mixed plan); else, and in a
+            # plain chain, the chain is rolled back
+            if aimed:
+                for j in range(npool):
+                    a = pool[j]
+                    add_atom(c, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
+                             class_hdr)
+                    atom_wave[a] = c
+                if peak(load, c) <= limit:
+                    for b in range(nw):
+                        bind[b] = argpeak(load, b)
+                    continue
+            for i in range(n_act):
+                atom_wave[active[i]] = saved[active[i]]
+            if not aimed:
+                break
+            load, scnt, ccnt = build_state(atom_wave, nw, active, aw, asptr, as_, acptr, ac,
+                                           sub_hdr, class_hdr)
             for b in range(nw):
                 bind[b] = argpeak(load, b)
-            failed += 1
             continue
-        failed = 0
         for i in range(n_act):
             a = active[i]
             if atom_wave[a] > c:

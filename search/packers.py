@@ -119,9 +119,10 @@ EJECT_SHARE = 0.9             # ... giving them up to this share of the greedy's
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
-ANNEAL_SHARE = 0.9            # ... of which this share goes to annealing against the
+ANNEAL_SHARE = 0.8            # ... of which this share goes to annealing against the
                               # envelope (`anneal`, in evaluations) ...
-SWAP_SHARE = 0.0              # ... and this share buys exact prices for emptying the
+ANNEAL_AIMED_MIN_EVALS = 50000   # `anneal` runs aimed chains from this many evaluations on
+SWAP_SHARE = 0.1              # ... and this share buys exact prices for emptying the
                               # lightest wave by moves and swaps (`swap`); the rest: `eject`
 EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
 EJECT_MAX_SLOWDOWN = 50.0
@@ -401,7 +402,8 @@ def _anneal(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
         return assign, nw
     assign = assign.copy()
     nw2, done = anneal(assign, nw, s.active, atom_size(s.items), s.lower, s.anneal_evals,
-                       s.options.seed, *atom_args(s.items), LIMIT)
+                       s.options.seed, *atom_args(s.items), LIMIT,
+                       s.anneal_evals >= ANNEAL_AIMED_MIN_EVALS)
     s.stats["anneal_evals"] = int(done)
     s.stats["anneal_waves"] = nw - nw2
     return assign, nw2
