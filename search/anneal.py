@@ -43,6 +43,7 @@ AIM_T_START = 0.02    # aimed chains: the same, colder
 AIM_T_END = 0.001
 AIM_CHAIN_EVALS = 200000   # aimed: evaluations per chain; one out of them gives its pool back
 NEAR_SHARE = 0.8      # aimed: share of the pool swaps that go to the pool atom's nearest wave
+QUICK_PER_EVAL = 2    # aimed: quick misfit checks (two points) counted as one evaluation
 NEAR_TRIES = 3        # ... drawing up to this many atoms for one of its slot, and smaller
 
 
@@ -98,6 +99,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
     near_of = -np.ones(A, dtype=np.int64)    # ... and the wave nearest to holding it then
     tick = 0
     work = 0
+    quick = 0    # quick misfit checks not yet counted as an evaluation
     t_start = AIM_T_START if aimed else T_START
     t_end = AIM_T_END if aimed else T_END
     while nw > max(target, 1) and work < max_work:
@@ -162,14 +164,15 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 for b in range(nw):
                     if b == c or changed[b] <= seen[a]:
                         continue
-                    scanned += 1
                     if aimed:   # its load at two points: the nearest wave, a quick misfit
                         est = max(load[b, h] + aw[a, h], load[b, bind[b]] + aw[a, bind[b]])
                         if near < 0 or est < near_load:
                             near = b
                             near_load = est
                         if est > limit:
+                            quick += 1
                             continue
+                    scanned += 1
                     after = delta(load, scnt, ccnt, b, aw[a], subs, classes, sub_hdr,
                                   class_hdr, tmp, limit)
                     if after > limit:
@@ -185,7 +188,8 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 near_of[a] = near
                 tick += 1
                 seen[a] = tick
-                work += max(scanned, 1)
+                work += max(scanned, 1) + quick // QUICK_PER_EVAL
+                quick %= QUICK_PER_EVAL
                 if best >= 0:
                     add_atom(best, a, load, scnt, ccnt, aw, asptr, as_, acptr, ac, sub_hdr,
                              class_hdr)
@@ -255,7 +259,9 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
                 y = mem[wb, np.random.randint(0, cnt[wb])]
             if aimed and y < 0 and (load[wb, heavy[x]] + aw[x, heavy[x]] > limit
                                     or load[wb, bind[wb]] + aw[x, bind[wb]] > limit):
-                work += 1    # two points overflow: a quick misfit
+                quick += 1    # two points overflow: a quick misfit
+                work += 1 + quick // QUICK_PER_EVAL
+                quick %= QUICK_PER_EVAL
                 continue
             work += 2
             if y < 0 and delta(load, scnt, ccnt, wb, aw[x], as_[asptr[x]:asptr[x + 1]],
