@@ -320,8 +320,8 @@ def _pack(s: _Search) -> list[Draft]:
     assign, nw, runs = _greedy(s, blocks)
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
-    assign, nw = _eject(s, assign, nw)
     assign, nw = _anneal(s, assign, nw)
+    assign, nw = _eject(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
