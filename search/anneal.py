@@ -23,8 +23,26 @@ evaluations. When the pool empties the wave is gone and the next lightest is tri
 is left; a chain out of evaluations is rolled back. numba's generator is seeded from `seed`,
 so the same input gives the same plan.
 
+Aimed chains (`aimed`, for large evaluation budgets: `packers.ANNEAL_AIMED_MIN_EVALS`) get
+more out of each evaluation; on generated 512-request steps they empty a wave in about half
+the evaluations (median 0.1-0.6M against 0.2-1.3M+, 12-16 draws per step):
+- each atom's own point (where its weight is largest, its slot's binding point) and each
+  wave's binding point are kept; an insert reads a wave's load at those two points first and
+  prices the whole wave only when both fit (QUICK_PER_EVAL such reads count as one
+  evaluation: measured, an aimed evaluation then costs what a plain one does), and a wave
+  move is dropped the same way;
+- the scan also finds the pool atom's nearest wave (the least of those two loads after it);
+  NEAR_SHARE of the pool swaps go there, trading the atom for a smaller one of its own slot
+  (the freed room is where the atom needs it);
+- colder (AIM_T_START, AIM_T_END), and a chain lasts AIM_CHAIN_EVALS: one that cannot empty
+  its wave gives the pool back to it (rolled back only if it no longer fits) and the next
+  chain starts, reheated, from the mixed plan.
+Plain chains (small budgets) run as before: at a few thousand evaluations neither kind
+empties more waves, and plain ones keep those plans as they were.
+
 Complexity: O(max_work) evaluations of one wave each, O(P (1 + s)) per evaluation; an insert
-scans every wave (counted as W evaluations); O(W A) memory for the wave member lists.
+scans every wave (counted as W evaluations; aimed: W / QUICK_PER_EVAL for the quick reads);
+O(W A) memory for the wave member lists.
 """
 
 from __future__ import annotations

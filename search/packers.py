@@ -15,10 +15,10 @@ Pipeline (AUTO):
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules (on steps of >= EJECT_MIN_ATOMS
    atoms the slot-aware PEAK_INCREASE rule first), stopping at the envelope bound; only if a
-   gap is left: randomised multistart (`multistart`), ejection chains that empty light waves
-   by moves and swaps (`eject`) and annealing that empties the lightest wave by moves and
-   swaps that mix the gradient slots (`anneal`; both AUTO, steps of >= EJECT_MIN_ATOMS
-   atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
+   gap is left: randomised multistart (`multistart`), annealing that empties the lightest
+   wave by moves and swaps that mix the gradient slots (`anneal`, aimed chains from
+   ANNEAL_AIMED_MIN_EVALS evaluations on) and ejection chains that empty light waves by
+   moves and swaps (`eject`; both AUTO, steps of >= EJECT_MIN_ATOMS atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
    `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
 4. exact re-pricing of every wave, repair of any wave over the budget, then, unless the plan
    already meets the valid bound (the exact price may leave room the envelope did not),
@@ -379,7 +379,8 @@ def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     A, P = len(s.active), s.num_points
     us = s.eject_us
     if s.deadline is not None:
-        end = s.t0 + (s.left_us + s.eject_us) / 1e6
+        # their share ends after the greedy's and the anneal's (which runs first)
+        end = s.t0 + (s.left_us + s.anneal_evals * ANNEAL_US_PER_EVAL + s.eject_us) / 1e6
         us = min(us, max(0.0, (end - time.perf_counter()) * 1e6)) / s.slowdown
     work = int(us // eject_cost_us(A, nw, P))
     if work <= 0:
