@@ -134,7 +134,7 @@ def anneal(atom_wave, nw, active, asize, target, max_work, seed, atoms, hdr, lim
         best_w = 1e300
         for b in range(nw):
             w = 0.0
-            for p in range(P):
+            for p in range(load.shape[1]):
                 w += load[b, p]
             if w < best_w:
                 best_w = w
