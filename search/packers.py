@@ -15,10 +15,10 @@ Pipeline (AUTO):
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules (on steps of >= EJECT_MIN_ATOMS
    atoms the slot-aware PEAK_INCREASE rule first), stopping at the envelope bound; only if a
-   gap is left: randomised multistart (`multistart`), ejection chains that empty light waves
-   by moves and swaps (`eject`) and annealing that empties the lightest wave by moves and
-   swaps that mix the gradient slots (`anneal`; both AUTO, steps of >= EJECT_MIN_ATOMS
-   atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
+   gap is left: randomised multistart (`multistart`), annealing that empties the lightest
+   wave by moves and swaps that mix the gradient slots (`anneal`, aimed chains from
+   ANNEAL_AIMED_MIN_EVALS evaluations on) and ejection chains that empty light waves by
+   moves and swaps (`eject`; both AUTO, steps of >= EJECT_MIN_ATOMS atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
    `time_budget_ms >= EXACT_MIN_BUDGET_MS`.
 4. exact re-pricing of every wave, repair of any wave over the budget, then, unless the plan
    already meets the valid bound (the exact price may leave room the envelope did not),
@@ -121,6 +121,7 @@ EJECT_CHAINS = 8              # ... else the budget's placements over this many 
 EJECT_CANDIDATES = 16         # light waves tried per round
 ANNEAL_SHARE = 0.8            # ... of which this share goes to annealing against the
                               # envelope (`anneal`, in evaluations) ...
+ANNEAL_AIMED_MIN_EVALS = 50000   # `anneal` runs aimed chains from this many evaluations on
 SWAP_SHARE = 0.1              # ... and this share buys exact prices for emptying the
                               # lightest wave by moves and swaps (`swap`); the rest: `eject`
 EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
@@ -319,8 +320,8 @@ def _pack(s: _Search) -> list[Draft]:
     assign, nw, runs = _greedy(s, blocks)
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
-    assign, nw = _eject(s, assign, nw)
     assign, nw = _anneal(s, assign, nw)
+    assign, nw = _eject(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
@@ -378,7 +379,8 @@ def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     A, P = len(s.active), s.num_points
     us = s.eject_us
     if s.deadline is not None:
-        end = s.t0 + (s.left_us + s.eject_us) / 1e6
+        # their share ends after the greedy's and the anneal's (which runs first)
+        end = s.t0 + (s.left_us + s.anneal_evals * ANNEAL_US_PER_EVAL + s.eject_us) / 1e6
         us = min(us, max(0.0, (end - time.perf_counter()) * 1e6)) / s.slowdown
     work = int(us // eject_cost_us(A, nw, P))
     if work <= 0:
@@ -401,7 +403,8 @@ def _anneal(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
         return assign, nw
     assign = assign.copy()
     nw2, done = anneal(assign, nw, s.active, atom_size(s.items), s.lower, s.anneal_evals,
-                       s.options.seed, *atom_args(s.items), LIMIT)
+                       s.options.seed, *atom_args(s.items), LIMIT,
+                       s.anneal_evals >= ANNEAL_AIMED_MIN_EVALS)
     s.stats["anneal_evals"] = int(done)
     s.stats["anneal_waves"] = nw - nw2
     return assign, nw2
