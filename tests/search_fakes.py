@@ -322,3 +322,36 @@ def sft_step(seed: int, n: int, *, slots: Sequence[str] = ("a",)):
                             num_tokens=prompt + completion,
                             slot=slots[int(rng.integers(0, len(slots)))]))
     return Step.from_requests(reqs)
+
+
+def greedy_plan(seed: int, n: int, factor: float = 4.0):
+    """The search state of a GRPO step (`grpo_step(seed, n)`, budget `factor` x its largest
+    one-request price) and one greedy plan without the slot-aware rule: (state, atom -> wave,
+    waves). The anneal and ejection tests start from it."""
+    import time
+
+    from waveplan.search import packers as P
+    from waveplan.search.contract import SearchPricer
+    from waveplan.search.greedy import pack_greedy
+    from waveplan.search.items import blocks_for
+    from waveplan.search.options import SearchOptions
+
+    step, pricer = real_pricer(grpo_step(seed, n))
+    worst = max(pricer.admitted([np.asarray([i])], first_slots=frozenset(
+        {r.slot} if r.grad else ())) for i, r in enumerate(step.requests))
+    s = P._bound(step, SearchPricer.of(pricer), int(worst * factor),
+                 SearchOptions(deterministic=True), "measured", time.perf_counter(), {})
+    assign, nw, _ = pack_greedy(s.items, blocks_for(s.items, s.active), s.lower, max_runs=1)
+    return s, assign, nw
+
+
+def check_search_state(s, assign: np.ndarray, nw: int) -> None:
+    """Every active atom in one of the nw waves, none empty, every wave within the limit."""
+    from waveplan.search.greedy import LIMIT, atom_args
+    from waveplan.search.kernels import build_state
+
+    assert np.all((assign[s.active] >= 0) & (assign[s.active] < nw))
+    assert len(np.unique(assign[s.active])) == nw
+    load, _, _ = build_state(assign, nw, s.active, *atom_args(s.items)[0],
+                             *atom_args(s.items)[1])
+    assert load[:nw].max() <= LIMIT

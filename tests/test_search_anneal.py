@@ -5,38 +5,14 @@ is deterministic for a seed, and empties a wave the greedy left on a 512-request
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from search_fakes import grpo_step, real_pricer
+from search_fakes import check_search_state, greedy_plan
 
-from waveplan.search import packers as P
 from waveplan.search.anneal import anneal
-from waveplan.search.contract import SearchPricer
-from waveplan.search.greedy import LIMIT, atom_args, pack_greedy
-from waveplan.search.items import atom_size, blocks_for
-from waveplan.search.kernels import build_state
-from waveplan.search.options import SearchOptions
-
-
-def _plan(seed: int, n: int, factor: float = 4.0):
-    step, pricer = real_pricer(grpo_step(seed, n))
-    worst = max(pricer.admitted([np.asarray([i])], first_slots=frozenset(
-        {r.slot} if r.grad else ())) for i, r in enumerate(step.requests))
-    s = P._bound(step, SearchPricer.of(pricer), int(worst * factor),
-                 SearchOptions(deterministic=True), "measured", time.perf_counter(), {})
-    assign, nw, _ = pack_greedy(s.items, blocks_for(s.items, s.active), s.lower, max_runs=1)
-    return s, assign, nw
-
-
-def _check_state(s, assign: np.ndarray, nw: int) -> None:
-    assert np.all((assign[s.active] >= 0) & (assign[s.active] < nw))
-    assert len(np.unique(assign[s.active])) == nw
-    load, _, _ = build_state(assign, nw, s.active, *atom_args(s.items)[0],
-                             *atom_args(s.items)[1])
-    assert load[:nw].max() <= LIMIT
+from waveplan.search.greedy import LIMIT, atom_args
+from waveplan.search.items import atom_size
 
 
 def _run(s, assign, nw, work, seed, target=None, aimed=False):
@@ -52,16 +28,16 @@ def _run(s, assign, nw, work, seed, target=None, aimed=False):
        rng=st.integers(0, 3), aimed=st.booleans())
 def test_anneal_keeps_waves_in_the_envelope_and_never_adds_one(seed, n, factor, work, rng,
                                                                aimed):
-    s, assign, nw = _plan(seed, n, factor)
+    s, assign, nw = greedy_plan(seed, n, factor)
     a, nw2, done = _run(s, assign, nw, work, rng, target=1, aimed=aimed)
     assert nw2 <= nw and 0 <= done <= work + nw + 1
-    _check_state(s, a, nw2)
+    check_search_state(s, a, nw2)
     b, nw3, done3 = _run(s, assign, nw, work, rng, target=1, aimed=aimed)   # same seed, plan
     assert (nw3, done3) == (nw2, done) and np.array_equal(a, b)
 
 
 def test_anneal_rolls_back_a_chain_out_of_evaluations():
-    s, assign, nw = _plan(1, 512)
+    s, assign, nw = greedy_plan(1, 512)
     a, nw2, _ = _run(s, assign, nw, 10, 0)
     assert nw2 == nw and np.array_equal(a, assign)
 
@@ -71,14 +47,14 @@ def test_anneal_rolls_back_a_chain_out_of_evaluations():
 def test_aimed_chain_out_of_evaluations_gives_its_pool_back(seed, work, rng):
     """An aimed chain that cannot empty its wave puts the pool back into it: the plan keeps
     its waves, every atom in one of them, every wave within the envelope."""
-    s, assign, nw = _plan(seed, 512)
+    s, assign, nw = greedy_plan(seed, 512)
     a, nw2, done = _run(s, assign, nw, work, rng, target=nw - 1, aimed=True)
     assert nw - 1 <= nw2 <= nw and done <= work + nw + 1
-    _check_state(s, a, nw2)
+    check_search_state(s, a, nw2)
 
 
 def test_anneal_stops_at_the_target():
-    s, assign, nw = _plan(1, 512)
+    s, assign, nw = greedy_plan(1, 512)
     for aimed in (False, True):
         a, nw2, done = _run(s, assign, nw, 10000, 0, target=nw, aimed=aimed)
         assert (nw2, done) == (nw, 0) and np.array_equal(a, assign)
@@ -87,8 +63,8 @@ def test_anneal_stops_at_the_target():
 def test_anneal_empties_a_wave_the_greedy_left():
     """On 512-request GRPO steps the first greedy run leaves a wave that annealing (which
     mixes the gradient slots) empties within 100k evaluations."""
-    s, assign, nw = _plan(1, 512)
+    s, assign, nw = greedy_plan(1, 512)
     for aimed in (False, True):
         a, nw2, done = _run(s, assign, nw, 100_000, 0, aimed=aimed)
         assert s.lower <= nw2 < nw and done <= 100_000 + nw + 1
-        _check_state(s, a, nw2)
+        check_search_state(s, a, nw2)

@@ -4,43 +4,15 @@ and are deterministic; AUTO spends them on large steps within its time budget.""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from search_fakes import grpo_step, real_pricer
+from search_fakes import check_search_state, greedy_plan, grpo_step, real_pricer
 
 from waveplan.search import check_plan, pack
-from waveplan.search import packers as P
-from waveplan.search.contract import SearchPricer
 from waveplan.search.eject import eject
-from waveplan.search.greedy import LIMIT, atom_args, pack_greedy
-from waveplan.search.items import atom_size, blocks_for
-from waveplan.search.kernels import build_state
+from waveplan.search.greedy import LIMIT, atom_args
+from waveplan.search.items import atom_size
 from waveplan.search.local import eliminate
-from waveplan.search.options import SearchOptions
-
-
-def _greedy_plan(seed: int, n: int):
-    """The items, active atoms and one greedy plan (atom -> wave, waves) of a GRPO step."""
-    step, pricer = real_pricer(grpo_step(seed, n))
-    worst = max(pricer.admitted([np.asarray([i])], first_slots=frozenset(
-        {r.slot} if r.grad else ())) for i, r in enumerate(step.requests))
-    s = P._bound(step, SearchPricer.of(pricer), int(worst * 4), SearchOptions(deterministic=True),
-                 "measured", time.perf_counter(), {})
-    # the first greedy run without the slot-aware rule (`peak_first`), whose plans these
-    # tests were written against
-    assign, nw, _ = pack_greedy(s.items, blocks_for(s.items, s.active), s.lower, max_runs=1)
-    return s, assign, nw
-
-
-def _check_state(s, assign: np.ndarray, nw: int) -> None:
-    """Every active atom in one of the nw waves, none empty, every wave within the limit."""
-    assert np.all((assign[s.active] >= 0) & (assign[s.active] < nw))
-    assert len(np.unique(assign[s.active])) == nw
-    load, _, _ = build_state(assign, nw, s.active, *atom_args(s.items)[0],
-                             *atom_args(s.items)[1])
-    assert load[:nw].max() <= LIMIT
 
 
 @pytest.mark.parametrize("seed", [2, 4])
@@ -48,7 +20,7 @@ def test_eject_empties_a_wave_that_moves_alone_cannot(seed):
     """On 512-request GRPO steps the greedy's plan has no wave `eliminate` can empty (it
     already ran), yet swaps empty one; the result keeps every wave in the envelope and the
     same call gives the same plan."""
-    s, assign, nw = _greedy_plan(seed, 512)
+    s, assign, nw = greedy_plan(seed, 512)
     moved = assign.copy()
     assert eliminate(moved, nw, s.active, atom_size(s.items), 8, *atom_args(s.items),
                      LIMIT) == nw
@@ -60,13 +32,13 @@ def test_eject_empties_a_wave_that_moves_alone_cannot(seed):
         runs.append((nw2, work, a))
     nw2, work, a = runs[0]
     assert s.lower <= nw2 < nw and 0 < work <= 4000
-    _check_state(s, a, nw2)
+    check_search_state(s, a, nw2)
     assert runs[1][0] == nw2 and runs[1][1] == work and np.array_equal(runs[1][2], a)
 
 
 def test_eject_rolls_back_a_chain_it_cannot_finish():
     """With too few placements for any chain to finish, the plan comes back unchanged."""
-    s, assign, nw = _greedy_plan(2, 512)
+    s, assign, nw = greedy_plan(2, 512)
     a = assign.copy()
     nw2, work = eject(a, nw, s.active, atom_size(s.items), s.lower, 16, 3, 3,
                       *atom_args(s.items), LIMIT)
@@ -76,7 +48,7 @@ def test_eject_rolls_back_a_chain_it_cannot_finish():
 
 def test_eject_stops_at_the_target():
     """No chain starts once the plan has `target` waves."""
-    s, assign, nw = _greedy_plan(2, 512)
+    s, assign, nw = greedy_plan(2, 512)
     a = assign.copy()
     assert eject(a, nw, s.active, atom_size(s.items), nw, 16, 250, 4000, *atom_args(s.items),
                  LIMIT) == (nw, 0)
