@@ -31,6 +31,11 @@ router and TP > 1 cells are constraints only) that leaves every cell at least `M
 (the calibration's 0.5 %), or, for a cell these entries do not bind, no lower than it is with
 them at 0. Deterministic.
 
+Since issue 12's backward-point terms (docs/memory-model.md#moe-routed-points) `moe_routed` is
+structural (6H + 10 expert_ffn) and a recomputed MoE layer's stage is the larger of two points
+(`pricing.terms.mlp_stage_per_row`), so the walk is no longer linear in `moe_routed`:
+bench/results/moe_fit.txt records the earlier fit, and `--write` must not be used for it.
+
 Usage: python bench/moe_fit.py [--write]: writes bench/results/moe_fit.txt (per family and class,
 and the fit without the DeepSeek cells); --write updates the entries in the table. The walk
 points are linear in the coefficients (`linearise`: 7 pricings per cell), so the grid is

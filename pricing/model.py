@@ -289,6 +289,7 @@ class PricingModel:
         ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, self.moe_load) if g.moe is not None else 1.0
         routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.tp, load=ep_skew)
                         if g.moe is not None else 0.0)
+        local_experts = g.moe.num_experts // p.ep if g.moe is not None else 1
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
         layers = g.layers
         mode = self.recompute.mode
@@ -306,12 +307,13 @@ class PricingModel:
         cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
         for i, layer in enumerate(layers):
             if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
-                mixer = feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
+                mixer = (feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
+                         + terms.mla_norm_inputs_per_row(t, widths, sp_div=sp_div))
             else:
                 mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             if layer.mixer == MixerKind.ATTENTION:
                 mixer += qk_norm - (cp_release if mode == RecomputeMode.FULL else 0.0)
-            mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew, local_experts=local_experts)
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             if mode == RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION:

@@ -40,18 +40,100 @@ def mixer_stage_per_row(table: CoefficientTable, widths: dict, mixer: MixerKind)
     return table.per_row(name, widths)
 
 
-def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
+def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float,
+                      local_experts: int = 1) -> float:
     """The recomputed MLP stage over gathered rows.
 
     Dense: the LoRA-wrapped FC1 stage, 7F, plus the 6F recompile residue (F is per TP
-    rank). MoE: per routed row (rows x top-k, times the skew allowance when
-    experts are split over EP ranks) hidden copies and the expert FC1 stage, plus
-    the router and the shared expert. Evidence: docs/memory-model.md#workspace.
+    rank). MoE: per routed row (rows x top-k, times the skew allowance when experts are
+    split over EP ranks) the larger of the layer's two backward points
+    (`moe_routed_per_routed_row`, `moe_expert_backward_per_routed_row`), plus the router,
+    its routing metadata and the shared expert. Evidence: docs/memory-model.md#workspace.
     """
     if mlp == MlpKind.DENSE:
         return table.per_row("mlp_dense_grad_stage", widths)
-    routed = widths["top_k"] * ep_skew * table.per_row("moe_routed", widths, key="per_routed_row")
-    return routed + table.per_row("moe_router", widths) + table.per_row("moe_shared_expert", widths)
+    point = max(moe_routed_per_routed_row(table, widths),
+                moe_expert_backward_per_routed_row(table, widths, local_experts=local_experts))
+    routed = widths["top_k"] * ep_skew * (point + moe_routing_metadata_per_routed_row(table))
+    return (routed + table.per_row("moe_router", widths) + shared_expert_per_row(table, widths)
+            + moe_norm_inputs_per_row(table, widths))
+
+
+def shared_expert_per_row(table: CoefficientTable, widths: dict) -> float:
+    """A recomputed MoE layer's shared expert at the layer's backward point; 0 without one.
+
+    Its FC1 output and activation (8 x shared_ffn on the CPU: the FC1 output, 4, and two
+    activation tensors, `silu` and `add`, 2 each) and its FC2 output (2H, before the MoE layer
+    adds it to the routed experts' output). Entry `moe_shared_expert` (`per_row`: shared_ffn and H), charged only
+    when the model has a shared expert. Evidence: the decoder-only backward peaks of the
+    cpu-fake DeepSeek-V3 and DeepSeek-V2-Lite traces (`L*.mlp.shared_experts`: 8 x shared_ffn
+    + 2H exactly; bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
+    """
+    return table.per_row("moe_shared_expert", widths) if widths["shared_ffn"] else 0.0
+
+
+def moe_norm_inputs_per_row(table: CoefficientTable, widths: dict) -> float:
+    """The share of a MoE layer's two RMSNorm fp32 input copies (8H per row on the CPU, live at
+    every backward point of the recomputed MoE layer) that its fitted mixer stage does not
+    carry.
+
+    The calibrate-fitted `attention_stage` (and `gdn_stage`) carry most of them (between 7.1H
+    and 8.7H per row over the attention tensors traced in the MoE cells; the dense MLP stage
+    the rest in dense layers); the routed terms, now structural, carry none. Entry
+    `moe_norm_inputs` (`per_row`); 0 where a table lacks it (te-gpu: fused norms keep no fp32
+    copy). An MLA layer's stage is by-width and carries none of them: `mla_norm_inputs_per_row`
+    charges the whole 8H there, and this term (charged to every MoE layer) also covers the
+    MLA rope-key copy (0.25H in DeepSeek-V2-Lite) that stage lacks. Evidence: the backward peaks of the cpu-fake Mixtral-8x7B
+    trace (8H of norm inputs against a 7.1H excess of the fitted attention stage) and of
+    grid-moe-a3b-h512 TP1 (bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
+    """
+    return table.per_row("moe_norm_inputs", widths) if "moe_norm_inputs" in table.terms else 0.0
+
+
+def moe_routed_per_routed_row(table: CoefficientTable, widths: dict) -> float:
+    """A recomputed MoE layer's routed rows when its backward reaches the experts (point A).
+
+    Per routed row, everything the recomputed forward made is live as the gradient of the
+    experts' concatenated output arrives: the permuted input rows, each expert's FC2 output
+    and their concatenation (3 x 2H), and each expert's FC1 output and activation (4F + 6F,
+    F = expert_ffn): 6H + 10F (the all-to-all dispatcher's sort copy is
+    `moe_terms.permutation_per_routed_row`, charged beside it). Entry `moe_routed`
+    (`per_routed_row`). Evidence: the backward peaks of multi-rank traces (grid-moe-h1024 and
+    grid-moe-a3b-h512 at TP1: 8H + 10F with the sort copy) and cpu-fake traces (DeepSeek-V3,
+    DeepSeek-V2-Lite: 6H + 10F) hold exactly these tensors (bench/results/moe_anatomy.txt;
+    docs/memory-model.md#moe-routed-points).
+    """
+    return table.per_row("moe_routed", widths, key="per_routed_row")
+
+
+def moe_expert_backward_per_routed_row(table: CoefficientTable, widths: dict, *, local_experts: int) -> float:
+    """A recomputed MoE layer's routed rows while one local expert runs its backward (point B).
+
+    By then the hidden-wide copies of point A are released but one (the gradient of the
+    permuted input, 2H), every expert's FC1 output and activation are still live (10F), and the
+    expert whose backward runs holds its fp32 activation gradients and their casts, 14F per
+    row of that expert: rows x top_k / local_experts of them (balanced). Per routed row
+    2H + 10F + 14F / local_experts; it binds over point A where F is wide against H (Mixtral:
+    F = 3.5H). Entry `moe_expert_backward` (`per_routed_row`, and `per_expert_row` divided by
+    the rank's local experts); 0 where a table lacks it (te-gpu: its `moe_routed` was fitted to
+    GPU runs). Evidence: the decoder-only backward peak of the cpu-fake Mixtral-8x7B trace holds
+    exactly these tensors (bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
+    """
+    if "moe_expert_backward" not in table.terms:
+        return 0.0
+    return (table.per_row("moe_expert_backward", widths, key="per_routed_row")
+            + table.per_row("moe_expert_backward", widths, key="per_expert_row") / max(local_experts, 1))
+
+
+def moe_routing_metadata_per_routed_row(table: CoefficientTable) -> float:
+    """The router's per-choice bookkeeping live at a recomputed MoE layer's backward: bytes per
+    routed row (the int64 token indices of this layer's and the last recomputed layer's
+    permutation, the int64 expert ids, the fp32 gathered probabilities and their copy: 32 B on
+    the CPU). Entry `moe_routing_metadata` (`value`); 0 where a table lacks it (te-gpu).
+    Evidence: grid-moe-a3b-h512 and grid-moe-h1024 TP1 backward peaks (masked_select, remainder,
+    cat: 32 and 28 B per routed row; bench/results/moe_anatomy.txt).
+    """
+    return table.scalar("moe_routing_metadata") if "moe_routing_metadata" in table.terms else 0.0
 
 
 def norm_and_residual_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
@@ -60,6 +142,22 @@ def norm_and_residual_per_row(table: CoefficientTable, widths: dict, *, sp_div: 
     Evidence: docs/memory-model.md#workspace (the gathered norm input 2H, norm shards).
     """
     return table.per_row("norm_gathered", widths) + table.per_row("residual_norm_shards", widths) / sp_div
+
+
+def mla_norm_inputs_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
+    """What a recomputed multi-latent-attention layer's two RMSNorms keep beside its MLA stage.
+
+    The input and pre-MLP norms (a plain torch RMSNorm) keep their inputs upcast to fp32 for
+    backward, 2 x 4H per row, live at the layer's backward peak. The fused-QKV
+    `attention_stage` was fitted on layers that hold them (its coefficient carries them); the
+    by-width MLA stage (`feature_terms.mla_stage_per_row`) does not, so this term charges them
+    beside it. Hidden-wide: a shard under sequence parallelism. Entry `mla_norm_inputs`; 0 where
+    a table lacks it (te-gpu: Transformer Engine's fused norms keep no fp32 copy). Evidence: the
+    decoder-only backward peaks of the cpu-fake DeepSeek-V3 and DeepSeek-V2-Lite traces
+    (`L*.input_layernorm` and `L*.pre_mlp_layernorm` `_to_copy` float32, 4H each;
+    bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
+    """
+    return table.per_row("mla_norm_inputs", widths) / sp_div if "mla_norm_inputs" in table.terms else 0.0
 
 
 def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
