@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from validation_study import RESULTS, _line, _stats, cell_key, cell_model, load_traces  # noqa: E402
 
+from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
+
 TRACES = RESULTS / "traces_families_cpu_fake.jsonl"
 # one representative per family; layers: enough for each layer kind the family has
 FAMILIES = (
@@ -157,7 +159,7 @@ def cmd_report(args) -> int:
                      f"{est['decoder'] / b['trace']['decoder_peak_bytes'] - 1:+.2%}, whole "
                      f"{est['peak'] / b['trace']['peak_bytes'] - 1:+.2%}")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "family_validation.txt").write_text(text, encoding="utf-8")
+    write_text_atomic(RESULTS / "family_validation.txt", text)
     print(text)
     return 0
 

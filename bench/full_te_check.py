@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from waveplan.pricing.atomic_io import write_text_atomic
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,7 +67,7 @@ def cmd_trace() -> int:
                             "layout": layout, "recompute": rc, "peak_bytes": tr.peak_bytes,
                             "peak_forward_bytes": tr.peak_forward_bytes,
                             "peak_backward_bytes": tr.peak_backward_bytes, "notes": list(tr.notes)})
-            TRACES.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+            write_text_atomic(TRACES, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
             print(preset, layout, rc, tr.peak_bytes, flush=True)
     return 0
 
@@ -112,7 +114,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "trace":
         return cmd_trace()
     lines = report()
-    OUT.write_text("\n".join(lines) + "\n")
+    write_text_atomic(OUT, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

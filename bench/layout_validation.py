@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from waveplan.pricing import layout_terms
+from waveplan.pricing.atomic_io import write_text_atomic
 from waveplan.pricing.coefficients import CoefficientTable, load_table
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.lora import LoraConfig, LoraSlot
@@ -187,7 +188,7 @@ def write_fit(residual: dict, te_residual: dict) -> None:
             last = max(i for i, text in enumerate(lines) if text.startswith('    "'))
             lines[last] = lines[last] + ","
             lines.insert(last + 1, line)
-        path.write_text("\n".join(lines) + "\n")
+        write_text_atomic(path, "\n".join(lines) + "\n")
         json.loads(path.read_text())
 
 
@@ -284,7 +285,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(residual, indent=1))
         return 0
     lines = report()
-    OUT.write_text("\n".join(lines) + "\n")
+    write_text_atomic(OUT, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

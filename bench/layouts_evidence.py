@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import multirank_grid as grid  # noqa: E402
 
+from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
+
 RESULTS = grid.RESULTS
 ANATOMY = RESULTS / "layouts_anatomy.txt"
 EVIDENCE = RESULTS / "layouts_evidence.txt"
@@ -94,7 +96,7 @@ def cmd_anatomy(args) -> int:
             out.extend(_anatomy_lines(*cell, wave=wave))
             out.append("")
     path = Path(args.out) if args.out else ANATOMY
-    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    write_text_atomic(path, "\n".join(out) + "\n")
     return 0
 
 
@@ -122,7 +124,7 @@ def ungated_estimate(cell: dict) -> int:
 def cmd_analyse(args) -> int:
     records = grid._load()
     lines = analyse_lines(records) + fit_lines(records)
-    EVIDENCE.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(EVIDENCE, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

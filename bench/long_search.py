@@ -43,6 +43,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from bench_search import bench_case  # noqa: E402
 
+from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 from waveplan.search import pack  # noqa: E402
 from waveplan.search.contract import SearchPricer  # noqa: E402
 from waveplan.search.invariants import check_plan  # noqa: E402
@@ -276,7 +277,7 @@ def main(argv=None) -> None:
         lines.append(f"{n},mean,,{tot / a.seeds:.1f},,,,")
         print(lines[-1], flush=True)
     if a.out is not None:
-        a.out.write_text("\n".join(lines) + "\n")
+        write_text_atomic(a.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

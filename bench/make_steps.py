@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from waveplan.pricing.atomic_io import write_text_atomic
+
 OUT = Path(__file__).resolve().parent.parent / "pricing" / "data" / "steps"
 
 
@@ -65,7 +67,7 @@ def write(out: Path = OUT) -> list[Path]:
     paths = []
     for name, make in STEPS.items():
         path = out / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(line) + "\n" for line in make()), encoding="utf-8")
+        write_text_atomic(path, "".join(json.dumps(line) + "\n" for line in make()))
         paths.append(path)
     return paths
 

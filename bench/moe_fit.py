@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_validation import estimate as multirank_estimate  # noqa: E402
 
+from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 from waveplan.pricing.coefficients import CoefficientTable, load_table  # noqa: E402
 from waveplan.pricing.measure import calibrate  # noqa: E402
 
@@ -316,7 +317,7 @@ def write(theta: np.ndarray, old: CoefficientTable) -> None:
         entry["source"] = PERMUTATION_SOURCE
         comma = "," if text[hits[0]].rstrip().endswith(",") else ""
         text[hits[0]] = '    "moe_permutation": ' + json.dumps(entry) + comma + "\n"
-    TABLE.write_text("".join(text), encoding="utf-8")
+    write_text_atomic(TABLE, "".join(text))
 
 
 def without_deepseek(lin: list[dict]) -> list[str]:
@@ -357,7 +358,7 @@ def main(argv=None) -> int:
              "fitted: " + ", ".join(f"{n}.{w}={v:g}" for (n, w), v in zip(PARAMS, theta, strict=True)),
              *summary(lin, theta), "", *without_deepseek(lin)]
     print("\n".join(lines))
-    (RESULTS / "moe_fit.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(RESULTS / "moe_fit.txt", "\n".join(lines) + "\n")
     if args.write:
         write(theta, base)
         print(f"wrote {TABLE}")

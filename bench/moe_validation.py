@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from layout_validation import class_of  # noqa: E402
 
+from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 from waveplan.pricing.coefficients import CoefficientTable, load_table  # noqa: E402
 from waveplan.pricing.geometry import ModelGeometry  # noqa: E402
 from waveplan.pricing.lora import LoraConfig, LoraSlot  # noqa: E402
@@ -137,7 +138,7 @@ def report() -> list[str]:
 
 def main() -> int:
     lines = report()
-    OUT.write_text("\n".join(lines) + "\n")
+    write_text_atomic(OUT, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from waveplan.pricing.atomic_io import write_text_atomic
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -112,9 +114,7 @@ def _load(path: Path = TRACES) -> list[dict]:
 def _write(records: list[dict], path: Path = TRACES) -> None:
     records = sorted(records, key=lambda r: cell_key(r["cell"]))
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, text)
 
 
 def layout_of(kwargs: dict):
@@ -295,7 +295,7 @@ def cmd_report(args) -> int:
         print(f"no traces in {TRACES}; run `trace` first", file=sys.stderr)
         return 1
     lines = report_lines(records)
-    SUMMARY.write_text("\n".join(lines) + "\n")
+    write_text_atomic(SUMMARY, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -13,6 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from waveplan.pricing.atomic_io import write_text_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "pipeline_plans.txt"
 GIB = 2**30
@@ -44,7 +46,7 @@ def rows() -> list[str]:
 
 def main() -> int:
     text = "\n".join(rows()) + "\n"
-    OUT.write_text(text)
+    write_text_atomic(OUT, text)
     print(text, end="")
     return 0
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from waveplan.pricing.atomic_io import write_text_atomic
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,7 +68,7 @@ def _load(path: Path = TRACES) -> list[dict]:
 
 def _write(records: list[dict], path: Path = TRACES) -> None:
     records = sorted(records, key=lambda r: cell_key(r["cell"]))
-    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
 
 
 def planned() -> list[tuple[dict, str, str]]:
@@ -165,7 +167,7 @@ def cmd_report(args) -> int:
     lines = report_lines(_load(Path(args.traces)))
     text = "\n".join(lines) + "\n"
     if args.write:
-        SUMMARY.write_text(text)
+        write_text_atomic(SUMMARY, text)
     print(text, end="")
     return 0
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from waveplan.planner import Planner
 from waveplan.planner.planner import MAX_BUDGET_BYTES
+from waveplan.pricing.atomic_io import write_text_atomic
 from waveplan.pricing.errors import WaveplanError
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.step import Request, Step
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text, end="")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        write_text_atomic(Path(args.out), text)
     return 1 if stats.failures else 0
 
 

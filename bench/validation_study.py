@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from waveplan.pricing.atomic_io import write_text_atomic
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -255,9 +257,8 @@ def cmd_report(args) -> int:
                         lines.append(_line(f"    {model} {rc}", st))
         lines.append("")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "validation_summary.txt").write_text(text, encoding="utf-8")
-    (RESULTS / "validation_summary.json").write_text(json.dumps(summary, indent=2) + "\n",
-                                                     encoding="utf-8")
+    write_text_atomic(RESULTS / "validation_summary.txt", text)
+    write_text_atomic(RESULTS / "validation_summary.json", json.dumps(summary, indent=2) + "\n")
     print(text)
     _plot(rows, RESULTS / "validation_scatter.png")
     return 0
@@ -398,7 +399,7 @@ def cmd_anatomy(args) -> int:
         out.append("")
         print(f"{cell_key(cell)} {time.perf_counter() - t0:.1f} s", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "validation_anatomy.txt").write_text("\n".join(out) + "\n", encoding="utf-8")
+    write_text_atomic(RESULTS / "validation_anatomy.txt", "\n".join(out) + "\n")
     return 0
 
 
