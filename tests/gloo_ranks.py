@@ -52,3 +52,15 @@ def run_ranks(script: Path, tmp_path: Path, world: int, args: Callable[[int, int
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[r]}"
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+
+
+def warm_script(folder: Path, text: str, *args: str, timeout_s: float) -> Path:
+    """Write the rank script `text` to `folder`/worker.py and run it once as `worker.py warm
+    *args` in one process (one OMP thread), so that it compiles or loads every kernel it uses
+    before ranks start; fails the test with the tail of its stderr if that run fails."""
+    script = folder / "worker.py"
+    script.write_text(text)
+    done = subprocess.run([sys.executable, str(script), "warm", *args], capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return script

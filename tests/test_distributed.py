@@ -3,14 +3,11 @@ kernels are compiled before the ranks start, and the timeout leaves room for a c
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, warm_script
 
 pytest.importorskip("torch.distributed")
 
@@ -103,12 +100,7 @@ WORKER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     """The rank script, after one process has compiled (or loaded) every kernel it uses."""
-    script = tmp_path_factory.mktemp("gloo") / "worker.py"
-    script.write_text(WORKER)
-    done = subprocess.run([sys.executable, str(script), "warm", *CASES], capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return script
+    return warm_script(tmp_path_factory.mktemp("gloo"), WORKER, *CASES, timeout_s=TIMEOUT_S)
 
 
 def _run(script, tmp_path, case: str) -> list[dict]:

@@ -4,13 +4,10 @@ plan (the same hash check as tensor-parallel peers); a missing stage fails on ev
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, warm_script
 
 pytest.importorskip("torch.distributed")
 
@@ -57,12 +54,7 @@ WORKER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    script = tmp_path_factory.mktemp("gloo-pp") / "worker.py"
-    script.write_text(WORKER)
-    done = subprocess.run([sys.executable, str(script), "warm"], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return script
+    return warm_script(tmp_path_factory.mktemp("gloo-pp"), WORKER, timeout_s=TIMEOUT_S)
 
 
 def _run(script, tmp_path, case):
