@@ -37,6 +37,7 @@ from waveplan.pricing.pipeline import StagePeak, in_flight, peaks_from_parts, wi
 from waveplan.pricing.stage_price import price_parts
 
 from .contract import SearchPricer
+from .options import BASELINE_KINDS, PackerKind
 from .result import PackedWave, SearchResult
 
 MAX_SHRINKS = 8   # packs with a smaller per-wave budget before giving up
@@ -188,18 +189,21 @@ def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
         worst = max(peaks, key=lambda p: p.peak_bytes / max(p.budget_bytes, 1))
         per_wave = min(per_wave - 1, math.floor(per_wave / _overshoot(peaks)))
     # the last resort: one request per wave at the first per-wave budget (the schedule's
-    # cross-wave holdings can make a pack whose waves each fit alone miss a stage budget)
+    # cross-wave holdings can make a pack whose waves each fit alone miss a stage budget);
+    # a baseline packer takes no wave count, so the search's greedy cuts those waves
     n = len(step.requests)
     if options.num_waves is None and not options.atomic_units and n > 1:
         per_wave = first
+        packer = PackerKind.GREEDY if options.packer in BASELINE_KINDS else options.packer
         try:
-            result = search(step, pricer, first, replace(options, num_waves=n))
+            result = search(step, pricer, first, replace(options, num_waves=n, packer=packer))
         except WaveplanError:
             result = None
         if result is not None:
             waves, peaks = best_order(model, result.waves, budgets, longest)
-            if all(p.fits for p in peaks):
-                return done(result, waves, peaks, MAX_SHRINKS + 1)
+            if all(p.fits for p in peaks):   # one request per wave: the packer asked for
+                return done(replace(result, packer=options.packer.value), waves, peaks,
+                            MAX_SHRINKS + 1)
     raise InfeasibleError(f"pipeline stage {worst.stage}: window of waves {list(worst.window)} "
                           f"peaks at {worst.peak_bytes} bytes > budget {worst.budget_bytes} "
                           f"after {MAX_SHRINKS} smaller per-wave budgets and one request per wave")
