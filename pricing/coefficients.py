@@ -38,7 +38,7 @@ OPTIONAL_TERMS = {
     "retained_backward": "the recomputed layer's full stage workspace in a retained layer's backward",
     "moe_nograd": "the MoE gradient-stage workspace plus 6H as a MoE layer's forward transient",
     "moe_permutation": "0: the fitted MoE stage holds the dispatcher's top-k copies (pricing.moe_terms)",
-    "moe_expert_backward": "0: the fitted MoE stage covers the experts' backward point (pricing.terms)",
+    "moe_expert_backward": "the CPU trace's units (pricing.terms.EXPERT_BACKWARD_UNITS): conservative",
     "moe_routing_metadata": "0: the fitted MoE stage covers the router's per-choice bookkeeping",
     "moe_norm_inputs": "0: the mixer stage carries a MoE layer's norm inputs",
     "mla_norm_inputs": "0: the MLA stage alone (the norms' fp32 inputs not held on a GPU's fused norms)",

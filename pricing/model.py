@@ -329,7 +329,8 @@ class PricingModel:
                 points = max(norm_point, fc2_point)
                 if points:
                     workspace[i] = max(workspace[i], points - cp_release)
-            nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew)
+            nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
+                                                                     local_experts=local_experts)
             moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
             if moe_extra:
                 workspace[i] += moe_extra

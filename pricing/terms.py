@@ -106,6 +106,11 @@ def moe_routed_per_routed_row(table: CoefficientTable, widths: dict) -> float:
     return table.per_row("moe_routed", widths, key="per_routed_row")
 
 
+# point B's units as the cpu-fake Mixtral-8x7B trace holds them (docs/memory-model.md#moe-routed-points),
+# charged where a table has no `moe_expert_backward` entry of its own
+EXPERT_BACKWARD_UNITS = {"per_routed_row": {"H": 2, "expert_ffn": 10}, "per_expert_row": {"expert_ffn": 14}}
+
+
 def moe_expert_backward_per_routed_row(table: CoefficientTable, widths: dict, *, local_experts: int) -> float:
     """A recomputed MoE layer's routed rows while one local expert runs its backward (point B).
 
@@ -115,14 +120,17 @@ def moe_expert_backward_per_routed_row(table: CoefficientTable, widths: dict, *,
     row of that expert: rows x top_k / local_experts of them (balanced). Per routed row
     2H + 10F + 14F / local_experts; it binds over point A where F is wide against H (Mixtral:
     F = 3.5H). Entry `moe_expert_backward` (`per_routed_row`, and `per_expert_row` divided by
-    the rank's local experts); 0 where a table lacks it (te-gpu: its `moe_routed` was fitted to
-    GPU runs). Evidence: the decoder-only backward peak of the cpu-fake Mixtral-8x7B trace holds
-    exactly these tensors (bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
+    the rank's local experts). A table without the entry (te-gpu: no GPU trace of this point)
+    is charged the CPU trace's units, `EXPERT_BACKWARD_UNITS`, the only evidence of this point
+    there is (not 0); beside te-gpu's fitted point A (4H + 18F) they bind only when a rank holds
+    a single expert (14F / local_experts > 8F + 2H). Evidence: the decoder-only backward
+    peak of the cpu-fake Mixtral-8x7B trace holds exactly these tensors
+    (bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
     """
-    if "moe_expert_backward" not in table.terms:
-        return 0.0
-    return (table.per_row("moe_expert_backward", widths, key="per_routed_row")
-            + table.per_row("moe_expert_backward", widths, key="per_expert_row") / max(local_experts, 1))
+    entry = table.terms.get("moe_expert_backward", EXPERT_BACKWARD_UNITS)
+    routed = sum(c * widths[w] for w, c in entry.get("per_routed_row", {}).items())
+    expert = sum(c * widths[w] for w, c in entry.get("per_expert_row", {}).items())
+    return float(routed + expert / max(local_experts, 1))
 
 
 def moe_routing_metadata_per_routed_row(table: CoefficientTable) -> float:
@@ -173,7 +181,8 @@ def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
     return table.per_row("qk_norm", widths) if "qk_norm" in table.terms else 0.0
 
 
-def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float) -> float:
+def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float,
+                         local_experts: int = 1) -> float:
     """A no-grad group's forward transient; groups run one after another.
 
     Dense: 6F + 6H per row (docs/memory-model.md#nograd-transient). MoE: `moe_nograd` where a table has it (per
@@ -187,7 +196,7 @@ def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *,
     if "moe_nograd" in table.terms:
         return (widths["top_k"] * ep_skew * table.per_row("moe_nograd", widths, key="per_routed_row")
                 + table.per_row("moe_nograd", widths))
-    return mlp_stage_per_row(table, widths, mlp, ep_skew=ep_skew) + 6 * widths["H"]
+    return mlp_stage_per_row(table, widths, mlp, ep_skew=ep_skew, local_experts=local_experts) + 6 * widths["H"]
 
 
 def gdn_state_per_segment(table: CoefficientTable, gdn: GdnSpec, *, tp: int) -> float:
