@@ -324,23 +324,29 @@ def sft_step(seed: int, n: int, *, slots: Sequence[str] = ("a",)):
     return Step.from_requests(reqs)
 
 
-def greedy_plan(seed: int, n: int, factor: float = 4.0):
-    """The search state of a GRPO step (`grpo_step(seed, n)`, budget `factor` x its largest
-    one-request price) and one greedy plan without the slot-aware rule: (state, atom -> wave,
-    waves). The anneal and ejection tests start from it."""
+def search_state(seed: int, n: int, factor: float = 4.0):
+    """The search state (`packers._bound`, deterministic) of a GRPO step `grpo_step(seed, n)`
+    under a budget of `factor` x its largest one-request price."""
     import time
 
     from waveplan.search import packers as P
     from waveplan.search.contract import SearchPricer
-    from waveplan.search.greedy import pack_greedy
-    from waveplan.search.items import blocks_for
     from waveplan.search.options import SearchOptions
 
     step, pricer = real_pricer(grpo_step(seed, n))
     worst = max(pricer.admitted([np.asarray([i])], first_slots=frozenset(
         {r.slot} if r.grad else ())) for i, r in enumerate(step.requests))
-    s = P._bound(step, SearchPricer.of(pricer), int(worst * factor),
-                 SearchOptions(deterministic=True), "measured", time.perf_counter(), {})
+    return P._bound(step, SearchPricer.of(pricer), int(worst * factor),
+                    SearchOptions(deterministic=True), "measured", time.perf_counter(), {})
+
+
+def greedy_plan(seed: int, n: int, factor: float = 4.0):
+    """`search_state(seed, n, factor)` and one greedy plan of it without the slot-aware rule:
+    (state, atom -> wave, waves). The anneal and ejection tests start from it."""
+    from waveplan.search.greedy import pack_greedy
+    from waveplan.search.items import blocks_for
+
+    s = search_state(seed, n, factor)
     assign, nw, _ = pack_greedy(s.items, blocks_for(s.items, s.active), s.lower, max_runs=1)
     return s, assign, nw
 

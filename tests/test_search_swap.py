@@ -5,17 +5,14 @@ are deterministic; AUTO's plans on large steps pass `check_plan` and repeat."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from search_fakes import grpo_step, real_pricer
+from search_fakes import grpo_step, real_pricer, search_state
 
 from waveplan.search import check_plan, pack
 from waveplan.search import packers as P
-from waveplan.search.contract import SearchPricer
 from waveplan.search.greedy import (
     LIMIT,
     PEAK_INCREASE,
@@ -27,18 +24,8 @@ from waveplan.search.greedy import (
 )
 from waveplan.search.items import blocks_for
 from waveplan.search.kernels import build_state
-from waveplan.search.options import SearchOptions
 from waveplan.search.reprice import Draft, drafts_from_assign, price_draft, reprice_all
 from waveplan.search.swap import empty_by_swaps
-
-
-def _search(seed: int, n: int, factor: float):
-    step, pricer = real_pricer(grpo_step(seed, n))
-    worst = max(pricer.admitted([np.asarray([i])], first_slots=frozenset(
-        {r.slot} if r.grad else ())) for i, r in enumerate(step.requests))
-    s = P._bound(step, SearchPricer.of(pricer), int(worst * factor),
-                 SearchOptions(deterministic=True), "measured", time.perf_counter(), {})
-    return s
 
 
 def _drafts(s, split_waves: int) -> list[Draft]:
@@ -77,7 +64,7 @@ def _check(s, before: list[Draft], after: list[Draft]) -> None:
        factor=st.sampled_from([2.5, 4.0]), split=st.integers(0, 3),
        prices=st.integers(1, 400))
 def test_swaps_keep_waves_within_budget_and_never_add_one(seed, n, factor, split, prices):
-    s = _search(seed, n, factor)
+    s = search_state(seed, n, factor)
     before = _drafts(s, split)
     copy = [Draft(list(d.atoms), price=d.price, fixed=d.fixed) for d in before]
     after, spent = empty_by_swaps(copy, s.items, s.pricer, s.budget, prices, lower=1)
@@ -89,7 +76,7 @@ def test_swaps_keep_waves_within_budget_and_never_add_one(seed, n, factor, split
 def test_swaps_empty_split_waves_and_repeat(seed):
     """A plan with two waves cut in two gets at least one wave back; the same call on the
     same plan gives the same waves."""
-    s = _search(seed, 64, 4.0)
+    s = search_state(seed, 64, 4.0)
     before = _drafts(s, 2)
     runs = []
     for _ in range(2):
@@ -103,7 +90,7 @@ def test_swaps_empty_split_waves_and_repeat(seed):
 
 def test_swaps_roll_back_a_chain_out_of_prices():
     """With one price no wave of a tight plan can be emptied: the plan comes back unchanged."""
-    s = _search(1, 64, 4.0)
+    s = search_state(1, 64, 4.0)
     before = _drafts(s, 0)
     copy = [Draft(list(d.atoms), price=d.price, fixed=d.fixed) for d in before]
     after, spent = empty_by_swaps(copy, s.items, s.pricer, s.budget, 1, lower=1)
@@ -116,7 +103,7 @@ def test_swaps_roll_back_a_chain_out_of_prices():
 
 @pytest.mark.parametrize("seed", [0, 2])
 def test_peak_increase_rule_packs_every_atom_within_the_envelope(seed):
-    s = _search(seed, 128, 4.0)
+    s = search_state(seed, 128, 4.0)
     blocks = blocks_for(s.items, s.active)
     inputs = greedy_inputs(s.items, blocks)
     order = next(iter(block_orders(blocks, s.items)))
