@@ -13,6 +13,8 @@ import sys
 
 from waveplan.pricing.errors import WaveplanError
 
+from . import cold_start
+
 # Subcommand modules, each exposing `register(subparsers)` that sets `func` on its parser.
 _COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate", "warmup")
 
@@ -65,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:   # before build_parser imports the kernel modules: numba decides when it decorates
+        cold = cold_start.prepare(argv)
+    except WaveplanError as exc:
+        print(f"waveplan: error: {exc}", file=sys.stderr)
+        return 2
+    if cold.interpreted:
+        print(cold.note(), file=sys.stderr)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:  # bare `waveplan`: a usage error

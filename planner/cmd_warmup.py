@@ -19,5 +19,8 @@ def run(args: argparse.Namespace) -> int:
     from .warmup import warmup
 
     report = warmup(force=True)
+    if report is None:   # NUMBA_DISABLE_JIT: the kernels run as Python
+        print("warm-up: nothing to compile (numba's JIT is disabled: NUMBA_DISABLE_JIT)")
+        return 0
     print(report.line())
     return 0

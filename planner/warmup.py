@@ -23,9 +23,6 @@ pass over the tiny steps (~0.2 s once loaded); cold, the compile of every kernel
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +34,8 @@ from waveplan.pricing.compile_clock import CompileClock
 from waveplan.pricing.errors import InfeasibleError
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.step import Request, Step, bundled_step, load_step
+
+from .cold_start import warm_marker
 
 WARMUP_PRESET = "qwen3-8b"
 # a bundled step the greedy leaves a gap on: the randomised multistart runs (and CP-SAT for EXACT)
@@ -171,26 +170,6 @@ def _run(planner_cls) -> tuple[int, tuple[str, ...]]:
     return runs + more + 2 + extra, skipped
 
 
-def _marker():
-    """The cache folder's warm marker for this installation: a file named by a hash of the
-    versions and of the path, size and mtime of every module holding numba kernels. O(modules)."""
-    import numba
-    from numba.core.registry import CPUDispatcher
-
-    parts = [jit_cache.waveplan_version(), numba.__version__]
-    for name in sorted(n for n in list(sys.modules) if n.startswith("waveplan.")):
-        module = sys.modules[name]
-        path = getattr(module, "__file__", None)
-        if path and any(isinstance(v, CPUDispatcher) for v in vars(module).values()):
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
-    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return jit_cache.cache_dir() / f".warm-{digest}"
-
-
 def _mark(path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,14 +188,18 @@ def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
     there (checked again once the lock is held: a process that waited for another's compile
     skips them). Returns what it did, or None when nothing was run: the process was already
     warm, is warming up in this very call stack, or (`lazy`) the cache is."""
+    import numba
+
     from .planner import Planner
 
+    if numba.config.DISABLE_JIT:   # interpreted kernels (`cold_start`): nothing to compile
+        return None
     with _LOCK:
         if _STATE["running"] or (_STATE["done"] and not force):
             return None
         _STATE["running"] = True
     try:
-        marker = _marker()
+        marker = warm_marker()
         if lazy and marker.exists():
             _STATE["done"] = True
             return None

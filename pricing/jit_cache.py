@@ -86,3 +86,22 @@ def compile_lock(path: Path | None = None):
         yield
     finally:
         handle.close()  # closing releases the lock
+
+
+def lock_is_held(path: Path | None = None) -> bool:
+    """Whether another process holds the cache folder's compile lock now (`compile_lock`): a
+    non-blocking try, released at once. False where `fcntl` is missing or the folder cannot
+    be written. O(1)."""
+    folder = cache_dir() if path is None else Path(path)
+    try:
+        import fcntl
+
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / LOCK_NAME, "a+b") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False   # closing releases it
+    except (ImportError, OSError):
+        return False

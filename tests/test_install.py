@@ -54,7 +54,10 @@ def test_wheel_installs_and_plans(minor, wheel, tmp_path):
                                    "NewConnectionError", "Network is unreachable", "Temporary failure")):
             pytest.skip(f"pip cannot reach a package index for numpy/numba: {text.strip()[-300:]}")
         pytest.fail(f"pip install of the wheel failed on Python {minor}:\n{text}")
-    env = {**os.environ, "WAVEPLAN_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ""}
+    # compile in the foreground: the installed kernels must compile on this Python (a cold
+    # command would otherwise run them interpreted and compile in a detached process)
+    env = {**os.environ, "WAVEPLAN_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": "",
+           "WAVEPLAN_COLD_COMPILE": "foreground"}
     done = subprocess.run([str(venv / "bin" / "waveplan"), "plan", "grpo-8x8", "--model", "qwen3-8b",
                            "--tp", "1", "--free-gib", "40", "--packer", "greedy"],
                           capture_output=True, text=True, timeout=PLAN_S, cwd=tmp_path, env=env)
