@@ -187,14 +187,14 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
     gaps = []
     if att is not None and att.mla is not None:
         gaps.append("multi-latent attention (its stage priced by true widths as cpu-fake traces "
-                    "hold it; DeepSeek's cpu-fake cells 0.6-1.7% over the torch-cpu table; no GPU "
+                    "hold it; DeepSeek's cpu-fake cells 0.9-1.6% over the torch-cpu table; no GPU "
                     "trace)")
     if f.attention_softcap:
         gaps.append("attention logit soft-capping (priced as flash attention's in-kernel cap; an "
                     "unfused attention's [heads, s, s] scores are not priced)")
     if f.mlp_activation == MlpActivation.CLAMPED_SWIGLU:
         gaps.append("clamped-swiglu MoE (gpt-oss; traced on cpu-fake with its biases and sinks: "
-                    "cells 1.0-10.4% over the torch-cpu table; no GPU trace)")
+                    "cells 1.0-4.6% over the torch-cpu table; no GPU trace)")
     if geometry.moe is not None and (f.router_score != RouterScore.SOFTMAX or f.router_groups > 1):
         gaps.append("group-limited sigmoid routing (no trace: two more fp32 score tensors charged)")
     return gaps
