@@ -368,8 +368,8 @@ class Planner:
     def warmup(*, force: bool = False):
         """Compile (or load from the cache) every kernel a plan can need, now, instead of in
         the first plan: for trainers that pay it at start-up. Once per process unless `force`;
-        returns a `WarmupReport`, or None when the process was warm already. See
-        `waveplan.planner.warmup`."""
+        returns a `WarmupReport`, or None when the process was warm already (or numba's JIT
+        is disabled: nothing to compile). See `waveplan.planner.warmup`."""
         return warmup(force=force)
 
     # --- learning -----------------------------------------------------------------------

@@ -65,6 +65,15 @@ def test_wheel_installs_and_plans(minor, wheel, tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("model qwen3-8b  TP1")
     assert any("waves; lower bound" in line or "1 wave;" in line for line in lines)
+    # a cold command's default on this Python: the kernels run interpreted (no compile started)
+    cold = {**env, "WAVEPLAN_CACHE_DIR": str(tmp_path / "cold"), "WAVEPLAN_COLD_COMPILE": "never"}
+    interpreted = subprocess.run([str(venv / "bin" / "waveplan"), "plan", "grpo-8x8", "--model",
+                                  "qwen3-8b", "--tp", "1", "--free-gib", "40", "--packer", "greedy"],
+                                 capture_output=True, text=True, timeout=PLAN_S, cwd=tmp_path, env=cold)
+    assert interpreted.returncode == 0, interpreted.stderr
+    assert "running them interpreted" in interpreted.stderr
+    assert interpreted.stdout.splitlines()[0] == lines[0]
+    assert any("lower bound" in line for line in interpreted.stdout.splitlines())
     version = subprocess.run([str(venv / "bin" / "python"), "-c",
                               "import sys, waveplan.planner as p; print(sys.version_info[:2], p.__file__)"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
