@@ -34,6 +34,7 @@ the package's files, not from imported modules.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -100,10 +101,11 @@ def mode(environ: dict | None = None) -> ColdMode:
                   f"must be one of {', '.join(m.value for m in ColdMode)}") from None
 
 
-def kernel_files() -> list[Path]:
+@functools.lru_cache(maxsize=1)
+def kernel_files() -> tuple[Path, ...]:
     """The package's kernel modules: source files with a line that starts with `@njit`
     (how every kernel is decorated), sorted. Read from disk, not from imported modules, so it
-    works before any kernel is decorated. O(package files)."""
+    works before any kernel is decorated. O(package files), once per process."""
     out: set[Path] = set()
     for name in _PACKAGES:
         spec = importlib.util.find_spec(name)
@@ -114,7 +116,7 @@ def kernel_files() -> list[Path]:
                         out.add(path.resolve())
                 except OSError:
                     continue
-    return sorted(out)
+    return tuple(sorted(out))
 
 
 def warm_marker() -> Path:
