@@ -46,6 +46,8 @@ LAYOUTS = (
     ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced",
      ("full",)),
     ("MoE-a3b TP4+SP ETP1", MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced", ("full",)),
+    ("MoE-wide TP4+SP ETP2", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 2}, "balanced",
+     ("full",)),
 )
 
 

@@ -58,16 +58,18 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
 
 def expert_tp_gaps(geometry: ModelGeometry, parallel: ParallelLayout) -> list[str]:
-    """An expert TP other than TP (Megatron's `expert_tensor_parallel_size`, e.g. ETP1 at TP4):
-    no trace. Priced as a bound that keeps the layout's credit: the experts 1/ETP wide
-    (`layer_widths`) on every gathered routed row, with the TP gather, the TP+SP MoE point and
-    the dispatch buffers of ETP = TP, although with ETP < TP the dispatcher gathers no rows over
-    TP (its tensor-parallel group is the expert TP) and each rank's experts see 1/TP of the routed
-    rows: every term is at least what such a rank holds."""
-    if geometry.moe is None or parallel.expert_tp == parallel.tp:
+    """An expert TP other than TP (Megatron's `expert_tensor_parallel_size`) that no trace
+    covers: one that does not divide TP, or one below TP with EP > 1 (traced: ETP 1 and 2 at
+    TP4+SP, EP1; docs/memory-model.md#moe-tp-point). Priced as a bound that keeps the layout's
+    credit (`PricingModel.expert_row_share` = 1): the experts 1/ETP wide (`layer_widths`) on
+    every gathered routed row, although each rank's experts see only its expert-TP group's
+    share of them."""
+    etp, tp = parallel.expert_tp, parallel.tp
+    if geometry.moe is None or etp == tp or (tp % etp == 0 and parallel.ep == 1):
         return []
-    return [f"ETP{parallel.expert_tp} at TP{parallel.tp} (no trace: experts priced {parallel.expert_tp}-way "
-            f"sharded on every gathered routed row, the ETP = TP terms beside them)"]
+    where = f"ETP{etp} at TP{tp}" + ("" if tp % etp else f" with EP{parallel.ep}")
+    why = "an expert TP that does not divide TP" if tp % etp else "an expert TP below TP is traced at EP1 only"
+    return [f"{where} (no trace: {why}): experts priced {etp}-way sharded on every gathered routed row"]
 
 
 def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
@@ -295,6 +297,18 @@ class PricingModel:
         return min(self.parallel.expert_tp, self.credit.tp)
 
     @property
+    def expert_row_share(self) -> float:
+        """The share of a wave's gathered routed rows one expert-TP group runs: ETP / TP under
+        the credited layout with sequence parallelism (each rank routes its 1/TP sequence shard
+        and the dispatcher gathers them over the expert TP only), 1 otherwise (no credit, or
+        an expert TP `expert_tp_gaps` names: the gathered rows, a bound). Evidence: the TP4+SP
+        traces at ETP 4, 2 and 1 (docs/memory-model.md#moe-tp-point)."""
+        p, c = self.parallel, self.credit
+        if not c.sequence_parallel or expert_tp_gaps(self.geometry, p):
+            return 1.0
+        return self.width_etp / c.tp
+
+    @property
     def sp_div(self) -> int:
         """Sequence-parallel divisor of hidden-wide terms under the credited layout."""
         return self.credit.tp if self.credit.sequence_parallel else 1
@@ -315,8 +329,11 @@ class PricingModel:
         sp_div = self.sp_div
         # the busiest EP rank's routed rows over rows x top_k (moe_terms), and what the
         # all-to-all dispatcher adds per wave row on that rank (its top-k copies and receive buffer)
+        # and the share of the gathered routed rows one expert-TP group runs (ETP / TP: with an
+        # expert TP below TP each rank's experts see its own sequence shard's routed rows)
         ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, self.moe_load) if g.moe is not None else 1.0
-        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.tp, load=ep_skew)
+        ep_skew *= self.expert_row_share
+        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.expert_tp, load=ep_skew)
                         if g.moe is not None else 0.0)
         local_experts = g.moe.num_experts // p.ep if g.moe is not None else 1
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
@@ -343,7 +360,7 @@ class PricingModel:
             if layer.mixer == MixerKind.ATTENTION:
                 mixer += qk_norm - (cp_release if mode == RecomputeMode.FULL else 0.0)
             mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew, local_experts=local_experts,
-                                          sp_div=sp_div)
+                                          etp=self.width_etp if sp_div > 1 else 1, sp_div=sp_div)
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             if mode == RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION:
