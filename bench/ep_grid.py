@@ -8,7 +8,8 @@ The shape (inline; no preset has it): hidden 512, 32 experts, top 8, expert FFN 
 holds 4 local experts (fewer than top 8, so the worst-case load is EP x 4 / 8 = 4). Its expert
 FFN / hidden ratio differs from the grid's two MoE shapes (both 512-wide experts), so its cells
 are held out of the torch-cpu MoE coefficients that bench/moe_validation.py checks. The grid's
-wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with.
+wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with, and this
+shape too (full recompute), to validate the TP+SP MoE point on a second geometry.
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
@@ -38,6 +39,15 @@ LAYOUTS = (
     ("MoE-a3b EP8 router", MOE_A3B, {"ep": 8}, "router", ("full",)),
     # MoE under TP with SP and no EP: the layout the basis credits MoE with (TP4+SP)
     ("MoE-wide TP4+SP", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    # a second MoE shape at TP4+SP (top 8 at TP4: routed rows / TP differ from rows), held out of
+    # the TP+SP MoE point (pricing.moe_terms.tp_backward_point_per_routed_row), full recompute
+    ("MoE-a3b TP4+SP", MOE_A3B, {"tp": 4, "sequence_parallel": True}, "balanced", ("full",)),
+    # the experts unsplit under TP4+SP (Megatron's expert_tensor_parallel_size = 1), both shapes
+    ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced",
+     ("full",)),
+    ("MoE-a3b TP4+SP ETP1", MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced", ("full",)),
+    ("MoE-wide TP4+SP ETP2", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 2}, "balanced",
+     ("full",)),
 )
 
 

@@ -80,6 +80,8 @@ def class_of(cell: dict) -> str:
         name += f"+CP{lay['cp']}"
     if lay["ep"] > 1:
         name += f"+EP{lay['ep']}"
+    if lay.get("etp") is not None:
+        name += f"+ETP{lay['etp']}"
     if cell.get("routing") == "router":
         name += " router"
     return ("MoE " + cell["geometry"]["name"] + " " if cell["geometry"]["moe"] else "") + name

@@ -132,6 +132,8 @@ def class_of(cell: dict) -> str:
         parts.append(f"CP{lay['cp']}")
     if lay["ep"] > 1:
         parts.append(f"EP{lay['ep']}")
+    if lay.get("etp") is not None:
+        parts.append(f"ETP{lay['etp']}")
     name = "+".join(parts)
     if cell.get("routing") == "router":
         name += " router"

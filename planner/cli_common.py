@@ -34,6 +34,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                         help="model chunks per pipeline rank: 1 (the 1F1B schedule); more "
                              "(the interleaved schedule) is refused, not priced")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor parallel size (Megatron's expert_tensor_parallel_size; "
+                             "default: --tp). Other than --tp it is priced conservatively (no trace)")
     parser.add_argument("--moe-load", type=float, default=None, metavar="X",
                         help="opt-in: the busiest EP rank receives at most X x its balanced share of "
                              "routed rows (e.g. Megatron's moe_expert_capacity_factor with token "
@@ -62,9 +65,14 @@ def model_from_args(args: argparse.Namespace) -> PricingModel:
     if args.ep != 1 and geometry.moe is None:
         raise bad(ConfigError, "--ep", args.ep,
                   f"{geometry.name} is a dense model (no experts); expert parallelism needs an MoE model")
+    etp = getattr(args, "etp", None)
+    if etp is not None and geometry.moe is None:
+        raise bad(ConfigError, "--etp", etp,
+                  f"{geometry.name} is a dense model (no experts); expert tensor parallelism needs an MoE model")
     return PricingModel.build(
         geometry,
-        parallel=ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp),
+        parallel=ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, sequence_parallel=args.sp,
+                                etp=etp),
         recompute=Recompute(mode=args.recompute),
         lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
         backend=args.backend, head=args.head, safety=args.safety, moe_load=args.moe_load)

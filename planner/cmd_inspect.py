@@ -148,6 +148,7 @@ def layout_words(model) -> str:
     words = f"TP{p.tp}{' SP' if p.sequence_parallel else ''} CP{p.cp}"
     words += f" PP{p.pp}" if p.pp > 1 else ""
     words += f" EP{p.ep}" if p.ep > 1 else ""
+    words += f" ETP{p.etp}" if p.etp is not None else ""
     return f"{words}, {model.recompute.mode.value} recompute, {model.table.backend}"
 
 

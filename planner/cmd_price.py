@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"model {model.geometry.name}  TP{model.parallel.tp} CP{model.parallel.cp} "
           f"{'SP ' if model.parallel.sequence_parallel else ''}"
-          f"{f'EP{model.parallel.ep} ' if model.parallel.ep > 1 else ''}{model.recompute.mode.value} recompute  "
+          f"{f'EP{model.parallel.ep} ' if model.parallel.ep > 1 else ''}"
+          f"{f'ETP{model.parallel.etp} ' if model.parallel.etp is not None else ''}{model.recompute.mode.value} recompute  "
           f"head {model.head}  backend {model.table.backend}")
     print(f"{len(step.requests)} requests as one wave; binding point: {breakdown.binding}")
     for name, value in breakdown.terms.items():

@@ -51,6 +51,8 @@ def register(subparsers) -> None:
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallel size (multi-rank; ring attention allocation model)")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (multi-rank, MoE)")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor parallel size (multi-rank, MoE; default: --tp)")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline parallel size: run the step through Megatron-core's 1F1B "
                              "schedule on TP x PP ranks")
@@ -183,7 +185,7 @@ def _run_multirank(args, geometry, step, seq_lens, layers) -> int:
     if args.device not in (None, "cpu"):
         raise ConfigError(f"--device={args.device}: a multi-rank trace runs on real CPU "
                           "tensors (--device cpu)")
-    layout = ParallelLayout(tp=args.tp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp)
+    layout = ParallelLayout(tp=args.tp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, etp=args.etp)
     result = trace_multirank(geometry, layout=layout, seq_lens=seq_lens, num_layers=layers,
                              recompute=Recompute(mode=args.recompute),
                              lora_rank=args.lora_rank or None, routing=args.routing,
@@ -240,7 +242,7 @@ def _run_pipeline(args, geometry, step, seq_lens, layers) -> int:
         raise ConfigError(f"--micro-batches={count}: must be a positive integer")
     count = min(count, len(seq_lens))
     layout = ParallelLayout(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep,
-                            sequence_parallel=args.sp)
+                            sequence_parallel=args.sp, etp=args.etp)
     result = trace_pipeline(geometry, layout=layout, waves=micro_batches(seq_lens, count),
                             num_layers=layers, recompute=Recompute(mode=args.recompute),
                             lora_rank=args.lora_rank or None, timeout_s=args.timeout,

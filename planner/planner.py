@@ -188,7 +188,7 @@ class Planner:
 
     @classmethod
     def from_preset(cls, name: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
-                    sequence_parallel: bool = False, recompute: Recompute | str = "full",
+                    etp: int | None = None, sequence_parallel: bool = False, recompute: Recompute | str = "full",
                     lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
                     head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                     profiles_path: str | os.PathLike | None = None,
@@ -196,16 +196,18 @@ class Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given. `moe_load` (opt-in): the busiest EP rank's routed
         rows over rows x top_k that the caller guarantees (`pricing.moe_terms.busiest_rank_load`;
-        default: the worst case any router can produce)."""
+        default: the worst case any router can produce). `etp`: Megatron's
+        expert_tensor_parallel_size (None: its default, `tp`)."""
         return cls(geometry=load_preset(name),
-                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
+                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
+                                           etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
                    moe_load=moe_load)
 
     @classmethod
     def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
-                       sequence_parallel: bool = False, recompute: Recompute | str = "full",
+                       etp: int | None = None, sequence_parallel: bool = False, recompute: Recompute | str = "full",
                        lora_rank: int = 16, lora: LoraConfig | None = None,
                        backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                        safety: float = DEFAULT_SAFETY,
@@ -215,7 +217,8 @@ class Planner:
         or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
         arguments as `from_preset`."""
         return cls(geometry=load_hf_config(config, name=name),
-                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel),
+                   parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
+                                           etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
                    moe_load=moe_load)

@@ -54,7 +54,22 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
     """
     return (layout_gaps(geometry, parallel, recompute, table) + pipeline_gaps(parallel)
-            + feature_terms.feature_gaps(geometry))
+            + expert_tp_gaps(geometry, parallel) + feature_terms.feature_gaps(geometry))
+
+
+def expert_tp_gaps(geometry: ModelGeometry, parallel: ParallelLayout) -> list[str]:
+    """An expert TP other than TP (Megatron's `expert_tensor_parallel_size`) that no trace
+    covers: one that does not divide TP, or one below TP with EP > 1 (traced: ETP 1 and 2 at
+    TP4+SP, EP1; docs/memory-model.md#moe-tp-point). Priced as a bound that keeps the layout's
+    credit (`PricingModel.expert_row_share` = 1): the experts 1/ETP wide (`layer_widths`) on
+    every gathered routed row, although each rank's experts see only its expert-TP group's
+    share of them."""
+    etp, tp = parallel.expert_tp, parallel.tp
+    if geometry.moe is None or etp == tp or (tp % etp == 0 and parallel.ep == 1):
+        return []
+    where = f"ETP{etp} at TP{tp}" + ("" if tp % etp else f" with EP{parallel.ep}")
+    why = "an expert TP that does not divide TP" if tp % etp else "an expert TP below TP is traced at EP1 only"
+    return [f"{where} (no trace: {why}): experts priced {etp}-way sharded on every gathered routed row"]
 
 
 def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
@@ -166,9 +181,18 @@ def table_discount(table: CoefficientTable, widths: dict) -> float:
     return table.per_row("selective_core_attn_discount", widths)
 
 
-def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
-    """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths."""
+def layer_widths(geometry: ModelGeometry, *, tp: int, etp: int | None = None) -> dict[str, float]:
+    """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths.
+
+    `etp`: the experts' TP size (Megatron's `expert_tensor_parallel_size`; None: `tp`, its
+    default): each rank holds expert_ffn / etp of every local expert's FFN (Megatron-core's
+    experts `divide` FC1's output and FC2's input by it), so every per-routed-row expert term
+    (the FC1 output and activation, the expert backward, the features' activation copies) is
+    that wide. Evidence: the TP4+SP MoE trace's expert tensors (`linear_fc1` [rows, 2F/4],
+    activations [rows, F/4]; bench/results/moe_tp_sp_findings.txt). The shared expert is a
+    plain TP-sharded MLP (`shared_ffn` / tp). O(1)."""
     att, gdn, moe = geometry.attention, geometry.gdn, geometry.moe
+    etp = tp if etp is None else etp
     return {
         "H": geometry.hidden,
         "F": geometry.ffn / tp,
@@ -177,7 +201,7 @@ def layer_widths(geometry: ModelGeometry, *, tp: int) -> dict[str, float]:
         "in_proj": gdn.in_proj_width / tp if gdn else 0.0,
         "conv": gdn.conv_width / tp if gdn else 0.0,
         "value": gdn.value_width / tp if gdn else 0.0,
-        "expert_ffn": moe.expert_ffn if moe else 0.0,
+        "expert_ffn": moe.expert_ffn / etp if moe else 0.0,
         "shared_ffn": moe.shared_expert_ffn / tp if moe else 0.0,
         "experts": moe.num_experts if moe else 0.0,
         "top_k": moe.top_k if moe else 0.0,
@@ -216,7 +240,8 @@ class PricingModel:
         parse_head(self.head)
         moe_terms.check_assumed_load(self.moe_load)
         lgaps = tuple(layout_gaps(self.geometry, self.parallel, self.recompute, self.table))
-        gaps = lgaps + tuple(pipeline_gaps(self.parallel) + feature_terms.feature_gaps(self.geometry))
+        gaps = lgaps + tuple(pipeline_gaps(self.parallel) + expert_tp_gaps(self.geometry, self.parallel)
+                             + feature_terms.feature_gaps(self.geometry))
         object.__setattr__(self, "gaps", gaps)
         object.__setattr__(self, "layout_gaps", lgaps)
         object.__setattr__(self, "credit", credit_layout(self.geometry, self.parallel, self.recompute,
@@ -266,6 +291,24 @@ class PricingModel:
         return self.credit.tp
 
     @property
+    def width_etp(self) -> int:
+        """Expert-TP divisor of the experts' widths: the layout's expert TP (`ParallelLayout.expert_tp`),
+        never above the credited layout's TP (no TP credit, no expert-TP credit either)."""
+        return min(self.parallel.expert_tp, self.credit.tp)
+
+    @property
+    def expert_row_share(self) -> float:
+        """The share of a wave's gathered routed rows one expert-TP group runs: ETP / TP under
+        the credited layout with sequence parallelism (each rank routes its 1/TP sequence shard
+        and the dispatcher gathers them over the expert TP only), 1 otherwise (no credit, or
+        an expert TP `expert_tp_gaps` names: the gathered rows, a bound). Evidence: the TP4+SP
+        traces at ETP 4, 2 and 1 (docs/memory-model.md#moe-tp-point)."""
+        p, c = self.parallel, self.credit
+        if not c.sequence_parallel or expert_tp_gaps(self.geometry, p):
+            return 1.0
+        return self.width_etp / c.tp
+
+    @property
     def sp_div(self) -> int:
         """Sequence-parallel divisor of hidden-wide terms under the credited layout."""
         return self.credit.tp if self.credit.sequence_parallel else 1
@@ -282,12 +325,15 @@ class PricingModel:
 
     def _build_arrays(self) -> dict:
         g, p, t = self.geometry, self.parallel, self.table
-        widths = layer_widths(g, tp=self.width_tp)
+        widths = layer_widths(g, tp=self.width_tp, etp=self.width_etp)
         sp_div = self.sp_div
         # the busiest EP rank's routed rows over rows x top_k (moe_terms), and what the
         # all-to-all dispatcher adds per wave row on that rank (its top-k copies and receive buffer)
+        # and the share of the gathered routed rows one expert-TP group runs (ETP / TP: with an
+        # expert TP below TP each rank's experts see its own sequence shard's routed rows)
         ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, self.moe_load) if g.moe is not None else 1.0
-        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.tp, load=ep_skew)
+        ep_skew *= self.expert_row_share
+        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.expert_tp, load=ep_skew)
                         if g.moe is not None else 0.0)
         local_experts = g.moe.num_experts // p.ep if g.moe is not None else 1
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
@@ -313,7 +359,8 @@ class PricingModel:
                 mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
             if layer.mixer == MixerKind.ATTENTION:
                 mixer += qk_norm - (cp_release if mode == RecomputeMode.FULL else 0.0)
-            mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew, local_experts=local_experts)
+            mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew, local_experts=local_experts,
+                                          etp=self.width_etp if sp_div > 1 else 1, sp_div=sp_div)
             norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
             workspace[i] = mixer + mlp + norms
             if mode == RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION:
@@ -385,12 +432,15 @@ class PricingModel:
         # what the layout leaves unsharded (layout_terms): per layer when layers retain
         # activations, once per wave (every point) under full recompute
         c = self.credit
-        # layers the structural layout terms cover (dense MLP with attention) get the residual
-        # fitted with them; the others the one fitted without them (`bare`)
+        # layers the structural layout terms cover (attention with a dense MLP, or with a MoE MLP
+        # under full recompute at TP with SP, whose TP+SP point `moe_terms.tp_backward_point_per_routed_row`
+        # prices) get the residual fitted with them; the others the one fitted without them (`bare`)
+        moe_point = mode == RecomputeMode.FULL and sp_div > 1
         per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
             retained=mode != RecomputeMode.FULL,
-            bare=not (layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.DENSE))
+            bare=not (layer.mixer == MixerKind.ATTENTION
+                      and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point))))
             for layer in layers]) if n else np.zeros(0)
         residual = float(per_layer.max()) if n else 0.0   # beside the head's backward
         if mode == RecomputeMode.FULL:

@@ -67,7 +67,9 @@ def check_assumed_load(assumed: float | None) -> None:
 
 def dispatch_per_routed_row(widths: dict, ep: int, tp: int = 1) -> float:
     """The token dispatcher's receive buffers on the busiest rank, per routed row of the
-    gathered wave (rows x top_k x load).
+    gathered wave (rows x top_k x load). `tp` is the dispatcher's tensor-parallel size, the
+    expert TP (`ParallelLayout.expert_tp`, Megatron's default TP); with an expert TP below TP
+    the caller's load carries the ETP / TP share of the rows (`pricing.model`).
 
     At EP > 1 the dispatch all-to-all writes the routed rows this rank receives into a new
     [routed rows, H] bf16 tensor (`new_empty` in the anatomy), live beside the permuted input
@@ -84,6 +86,40 @@ def dispatch_per_routed_row(widths: dict, ep: int, tp: int = 1) -> float:
     (docs/memory-model.md#expert-parallel). Structural, so both tables charge it.
     """
     return 2.0 * widths["H"] * ((1.0 / tp if ep > 1 else 0.0) + (1.0 if tp > 1 else 0.0))
+
+
+def tp_backward_point_per_routed_row(widths: dict, *, etp: int) -> float:
+    """A recomputed MoE layer's routed rows at its expert-TP backward point (point C), per
+    routed row its expert-TP group runs; 0 at an expert TP of 1 (or without sequence
+    parallelism: the caller passes 1).
+
+    Under TP with SP each rank routes its 1/TP sequence shard; the all-to-all dispatcher
+    all-gathers the routed rows over the expert-TP group (ETP ranks; Megatron's default ETP = TP)
+    and its combine reduce-scatters the experts' output back over that group in the router's
+    dtype (`reduce_scatter_to_sequence_parallel_region(hidden_states.to(probs.dtype))`). When
+    the backward reaches the combine the rank holds, per routed row of the group: the experts'
+    concatenated output (2H), its fp32 copy (4H), the reduce-scatter's fp32 output shard
+    (4H / ETP), this rank's permuted rows of its own sequence shard (`permute`'s
+    `index_select`, 2H / ETP) and every local expert's FC1 output and activation (10
+    expert_ffn, already 1/ETP wide: `pricing.model.layer_widths`): 6H + 6H / ETP + 10
+    expert_ffn. The dispatcher's gather and sort copies (`dispatch_per_routed_row`,
+    `permutation_per_routed_row`) are live beside it, as at point A. Point A's permuted rows
+    and the experts' FC2 outputs (4H) are released by then, so this point binds over point A
+    (6H + 10 expert_ffn) by 6H / ETP per routed row; the walk takes the largest point
+    (`pricing.terms.mlp_stage_per_row`), so it only raises a price where it binds. At ETP 1
+    there is no gather and no reduce-scatter: the layer is a TP1 MoE layer on the rank's own
+    shard (points A and B). Structural (CPU units, as Megatron's unfused dispatcher allocates
+    them), so both tables charge it: no GPU trace measures a MoE layer under TP (with a bf16
+    router the fp32 copy shrinks; the bound stays). Evidence: the busiest rank's backward
+    peaks of grid-moe-h1024 (top 4) and grid-moe-a3b-h512 (top 8) at TP4+SP (`L*.mlp _to_copy`
+    fp32 [routed rows, H], `cat`, `empty_like` fp32 [routed rows / 4, H], `index_select`
+    [routed rows / 4, H], expert FC1 [.., 2F / 4]; bench/results/moe_tp_sp_anatomy.txt,
+    docs/memory-model.md#moe-tp-point). O(1).
+    """
+    if etp <= 1:
+        return 0.0
+    h = widths["H"]
+    return 6.0 * h + 6.0 * h / etp + 10.0 * widths["expert_ffn"]
 
 
 def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:

@@ -11,7 +11,11 @@ from .geometry import ModelGeometry
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Megatron's parallel sizes. `sequence_parallel` shards layer boundaries over TP."""
+    """Megatron's parallel sizes. `sequence_parallel` shards layer boundaries over TP.
+
+    `etp` is Megatron's `expert_tensor_parallel_size`: the TP size of a MoE layer's experts
+    (each rank holds 1/etp of every local expert's FFN width); None is Megatron's default,
+    the layout's TP (`expert_tp`)."""
 
     tp: int = 1
     cp: int = 1
@@ -19,6 +23,7 @@ class ParallelLayout:
     ep: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "pp", "ep", "dp"):
@@ -27,6 +32,19 @@ class ParallelLayout:
                 raise bad(ConfigError, f"parallel.{name}", value, "must be a positive integer")
         if self.sequence_parallel and self.tp == 1:
             raise bad(ConfigError, "parallel.sequence_parallel", True, "needs tp > 1")
+        if self.etp is not None:
+            if isinstance(self.etp, bool) or not isinstance(self.etp, int) or self.etp <= 0:
+                raise bad(ConfigError, "parallel.etp", self.etp, "must be a positive integer or None (= tp)")
+            if self.etp > self.tp:
+                # Megatron allows it (the dispatcher then gathers other data-parallel ranks'
+                # tokens into one expert-TP group); no term prices those rows
+                raise bad(ConfigError, "parallel.etp", self.etp,
+                          f"must not exceed parallel.tp={self.tp} (an expert TP wider than TP is not priced)")
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' TP size: `etp`, or Megatron's default, the layout's TP."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def model_parallel_size(self) -> int:
@@ -66,13 +84,22 @@ class ParallelLayout:
         if geometry.moe is not None and geometry.moe.num_experts % self.ep:
             raise bad(ConfigError, "parallel.ep", self.ep,
                       f"must divide moe.num_experts={geometry.moe.num_experts}")
+        if geometry.moe is not None and geometry.moe.expert_ffn % self.expert_tp:
+            # Megatron-core's experts `divide` their FFN width by the expert TP size
+            raise bad(ConfigError, "parallel.etp" if self.etp is not None else "parallel.tp", self.expert_tp,
+                      f"must divide moe.expert_ffn={geometry.moe.expert_ffn} (the expert TP size)")
         if self.pp > geometry.num_layers:
             raise bad(ConfigError, "parallel.pp", self.pp,
                       f"exceeds the model's {geometry.num_layers} layers")
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "ep": self.ep, "dp": self.dp,
-                "sequence_parallel": self.sequence_parallel}
+        """The sizes as keywords of this class (`etp` only when set, so Megatron's default
+        round-trips as before)."""
+        doc = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "ep": self.ep, "dp": self.dp,
+               "sequence_parallel": self.sequence_parallel}
+        if self.etp is not None:
+            doc["etp"] = self.etp
+        return doc
 
 
 class RecomputeMode(StrEnum):

@@ -9,6 +9,7 @@ backend's `CoefficientTable`.
 
 from __future__ import annotations
 
+from . import moe_terms
 from .coefficients import CoefficientTable
 from .geometry import GdnSpec, MixerKind, MlpKind
 
@@ -41,21 +42,25 @@ def mixer_stage_per_row(table: CoefficientTable, widths: dict, mixer: MixerKind)
 
 
 def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float,
-                      local_experts: int = 1) -> float:
+                      local_experts: int = 1, etp: int = 1, sp_div: int = 1) -> float:
     """The recomputed MLP stage over gathered rows.
 
     Dense: the LoRA-wrapped FC1 stage, 7F, plus the 6F recompile residue (F is per TP
     rank). MoE: per routed row (rows x top-k, times the skew allowance when experts are
-    split over EP ranks) the larger of the layer's two backward points
-    (`moe_routed_per_routed_row`, `moe_expert_backward_per_routed_row`), plus the router,
-    its routing metadata and the shared expert. Evidence: docs/memory-model.md#workspace.
+    split over EP ranks, and by the expert-TP share of the rows) the largest of the layer's
+    backward points (`moe_routed_per_routed_row`, `moe_expert_backward_per_routed_row`, and with
+    an expert TP `etp` > 1 under sequence parallelism, `moe_terms.tp_backward_point_per_routed_row`),
+    plus the router (per row of the rank's sequence shard: it routes its 1/TP of the rows under
+    sequence parallelism, `sp_div`; the TP4+SP anatomy's router tensors are [rows / 4, E]), its
+    routing metadata and the shared expert. Evidence: docs/memory-model.md#workspace.
     """
     if mlp == MlpKind.DENSE:
         return table.per_row("mlp_dense_grad_stage", widths)
     point = max(moe_routed_per_routed_row(table, widths),
-                moe_expert_backward_per_routed_row(table, widths, local_experts=local_experts))
+                moe_expert_backward_per_routed_row(table, widths, local_experts=local_experts),
+                moe_terms.tp_backward_point_per_routed_row(widths, etp=etp))
     routed = widths["top_k"] * ep_skew * (point + moe_routing_metadata_per_routed_row(table))
-    return (routed + table.per_row("moe_router", widths) + shared_expert_per_row(table, widths)
+    return (routed + table.per_row("moe_router", widths) / sp_div + shared_expert_per_row(table, widths)
             + moe_norm_inputs_per_row(table, widths))
 
 

@@ -156,3 +156,18 @@ def test_replay_report_that_is_not_an_object(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text("[1, 2]")
     _fails(capsys, ["replay", str(path)], "r.json")
+
+
+def test_etp_not_a_positive_integer(capsys):
+    _fails(capsys, ["price", "grpo-8x8", "--model", "qwen3-30b-a3b", "--tp", "4", "--sp", "--etp", "0"],
+           "parallel.etp", "positive integer")
+
+
+def test_etp_above_tp(capsys):
+    _fails(capsys, ["price", "grpo-8x8", "--model", "qwen3-30b-a3b", "--tp", "2", "--sp", "--etp", "4"],
+           "parallel.etp", "must not exceed")
+
+
+def test_etp_on_a_dense_model(capsys):
+    _fails(capsys, ["price", "grpo-8x8", "--model", "qwen3-8b", "--tp", "2", "--etp", "1"],
+           "--etp", "dense model")

@@ -109,6 +109,8 @@ def layout_problems(geometry: ModelGeometry, tp, cp, pp, ep, sp) -> set[str]:
         bad.add("parallel.tp")
     if moe is not None and moe.num_experts % ep:
         bad.add("parallel.ep")
+    if moe is not None and moe.expert_ffn % tp:   # the expert TP size defaults to TP
+        bad.add("parallel.tp")
     if pp > geometry.num_layers:
         bad.add("parallel.pp")
     return bad

@@ -204,3 +204,21 @@ def test_planner_from_megatron_reads_the_live_model(megatron_tp1):
     assert planner.model.lora == lora and planner.model.recompute == recompute
     with pytest.raises(ConfigError, match="model="):
         Planner.from_megatron(model.config)
+
+
+def test_layout_reads_the_expert_tp_and_keeps_megatrons_default_as_none():
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from waveplan.pricing.measure.live_geometry import _parallel
+
+    if ps.model_parallel_is_initialized():
+        pytest.skip("a parallel state is live: the layout is read from it")
+    cfg = SimpleNamespace(tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+                          context_parallel_size=1, expert_model_parallel_size=2, sequence_parallel=True,
+                          expert_tensor_parallel_size=1)
+    assert _parallel(cfg).etp == 1 and _parallel(cfg).expert_tp == 1
+    for default in (4, None):   # Megatron fills None with the TP size
+        cfg.expert_tensor_parallel_size = default
+        assert _parallel(cfg).etp is None and _parallel(cfg).expert_tp == 4

@@ -120,3 +120,119 @@ def test_no_traced_moe_cell_is_priced_under_its_busiest_rank():
                 [np.arange(len(step.requests))], first_slots=frozenset({"default"})).raw_bytes
             assert raw >= trace["peak_bytes"], (cell["geometry"]["name"], cell["layout"], cell["routing"],
                                                 cell["recompute"], load, raw / trace["peak_bytes"])
+
+
+def test_expert_widths_are_split_over_the_expert_tp():
+    g = load_preset("qwen3-30b-a3b")
+    assert layer_widths(g, tp=1)["expert_ffn"] == 768
+    # Megatron's default expert TP is the TP size: each rank holds 1/TP of every expert's FFN
+    assert layer_widths(g, tp=4)["expert_ffn"] == 768 / 4
+    assert layer_widths(g, tp=4, etp=1)["expert_ffn"] == 768
+    assert layer_widths(g, tp=4, etp=2)["expert_ffn"] == 768 / 2
+    # the model divides by the credited layout's expert TP: TP4+SP is covered, TP2+SP (MoE) is
+    # credited as TP1, so its experts keep their whole width there
+    for backend in ("te-gpu", "torch-cpu"):
+        tp4 = PricingModel.build(g, parallel=ParallelLayout(tp=4, sequence_parallel=True), backend=backend)
+        tp2 = PricingModel.build(g, parallel=ParallelLayout(tp=2, sequence_parallel=True), backend=backend)
+        assert (tp4.width_etp, tp2.width_etp) == (4, 1)
+
+
+def test_tp_backward_point_only_with_an_expert_tp():
+    w = {"H": 1024.0, "expert_ffn": 512.0 / 4}
+    assert moe_terms.tp_backward_point_per_routed_row(w, etp=1) == 0.0
+    # the experts' output and its fp32 copy (6H), the fp32 reduce-scatter shard and this rank's
+    # permuted rows (6H / TP), the experts' FC1 output and activation (10 x F / ETP)
+    assert moe_terms.tp_backward_point_per_routed_row(w, etp=4) == 6 * 1024 + 6 * 1024 / 4 + 10 * 128
+    # it binds over point A (6H + 10F on the CPU table) by 6H / TP
+    table = load_table("torch-cpu")
+    from waveplan.pricing import terms
+    from waveplan.pricing.geometry import MlpKind
+    a = terms.moe_routed_per_routed_row(table, w)
+    assert moe_terms.tp_backward_point_per_routed_row(w, etp=4) - a == 6 * 1024 / 4
+    g = load_preset("qwen3-30b-a3b")
+    widths = layer_widths(g, tp=4)
+    no_sp = terms.mlp_stage_per_row(table, widths, MlpKind.MOE, ep_skew=1.0, local_experts=g.moe.num_experts)
+    sp = terms.mlp_stage_per_row(table, widths, MlpKind.MOE, ep_skew=1.0, local_experts=g.moe.num_experts,
+                                 etp=4)
+    point_a = terms.moe_routed_per_routed_row(table, widths)
+    assert sp - no_sp == g.moe.top_k * (moe_terms.tp_backward_point_per_routed_row(widths, etp=4) - point_a)
+    # the router runs on the rank's sequence shard: per gathered row, 1/TP of it under SP
+    shard = terms.mlp_stage_per_row(table, widths, MlpKind.MOE, ep_skew=1.0, local_experts=g.moe.num_experts,
+                                    etp=4, sp_div=4)
+    assert sp - shard == table.per_row("moe_router", widths) * (1 - 1 / 4)
+
+
+def test_tp_sp_moe_is_cheaper_than_before_but_never_under_its_traces():
+    """The experts' 1/ETP widths, their ETP / TP share of the routed rows and point C: the
+    TP4+SP MoE cells (two shapes at ETP 4 and 1, one at ETP 2) stay over their busiest ranks
+    and within 10 %, on the evidence basis."""
+    table = load_table("torch-cpu")
+    seen = 0
+    for rec in _traced_moe_cells():
+        cell, trace = rec["cell"], rec["trace"]
+        lay = cell["layout"]
+        if not (lay["tp"] == 4 and lay["sequence_parallel"] and cell["recompute"] == "full"):
+            continue
+        g = ModelGeometry.from_dict(cell["geometry"])
+        g = dataclasses.replace(g, layers=g.layers[:cell["num_layers"]])
+        model = PricingModel(geometry=g, parallel=ParallelLayout(**lay), recompute=Recompute(),
+                             lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
+                             table=table, head="full-native", safety=1.0)
+        step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
+        raw = WavePricer.build(step, model, profiled=True).price(
+            [np.arange(len(step.requests))], first_slots=frozenset({"default"})).raw_bytes
+        ratio = raw / trace["peak_bytes"]
+        assert ratio >= 1.0, (g.name, lay, ratio)
+        assert model.basis == "evidence" and ratio <= 1.10, (g.name, lay, ratio)
+        seen += 1
+    assert seen >= 10
+
+
+@pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
+def test_an_expert_tp_below_tp_prices_its_share_of_the_rows(backend):
+    g = load_preset("qwen3-30b-a3b")
+    sp4 = dict(tp=4, sequence_parallel=True)
+    default = PricingModel.build(g, parallel=ParallelLayout(**sp4), backend=backend)
+    same = PricingModel.build(g, parallel=ParallelLayout(**sp4, etp=4), backend=backend)
+    assert _price(same) == _price(default) and same.reasons == default.reasons
+    assert default.expert_row_share == 1.0
+    # ETP1 / ETP2 at TP4+SP (traced, EP1): the experts 1/ETP wide on ETP / TP of the routed rows
+    for etp in (1, 2):
+        m = PricingModel.build(g, parallel=ParallelLayout(**sp4, etp=etp), backend=backend)
+        assert m.basis == "evidence" and m.width_etp == etp and m.expert_row_share == etp / 4
+    # with EP, or an expert TP that does not divide TP: a named gap, priced on every gathered routed row
+    ep = PricingModel.build(g, parallel=ParallelLayout(**sp4, ep=2, etp=1), backend=backend)
+    assert ep.basis == "conservative" and ep.expert_row_share == 1.0 and ep.width_tp == 4
+    assert [r for r in ep.reasons if r.startswith("ETP1 at TP4 with EP2 (no trace: an expert TP below TP is traced at EP1 only)")]
+    assert _price(ep) > _price(PricingModel.build(g, parallel=ParallelLayout(**sp4, ep=2), backend=backend))
+    # a dense model has no experts: etp changes nothing and adds no gap
+    dense = load_preset("qwen3-8b")
+    assert (_price(PricingModel.build(dense, parallel=ParallelLayout(**sp4, etp=1), backend=backend))
+            == _price(PricingModel.build(dense, parallel=ParallelLayout(**sp4), backend=backend)))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(tp=2, etp=0), "must be a positive integer"),
+    (dict(tp=2, etp=True), "must be a positive integer"),
+    (dict(tp=2, etp="2"), "must be a positive integer"),
+    (dict(tp=2, etp=4), "must not exceed parallel.tp=2"),
+])
+def test_etp_is_validated_and_named(kwargs, needle):
+    with pytest.raises(ConfigError) as info:
+        ParallelLayout(**kwargs)
+    message = str(info.value)
+    assert "parallel.etp" in message and needle in message and "\n" not in message
+
+
+def test_etp_must_divide_the_expert_ffn_and_round_trips():
+    g = dataclasses.replace(load_preset("qwen3-30b-a3b"),
+                            moe=MoeSpec(num_experts=128, top_k=8, expert_ffn=768 + 2))
+    with pytest.raises(ConfigError, match=r"parallel\.etp.*expert_ffn=770"):
+        ParallelLayout(tp=4, sequence_parallel=True, etp=4).validate_for(g)
+    with pytest.raises(ConfigError, match=r"parallel\.tp.*expert_ffn=770"):
+        ParallelLayout(tp=4, sequence_parallel=True).validate_for(g)
+    ParallelLayout(tp=4, sequence_parallel=True, etp=2).validate_for(g)
+    # Megatron's default is left out of the dict (layouts round-trip as before); a set value is kept
+    assert "etp" not in ParallelLayout(tp=4).to_dict()
+    lay = ParallelLayout(tp=4, sequence_parallel=True, etp=1)
+    assert ParallelLayout(**lay.to_dict()) == lay and lay.expert_tp == 1

@@ -115,6 +115,24 @@ def test_ep2_with_the_router_reports_both_ranks_and_the_busiest_is_the_max():
 
 
 @pytest.mark.slow
+def test_expert_tp_reaches_megatron_and_etp1_holds_less_than_etp_tp():
+    """ETP (Megatron's expert_tensor_parallel_size) is passed to the rank processes: at TP2+SP
+    with ETP1 each rank's experts run its own shard's routed rows, whole-width, with no gather,
+    so its busiest rank holds less than at ETP2 (docs/memory-model.md#moe-tp-point)."""
+    from waveplan.pricing.measure.multirank import rank_world, trace_multirank, trace_record
+
+    lens = [208, 304]   # multiples of TP
+    etp1 = ParallelLayout(tp=2, sequence_parallel=True, etp=1)
+    assert rank_world(etp1).etp == 1
+    peaks = {}
+    for lay in (etp1, ParallelLayout(tp=2, sequence_parallel=True)):
+        tr = trace_multirank(TINY_MOE, layout=lay, seq_lens=lens, timeout_s=TIMEOUT_S)
+        _check_ranks(tr.to_dict(), 2)
+        peaks[lay.expert_tp] = tr.peak_bytes
+        assert trace_record(tr, TINY_MOE)["cell"]["layout"].get("etp") == lay.etp
+    assert peaks[1] < peaks[2], peaks
+
+
 def test_cp2_loss_equals_one_rank_and_rows_halve():
     from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch
 

@@ -66,15 +66,19 @@ def _parallel(config) -> ParallelLayout:
         pp = ps.get_pipeline_model_parallel_world_size()
         cp = ps.get_context_parallel_world_size()
         ep = ps.get_expert_model_parallel_world_size()
+        etp = ps.get_expert_tensor_parallel_world_size()
         dp = ps.get_data_parallel_world_size()
     else:
         tp = config.tensor_model_parallel_size
         pp = config.pipeline_model_parallel_size
         cp = config.context_parallel_size
         ep = config.expert_model_parallel_size
+        etp = getattr(config, "expert_tensor_parallel_size", None)
         dp = 1
+    # Megatron's default expert TP (= TP) stays None, so the layout round-trips as before
     return ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
-                          sequence_parallel=bool(config.sequence_parallel) and tp > 1)
+                          sequence_parallel=bool(config.sequence_parallel) and tp > 1,
+                          etp=None if etp in (None, tp) else etp)
 
 
 def _recompute(config) -> Recompute:

@@ -191,7 +191,7 @@ def rank_world(layout: ParallelLayout) -> ParallelLayout:
     EP dividing DP x CP. World size = TP x CP x DP (PP must be 1)."""
     dp = layout.ep // math.gcd(layout.ep, layout.cp)
     return ParallelLayout(tp=layout.tp, cp=layout.cp, pp=layout.pp, ep=layout.ep, dp=dp,
-                          sequence_parallel=layout.sequence_parallel)
+                          sequence_parallel=layout.sequence_parallel, etp=layout.etp)
 
 
 def padded_lens(seq_lens, layout: ParallelLayout) -> tuple[int, ...]:
@@ -437,6 +437,7 @@ def _trace_rank(spec: dict) -> list[dict]:
                                  pipeline_model_parallel_size=1,
                                  context_parallel_size=layout.cp,
                                  expert_model_parallel_size=layout.ep,
+                                 expert_tensor_parallel_size=layout.etp,
                                  create_gloo_process_groups=False)
     with shim_device("cpu"):
         mrandom.model_parallel_cuda_manual_seed(1234)

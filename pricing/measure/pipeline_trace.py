@@ -108,9 +108,10 @@ def _check(geometry: ModelGeometry, layout: ParallelLayout, waves, num_layers, t
     check_schedule(virtual_stages, layout.pp)
     if layout.pp < 2:
         raise bad(ConfigError, "parallel.pp", layout.pp, "a pipeline trace needs pp >= 2")
-    if layout.cp > 1 or layout.ep > 1:
+    if layout.cp > 1 or layout.ep > 1 or layout.expert_tp != layout.tp:
         raise bad(ConfigError, "parallel", layout.to_dict(),
-                  "pipeline traces run TP (and SP) x PP only (CP and EP: PP = 1 traces)")
+                  "pipeline traces run TP (and SP) x PP only (CP, EP and an expert TP other than TP: "
+                  "PP = 1 traces)")
     layout.validate_for(geometry)
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
                                    or num_layers <= 0):
