@@ -48,6 +48,9 @@ LAYOUTS = (
     ("MoE-a3b TP4+SP ETP1", MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced", ("full",)),
     ("MoE-wide TP4+SP ETP2", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 2}, "balanced",
      ("full",)),
+    # a second MoE shape at TP2+SP (the wide one is traced there with EP2), held out of every
+    # MoE term: with it MoE layers at TP2+SP are priced on evidence (pricing.model._MOE_TRACED)
+    ("MoE-a3b TP2+SP", MOE_A3B, {"tp": 2, "sequence_parallel": True}, "balanced", ("full",)),
 )
 
 

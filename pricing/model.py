@@ -86,6 +86,18 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
 # at TP4+SP on GPU; TP1 at CP1/CP2 on the CPU grid); the multi-rank CPU grid's other layouts
 # (bench/results/traces_multirank.jsonl) traced dense layers only.
 _MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
+_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
+
+
+def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
+    """The layout classes traced with this geometry's GDN or MoE layers (None: a dense
+    geometry, every traced class applies). MoE also at TP2+SP (the EP grid's TP2+SP+EP2
+    cells, bench/results/moe_validation.txt)."""
+    if geometry.gdn is not None:
+        return _MIXED_TRACED
+    if geometry.moe is not None:
+        return _MOE_TRACED
+    return None
 
 
 def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
@@ -105,11 +117,11 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     if key not in traced:
         gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
                     f"(no multi-rank trace; traced: {', '.join(sorted(traced))})")
-    elif (geometry.gdn is not None or geometry.moe is not None) and key not in _MIXED_TRACED:
+    elif (mixed := _mixed_traced(geometry)) is not None and key not in mixed:
         kind = "GDN" if geometry.gdn is not None else "MoE"
         gaps.append(f"{kind} layers at TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} "
                     f"CP{parallel.cp} (the multi-rank traces cover dense layers; {kind} is traced "
-                    f"at {', '.join(sorted(_MIXED_TRACED))})")
+                    f"at {', '.join(sorted(mixed))})")
     if parallel.tp > 1 and geometry.attention is not None and geometry.attention.mla is not None:
         gaps.append(f"multi-latent attention at TP{parallel.tp} (no trace; Megatron-core's local "
                     "spec splits the down projections that Transformer Engine and the pricing "
@@ -144,8 +156,9 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     if len(untraced) != len(gaps):
         return none
     covered = layout_terms.traced_layouts(table)
-    if geometry.gdn is not None or geometry.moe is not None:
-        covered = covered & _MIXED_TRACED
+    mixed = _mixed_traced(geometry)
+    if mixed is not None:
+        covered = covered & mixed
     best = none
     for tp in (d for d in range(1, parallel.tp + 1) if parallel.tp % d == 0):
         for cp in (d for d in range(1, parallel.cp + 1) if parallel.cp % d == 0):
