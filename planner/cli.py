@@ -69,12 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:   # before build_parser imports the kernel modules: numba decides when it decorates
-        cold = cold_start.prepare(argv)
+        cold_start.prepare(argv)
     except WaveplanError as exc:
         print(f"waveplan: error: {exc}", file=sys.stderr)
         return 2
-    if cold.interpreted:
-        print(cold.note(), file=sys.stderr)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:  # bare `waveplan`: a usage error
@@ -84,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="waveplan: %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except WaveplanError as exc:
         print(f"waveplan: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0
+    if code == 0 and (note := cold_start.finish()):
+        print(note, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -65,21 +65,12 @@ class ColdMode(str, Enum):
 
 @dataclass(frozen=True)
 class ColdStart:
-    """What `prepare` decided for this process: kernels `interpreted` or compiled, the
-    background compile's process id (None: none started), and why, in words."""
+    """What `prepare` decided for this process: kernels `interpreted` or compiled, the mode
+    (`WAVEPLAN_COLD_COMPILE`), and why, in words."""
 
     interpreted: bool
-    pid: int | None = None
+    mode: ColdMode = ColdMode.BACKGROUND
     reason: str = ""
-
-    def note(self) -> str:
-        """One line for stderr, when interpreted."""
-        if not self.interpreted:
-            return ""
-        compile_ = (f"compiling them in the background (pid {self.pid}; `waveplan warmup` waits "
-                    "for it)" if self.pid is not None else self.reason)
-        return ("waveplan: no compiled kernels in this machine's cache yet: running them interpreted "
-                f"(a plan is the one --deterministic gives); {compile_}")
 
 
 _DECISION = ColdStart(interpreted=False, reason="not prepared")
@@ -198,32 +189,46 @@ def _start_background() -> int | None:
 
 def prepare(argv: list[str]) -> ColdStart:
     """Decide, before any kernel module is imported, whether this command runs its kernels
-    interpreted (see the module docstring), and if so start the background compile. Records
-    the decision for `current()` and returns it. O(package files)."""
+    interpreted (see the module docstring); if so, turn numba's JIT off for this process.
+    Records the decision for `current()` and returns it; starts nothing (`finish` does, once
+    the command succeeded). O(package files)."""
     global _DECISION
     import numba
 
     chosen = mode()
     compiled = (_command(argv) not in INTERPRETED_COMMANDS        # many plans, or torch
+                or any(a in ("-h", "--help") for a in argv)       # nothing runs
                 or chosen is ColdMode.FOREGROUND
                 or bool(numba.config.DISABLE_JIT)                   # the user interprets already
                 or (_budget_ms(argv) or 0.0) > INTERPRET_MAX_BUDGET_MS
                 or _kernels_imported()
                 or warm_marker().exists())
     if compiled:
-        _DECISION = ColdStart(interpreted=False, reason="compiled")
-        return _DECISION
-    if chosen is ColdMode.BACKGROUND and not _writable(jit_cache.cache_dir()):
-        _DECISION = ColdStart(interpreted=False, reason="cache folder not writable: compile here")
-        return _DECISION
-    numba.config.DISABLE_JIT = True
-    if chosen is ColdMode.NEVER:
-        _DECISION = ColdStart(interpreted=True, reason=f"no compile started ({ENV_MODE}=never)")
+        _DECISION = ColdStart(interpreted=False, mode=chosen, reason="compiled")
+    elif chosen is ColdMode.BACKGROUND and not _writable(jit_cache.cache_dir()):
+        _DECISION = ColdStart(interpreted=False, mode=chosen,
+                              reason="cache folder not writable: compile here")
+    else:
+        numba.config.DISABLE_JIT = True
+        _DECISION = ColdStart(interpreted=True, mode=chosen, reason="no completed warm-up")
+    return _DECISION
+
+
+def finish() -> str:
+    """After a command that ran interpreted succeeded: start the background compile (mode
+    `background`) and return the line that says what happened, for stderr ("" when the
+    kernels ran compiled). A failed command starts nothing and prints only its error."""
+    if not _DECISION.interpreted:
+        return ""
+    if _DECISION.mode is ColdMode.NEVER:
+        compile_ = f"no compile started ({ENV_MODE}=never)"
     else:
         pid = _start_background()
-        _DECISION = ColdStart(interpreted=True, pid=pid,
-                              reason="another process is compiling them" if pid is None else "")
-    return _DECISION
+        compile_ = ("another process is compiling them" if pid is None else
+                    f"compiling them in the background now (pid {pid}; `waveplan warmup` waits "
+                    "for it)")
+    return ("waveplan: no compiled kernels in this machine's cache yet: ran them interpreted "
+            f"(a plan is the one --deterministic gives); {compile_}")
 
 
 def _background_main() -> int:

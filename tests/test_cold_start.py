@@ -70,21 +70,21 @@ def _marker(cache: Path) -> Path:
 def test_a_cold_plan_runs_interpreted_and_gives_the_deterministic_plan(tmp_path, compiled_plan):
     cache = tmp_path / "cache"
     done = _cli(PLAN, _env(cache, "never"))
-    assert "running them interpreted" in done.stderr
+    assert "ran them interpreted" in done.stderr
     assert "WAVEPLAN_COLD_COMPILE=never" in done.stderr
     assert _plan(done.stdout) == compiled_plan       # no --deterministic given: forced
     assert "compile_ms" not in done.stdout
     folder = jit_cache.cache_dir({"WAVEPLAN_CACHE_DIR": str(cache)})
     assert not list(folder.rglob("*.nbi")) and not _marker(cache).exists()   # nothing compiled
     price = _cli(["price", "grpo-8x8", "--model", "qwen3-8b", "--json"], _env(cache, "never"))
-    assert "running them interpreted" in price.stderr and json.loads(price.stdout)
+    assert "ran them interpreted" in price.stderr and json.loads(price.stdout)
 
 
 @pytest.mark.slow
 def test_the_background_compile_makes_the_next_command_compiled(tmp_path, compiled_plan):
     cache = tmp_path / "cache"
     first = _cli(PLAN, _env(cache, None))            # the default mode: background
-    match = re.search(r"compiling them in the background \(pid (\d+);", first.stderr)
+    match = re.search(r"compiling them in the background now \(pid (\d+);", first.stderr)
     assert match, first.stderr
     assert _plan(first.stdout) == compiled_plan
     marker = _marker(cache)
@@ -107,7 +107,7 @@ def test_the_decision_compiles_for_other_commands_large_budgets_and_foreground(m
     monkeypatch.setattr(cold_start, "_kernels_imported", lambda: False)
     monkeypatch.setenv("WAVEPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(cold_start.ENV_MODE, raising=False)
-    for argv in (["study"], ["-v", "warmup"], ["plan", "--time-budget-ms", "200"],
+    for argv in (["study"], ["-v", "warmup"], ["plan", "--help"], ["plan", "--time-budget-ms", "200"],
                  ["plan", "--time-budget-ms=21"]):
         assert cold_start.prepare(argv).interpreted is False, argv
     monkeypatch.setenv(cold_start.ENV_MODE, "foreground")
@@ -135,6 +135,17 @@ def test_kernel_files_are_the_kernel_modules():
     names = {p.name for p in cold_start.kernel_files()}
     assert {"wave_pricer.py", "greedy.py", "stable_sort.py"} <= names
     assert "cold_start.py" not in names and "jit_cache.py" not in names
+
+
+@pytest.mark.slow
+def test_a_cold_command_that_fails_prints_one_line_and_starts_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    done = subprocess.run([sys.executable, "-m", "waveplan.planner.cli", *PLAN, "--free-gib", "abc"],
+                          env=_env(cache, None), capture_output=True, text=True, timeout=COLD_TIMEOUT_S)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "free_gib" in done.stderr
+    folder = jit_cache.cache_dir({"WAVEPLAN_CACHE_DIR": str(cache)})
+    assert not (folder / cold_start.LOG_NAME).exists()    # no background compile started
 
 
 def test_a_bad_mode_is_one_line(monkeypatch, capsys):

@@ -71,7 +71,7 @@ def test_wheel_installs_and_plans(minor, wheel, tmp_path):
                                   "qwen3-8b", "--tp", "1", "--free-gib", "40", "--packer", "greedy"],
                                  capture_output=True, text=True, timeout=PLAN_S, cwd=tmp_path, env=cold)
     assert interpreted.returncode == 0, interpreted.stderr
-    assert "running them interpreted" in interpreted.stderr
+    assert "ran them interpreted" in interpreted.stderr
     assert interpreted.stdout.splitlines()[0] == lines[0]
     assert any("lower bound" in line for line in interpreted.stdout.splitlines())
     version = subprocess.run([str(venv / "bin" / "python"), "-c",
