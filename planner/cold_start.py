@@ -7,10 +7,11 @@ that. When the cache folder's warm marker (`warm_marker`) is missing, `plan`, `p
 `inspect` run waveplan's kernels as plain Python (numba's `DISABLE_JIT`, set before any kernel
 module is decorated): the same code, the same results, about 100x slower per call, which one
 plan at the default budget affords (0.4 s for 512 requests, 1.1 s for 2048 on this 2-core
-machine). Meanwhile one detached process (`python -m waveplan.planner.cold_start`) compiles
-every kernel into the cache folder: the warm-up, under the folder's lock, so concurrent cold
-commands on a node start one compile between them. The next command finds the marker and
-runs compiled.
+machine). Once the command succeeded, one detached process (`python -m
+waveplan.planner.cold_start`) compiles every kernel into the cache folder: the warm-up, under
+the folder's lock, so concurrent cold commands on a node start one compile between them (one
+that finds the lock held starts none). The next command finds the marker and runs compiled. A
+command that fails prints only its error and starts nothing.
 
 An interpreted plan reads no clock: 5 ms of interpreted search buys about 1% of its compiled
 work, so the search runs the iteration cap that `--time-budget-ms` implies instead (what
