@@ -81,10 +81,11 @@ from .budget import (
 from .contract import Pricer, SearchPricer, SearchStep
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
-from .greedy import LIMIT, atom_args, pack_greedy
+from .fill import FILL_ALPHA, FILL_PER_POINT, fill_waves
+from .greedy import ELIMINATE_CANDIDATES, LIMIT, atom_args, pack_greedy
 from .items import Blocks, Items, atom_size, blocks_for, build_items
 from .ladder import run_ladder
-from .local import balance
+from .local import balance, eliminate
 from .multistart import iteration_cap, run_multistart
 from .options import (
     BASELINE_KINDS,
@@ -318,6 +319,7 @@ def _pack(s: _Search) -> list[Draft]:
         return _pack_exact_count(s, num_waves)
     blocks = blocks_for(s.items, s.active)
     assign, nw, runs = _greedy(s, blocks)
+    assign, nw = _fill(s, blocks, assign, nw)
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
     assign, nw = _anneal(s, assign, nw)
@@ -345,6 +347,32 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     s.stats["greedy_waves"] = nw + s.num_fixed
     s.stats["greedy_runs"] = runs
     return assign, nw, runs
+
+
+def _fill(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
+    """Waves filled one at a time so that the gradient slots mix (`fill`), then `eliminate`,
+    on the steps the anneal runs on (AUTO, large steps), when the greedy left a gap to the
+    envelope bound; kept only when it has fewer waves than the greedy's plan. Returns
+    (assign, waves)."""
+    if s.anneal_evals <= 0 or nw <= s.lower:
+        return assign, nw
+    items = s.items
+    atom_block = np.full(items.num_atoms, -1, dtype=np.int64)
+    atom_block[blocks.atoms] = np.repeat(np.arange(blocks.count, dtype=np.int64),
+                                         np.diff(blocks.ptr))
+    size = items.atom_w.max(axis=1) if items.atom_w.shape[1] else np.zeros(items.num_atoms)
+    order = s.active[np.lexsort((s.active, -size[s.active]))].astype(np.int64)
+    atoms, headers = atom_args(items)
+    fa, fnw, evals = fill_waves(order, atom_block, blocks.ptr, blocks.atoms, atoms, headers,
+                                LIMIT, FILL_ALPHA, FILL_PER_POINT)
+    if fnw > max(s.lower, 1):
+        fnw = eliminate(fa, fnw, s.active, atom_size(items), np.int64(ELIMINATE_CANDIDATES),
+                        atoms, headers, LIMIT)
+    s.stats["fill_waves"] = fnw + s.num_fixed
+    s.stats["fill_evals"] = int(evals)
+    if fnw < nw:
+        return fa, fnw
+    return assign, nw
 
 
 def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
