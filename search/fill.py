@@ -29,13 +29,22 @@ from numba import njit
 from .kernels import add_atom, delta, grow, peak
 
 FILL_ALPHA = 0.8      # weight of an atom's size against the rise of the wave's peak
-FILL_PER_POINT = 2    # fitting candidates per dominant point and pick
+FILL_PER_POINT = 1    # fitting candidates per dominant point and pick
 
 
 @njit(cache=True)
 def _better(key, size, best, best_key, best_size):
     return best < 0 or key < best_key - 1e-12 or (abs(key - best_key) <= 1e-12
                                                    and size > best_size)
+
+
+@njit(cache=True)
+def _over(load, b, aw, x, limit):
+    """Whether atom x's weight alone overflows wave b (it never fits b again). O(P)."""
+    for p in range(load.shape[1]):
+        if load[b, p] + aw[x, p] > limit:
+            return True
+    return False
 
 
 @njit(cache=True)
@@ -60,6 +69,12 @@ def fill_waves(order, atom_block, bptr, batoms, atoms, hdr, limit, alpha, per_po
             if aw[a, p] > aw[a, heavy[a]]:
                 heavy[a] = p
         size[a] = aw[a, heavy[a]]
+    points = 0   # dominant points held by some atom: the walk stops once each has its fits
+    seen = np.zeros(P, dtype=np.bool_)
+    for i in range(n):
+        if not seen[heavy[order[i]]]:
+            seen[heavy[order[i]]] = True
+            points += 1
     done = np.zeros(A, dtype=np.bool_)
     load = np.zeros((16, P))
     scnt = np.zeros((16, sub_hdr.shape[0]), dtype=np.int32)
@@ -107,26 +122,28 @@ def fill_waves(order, atom_block, bptr, batoms, atoms, hdr, limit, alpha, per_po
             best_size = 0.0
             for p in range(P):
                 found[p] = 0
+            full = 0
             i = nxt[n]
-            while i != n:
+            while i != n and full < points:
                 x = order[i]
                 ni = nxt[i]
                 gone = done[x]
                 if not gone and found[heavy[x]] < per_point:
-                    for p in range(P):
-                        if load[b, p] + aw[x, p] > limit:
-                            gone = True
-                            break
+                    gone = _over(load, b, aw, x, limit)
                     if not gone:
                         evals += 1
                         m = delta(load, scnt, ccnt, b, aw[x], as_[asptr[x]:asptr[x + 1]],
                                   ac[acptr[x]:acptr[x + 1]], sub_hdr, class_hdr, tmp, limit)
                         if m <= limit:
                             found[heavy[x]] += 1
+                            if found[heavy[x]] == per_point:
+                                full += 1
                             key = (m - pk) - alpha * size[x]
                             if _better(key, size[x], best, best_key, best_size):
                                 best, best_key, best_size = x, key, size[x]
-                if gone:   # placed, or its weight alone overflows: out of this wave's walk
+                        else:
+                            gone = True
+                if gone:   # placed, or does not fit: out of this wave's walk
                     nxt[prv[i]] = ni
                     prv[ni] = prv[i]
                 i = ni
@@ -134,7 +151,7 @@ def fill_waves(order, atom_block, bptr, batoms, atoms, hdr, limit, alpha, per_po
                 blk = present[q]
                 for j in range(bptr[blk], bptr[blk + 1]):
                     x = batoms[j]
-                    if done[x]:
+                    if done[x] or _over(load, b, aw, x, limit):
                         continue
                     evals += 1
                     m = delta(load, scnt, ccnt, b, aw[x], as_[asptr[x]:asptr[x + 1]],
