@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .greedy import LIMIT, atom_args
+from .items import Blocks, Items
 from .kernels import add_atom, delta, grow, peak
 
 FILL_ALPHA = 0.8      # weight of an atom's size against the rise of the wave's peak
@@ -166,3 +168,19 @@ def fill_waves(order, atom_block, bptr, batoms, atoms, hdr, limit, alpha, per_po
                 break
             a = best
     return atom_wave, nw, evals
+
+
+def fill_plan(items: Items, blocks: Blocks, active: np.ndarray, alpha: float = FILL_ALPHA,
+              per_point: int = FILL_PER_POINT) -> tuple[np.ndarray, int, int]:
+    """`fill_waves` over the active atoms and their blocks (`items.blocks_for`): the atoms
+    by decreasing largest weight (ties: index). Returns (atom_wave, waves, evaluations).
+    O(A log A) plus the kernel's cost."""
+    atom_block = np.full(items.num_atoms, -1, dtype=np.int64)
+    atom_block[blocks.atoms] = np.repeat(np.arange(blocks.count, dtype=np.int64),
+                                         np.diff(blocks.ptr))
+    size = items.atom_w.max(axis=1) if items.atom_w.shape[1] else np.zeros(items.num_atoms)
+    active = np.asarray(active, dtype=np.int64)
+    order = active[np.lexsort((active, -size[active]))]
+    atoms, headers = atom_args(items)
+    return fill_waves(order, atom_block, blocks.ptr, blocks.atoms, atoms, headers, LIMIT,
+                      float(alpha), int(per_point))

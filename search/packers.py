@@ -83,7 +83,7 @@ from .budget import (
 from .contract import Pricer, SearchPricer, SearchStep
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
-from .fill import FILL_ALPHA, FILL_PER_POINT, fill_waves
+from .fill import fill_plan
 from .greedy import ELIMINATE_CANDIDATES, LIMIT, atom_args, pack_greedy
 from .items import Blocks, Items, atom_size, blocks_for, build_items
 from .ladder import run_ladder
@@ -363,18 +363,10 @@ def _fill(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int) -> tuple[np.n
     Returns (assign, waves)."""
     if s.fill_us <= 0.0 or nw <= s.lower:
         return assign, nw
-    items = s.items
-    atom_block = np.full(items.num_atoms, -1, dtype=np.int64)
-    atom_block[blocks.atoms] = np.repeat(np.arange(blocks.count, dtype=np.int64),
-                                         np.diff(blocks.ptr))
-    size = items.atom_w.max(axis=1) if items.atom_w.shape[1] else np.zeros(items.num_atoms)
-    order = s.active[np.lexsort((s.active, -size[s.active]))].astype(np.int64)
-    atoms, headers = atom_args(items)
-    fa, fnw, evals = fill_waves(order, atom_block, blocks.ptr, blocks.atoms, atoms, headers,
-                                LIMIT, FILL_ALPHA, FILL_PER_POINT)
+    fa, fnw, evals = fill_plan(s.items, blocks, s.active)
     if fnw > max(s.lower, 1):
-        fnw = eliminate(fa, fnw, s.active, atom_size(items), np.int64(ELIMINATE_CANDIDATES),
-                        atoms, headers, LIMIT)
+        fnw = eliminate(fa, fnw, s.active, atom_size(s.items), np.int64(ELIMINATE_CANDIDATES),
+                        *atom_args(s.items), LIMIT)
     s.stats["fill_waves"] = fnw + s.num_fixed
     s.stats["fill_evals"] = int(evals)
     if fnw < nw:
