@@ -86,7 +86,7 @@ def fill_waves(order, atom_block, bptr, batoms, atoms, hdr, limit, alpha, per_po
     prv = np.empty(n + 1, dtype=np.int64)
     present = np.empty(n, dtype=np.int64)   # blocks in the wave
     found = np.zeros(P, dtype=np.int64)
-    nw = 0
+    nw = np.int64(0)   # typed, not Literal[int]: the primitives compile once
     left = n
     evals = 0
     while left > 0:
