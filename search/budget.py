@@ -4,8 +4,9 @@ The budget covers the whole search. Exact re-pricing, the pending-gradient order
 final breakdowns cost about POST_US_PER_WAVE per wave (measured on generated GRPO steps of
 32-2048 requests with the real pricer); that much is set aside from the start, using the
 lower bound for the wave count, and the rest goes to the greedy runs, then the multistart;
-on large steps AUTO first sets aside up to EJECT_SHARE of it (at most what one greedy run
-leaves, `packers`) for annealing against the envelope (`anneal`, counted in evaluations,
+on large steps AUTO first sets aside one greedy run's estimate for the wave-by-wave fill
+(`fill`, about the cost of a greedy run, when the budget holds two) and up to EJECT_SHARE of
+it (at most what one greedy run and the fill leave, `packers`) for annealing against the envelope (`anneal`, counted in evaluations,
 ANNEAL_US_PER_EVAL), exactly priced swaps (`swap`, counted in prices, `exact_price_us`) and
 the ejection chains (`eject`, counted in placements, `eject_cost_us`).
 

@@ -15,7 +15,9 @@ Pipeline (AUTO):
    exact prices (the pricer's `BoundedPricer.lower_bound_waves`), which decides step 4.
 3. group-aware greedy (`greedy`), several orders and rules (on steps of >= EJECT_MIN_ATOMS
    atoms the slot-aware PEAK_INCREASE rule first), stopping at the envelope bound; only if a
-   gap is left: randomised multistart (`multistart`), annealing that empties the lightest
+   gap is left: on steps of >= EJECT_MIN_ATOMS atoms (AUTO) waves filled one at a time so
+   that the gradient slots mix (`fill`, kept when it has fewer waves), randomised multistart
+   (`multistart`), annealing that empties the lightest
    wave by moves and swaps that mix the gradient slots (`anneal`, aimed chains from
    ANNEAL_AIMED_MIN_EVALS evaluations on) and ejection chains that empty light waves by
    moves and swaps (`eject`; both AUTO, steps of >= EJECT_MIN_ATOMS atoms), then CP-SAT (`exact_cpsat`) when the instance passes its size rule and
@@ -44,8 +46,8 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 
 Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
 expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
-first sets aside up to EJECT_SHARE of it (at most what one greedy run leaves): ANNEAL_SHARE
-of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
+first sets aside one greedy run's estimate for `fill` (when the budget holds two runs), then
+up to EJECT_SHARE of it (at most what one greedy run and the fill leave): ANNEAL_SHARE of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
 ejection chains (placements), each counted by estimate in both modes (`budget`).
 
 Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
@@ -81,10 +83,11 @@ from .budget import (
 from .contract import Pricer, SearchPricer, SearchStep
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
-from .greedy import LIMIT, atom_args, pack_greedy
+from .fill import fill_plan
+from .greedy import ELIMINATE_CANDIDATES, LIMIT, atom_args, pack_greedy
 from .items import Blocks, Items, atom_size, blocks_for, build_items
 from .ladder import run_ladder
-from .local import balance
+from .local import balance, eliminate
 from .multistart import iteration_cap, run_multistart
 from .options import (
     BASELINE_KINDS,
@@ -206,6 +209,7 @@ class _Search:
     eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
     swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
     anneal_evals: int        # evaluations for `anneal` (same steps)
+    fill_us: float           # microseconds for `fill` (same steps, when the budget buys it)
     deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
@@ -269,18 +273,21 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     left_us = search_us(ms, lower + F)
     eject_us = 0.0
     swap_prices = anneal_evals = 0
+    fill_us = 0.0
     if (kind == PackerKind.AUTO and options.num_waves is None
             and len(active) >= EJECT_MIN_ATOMS):
         one_run = run_cost_us(len(active), lower, len(items.points))
-        eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run))
-        left_us -= eject_us
+        # the greedy's first run comes first, then the fill (`fill`, about one greedy run)
+        fill_us = one_run if left_us >= 2 * one_run else 0.0
+        eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run - fill_us))
+        left_us -= eject_us + fill_us
         swap_prices = int(SWAP_SHARE * eject_us // exact_price_us(len(active), lower + F))
         anneal_evals = int(ANNEAL_SHARE * eject_us / ANNEAL_US_PER_EVAL)
         eject_us *= 1.0 - SWAP_SHARE - ANNEAL_SHARE
     return _Search(step=step, pricer=pricer, budget=budget, options=options, reserve=reserve,
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
                    lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
-                   swap_prices=swap_prices, anneal_evals=anneal_evals,
+                   swap_prices=swap_prices, anneal_evals=anneal_evals, fill_us=fill_us,
                    deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
@@ -318,6 +325,7 @@ def _pack(s: _Search) -> list[Draft]:
         return _pack_exact_count(s, num_waves)
     blocks = blocks_for(s.items, s.active)
     assign, nw, runs = _greedy(s, blocks)
+    assign, nw = _fill(s, blocks, assign, nw)
     exact_fits = fits_size_rule(len(s.active), nw - 1, s.num_points, s.solver_s)
     assign, nw = _improve(s, blocks, assign, nw, runs, exact_fits)
     assign, nw = _anneal(s, assign, nw)
@@ -345,6 +353,25 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     s.stats["greedy_waves"] = nw + s.num_fixed
     s.stats["greedy_runs"] = runs
     return assign, nw, runs
+
+
+def _fill(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
+    """Waves filled one at a time so that the gradient slots mix (`fill`), then `eliminate`,
+    on large AUTO steps whose budget buys it (`fill_us`: about one greedy run), when the
+    greedy left a gap to the envelope bound; kept only when it has fewer waves than the
+    greedy's plan (ties keep the greedy's). Deterministic; the same work in both modes.
+    Returns (assign, waves)."""
+    if s.fill_us <= 0.0 or nw <= s.lower:
+        return assign, nw
+    fa, fnw, evals = fill_plan(s.items, blocks, s.active)
+    if fnw > max(s.lower, 1):
+        fnw = eliminate(fa, fnw, s.active, atom_size(s.items), np.int64(ELIMINATE_CANDIDATES),
+                        *atom_args(s.items), LIMIT)
+    s.stats["fill_waves"] = fnw + s.num_fixed
+    s.stats["fill_evals"] = int(evals)
+    if fnw < nw:
+        return fa, fnw
+    return assign, nw
 
 
 def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
@@ -379,8 +406,9 @@ def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     A, P = len(s.active), s.num_points
     us = s.eject_us
     if s.deadline is not None:
-        # their share ends after the greedy's and the anneal's (which runs first)
-        end = s.t0 + (s.left_us + s.anneal_evals * ANNEAL_US_PER_EVAL + s.eject_us) / 1e6
+        # their share ends after the greedy's, the fill's and the anneal's (which run first)
+        end = s.t0 + (s.left_us + s.fill_us + s.anneal_evals * ANNEAL_US_PER_EVAL
+                      + s.eject_us) / 1e6
         us = min(us, max(0.0, (end - time.perf_counter()) * 1e6)) / s.slowdown
     work = int(us // eject_cost_us(A, nw, P))
     if work <= 0:
