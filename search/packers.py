@@ -345,7 +345,8 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     start = time.perf_counter() if s.deadline is not None else 0.0
     assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
                                    max_runs=max_runs,
-                                   peak_first=len(s.active) >= EJECT_MIN_ATOMS)
+                                   peak_first=len(s.active) >= EJECT_MIN_ATOMS,
+                                   keep_first=s.fill_us > 0.0)
     if s.deadline is not None and runs:   # how much slower than estimated this machine runs
         est = runs * run_cost_us(len(s.active), s.lower, s.num_points)
         s.slowdown = min(max((time.perf_counter() - start) * 1e6 / est, EJECT_MIN_SLOWDOWN),
