@@ -423,9 +423,11 @@ class PricingModel:
                 layer_retained += extra
             sp_layer = sp_forward = 0.0
             moe_sp = (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
-                      and layer.mlp == MlpKind.MOE and sp_div > 1 and self.width_etp > 1)
+                      and layer.mlp == MlpKind.MOE and sp_div > 1 and self.width_etp > 1
+                      and layout_terms.SP_RETAINED in t.terms)
             if moe_sp:
                 # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
+                # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
                 less = (cp_release if mode == RecomputeMode.NONE else table_discount(t, widths))
                 kw = dict(tp=self.width_tp, etp=self.width_etp, routed=g.moe.top_k * ep_skew,
                           rope_per_row=rope_cache_per_row(g, [layer]))
@@ -470,7 +472,8 @@ class PricingModel:
         # at TP with SP: under full recompute its TP+SP point `moe_terms.tp_backward_point_per_routed_row`,
         # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`)
         # get the residual fitted with them; the others the one fitted without them (`bare`)
-        moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or self.width_etp > 1)
+        moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or (
+            self.width_etp > 1 and layout_terms.SP_RETAINED in t.terms))
         per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
             retained=mode != RecomputeMode.FULL,
