@@ -9,7 +9,9 @@ holds 4 local experts (fewer than top 8, so the worst-case load is EP x 4 / 8 = 
 FFN / hidden ratio differs from the grid's two MoE shapes (both 512-wide experts), so its cells
 are held out of the torch-cpu MoE coefficients that bench/moe_validation.py checks. The grid's
 wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with, and this
-shape too (full recompute), to validate the TP+SP MoE point on a second geometry.
+shape too (full recompute), to validate the TP+SP MoE point on a second geometry; both shapes
+at TP2+SP and this one at TP4+SP also retaining their activations (selective and no recompute:
+docs/memory-model.md#moe-sp-retained).
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
@@ -53,7 +55,7 @@ LAYOUTS = (
     ("MoE-a3b TP2+SP", MOE_A3B, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
     # the wide shape at TP2+SP without EP, retained layers (selective and no recompute): with the
     # a3b shape's TP2+SP and TP4+SP cells they price retained MoE layers under TP+SP
-    # (pricing.moe_terms.sp_retained_moe_per_routed_row)
+    # (pricing.moe_terms.sp_retained_moe_layer_per_row)
     ("MoE-wide TP2+SP", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True}, "balanced", ("selective", "none")),
 )
 
