@@ -9,7 +9,9 @@ holds 4 local experts (fewer than top 8, so the worst-case load is EP x 4 / 8 = 
 FFN / hidden ratio differs from the grid's two MoE shapes (both 512-wide experts), so its cells
 are held out of the torch-cpu MoE coefficients that bench/moe_validation.py checks. The grid's
 wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with, and this
-shape too (full recompute), to validate the TP+SP MoE point on a second geometry.
+shape too (full recompute), to validate the TP+SP MoE point on a second geometry; both shapes
+at TP2+SP and this one at TP4+SP also retaining their activations (selective and no recompute:
+docs/memory-model.md#moe-sp-retained).
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
@@ -41,7 +43,7 @@ LAYOUTS = (
     ("MoE-wide TP4+SP", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
     # a second MoE shape at TP4+SP (top 8 at TP4: routed rows / TP differ from rows), held out of
     # the TP+SP MoE point (pricing.moe_terms.tp_backward_point_per_routed_row), full recompute
-    ("MoE-a3b TP4+SP", MOE_A3B, {"tp": 4, "sequence_parallel": True}, "balanced", ("full",)),
+    ("MoE-a3b TP4+SP", MOE_A3B, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
     # the experts unsplit under TP4+SP (Megatron's expert_tensor_parallel_size = 1), both shapes
     ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced",
      ("full",)),
@@ -50,7 +52,11 @@ LAYOUTS = (
      ("full",)),
     # a second MoE shape at TP2+SP (the wide one is traced there with EP2), held out of every
     # MoE term: with it MoE layers at TP2+SP are priced on evidence (pricing.model._MOE_TRACED)
-    ("MoE-a3b TP2+SP", MOE_A3B, {"tp": 2, "sequence_parallel": True}, "balanced", ("full",)),
+    ("MoE-a3b TP2+SP", MOE_A3B, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    # the wide shape at TP2+SP without EP, retained layers (selective and no recompute): with the
+    # a3b shape's TP2+SP and TP4+SP cells they price retained MoE layers under TP+SP
+    # (pricing.moe_terms.sp_retained_moe_layer_per_row)
+    ("MoE-wide TP2+SP", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True}, "balanced", ("selective", "none")),
 )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ep_grid  # noqa: E402
 import multirank_grid as grid  # noqa: E402
 
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
@@ -53,6 +54,11 @@ ANATOMY_CELLS = (
     ("MoE-wide EP2", grid.MOE_WIDE, {"ep": 2}, "full"),
     ("MoE-wide EP4", grid.MOE_WIDE, {"ep": 4}, "full"),
     ("MoE-wide EP2", grid.MOE_WIDE, {"ep": 2}, "none"),
+    # retained MoE layers under TP with SP (docs/memory-model.md#moe-sp-retained)
+    ("MoE-wide TP4+SP", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True}, "none"),
+    ("MoE-wide TP2+SP", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True}, "none"),
+    ("MoE-a3b TP4+SP", ep_grid.MOE_A3B, {"tp": 4, "sequence_parallel": True}, "none"),
+    ("MoE-a3b TP2+SP", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True}, "none"),
 )
 
 

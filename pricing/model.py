@@ -87,6 +87,9 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
 # (bench/results/traces_multirank.jsonl) traced dense layers only.
 _MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
 _MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
+# Layout classes whose MoE layers are traced retaining their activations (selective and no
+# recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP
+_MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1"})
 
 
 def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
@@ -145,20 +148,27 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     When the only gap is an untraced (TP, SP, CP) class, the rank is priced as the largest
     traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
     grows with more TP, SP or CP (the layout properties the traces show and the tests check),
-    so that price bounds the uncovered layout from above. Any other gap (recompute schedule,
-    MoE or GDN without full recompute, multi-latent attention at TP > 1) gets no credit: TP1,
+    so that price bounds the uncovered layout from above. MoE without full recompute (traced on
+    the CPU only) keeps the credit of the classes its CPU traces cover (`_MOE_RETAINED_TRACED`,
+    at the default expert TP; docs/memory-model.md#moe-sp-retained). Any other gap (recompute
+    schedule, GDN without full recompute, multi-latent attention at TP > 1) gets no credit: TP1,
     CP1. O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
     gaps = layout_gaps(geometry, parallel, recompute, table)
     untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
-    if len(untraced) != len(gaps):
+    moe_retained = [g for g in gaps if g.startswith("MoE with ") and parallel.expert_tp == parallel.tp]
+    if len(untraced) + len(moe_retained) != len(gaps):
         return none
     covered = layout_terms.traced_layouts(table)
     mixed = _mixed_traced(geometry)
     if mixed is not None:
         covered = covered & mixed
+    if moe_retained:
+        covered = covered & _MOE_RETAINED_TRACED
+        if key in covered:
+            return parallel
     best = none
     for tp in (d for d in range(1, parallel.tp + 1) if parallel.tp % d == 0):
         for cp in (d for d in range(1, parallel.cp + 1) if parallel.cp % d == 0):
@@ -412,7 +422,20 @@ class PricingModel:
             if extra:
                 layer_retained += extra
             sp_layer = sp_forward = 0.0
-            if (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
+            moe_sp = (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
+                      and layer.mlp == MlpKind.MOE and sp_div > 1 and self.width_etp > 1
+                      and layout_terms.SP_RETAINED in t.terms)
+            if moe_sp:
+                # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
+                # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
+                less = (cp_release if mode == RecomputeMode.NONE else table_discount(t, widths))
+                kw = dict(tp=self.width_tp, etp=self.width_etp, routed=g.moe.top_k * ep_skew,
+                          rope_per_row=rope_cache_per_row(g, [layer]))
+                layer_retained = (moe_terms.sp_retained_moe_layer_per_row(widths_r, **kw)
+                                  - less + qk_norm + extra)
+                sp_forward = (moe_terms.sp_retained_moe_layer_per_row(widths_r, forward=True, **kw)
+                              - less + qk_norm + extra + moe_extra)
+            elif (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
                     and layer.mlp == MlpKind.DENSE and sp_div > 1):
                 # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
                 less = (cp_release if mode == RecomputeMode.NONE else
@@ -446,9 +469,11 @@ class PricingModel:
         # activations, once per wave (every point) under full recompute
         c = self.credit
         # layers the structural layout terms cover (attention with a dense MLP, or with a MoE MLP
-        # under full recompute at TP with SP, whose TP+SP point `moe_terms.tp_backward_point_per_routed_row`
-        # prices) get the residual fitted with them; the others the one fitted without them (`bare`)
-        moe_point = mode == RecomputeMode.FULL and sp_div > 1
+        # at TP with SP: under full recompute its TP+SP point `moe_terms.tp_backward_point_per_routed_row`,
+        # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`)
+        # get the residual fitted with them; the others the one fitted without them (`bare`)
+        moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or (
+            self.width_etp > 1 and layout_terms.SP_RETAINED in t.terms))
         per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
             retained=mode != RecomputeMode.FULL,

@@ -148,3 +148,60 @@ def routed_extra_per_row(table: CoefficientTable, widths: dict, *, ep: int, tp: 
     layer's gradient stage, its forward transients and a retained layer's backward (`pricing.model`)."""
     return widths["top_k"] * load * (permutation_per_routed_row(table, widths)
                                      + dispatch_per_routed_row(widths, ep, tp))
+
+
+def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: float, rope_per_row: float,
+                                  forward: bool = False) -> float:
+    """What an attention layer with a MoE MLP retains under TP with sequence parallelism without
+    full recompute (selective or none), per gathered row, and (`forward`) its forward peak.
+
+    What memory: the attention keeps its all-gathered input for the column-parallel weight
+    gradients (2H per gathered row, not divided by TP) and, at per-TP-rank widths, its saved
+    tensors (3 qkv + 5 core, as `layout_terms.sp_retained_layer_per_row`), the rotary frequencies
+    gathered per row (2 x `rope_per_row`) and the LoRA adapters' rank-wide intermediates
+    (8 x rank); on the rank's sequence shard, the two norms' fp32 inputs (8H / TP) and the
+    pre-MLP norm's output, the residual sum and the layer's input (6H / TP: `pre_mlp_layernorm`,
+    `L* add`, the embedding's `clone` before layer 0; the small router, LoRA and routing groups
+    the anatomy lists below them fit in it). The MoE MLP keeps, per routed row its
+    expert-TP group runs (`routed` = top_k x the EP load x the expert-TP share), every local
+    expert's FC1 output and activations (10 expert_ffn, already 1/ETP wide), and nothing
+    hidden-wide: the dispatcher's gathered and sorted rows are released after the experts'
+    forward (unlike a dense SP layer, whose MLP keeps its gathered input); the router's
+    per-row tensors (its fp32 probabilities and routing maps, about 3 x experts bytes) come
+    with it. Its forward peaks at the combine, over the retained layer: the experts'
+    concatenated output (2H), its fp32 copy (4H), the dispatcher's TP gather and sort copies
+    (`dispatch_per_routed_row`, `permutation_per_routed_row`, charged by the caller), the
+    reduce-scatter's fp32 output shard (4H / ETP) and the rank's permuted rows of its own shard
+    (2H / ETP): 6H + 6H / ETP per routed row (point C's hidden-wide tensors, in the forward;
+    `tp_backward_point_per_routed_row`), plus the router's fp32 probabilities (8 x experts).
+    A shared expert (none traced under TP) is priced as a dense SP MLP
+    (`layout_terms.sp_retained_layer_per_row`'s MLP part): its gathered input and FC1 output and
+    activations retained (2H + 10 shared_ffn, per-TP-rank width), and at the forward peak its
+    row-parallel LoRA output full-row with the reduce-scatter output (4H + 4H / TP).
+
+    Formula: 2H + 14H / TP + 3 qkv + 5 core + 8 rank + 3 experts + 2 x rope_per_row
+    + routed x 10 expert_ffn (+ 2H + 10 shared_ffn with a shared expert); `forward` adds
+    routed x (6H + 6H / ETP) + 8 experts (+ 4H + 4H / TP with a shared expert). 0 at TP1 or
+    ETP1 (no trace: the caller gives those layers no credit). Structural, in CPU units (torch
+    norms' fp32 inputs, Megatron's unfused dispatcher): `pricing.model` charges it, in place of
+    the TP1-fitted retained layer, where the table carries the other SP structural terms
+    (`layout_terms.SP_RETAINED`: torch-cpu); te-gpu keeps its own retained MoE terms (8H + 6
+    expert_ffn per routed row, a bound no GPU trace has measured) with the layout's credit. The
+    basis stays conservative (no GPU trace of a retained MoE layer). Evidence:
+    docs/memory-model.md#moe-sp-retained (bench/results/moe_sp_retained_anatomy.txt: the
+    forward peaks of grid-moe-a3b-h512 and grid-moe-h1024 at TP2+SP and TP4+SP, no recompute,
+    at L1.mlp's combine with L0 retained). O(1).
+    """
+    if tp <= 1 or etp <= 1:
+        return 0.0
+    h = widths["H"]
+    out = (2.0 * h + 14.0 * h / tp + 3.0 * widths["qkv"] + 5.0 * widths["core"] + 8.0 * widths["rank"]
+           + 3.0 * widths["experts"] + 2.0 * rope_per_row + routed * 10.0 * widths["expert_ffn"])
+    shared = widths["shared_ffn"] > 0
+    if shared:
+        out += 2.0 * h + 10.0 * widths["shared_ffn"]
+    if forward:
+        out += routed * (6.0 * h + 6.0 * h / etp) + 8.0 * widths["experts"]
+        if shared:
+            out += 4.0 * h + 4.0 * h / tp
+    return out
