@@ -28,7 +28,9 @@ expert (t x k + j) mod E, every rank's experts get the same load); `routing="rou
 Megatron's top-k router on the random weights (the load per rank then differs). Context
 parallelism runs the ring attention allocation model of `ring_attention` (Megatron-core
 needs Transformer Engine for CP). GDN layers are refused for CP (Megatron's GatedDeltaNet
-has no CP on the CPU).
+has no CP on the CPU). Megatron-core's GatedDeltaNet takes no packed (THD) input, so a wave of
+a model with GDN layers is concatenated into one causal row (batch 1, positions 0..rows-1), as
+the single-rank tracer runs it (`trace.trace_wave`, packed "concatenated").
 
 Rank processes: OMP_NUM_THREADS=1, TORCHDYNAMO_DISABLE=1; each writes its result to a file;
 the parent waits up to `timeout_s` (a hang guard, default 1800 s: cold imports of 8 ranks on
@@ -281,11 +283,15 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
                      "Engine's P2P kernel (pricing/measure/ring_attention.py)")
     if world.dp > 1:
         notes.append(f"DP={world.dp} ranks added for EP={layout.ep}: each runs the same wave")
+    packed = not any(s.mixer == MixerKind.GDN for s in layers)
+    if not packed:
+        notes.append("sequences concatenated into one causal row (batch 1, no THD): "
+                     "GatedDeltaNet takes no packed input")
     spec = {
         "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
         "num_layers": len(layers), "layout": world.to_dict(), "routing": routing,
         "decoder_only": bool(decoder_only), "timeout_s": float(timeout_s),
-        "anatomy": bool(anatomy),
+        "anatomy": bool(anatomy), "packed": packed,
         "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
                   "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
     }
@@ -300,7 +306,8 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
         out.append(MultiRankTrace(
             layout=world, ranks=ranks, num_layers=len(layers), model_layers=geometry.num_layers,
             seq_lens=lens, recompute=job.recompute.to_dict(), lora_rank=job.lora_rank,
-            routing=routing if has_moe else "none", notes=tuple(job_notes)))
+            routing=routing if has_moe else "none", packed="thd" if packed else "concatenated",
+            notes=tuple(job_notes)))
     return out
 
 
@@ -453,10 +460,11 @@ def _trace_rank(spec: dict) -> list[dict]:
     return out
 
 
-def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
+def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int, packed: bool = True):
     """Token ids, positions, labels and packed-sequence parameters of this rank: the whole
     wave (THD, global cu_seqlens) or, under CP, this rank's two chunks of each sequence
-    (positions and RoPE continue at each chunk's global offset)."""
+    (positions and RoPE continue at each chunk's global offset). `packed=False`: the wave
+    concatenated into one causal row (positions 0..rows-1, no packed-sequence parameters)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from . import thd
@@ -468,6 +476,9 @@ def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
     bounds = [0]
     for n in lens:
         bounds.append(bounds[-1] + n)
+    if not packed:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        return ids.contiguous(), torch.arange(total).unsqueeze(0), labels.contiguous(), None, cu
     if layout.cp > 1:
         from .ring_attention import cp_split
 
@@ -542,7 +553,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
                 # as the single-rank tracer counts: the inputs are made inside the tracker
                 # (so they stay in its live sum) and the peak starts after them
                 ids, pos, labels, packed, cu = _inputs(torch, lens, geometry.vocab, layout,
-                                                       cp_rank)
+                                                       cp_rank, spec.get("packed", True))
                 base = tracker.ignore([ids, pos, labels, cu])
                 tracker.reset_peak()
                 if full_head:
