@@ -536,6 +536,9 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             stack.enter_context(module_stack(model, stack_names))
         if model.pre_process:
             model.embedding.register_forward_hook(_standard_strides, prepend=True)
+        for module in model.modules():
+            if type(module).__name__ == "GatedDeltaNet":
+                module.out_proj.register_forward_pre_hook(_standard_input_strides)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
         weights = storage_bytes(params)
@@ -610,6 +613,22 @@ def _standard_strides(module, inputs, output):
             and output.stride(1) != output.shape[2]:
         return output.clone(memory_format=torch.contiguous_format)
     return None
+
+
+def _standard_input_strides(module, args):
+    """GatedDeltaNet's output projection input with row-major strides, as a view (a forward
+    pre-hook).
+
+    Megatron's GatedDeltaNet transposes its gated-norm output [b, s, x] back to [s, b, x] and
+    calls `.contiguous()`, which keeps the transposed strides when b = 1; torch's CPU `matmul`
+    then broadcasts a TP shard's weight over the s rows (the copy `_standard_strides` describes:
+    gigabytes at 2048 rows, enough to kill a rank). `squeeze(1).unsqueeze(1)` gives the same
+    storage row-major strides with no copy and a view's backward, so the counted bytes are
+    unchanged."""
+    x = args[0] if args else None
+    if x is None or x.dim() != 3 or x.shape[1] != 1 or x.stride(0) == x.shape[2]:
+        return None
+    return (x.squeeze(1).unsqueeze(1),) + tuple(args[1:])
 
 
 def _max_rss_bytes() -> int:
