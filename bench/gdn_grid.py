@@ -36,11 +36,11 @@ GDN = {"name": "grid-gdn-h1024", "hidden": 1024, "ffn": 3456, "vocab": 2048, "dt
        "moe": None}
 TRACES = grid.RESULTS / "traces_multirank_gdn.jsonl"
 LAYOUTS = (
-    ("GDN TP1", GDN, {}, "balanced", ("full",)),
-    ("GDN TP2", GDN, {"tp": 2}, "balanced", ("full",)),
-    ("GDN TP2+SP", GDN, {"tp": 2, "sequence_parallel": True}, "balanced", ("full",)),
-    ("GDN TP4", GDN, {"tp": 4}, "balanced", ("full",)),
-    ("GDN TP4+SP", GDN, {"tp": 4, "sequence_parallel": True}, "balanced", ("full",)),
+    ("GDN TP1", GDN, {}, "balanced", grid.RECOMPUTES),
+    ("GDN TP2", GDN, {"tp": 2}, "balanced", grid.RECOMPUTES),
+    ("GDN TP2+SP", GDN, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("GDN TP4", GDN, {"tp": 4}, "balanced", grid.RECOMPUTES),
+    ("GDN TP4+SP", GDN, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
 )
 
 

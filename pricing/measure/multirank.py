@@ -536,9 +536,12 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             stack.enter_context(module_stack(model, stack_names))
         if model.pre_process:
             model.embedding.register_forward_hook(_standard_strides, prepend=True)
-        for module in model.modules():
-            if type(module).__name__ == "GatedDeltaNet":
-                module.out_proj.register_forward_pre_hook(_standard_input_strides)
+        if not spec.get("packed", True):
+            # one causal row (b = 1): the layers' transposes keep b = 1 strides
+            for module in model.modules():
+                if type(module).__name__.endswith("Linear"):
+                    module.register_forward_pre_hook(_standard_input_strides)
+                    module.register_forward_hook(_standard_grad_strides)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
         weights = storage_bytes(params)
@@ -616,19 +619,63 @@ def _standard_strides(module, inputs, output):
 
 
 def _standard_input_strides(module, args):
-    """GatedDeltaNet's output projection input with row-major strides, as a view (a forward
-    pre-hook).
+    """A linear layer's [s, 1, x] input with row-major strides, as a view (a forward pre-hook,
+    on the linears of a wave run as one causal row).
 
-    Megatron's GatedDeltaNet transposes its gated-norm output [b, s, x] back to [s, b, x] and
-    calls `.contiguous()`, which keeps the transposed strides when b = 1; torch's CPU `matmul`
-    then broadcasts a TP shard's weight over the s rows (the copy `_standard_strides` describes:
-    gigabytes at 2048 rows, enough to kill a rank). `squeeze(1).unsqueeze(1)` gives the same
-    storage row-major strides with no copy and a view's backward, so the counted bytes are
-    unchanged."""
-    x = args[0] if args else None
-    if x is None or x.dim() != 3 or x.shape[1] != 1 or x.stride(0) == x.shape[2]:
+    Megatron's GatedDeltaNet (and the attention's core output) transposes [b, s, x] back to
+    [s, b, x] and calls `.contiguous()`, which keeps the transposed strides when b = 1; torch's
+    CPU `matmul` then broadcasts a TP shard's weight over the s rows (the copy
+    `_standard_strides` describes: gigabytes at 2048 rows, enough to kill a rank).
+    `squeeze(1).unsqueeze(1)` gives the same storage row-major strides with no copy and a view's
+    backward, so the counted bytes are unchanged."""
+    view = _row_major_view(args[0]) if args else None
+    return None if view is None else (view,) + tuple(args[1:])
+
+
+def _row_major_view(x):
+    """`x` ([s, 1, n]) with row-major strides, as a view; None when it has them already (or
+    is not such a tensor)."""
+    import torch
+
+    if (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != 1 or x.stride(2) != 1
+            or x.stride(0) != x.shape[2] or x.stride(1) == x.shape[2]):
         return None
-    return (x.squeeze(1).unsqueeze(1),) + tuple(args[1:])
+    return x.squeeze(1).unsqueeze(1)
+
+
+_GRAD_STRIDES = None
+
+
+def _standard_grad_strides(module, args, output):
+    """A linear layer's output passed through an identity whose backward gives the incoming
+    gradient row-major strides as a view (a forward hook, beside `_standard_input_strides`).
+
+    GatedDeltaNet transposes its input projection's output [s, 1, x] to [1, s, x], so the
+    gradient reaching the projection's backward has the transposed strides, and its
+    `grad_output.matmul(weight)` broadcasts the weight over the s rows as in the forward (3 GB
+    at 768 rows of hidden 1024, TP2). The identity's forward is a view and it saves nothing,
+    so the counted bytes are unchanged."""
+    global _GRAD_STRIDES
+    import torch
+
+    if _GRAD_STRIDES is None:
+        class GradStrides(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                view = _row_major_view(grad)
+                return grad if view is None else view
+
+        _GRAD_STRIDES = GradStrides
+    first = output[0] if isinstance(output, tuple) else output
+    if not (isinstance(first, torch.Tensor) and first.dim() == 3 and first.shape[1] == 1
+            and first.requires_grad):
+        return None
+    wrapped = _GRAD_STRIDES.apply(first)
+    return (wrapped,) + tuple(output[1:]) if isinstance(output, tuple) else wrapped
 
 
 def _max_rss_bytes() -> int:
