@@ -13,6 +13,8 @@ one layer is materialised at a time, so each kind's point is seen). Key, value, 
 heads divide TP up to 4. The head width is the 27B's: the chunked kernel's per-head [chunk,
 chunk] fp32 intermediates scale with heads x 64 per row, which the per-width TP1 terms price
 for 128-wide heads (a 64-wide-head shape, h640, traced at TP1 at 0.79 of its peak).
+Every recompute mode (full, selective, none); full recompute's cells put GDN layers at TP2, TP2+SP
+and TP4 on evidence (pricing.model._GDN_TRACED; bench/results/layout_validation.txt).
 Waves, LoRA rank and record form are bench/multirank_grid.py's; the cells are appended to their
 own file so traces_multirank.jsonl stays as traced.
 """
