@@ -1,7 +1,8 @@
 """Fit and validate the layout residuals (`pricing.layout_terms`) on the multi-rank CPU traces.
 
-Reads bench/results/traces_multirank.jsonl (three shapes, two waves, every layout class) and
-bench/results/traces_multirank_dense2.jsonl (a second dense geometry: hidden 768, 8 heads of
+Reads bench/results/traces_multirank.jsonl (three shapes, two waves, every layout class),
+bench/results/traces_multirank_gdn.jsonl (a GDN hybrid, bench/gdn_grid.py: reported, never
+fitted) and bench/results/traces_multirank_dense2.jsonl (a second dense geometry: hidden 768, 8 heads of
 96 in 8 KV groups, FFN 2048, vocabulary 4096; one wave): one record per traced cell (geometry,
 layout, recompute, sequence lengths, every rank's peak). Each cell is priced as one first
 gradient wave (torch-cpu table, head full-native, 2-byte adapter gradients, safety 1.0: the raw
@@ -48,6 +49,9 @@ from waveplan.pricing.wave_pricer import WavePricer
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "bench/results/traces_multirank.jsonl"
 TRACES2 = ROOT / "bench/results/traces_multirank_dense2.jsonl"
+# the GDN hybrid's cells (bench/gdn_grid.py): validated here, never fitted (the residual's GDN
+# layers take the `full_bare` group fitted on the dense cells)
+TRACES_GDN = ROOT / "bench/results/traces_multirank_gdn.jsonl"
 OUT = ROOT / "bench/results/layout_validation.txt"
 TABLES = [ROOT / "pricing/data/coefficients/torch-cpu.json", ROOT / "pricing/data/coefficients/te-gpu.json"]
 FIT_TOKENS = 2048
@@ -69,8 +73,13 @@ HELD_BACK: dict[str, str] = {}
 
 
 def load_cells() -> list[dict]:
-    return [json.loads(line) for path in (TRACES, TRACES2)
+    return [json.loads(line) for path in (TRACES, TRACES2, TRACES_GDN) if path.exists()
             for line in path.read_text().splitlines() if line.strip()]
+
+
+def mixed(cell: dict) -> bool:
+    """A cell of a MoE or GDN geometry (not in the dense fit and the dense summary)."""
+    return bool(cell["geometry"]["moe"] or cell["geometry"].get("gdn"))
 
 
 def class_of(cell: dict) -> str:
@@ -84,6 +93,8 @@ def class_of(cell: dict) -> str:
         name += f"+ETP{lay['etp']}"
     if cell.get("routing") == "router":
         name += " router"
+    if cell["geometry"].get("gdn"):
+        return "GDN " + cell["geometry"]["name"] + " " + name
     return ("MoE " + cell["geometry"]["name"] + " " if cell["geometry"]["moe"] else "") + name
 
 
@@ -121,7 +132,7 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     for rec in load_cells():
         cell, trace = rec["cell"], rec["trace"]
         lay = cell["layout"]
-        if cell["geometry"]["moe"] or trace["tokens"] != FIT_TOKENS:
+        if mixed(cell) or trace["tokens"] != FIT_TOKENS:
             continue
         if shapes is not None and cell["geometry"]["name"] not in shapes:
             continue
@@ -213,15 +224,16 @@ def report() -> list[str]:
         raw, model = estimate(cell, table)
         mode = cell["recompute"]
         half = "fit" if trace["tokens"] == FIT_TOKENS else "held-out"
-        shape = "" if cell["geometry"]["moe"] else cell["geometry"]["name"].removeprefix("grid-dense-") + " "
+        shape = "" if mixed(cell) else cell["geometry"]["name"].removeprefix("grid-dense-") + " "
         by_class.setdefault((shape + class_of(cell), mode, model.basis), []).append((half, raw / trace["peak_bytes"]))
-        if not cell["geometry"]["moe"]:
+        if not mixed(cell):
             name = class_of(cell) + ("" if mode == "full" else f" {mode}")
             dense.setdefault(name, []).append(raw / trace["peak_bytes"])
             tp1[(cell["geometry"]["name"], trace["tokens"], mode, class_of(cell))] = raw / trace["peak_bytes"]
     lines = ["Layout validation: estimate / traced busiest-rank peak per layout class and recompute mode",
-             "(bench/layout_validation.py; traces bench/results/traces_multirank.jsonl and",
-             "traces_multirank_dense2.jsonl; torch-cpu table, head full-native, safety 1.0). Residuals fitted",
+             "(bench/layout_validation.py; traces bench/results/traces_multirank.jsonl,",
+             "traces_multirank_dense2.jsonl and traces_multirank_gdn.jsonl, a GDN hybrid validated, never",
+             "fitted; torch-cpu table, head full-native, safety 1.0). Residuals fitted",
              "on the 2048-token cells of both dense geometries (h1024: hidden 1024, 16 heads in 8 KV groups,",
              "FFN 2816, vocabulary 8192; h768: hidden 768, 8 heads of 96 in 8 groups, FFN 2048, vocabulary",
              "4096), covering the per-row limit too (the estimate without the pending adapter gradients), checked",
@@ -253,7 +265,7 @@ def report() -> list[str]:
         for rec in cells:
             cell, trace = rec["cell"], rec["trace"]
             lay = cell["layout"]
-            if cell["geometry"]["moe"] or layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"]) != key:
+            if mixed(cell) or layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"]) != key:
                 continue
             raw, _ = estimate(cell, fitted)
             half = "fit" if trace["tokens"] == FIT_TOKENS else "held-out"

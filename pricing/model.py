@@ -90,14 +90,18 @@ _MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
 # Layout classes whose MoE layers are traced retaining their activations (selective and no
 # recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP
 _MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1"})
+# GDN layers also at TP2, TP2+SP and TP4 (full recompute): the GDN grid's multi-rank CPU cells
+# (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp)
+_GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
 
 
 def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
     """The layout classes traced with this geometry's GDN or MoE layers (None: a dense
     geometry, every traced class applies). MoE also at TP2+SP (the EP grid's TP2+SP+EP2
-    cells, bench/results/moe_validation.txt)."""
+    cells, bench/results/moe_validation.txt); GDN (with a dense MLP) also at TP2, TP2+SP and
+    TP4 (`_GDN_TRACED`); a GDN hybrid with MoE layers only where both were traced together."""
     if geometry.gdn is not None:
-        return _MIXED_TRACED
+        return _MIXED_TRACED if geometry.moe is not None else _GDN_TRACED
     if geometry.moe is not None:
         return _MOE_TRACED
     return None

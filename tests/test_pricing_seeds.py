@@ -48,9 +48,13 @@ def test_seed000_outside_evidence_is_conservative_not_zero():
     geometry = load_preset("qwen3.8-27b")
     wave = [one_group(25_728)]
     tp4 = PricingModel.build(geometry, parallel=ParallelLayout(tp=4, sequence_parallel=True))
-    for parallel in (ParallelLayout(tp=2, sequence_parallel=True), ParallelLayout(tp=4),
-                     ParallelLayout(tp=4, sequence_parallel=True, cp=2), ParallelLayout(pp=2)):
-        model = PricingModel.build(geometry, parallel=parallel)
+    # GDN layers are traced at TP2, TP2+SP and TP4 with full recompute too (docs/memory-model.md#gdn-tp):
+    # outside the evidence are CP with TP, PP, and selective recompute at TP > 1
+    for parallel, mode in ((ParallelLayout(tp=2, sequence_parallel=True, cp=2), "full"),
+                           (ParallelLayout(tp=4, sequence_parallel=True, cp=2), "full"),
+                           (ParallelLayout(pp=2), "full"),
+                           (ParallelLayout(tp=2, sequence_parallel=True), "selective")):
+        model = PricingModel.build(geometry, parallel=parallel, recompute=Recompute(mode=mode))
         b = price_groups(model, wave)
         assert b.basis == "conservative" and model.gaps
         assert b.raw_bytes >= price_groups(tp4, wave).raw_bytes

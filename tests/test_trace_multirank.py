@@ -115,6 +115,32 @@ def test_ep2_with_the_router_reports_both_ranks_and_the_busiest_is_the_max():
 
 
 @pytest.mark.slow
+def test_a_gdn_hybrid_runs_concatenated_at_tp2_and_matches_the_rank0_shard():
+    """GatedDeltaNet takes no packed input: a GDN hybrid's wave runs as one causal row (as the
+    single-rank tracer runs it), and rank 0 of TP2 over gloo holds what rank 0's shard holds on
+    torch's fake process group (bench/gdn_grid.py traces TP2/TP4 with and without SP this way)."""
+    from waveplan.pricing.measure.multirank import trace_multirank
+    from waveplan.pricing.measure.trace import trace_wave
+
+    hybrid = ModelGeometry(name="tiny-gdn", hidden=256, ffn=768, vocab=1024,
+                           layers=((G, D), (A, D)), attention=AttentionSpec(4, 2, 64),
+                           gdn=GdnSpec(2, 6, 64, 64, 4))
+    lay = ParallelLayout(tp=2)
+    tr = trace_multirank(hybrid, layout=lay, seq_lens=LENS, timeout_s=TIMEOUT_S)
+    d = tr.to_dict()
+    _check_ranks(d, 2)
+    assert d["packed"] == "concatenated" and any("concatenated" in n for n in d["notes"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shard = trace_wave(hybrid, seq_lens=LENS, device="cpu", layout=lay)
+    assert shard.packed == "concatenated"
+    # to a few scalars' bytes (12 B of 6.7 MB here): the rank's GDN pass over gloo holds a
+    # scalar or two more than on the fake process group; the shapes are the same
+    assert abs(tr.ranks[0].peak_forward_bytes - shard.peak_forward_bytes) <= 64
+    assert abs(tr.ranks[0].peak_backward_bytes - shard.peak_backward_bytes) <= 64
+
+
+@pytest.mark.slow
 def test_expert_tp_reaches_megatron_and_etp1_holds_less_than_etp_tp():
     """ETP (Megatron's expert_tensor_parallel_size) is passed to the rank processes: at TP2+SP
     with ETP1 each rank's experts run its own shard's routed rows, whole-width, with no gather,

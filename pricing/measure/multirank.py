@@ -28,7 +28,9 @@ expert (t x k + j) mod E, every rank's experts get the same load); `routing="rou
 Megatron's top-k router on the random weights (the load per rank then differs). Context
 parallelism runs the ring attention allocation model of `ring_attention` (Megatron-core
 needs Transformer Engine for CP). GDN layers are refused for CP (Megatron's GatedDeltaNet
-has no CP on the CPU).
+has no CP on the CPU). Megatron-core's GatedDeltaNet takes no packed (THD) input, so a wave of
+a model with GDN layers is concatenated into one causal row (batch 1, positions 0..rows-1), as
+the single-rank tracer runs it (`trace.trace_wave`, packed "concatenated").
 
 Rank processes: OMP_NUM_THREADS=1, TORCHDYNAMO_DISABLE=1; each writes its result to a file;
 the parent waits up to `timeout_s` (a hang guard, default 1800 s: cold imports of 8 ranks on
@@ -281,11 +283,15 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
                      "Engine's P2P kernel (pricing/measure/ring_attention.py)")
     if world.dp > 1:
         notes.append(f"DP={world.dp} ranks added for EP={layout.ep}: each runs the same wave")
+    packed = not any(s.mixer == MixerKind.GDN for s in layers)
+    if not packed:
+        notes.append("sequences concatenated into one causal row (batch 1, no THD): "
+                     "GatedDeltaNet takes no packed input")
     spec = {
         "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
         "num_layers": len(layers), "layout": world.to_dict(), "routing": routing,
         "decoder_only": bool(decoder_only), "timeout_s": float(timeout_s),
-        "anatomy": bool(anatomy),
+        "anatomy": bool(anatomy), "packed": packed,
         "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
                   "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
     }
@@ -300,7 +306,8 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
         out.append(MultiRankTrace(
             layout=world, ranks=ranks, num_layers=len(layers), model_layers=geometry.num_layers,
             seq_lens=lens, recompute=job.recompute.to_dict(), lora_rank=job.lora_rank,
-            routing=routing if has_moe else "none", notes=tuple(job_notes)))
+            routing=routing if has_moe else "none", packed="thd" if packed else "concatenated",
+            notes=tuple(job_notes)))
     return out
 
 
@@ -453,10 +460,11 @@ def _trace_rank(spec: dict) -> list[dict]:
     return out
 
 
-def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
+def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int, packed: bool = True):
     """Token ids, positions, labels and packed-sequence parameters of this rank: the whole
     wave (THD, global cu_seqlens) or, under CP, this rank's two chunks of each sequence
-    (positions and RoPE continue at each chunk's global offset)."""
+    (positions and RoPE continue at each chunk's global offset). `packed=False`: the wave
+    concatenated into one causal row (positions 0..rows-1, no packed-sequence parameters)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from . import thd
@@ -468,6 +476,9 @@ def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int):
     bounds = [0]
     for n in lens:
         bounds.append(bounds[-1] + n)
+    if not packed:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        return ids.contiguous(), torch.arange(total).unsqueeze(0), labels.contiguous(), None, cu
     if layout.cp > 1:
         from .ring_attention import cp_split
 
@@ -525,6 +536,12 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             stack.enter_context(module_stack(model, stack_names))
         if model.pre_process:
             model.embedding.register_forward_hook(_standard_strides, prepend=True)
+        if not spec.get("packed", True):
+            # one causal row (b = 1): the layers' transposes keep b = 1 strides
+            for module in model.modules():
+                if type(module).__name__.endswith("Linear"):
+                    module.register_forward_pre_hook(_standard_input_strides)
+                    module.register_forward_hook(_standard_grad_strides)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
         weights = storage_bytes(params)
@@ -542,7 +559,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
                 # as the single-rank tracer counts: the inputs are made inside the tracker
                 # (so they stay in its live sum) and the peak starts after them
                 ids, pos, labels, packed, cu = _inputs(torch, lens, geometry.vocab, layout,
-                                                       cp_rank)
+                                                       cp_rank, spec.get("packed", True))
                 base = tracker.ignore([ids, pos, labels, cu])
                 tracker.reset_peak()
                 if full_head:
@@ -599,6 +616,66 @@ def _standard_strides(module, inputs, output):
             and output.stride(1) != output.shape[2]:
         return output.clone(memory_format=torch.contiguous_format)
     return None
+
+
+def _standard_input_strides(module, args):
+    """A linear layer's [s, 1, x] input with row-major strides, as a view (a forward pre-hook,
+    on the linears of a wave run as one causal row).
+
+    Megatron's GatedDeltaNet (and the attention's core output) transposes [b, s, x] back to
+    [s, b, x] and calls `.contiguous()`, which keeps the transposed strides when b = 1; torch's
+    CPU `matmul` then broadcasts a TP shard's weight over the s rows (the copy
+    `_standard_strides` describes: gigabytes at 2048 rows, enough to kill a rank).
+    `squeeze(1).unsqueeze(1)` gives the same storage row-major strides with no copy and a view's
+    backward, so the counted bytes are unchanged."""
+    view = _row_major_view(args[0]) if args else None
+    return None if view is None else (view,) + tuple(args[1:])
+
+
+def _row_major_view(x):
+    """`x` ([s, 1, n]) with row-major strides, as a view; None when it has them already (or
+    is not such a tensor)."""
+    import torch
+
+    if (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != 1 or x.stride(2) != 1
+            or x.stride(0) != x.shape[2] or x.stride(1) == x.shape[2]):
+        return None
+    return x.squeeze(1).unsqueeze(1)
+
+
+_GRAD_STRIDES = None
+
+
+def _standard_grad_strides(module, args, output):
+    """A linear layer's output passed through an identity whose backward gives the incoming
+    gradient row-major strides as a view (a forward hook, beside `_standard_input_strides`).
+
+    GatedDeltaNet transposes its input projection's output [s, 1, x] to [1, s, x], so the
+    gradient reaching the projection's backward has the transposed strides, and its
+    `grad_output.matmul(weight)` broadcasts the weight over the s rows as in the forward (3 GB
+    at 768 rows of hidden 1024, TP2). The identity's forward is a view and it saves nothing,
+    so the counted bytes are unchanged."""
+    global _GRAD_STRIDES
+    import torch
+
+    if _GRAD_STRIDES is None:
+        class GradStrides(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                view = _row_major_view(grad)
+                return grad if view is None else view
+
+        _GRAD_STRIDES = GradStrides
+    first = output[0] if isinstance(output, tuple) else output
+    if not (isinstance(first, torch.Tensor) and first.dim() == 3 and first.shape[1] == 1
+            and first.requires_grad):
+        return None
+    wrapped = _GRAD_STRIDES.apply(first)
+    return (wrapped,) + tuple(output[1:]) if isinstance(output, tuple) else wrapped
 
 
 def _max_rss_bytes() -> int:

@@ -1,0 +1,55 @@
+"""GDN grid for issue 12: multi-rank CPU traces of a Gated DeltaNet hybrid with Qwen3.5/3.8's
+proportions at TP1, TP2, TP2+SP, TP4 and TP4+SP.
+
+    python bench/gdn_grid.py     # trace the cells missing from bench/results/traces_multirank_gdn.jsonl
+
+The shape (inline; no preset has it): qwen3.8-27b's GDN and attention heads at head width 128
+on hidden 1024: GDN with 4 key heads and 12 value heads of 128 (a key:value head ratio of 1:3, as
+16:48; key width 0.5 H and value width 1.5 H against the 27B's 0.4 H and 1.2 H), conv kernel 4;
+gated attention with 8 heads of 128 in 4 KV groups (an output gate, as the 27B's); dense gated
+MLP of FFN 3456 (3.375 H, the 27B's 3.4 H); vocabulary 2048 (its layers bind, not its head);
+2 layers, one GDN and one attention (the 27B repeats 3 GDN : 1 attention; under full recompute
+one layer is materialised at a time, so each kind's point is seen). Key, value, attention and KV
+heads divide TP up to 4. The head width is the 27B's: the chunked kernel's per-head [chunk,
+chunk] fp32 intermediates scale with heads x 64 per row, which the per-width TP1 terms price
+for 128-wide heads (a 64-wide-head shape, h640, traced at TP1 at 0.79 of its peak).
+Every recompute mode (full, selective, none); full recompute's cells put GDN layers at TP2, TP2+SP
+and TP4 on evidence (pricing.model._GDN_TRACED; bench/results/layout_validation.txt).
+Waves, LoRA rank and record form are bench/multirank_grid.py's; the cells are appended to their
+own file so traces_multirank.jsonl stays as traced.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import multirank_grid as grid  # noqa: E402
+
+GDN = {"name": "grid-gdn-h1024", "hidden": 1024, "ffn": 3456, "vocab": 2048, "dtype": "bf16",
+       "gated_mlp": True, "tied_embeddings": False, "layers": [["gdn", "dense"], ["attention", "dense"]],
+       "attention": {"num_heads": 8, "num_kv_groups": 4, "head_dim": 128, "output_gate": True},
+       "gdn": {"num_key_heads": 4, "num_value_heads": 12, "key_head_dim": 128, "value_head_dim": 128,
+               "conv_kernel": 4},
+       "moe": None}
+TRACES = grid.RESULTS / "traces_multirank_gdn.jsonl"
+LAYOUTS = (
+    ("GDN TP1", GDN, {}, "balanced", grid.RECOMPUTES),
+    ("GDN TP2", GDN, {"tp": 2}, "balanced", grid.RECOMPUTES),
+    ("GDN TP2+SP", GDN, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("GDN TP4", GDN, {"tp": 4}, "balanced", grid.RECOMPUTES),
+    ("GDN TP4+SP", GDN, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+)
+
+
+def main(argv=None) -> int:
+    grid.LAYOUTS = LAYOUTS
+    return grid.main(["trace", "--traces", str(TRACES)] + list(argv or sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
