@@ -150,9 +150,12 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     """The layout whose sharding an uncovered layout is credited with (docs/memory-model.md#basis).
 
     When the only gap is an untraced (TP, SP, CP) class, the rank is priced as the largest
-    traced class that divides it: TP' | TP, CP' | CP, SP' only with SP. Per-rank memory never
-    grows with more TP, SP or CP (the layout properties the traces show and the tests check),
-    so that price bounds the uncovered layout from above. MoE without full recompute (traced on
+    traced class that divides it: TP' | TP, CP' | CP, SP' only with SP; among classes of as many
+    ranks, the one with SP, then the one with more CP (CP shards every row, the gathered
+    hidden-wide tensors too: qwen3-32b TP8+SP+CP2 on grpo-8x8 is 36.6 GiB as TP4+SP+CP2 against
+    42.2 as TP8+SP). Per-rank memory never grows with more TP, SP or CP (the layout properties
+    the traces show and the tests check), so any such class's price bounds the uncovered layout
+    from above. MoE without full recompute (traced on
     the CPU only) keeps the credit of the classes its CPU traces cover (`_MOE_RETAINED_TRACED`,
     at the default expert TP; docs/memory-model.md#moe-sp-retained). Any other gap (recompute
     schedule, GDN without full recompute, multi-latent attention at TP > 1) gets no credit: TP1,
@@ -180,8 +183,8 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
                 cand = layout_terms.layout_key(tp, sp, cp)
                 if cand == key or cand not in covered:
                     continue
-                rank = (tp * cp, sp, tp)
-                if rank > (best.tp * best.cp, best.sequence_parallel, best.tp):
+                rank = (tp * cp, sp, cp)
+                if rank > (best.tp * best.cp, best.sequence_parallel, best.cp):
                     best = ParallelLayout(tp=tp, cp=cp, sequence_parallel=sp, pp=parallel.pp,
                                           ep=parallel.ep, dp=parallel.dp)
     return best
