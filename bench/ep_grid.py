@@ -45,11 +45,22 @@ LAYOUTS = (
     # the TP+SP MoE point (pricing.moe_terms.tp_backward_point_per_routed_row), full recompute
     ("MoE-a3b TP4+SP", MOE_A3B, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
     # the experts unsplit under TP4+SP (Megatron's expert_tensor_parallel_size = 1), both shapes
+    # (selective and none: retained MoE layers below the default expert TP, docs/memory-model.md#moe-etp)
     ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced",
-     ("full",)),
-    ("MoE-a3b TP4+SP ETP1", MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced", ("full",)),
+     grid.RECOMPUTES),
+    ("MoE-a3b TP4+SP ETP1", MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 1}, "balanced",
+     grid.RECOMPUTES),
     ("MoE-wide TP4+SP ETP2", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 2}, "balanced",
-     ("full",)),
+     grid.RECOMPUTES),
+    # expert TP below TP on the second shape and at TP2+SP (held out of the MoE TP+SP layer point,
+    # pricing.moe_terms; docs/memory-model.md#moe-etp), and ETP1 with EP2 (the usual MoE layout)
+    ("MoE-a3b TP4+SP ETP2", MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 2}, "balanced", ("full",)),
+    ("MoE-wide TP2+SP ETP1", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "etp": 1}, "balanced",
+     grid.RECOMPUTES),
+    ("MoE-a3b TP2+SP ETP1", MOE_A3B, {"tp": 2, "sequence_parallel": True, "etp": 1}, "balanced",
+     grid.RECOMPUTES),
+    ("MoE-wide TP2+SP+EP2 ETP1", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 1},
+     "balanced", ("full",)),
     # a second MoE shape at TP2+SP (the wide one is traced there with EP2), held out of every
     # MoE term: with it MoE layers at TP2+SP are priced on evidence (pricing.model._MOE_TRACED)
     ("MoE-a3b TP2+SP", MOE_A3B, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),

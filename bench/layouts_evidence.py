@@ -33,6 +33,7 @@ from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 
 RESULTS = grid.RESULTS
 ANATOMY = RESULTS / "layouts_anatomy.txt"
+GROUPS = 25   # live-storage groups listed per peak (`--groups`)
 EVIDENCE = RESULTS / "layouts_evidence.txt"
 
 # (label, model, layout kwargs, recompute): wave A (2048 tokens) of the grid
@@ -59,6 +60,14 @@ ANATOMY_CELLS = (
     ("MoE-wide TP2+SP", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True}, "none"),
     ("MoE-a3b TP4+SP", ep_grid.MOE_A3B, {"tp": 4, "sequence_parallel": True}, "none"),
     ("MoE-a3b TP2+SP", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True}, "none"),
+    # MoE layers with an expert TP below TP under TP+SP (docs/memory-model.md#moe-etp)
+    ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "full"),
+    ("MoE-wide TP4+SP ETP2", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 2}, "full"),
+    ("MoE-a3b TP4+SP ETP1", ep_grid.MOE_A3B, {"tp": 4, "sequence_parallel": True, "etp": 1}, "full"),
+    ("MoE-wide TP2+SP ETP1", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "etp": 1}, "full"),
+    ("MoE-a3b TP2+SP ETP1", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "etp": 1}, "full"),
+    ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "none"),
+    ("MoE-a3b TP2+SP ETP1", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "etp": 1}, "none"),
 )
 
 
@@ -86,17 +95,24 @@ def _anatomy_lines(label, model, kwargs, rc, wave: int = 0) -> list[str]:
             total = sum(g_[0] for g_ in groups)
             out.append(f"-- {run} pass, {phase} peak {total / rows:.0f} B/row; live storages "
                        "(B/row; made in, module, op, shape, dtype), largest first:")
-            for n, ph, where, op, shape, dt in groups[:25]:
+            for n, ph, where, op, shape, dt in groups[:GROUPS]:
                 out.append(f"   {n / rows:9.1f}  {ph:8s} {where:44s} {op:28s} {shape} {dt}")
+            if len(groups) > GROUPS:
+                rest = sum(g_[0] for g_ in groups[GROUPS:])
+                out.append(f"   {rest / rows:9.1f}  (rest: {len(groups) - GROUPS} groups)")
     print(f"{label} {rc}: {time.monotonic() - t0:.0f} s", flush=True)
     return out
 
 
 def cmd_anatomy(args) -> int:
+    global GROUPS
+    GROUPS = args.groups
     out = ["anatomy of multi-rank CPU traces (busiest rank): the evidence for the layout terms",
            "of docs/layouts-evidence.md; `python bench/layouts_evidence.py anatomy`", ""]
     for cell in ANATOMY_CELLS:
         if args.only and cell[0] not in args.only:
+            continue
+        if args.recompute and cell[3] not in args.recompute:
             continue
         for wave in args.waves:
             out.extend(_anatomy_lines(*cell, wave=wave))
@@ -159,6 +175,8 @@ def main(argv=None) -> int:
     a = sub.add_parser("anatomy")
     a.add_argument("--only", nargs="*", default=None)
     a.add_argument("--out", default=None)
+    a.add_argument("--recompute", nargs="*", default=None, help="only these recompute modes")
+    a.add_argument("--groups", type=int, default=25, help="live-storage groups listed per peak")
     a.add_argument("--waves", nargs="*", type=int, default=[0],
                    help="indices into multirank_grid.WAVES (default: the 2048-token wave)")
     a.set_defaults(func=cmd_anatomy)

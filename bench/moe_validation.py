@@ -108,13 +108,13 @@ def report() -> list[str]:
              "Fit half: the 2048-token cells; held-out: the others. Targets: none under, median <= 1.03,",
              "worst <= 1.10 (the worst-case load is a bound, not a fit: router cells sit far over it).",
              "",
-             f"{'class':32s} {'recompute':9s} {'load':16s} {'basis':12s} cells under  median   worst  held-out"]
+             f"{'class':36s} {'recompute':9s} {'load':16s} {'basis':12s} cells under  median   worst  held-out"]
     summary: dict[tuple[str, str], list[float]] = {}
     for (name, mode, load), vals in sorted(rows.items()):
         ratios = [r for _, r, _ in vals]
         held = [r for h, r, _ in vals if h == "held-out"]
         basis = "/".join(sorted({b for _, _, b in vals}))
-        lines.append(f"{name:32s} {mode:9s} {load:16s} {basis:12s} {len(ratios):5d} "
+        lines.append(f"{name:36s} {mode:9s} {load:16s} {basis:12s} {len(ratios):5d} "
                      f"{sum(r < 1 for r in ratios):5d} {statistics.median(ratios):7.3f} {max(ratios):7.3f}  "
                      + " ".join(f"{r:.3f}" for r in held))
         summary.setdefault((name, load), []).extend(held)
@@ -125,13 +125,13 @@ def report() -> list[str]:
         if cell.get("routing") != "router":
             continue
         needed, worst = needed_load(cell, trace, table)
-        lines.append(f"  {class_of(cell):32s} {cell['recompute']:9s} {trace['tokens']:5d} tokens: "
+        lines.append(f"  {class_of(cell):36s} {cell['recompute']:9s} {trace['tokens']:5d} tokens: "
                      f"load {needed:.2f} (worst case {worst:g}); ranks' peaks MiB "
                      + " ".join(f"{r['peak_bytes'] / 2**20:.1f}" for r in trace["ranks"]))
     lines += ["", "held-out cells per class (all recompute modes): cells, under, median, worst"]
     for (name, load), held in sorted(summary.items()):
         if held:
-            lines.append(f"  {name:32s} {load:16s} {len(held):3d} {sum(r < 1 for r in held):3d} "
+            lines.append(f"  {name:36s} {load:16s} {len(held):3d} {sum(r < 1 for r in held):3d} "
                          f"{statistics.median(held):7.3f} {max(held):7.3f}")
     return lines
 

@@ -36,7 +36,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
     parser.add_argument("--etp", type=int, default=None,
                         help="expert tensor parallel size (Megatron's expert_tensor_parallel_size; "
-                             "default: --tp). Other than --tp it is priced conservatively (no trace)")
+                             "default: --tp). Below --tp: traced at TP2+SP and TP4+SP (EP1 and, at ETP1, "
+                             "TP2+SP EP2); elsewhere conservative")
     parser.add_argument("--moe-load", type=float, default=None, metavar="X",
                         help="opt-in: the busiest EP rank receives at most X x its balanced share of "
                              "routed rows (e.g. Megatron's moe_expert_capacity_factor with token "

@@ -59,16 +59,17 @@ def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
 
 def expert_tp_gaps(geometry: ModelGeometry, parallel: ParallelLayout) -> list[str]:
     """An expert TP other than TP (Megatron's `expert_tensor_parallel_size`) that no trace
-    covers: one that does not divide TP, or one below TP with EP > 1 (traced: ETP 1 and 2 at
-    TP4+SP, EP1; docs/memory-model.md#moe-tp-point). Priced as a bound that keeps the layout's
-    credit (`PricingModel.expert_row_share` = 1): the experts 1/ETP wide (`layer_widths`) on
-    every gathered routed row, although each rank's experts see only its expert-TP group's
-    share of them."""
+    covers: one that does not divide TP, or one between 1 and TP with EP > 1 (traced: ETP 1 and
+    2 at TP4+SP and ETP1 at TP2+SP, EP1; ETP1 at TP2+SP with EP2: docs/memory-model.md#moe-tp-point,
+    #moe-etp). Priced as a bound that keeps the layout's credit (`PricingModel.expert_row_share`
+    = 1): the experts 1/ETP wide (`layer_widths`) on every gathered routed row, although each
+    rank's experts see only its expert-TP group's share of them."""
     etp, tp = parallel.expert_tp, parallel.tp
-    if geometry.moe is None or etp == tp or (tp % etp == 0 and parallel.ep == 1):
+    if geometry.moe is None or etp == tp or (tp % etp == 0 and (parallel.ep == 1 or etp == 1)):
         return []
     where = f"ETP{etp} at TP{tp}" + ("" if tp % etp else f" with EP{parallel.ep}")
-    why = "an expert TP that does not divide TP" if tp % etp else "an expert TP below TP is traced at EP1 only"
+    why = ("an expert TP that does not divide TP" if tp % etp else
+           "an expert TP between 1 and TP is traced at EP1 only")
     return [f"{where} (no trace: {why}): experts priced {etp}-way sharded on every gathered routed row"]
 
 
@@ -145,6 +146,14 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     return gaps
 
 
+def _expert_tp_retained_traced(parallel: ParallelLayout) -> bool:
+    """Whether retained MoE layers (selective or no recompute) are traced at this expert TP: at
+    Megatron's default (ETP = TP), or below TP dividing it at EP1 (TP2+SP ETP1, TP4+SP ETP1 and
+    ETP2; docs/memory-model.md#moe-etp)."""
+    etp, tp = parallel.expert_tp, parallel.tp
+    return etp == tp or (tp % etp == 0 and parallel.ep == 1)
+
+
 def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
                   table: CoefficientTable | None = None) -> ParallelLayout:
     """The layout whose sharding an uncovered layout is credited with (docs/memory-model.md#basis).
@@ -157,7 +166,8 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     the traces show and the tests check), so any such class's price bounds the uncovered layout
     from above. MoE without full recompute (traced on
     the CPU only) keeps the credit of the classes its CPU traces cover (`_MOE_RETAINED_TRACED`,
-    at the default expert TP; docs/memory-model.md#moe-sp-retained). Any other gap (recompute
+    at the default expert TP and below it at EP1, `_expert_tp_retained_traced`;
+    docs/memory-model.md#moe-sp-retained, #moe-etp). Any other gap (recompute
     schedule, GDN without full recompute, multi-latent attention at TP > 1) gets no credit: TP1,
     CP1. O(divisors)."""
     table = table or load_table("torch-cpu")
@@ -165,7 +175,7 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
     gaps = layout_gaps(geometry, parallel, recompute, table)
     untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
-    moe_retained = [g for g in gaps if g.startswith("MoE with ") and parallel.expert_tp == parallel.tp]
+    moe_retained = [g for g in gaps if g.startswith("MoE with ") and _expert_tp_retained_traced(parallel)]
     if len(untraced) + len(moe_retained) != len(gaps):
         return none
     covered = layout_terms.traced_layouts(table)
@@ -375,6 +385,7 @@ class PricingModel:
         gdn_state = np.zeros(n)
         nograd_plain = np.zeros(n)  # the no-grad transient and a retained layer's own forward
         retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
+        moe_sp_point = np.zeros(n, dtype=bool)  # MoE layers priced at their TP+SP point (no residual)
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
         # ring attention (CP > 1) releases the projection output the attention would keep;
@@ -406,6 +417,16 @@ class PricingModel:
                 points = max(norm_point, fc2_point)
                 if points:
                     workspace[i] = max(workspace[i], points - cp_release)
+                if layer.mlp == MlpKind.MOE and sp_div > 1 and layout_terms.SP_POINT in t.terms:
+                    # a MoE layer under TP with SP at its MoE backward point (moe_terms), in place of
+                    # the TP1-fitted stage sum; the attention's own backward (mixer, norms) comes after
+                    point = (moe_terms.sp_layer_point_per_row(widths_r, tp=self.width_tp, rope_per_row=rope_rows,
+                                                               heads=g.attention.num_heads / self.width_tp)
+                             + qk_norm - cp_release + moe_terms.sp_shared_expert_point_per_row(widths, tp=self.width_tp)
+                             + terms.moe_routed_stage_per_row(t, widths, ep_skew=ep_skew, local_experts=local_experts,
+                                                              etp=self.width_etp, sp_div=sp_div))
+                    workspace[i] = max(point, mixer + norms)
+                    moe_sp_point[i] = True
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
                                                                      local_experts=local_experts)
             moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
@@ -430,14 +451,14 @@ class PricingModel:
                 layer_retained += extra
             sp_layer = sp_forward = 0.0
             moe_sp = (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
-                      and layer.mlp == MlpKind.MOE and sp_div > 1 and self.width_etp > 1
+                      and layer.mlp == MlpKind.MOE and sp_div > 1
                       and layout_terms.SP_RETAINED in t.terms)
             if moe_sp:
                 # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
                 # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
                 less = (cp_release if mode == RecomputeMode.NONE else table_discount(t, widths))
                 kw = dict(tp=self.width_tp, etp=self.width_etp, routed=g.moe.top_k * ep_skew,
-                          rope_per_row=rope_cache_per_row(g, [layer]))
+                          rope_per_row=rope_cache_per_row(g, [layer]), first=i == 0)
                 layer_retained = (moe_terms.sp_retained_moe_layer_per_row(widths_r, **kw)
                                   - less + qk_norm + extra)
                 sp_forward = (moe_terms.sp_retained_moe_layer_per_row(widths_r, forward=True, **kw)
@@ -480,7 +501,7 @@ class PricingModel:
         # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`)
         # get the residual fitted with them; the others the one fitted without them (`bare`)
         moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or (
-            self.width_etp > 1 and layout_terms.SP_RETAINED in t.terms))
+            layout_terms.SP_RETAINED in t.terms))
         per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
             retained=mode != RecomputeMode.FULL,
@@ -489,7 +510,7 @@ class PricingModel:
             for layer in layers]) if n else np.zeros(0)
         residual = float(per_layer.max()) if n else 0.0   # beside the head's backward
         if mode == RecomputeMode.FULL:
-            workspace += per_layer
+            workspace += np.where(moe_sp_point, 0.0, per_layer)
             nograd += per_layer
         else:
             retained += per_layer

@@ -151,7 +151,7 @@ def routed_extra_per_row(table: CoefficientTable, widths: dict, *, ep: int, tp: 
 
 
 def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: float, rope_per_row: float,
-                                  forward: bool = False) -> float:
+                                  forward: bool = False, first: bool = False) -> float:
     """What an attention layer with a MoE MLP retains under TP with sequence parallelism without
     full recompute (selective or none), per gathered row, and (`forward`) its forward peak.
 
@@ -192,16 +192,75 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
     forward peaks of grid-moe-a3b-h512 and grid-moe-h1024 at TP2+SP and TP4+SP, no recompute,
     at L1.mlp's combine with L0 retained). O(1).
     """
-    if tp <= 1 or etp <= 1:
+    if tp <= 1:
         return 0.0
     h = widths["H"]
-    out = (2.0 * h + 14.0 * h / tp + 3.0 * widths["qkv"] + 5.0 * widths["core"] + 8.0 * widths["rank"]
+    out = (2.0 * h + (12.0 + 2.0 * first) * h / tp + 3.0 * widths["qkv"] + 5.0 * widths["core"] + 8.0 * widths["rank"]
            + 3.0 * widths["experts"] + 2.0 * rope_per_row + routed * 10.0 * widths["expert_ffn"])
     shared = widths["shared_ffn"] > 0
     if shared:
         out += 2.0 * h + 10.0 * widths["shared_ffn"]
     if forward:
-        out += routed * (6.0 * h + 6.0 * h / etp) + 8.0 * widths["experts"]
+        out += routed * (6.0 * h + (6.0 * h / etp if etp > 1 else 0.0)) + 8.0 * widths["experts"]
         if shared:
             out += 4.0 * h + 4.0 * h / tp
     return out
+
+
+# the wave's int64 inputs live through the step (token ids, labels, packed positions): 3 x 8 B per row
+INPUT_IDS_PER_ROW = 24.0
+
+
+def sp_layer_point_per_row(widths: dict, *, tp: int, rope_per_row: float, heads: float) -> float:
+    """A recomputed attention layer with a MoE MLP under TP with sequence parallelism, at its MoE
+    backward point (A, B or C): every tensor but the routed rows, the router and a shared expert,
+    per gathered row.
+
+    What memory: the attention's all-gathered input, kept for its column-parallel weight
+    gradient (`linear_qkv` `empty`, 2H per gathered row, not divided by TP); at per-TP-rank
+    widths the attention's saved tensors (the projection output with its LoRA sum, the rotated
+    queries and keys, the core's input copy and output: 3 qkv + 5 core, as
+    `layout_terms.sp_fc2_point_per_row`) and the rotary frequencies gathered per row (bf16 copies
+    for queries and keys, 2 x `rope_per_row`); on the rank's sequence shard the two norms' fp32
+    inputs (8H / TP) and the pre-MLP norm's bf16 output and the residual sum (4H / TP); the RoPE
+    cache entry of the wave's longest sequence (`rotary_pos_emb` `cat`, fp32: `rope_per_row` per
+    row, the bound for a sequence as long as the wave); the attention's LoRA intermediates
+    ([rows, rank] bf16 for the QKV and output projections: 4 x rank); the flash core's fp32
+    log-sum-exp (4 x `heads`, the attention heads per TP rank); the wave's int64 inputs (token ids,
+    labels, packed positions: `INPUT_IDS_PER_ROW`, 24 B). Unlike a dense MLP at its
+    output projection (`sp_fc2_point_per_row`: 8H + 14H / TP), the MoE MLP keeps no gathered input
+    and no full-row output: its hidden-wide tensors are its routed rows' (points A, B, C and the
+    dispatcher's copies, charged per routed row). The walk adds the input gradient, the
+    boundaries and the pending adapter gradients.
+
+    Formula: 2H + 12H / TP + 3 qkv + 5 core + 3 x rope_per_row + 4 x rank + 4 x heads + 24; 0 at
+    TP1. `pricing.model`
+    charges it with the routed stage (`terms.moe_routed_stage_per_row`) in place of the TP1-fitted
+    stage sum (attention stage, gathered norm input and shards, `moe_norm_inputs`) and without the
+    layout residual, where the table carries the SP structural terms (torch-cpu); te-gpu keeps its
+    fitted stages. Structural. Evidence: the busiest rank's backward peaks of grid-moe-h1024 and
+    grid-moe-a3b-h512 at TP4+SP with ETP1 (every storage of the formula live; 2048-token wave of
+    h1024: 8,576 B per row of the 8,704 charged, the rest the RoPE cache bound) and ETP4
+    (bench/results/moe_etp_anatomy.txt, moe_tp_sp_anatomy.txt; docs/memory-model.md#moe-etp). O(1).
+    """
+    if tp <= 1:
+        return 0.0
+    h = widths["H"]
+    return (2.0 * h + 12.0 * h / tp + 3.0 * widths["qkv"] + 5.0 * widths["core"] + 3.0 * rope_per_row
+            + 4.0 * widths["rank"] + 4.0 * heads + INPUT_IDS_PER_ROW)
+
+
+def sp_shared_expert_point_per_row(widths: dict, *, tp: int) -> float:
+    """A MoE layer's shared expert at the layer's TP+SP backward point (`sp_layer_point_per_row`),
+    per gathered row; 0 without one or at TP1.
+
+    What memory: the shared expert is a dense MLP of TP-sharded width (`shared_ffn` is per TP rank)
+    on the gathered rows: priced as a dense SP MLP at its output projection
+    (`layout_terms.sp_fc2_point_per_row`'s MLP part): its all-gathered input (2H), the
+    row-parallel LoRA output at full rows (4H) and its FC1 output and activations (10
+    shared_ffn), plus its FC2 output (2H, `terms.shared_expert_per_row` at TP1). Formula: 8H + 10
+    shared_ffn. A bound: no shared expert is traced under TP (docs/memory-model.md#moe-etp). O(1).
+    """
+    if tp <= 1 or not widths["shared_ffn"]:
+        return 0.0
+    return 8.0 * widths["H"] + 10.0 * widths["shared_ffn"]

@@ -56,12 +56,24 @@ def mlp_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep
     """
     if mlp == MlpKind.DENSE:
         return table.per_row("mlp_dense_grad_stage", widths)
+    return (moe_routed_stage_per_row(table, widths, ep_skew=ep_skew, local_experts=local_experts, etp=etp,
+                                     sp_div=sp_div)
+            + shared_expert_per_row(table, widths) + moe_norm_inputs_per_row(table, widths))
+
+
+def moe_routed_stage_per_row(table: CoefficientTable, widths: dict, *, ep_skew: float, local_experts: int = 1,
+                             etp: int = 1, sp_div: int = 1) -> float:
+    """A recomputed MoE layer's routed rows and router at its backward peak, per gathered row: top_k
+    x `ep_skew` routed rows at the largest of points A, B and (expert TP > 1 under SP) C, with
+    their routing metadata, plus the router's per-row tensors on the rank's sequence shard
+    (`sp_div`). The part of `mlp_stage_per_row` that the MoE layer's TP+SP point
+    (`moe_terms.sp_layer_point_per_row`) keeps. Evidence: docs/memory-model.md#moe-routed-points,
+    #moe-tp-point."""
     point = max(moe_routed_per_routed_row(table, widths),
                 moe_expert_backward_per_routed_row(table, widths, local_experts=local_experts),
                 moe_terms.tp_backward_point_per_routed_row(widths, etp=etp))
     routed = widths["top_k"] * ep_skew * (point + moe_routing_metadata_per_routed_row(table))
-    return (routed + table.per_row("moe_router", widths) / sp_div + shared_expert_per_row(table, widths)
-            + moe_norm_inputs_per_row(table, widths))
+    return routed + table.per_row("moe_router", widths) / sp_div
 
 
 def shared_expert_per_row(table: CoefficientTable, widths: dict) -> float:

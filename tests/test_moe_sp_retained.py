@@ -52,7 +52,8 @@ def _raw(cell: dict, model: PricingModel) -> int:
 
 def test_retained_tp_sp_moe_is_credited_and_never_under_its_traces():
     """Both MoE shapes at TP2+SP and TP4+SP (EP1) and the wide one at TP2+SP+EP2 (at the load it
-    ran), selective and none, both waves: over the busiest rank, within 3 %, with the layout's
+    ran), at the default expert TP and below it (ETP1 at TP2+SP and TP4+SP, ETP2 at TP4+SP, EP1),
+    selective and none, both waves: over the busiest rank, within 3 %, with the layout's
     own credit and the conservative basis that names the missing GPU trace."""
     table = load_table("torch-cpu")
     seen = 0
@@ -66,20 +67,27 @@ def test_retained_tp_sp_moe_is_credited_and_never_under_its_traces():
         assert any(r.startswith(f"MoE with {cell['recompute']} recompute (traced on the CPU only")
                    for r in model.reasons)
         seen += 1
-    assert seen >= 20
+    assert seen >= 40
 
 
-def test_the_structural_layer_is_zero_without_an_expert_tp_and_adds_the_combine_point():
+def test_the_structural_layer_is_zero_at_tp1_and_adds_the_combine_point():
     w = {"H": 512.0, "qkv": 512.0, "core": 256.0, "rank": 16.0, "experts": 32.0, "expert_ffn": 96.0,
          "shared_ffn": 0.0}
     kw = dict(routed=8.0, rope_per_row=256.0)
     assert moe_terms.sp_retained_moe_layer_per_row(w, tp=1, etp=1, **kw) == 0.0
-    assert moe_terms.sp_retained_moe_layer_per_row(w, tp=4, etp=1, **kw) == 0.0
     kept = moe_terms.sp_retained_moe_layer_per_row(w, tp=2, etp=2, **kw)
     # gathered attention input, shards, attention, LoRA, router, rotary rows, experts' FC1 and activations
-    assert kept == 2 * 512 + 14 * 512 / 2 + 3 * 512 + 5 * 256 + 8 * 16 + 3 * 32 + 2 * 256 + 8 * 10 * 96
+    assert kept == 2 * 512 + 12 * 512 / 2 + 3 * 512 + 5 * 256 + 8 * 16 + 3 * 32 + 2 * 256 + 8 * 10 * 96
+    # the first layer also keeps the embedding's output, its input (once per wave, not per layer)
+    first = moe_terms.sp_retained_moe_layer_per_row(w, tp=2, etp=2, first=True, **kw)
+    assert first - kept == 2 * 512 / 2
     fwd = moe_terms.sp_retained_moe_layer_per_row(w, tp=2, etp=2, forward=True, **kw)
     assert fwd - kept == 8 * (6 * 512 + 6 * 512 / 2) + 8 * 32
+    # ETP1 (below TP): no gather, no fp32 copy, no reduce-scatter: the combine holds point A's 6H
+    # (permuted rows, FC2 outputs, their concatenation) on the rank's own routed rows
+    one = moe_terms.sp_retained_moe_layer_per_row(w, tp=4, etp=1, **kw)
+    assert one == 2 * 512 + 12 * 512 / 4 + 3 * 512 + 5 * 256 + 8 * 16 + 3 * 32 + 2 * 256 + 8 * 10 * 96
+    assert moe_terms.sp_retained_moe_layer_per_row(w, tp=4, etp=1, forward=True, **kw) - one == 8 * 6 * 512 + 8 * 32
     shared = moe_terms.sp_retained_moe_layer_per_row(dict(w, shared_ffn=256.0), tp=2, etp=2, **kw)
     assert shared - kept == 2 * 512 + 10 * 256
 
@@ -91,7 +99,7 @@ def _price(model: PricingModel, rows: int = 4096) -> int:
 
 @pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
 @pytest.mark.parametrize("mode", ["selective", "none"])
-def test_credit_only_at_the_traced_classes_and_default_expert_tp(backend, mode):
+def test_credit_only_at_the_traced_classes_and_expert_tps(backend, mode):
     g = load_preset("qwen3-30b-a3b")
     rc = Recompute(mode=mode)
     tp1 = PricingModel.build(g, recompute=rc, backend=backend)
@@ -103,10 +111,17 @@ def test_credit_only_at_the_traced_classes_and_default_expert_tp(backend, mode):
         prices[tp] = _price(m)
     # more TP never prices higher, and every credited class below the uncredited TP1 price
     assert _price(tp1) > prices[2] >= prices[4]
-    # an expert TP below TP (no retained trace) gets no credit
-    etp = PricingModel.build(g, parallel=ParallelLayout(tp=4, sequence_parallel=True, etp=1), recompute=rc,
-                             backend=backend)
-    assert etp.credit.tp == 1 and _price(etp) >= prices[4]
+    # an expert TP below TP at EP1 (traced: TP2+SP ETP1, TP4+SP ETP1 and ETP2) keeps the credit,
+    # priced on its ETP / TP share of the routed rows, below the uncredited price
+    for tp, etp in ((2, 1), (4, 1), (4, 2)):
+        m = PricingModel.build(g, parallel=ParallelLayout(tp=tp, sequence_parallel=True, etp=etp), recompute=rc,
+                               backend=backend)
+        assert m.basis == "conservative" and m.credit.tp == tp and m.credit.sequence_parallel
+        assert m.expert_row_share == etp / tp and _price(m) < _price(tp1)
+    # below TP with EP (no retained trace) gets none
+    ep = PricingModel.build(g, parallel=ParallelLayout(tp=4, sequence_parallel=True, ep=2, etp=1), recompute=rc,
+                            backend=backend)
+    assert ep.credit.tp == 1 and _price(ep) >= prices[4]
 
 
 def test_te_gpu_keeps_its_own_retained_moe_terms():
