@@ -20,19 +20,25 @@ LAYOUTS = ((1, False, 1, 1), (2, False, 1, 1), (2, True, 1, 1), (4, False, 1, 1)
            (8, False, 1, 1), (8, True, 1, 1), (1, False, 2, 1), (1, False, 4, 1), (2, True, 2, 1),
            (4, True, 2, 1), (2, True, 4, 1), (4, True, 4, 1), (8, True, 2, 1), (4, True, 1, 2),
            (1, False, 1, 2))
+# expert TP below TP (Megatron's expert_tensor_parallel_size), with and without EP: (tp, sp, ep, etp);
+# only MoE layers have experts ("-" for the other kinds)
+EXPERT_LAYOUTS = ((2, True, 1, 1), (4, True, 1, 1), (4, True, 1, 2), (4, True, 2, 1), (4, True, 2, 2))
 
 
-def cell(preset: str, tp: int, sp: bool, cp: int, pp: int, mode: str) -> str:
+def cell(preset: str, tp: int, sp: bool, cp: int, pp: int, mode: str, ep: int = 1, etp: int | None = None) -> str:
     try:
         m = PricingModel.build(load_preset(preset), parallel=ParallelLayout(
-            tp=tp, sequence_parallel=sp, cp=cp, pp=pp), recompute=Recompute(mode=mode))
+            tp=tp, sequence_parallel=sp, cp=cp, pp=pp, ep=ep, etp=etp), recompute=Recompute(mode=mode))
     except ConfigError:
         return "invalid"
     if m.basis == "evidence":
         return "evidence"
     c = m.credit
     credit = f"TP{c.tp}{'+SP' if c.sequence_parallel else ''}{f' CP{c.cp}' if c.cp > 1 else ''}"
-    return f"conservative (as {credit})" if m.layout_gaps else "conservative (stages)"
+    if m.layout_gaps:
+        return f"conservative (as {credit})"
+    # no layout gap: pipeline stages, or an untraced expert TP (its experts on every gathered routed row)
+    return "conservative (stages)" if pp > 1 else f"conservative (as {credit}, every routed row)"
 
 
 def main() -> None:
@@ -42,6 +48,11 @@ def main() -> None:
         name = f"TP{tp}{'+SP' if sp else ''}{f' CP{cp}' if cp > 1 else ''}{f' PP{pp}' if pp > 1 else ''}"
         for mode in ("full", "selective", "none"):
             print(f"| {name} | {mode} | " + " | ".join(cell(p, tp, sp, cp, pp, mode) for _, p in KINDS) + " |")
+    for tp, sp, ep, etp in EXPERT_LAYOUTS:
+        name = f"TP{tp}{'+SP' if sp else ''}{f' EP{ep}' if ep > 1 else ''} ETP{etp}"
+        for mode in ("full", "selective", "none"):
+            print(f"| {name} | {mode} | " + " | ".join(cell(p, tp, sp, 1, 1, mode, ep, etp) if kind == "MoE" else "-"
+                                                      for kind, p in KINDS) + " |")
 
 
 if __name__ == "__main__":

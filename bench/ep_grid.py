@@ -11,7 +11,8 @@ are held out of the torch-cpu MoE coefficients that bench/moe_validation.py chec
 wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credited with, and this
 shape too (full recompute), to validate the TP+SP MoE point on a second geometry; both shapes
 at TP2+SP and this one at TP4+SP also retaining their activations (selective and no recompute:
-docs/memory-model.md#moe-sp-retained).
+docs/memory-model.md#moe-sp-retained); below the default expert TP (ETP1 and ETP2 at TP4+SP, ETP1 at TP2+SP,
+both shapes, every recompute mode; ETP1 with EP2 at TP2+SP, full: docs/memory-model.md#moe-etp).
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
