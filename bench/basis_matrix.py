@@ -18,8 +18,8 @@ from waveplan.pricing.presets import load_preset
 KINDS = (("dense", "qwen3-8b"), ("MoE", "qwen3-30b-a3b"), ("GDN hybrid", "qwen3.8-27b"))
 LAYOUTS = ((1, False, 1, 1), (2, False, 1, 1), (2, True, 1, 1), (4, False, 1, 1), (4, True, 1, 1),
            (8, False, 1, 1), (8, True, 1, 1), (1, False, 2, 1), (1, False, 4, 1), (2, True, 2, 1),
-           (4, True, 2, 1), (2, True, 4, 1), (4, True, 4, 1), (8, True, 2, 1), (4, True, 1, 2),
-           (1, False, 1, 2))
+           (4, True, 2, 1), (2, True, 4, 1), (4, True, 4, 1), (8, True, 2, 1), (8, True, 4, 1),
+           (4, True, 1, 2), (1, False, 1, 2))
 # expert TP below TP (Megatron's expert_tensor_parallel_size), with and without EP: (tp, sp, ep, etp);
 # only MoE layers have experts ("-" for the other kinds)
 EXPERT_LAYOUTS = ((2, True, 1, 1), (4, True, 1, 1), (4, True, 1, 2), (4, True, 2, 1), (4, True, 2, 2))
