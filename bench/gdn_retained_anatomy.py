@@ -65,14 +65,28 @@ def lines_of(rec: dict) -> list[str]:
     out = [f"== {rec['label']} grid-gdn-h1024 recompute {rec['recompute']}: {rows} gathered rows "
            f"({rec['rank_rows']} on the rank), busiest rank {rec['rank']}; peak forward "
            f"{rec['peak_forward'] / rows:.1f}, backward {rec['peak_backward'] / rows:.1f} B per gathered row"]
+    h = gdn_grid.GDN["hidden"]
     for phase, groups in rec["anatomy"].items():
         per: dict[str, float] = {}
-        for n, _ph, where, *_ in groups:
+        split: dict[tuple[str, str], float] = {}
+        for n, _ph, where, _op, shape, _dt in groups:
             per[_layer(where)] = per.get(_layer(where), 0) + n
+            # hidden-wide [rows, (1,) H] storages: on all gathered rows, or on the rank's shard
+            kind = ("hidden, all rows" if shape and shape[0] == rows else "hidden, shard") \
+                if len(shape) >= 2 and shape[-1] == h and shape[0] <= rows else "per head / F / other"
+            split[(_layer(where), kind)] = split.get((_layer(where), kind), 0) + n
         out.append(f"-- {phase} peak {sum(per.values()) / rows:.1f} B/row: "
                    + ", ".join(f"{k} {v / rows:.1f}" for k, v in sorted(per.items())))
+        out.append("   in H per gathered row: " + "; ".join(
+            f"{k[0]} {k[1]} {v / rows / h:.2f}" for k, v in sorted(split.items())))
+        small: dict[str, float] = {}
         for n, ph, where, op, shape, dt in groups:
+            if n / rows < 8:
+                small[_layer(where)] = small.get(_layer(where), 0) + n
+                continue
             out.append(f"   {n / rows:9.1f}  {ph:8s} {where:40s} {op:22s} {shape} {dt}")
+        out.append("   " + ", ".join(f"{k} {v / rows:.1f}" for k, v in sorted(small.items()))
+                   + " (groups under 8 B/row each)")
     return out
 
 
