@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import feature_terms, layout_terms, moe_terms, terms
+from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
 from .geometry import MixerKind, MlpKind, ModelGeometry
@@ -91,8 +91,9 @@ _MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
 # Layout classes whose MoE layers are traced retaining their activations (selective and no
 # recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP
 _MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1"})
-# GDN layers also at TP2, TP2+SP and TP4 (full recompute): the GDN grid's multi-rank CPU cells
-# (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp)
+# GDN layers also at TP2, TP2+SP and TP4: the GDN grid's multi-rank CPU cells, every recompute
+# mode (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp, and
+# without full recompute at TP > 1 priced by `gdn_terms`, docs/memory-model.md#gdn-sp-retained)
 _GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
 
 
@@ -116,8 +117,12 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
     with and without SP at CP1, TP1 at CP2 and CP4, TP2 and TP4 with SP at CP2, TP2 with SP at
     CP4), for every recompute
-    mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED`, and without full recompute
-    only at TP1 (no trace); multi-latent attention only at TP1."""
+    mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED` (MoE also at TP2+SP, GDN with
+    dense MLPs at `_GDN_TRACED`). Without full recompute MoE layers are conservative (CPU traces
+    only); GDN layers with dense MLPs at TP > 1 are covered where the table carries the structural
+    terms that price them (torch-cpu: `gdn_terms`, docs/memory-model.md#gdn-sp-retained) and
+    conservative with the layout's credit otherwise (te-gpu: no GPU trace), with MoE MLPs
+    conservative without credit (no trace); multi-latent attention only at TP1."""
     table = table or load_table("torch-cpu")
     gaps = []
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -142,7 +147,13 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
             gaps.append(f"MoE with {recompute.mode.value} recompute (traced on the CPU only: "
                         "bench/results/moe_validation.txt)")
         if parallel.tp > 1 and geometry.gdn is not None:
-            gaps.append(f"GDN layers at TP{parallel.tp} with {recompute.mode.value} recompute (traced at TP1)")
+            mode = recompute.mode.value
+            if geometry.moe is not None:
+                gaps.append(f"GDN layers with MoE MLPs at TP{parallel.tp} with {mode} recompute (traced at TP1)")
+            elif layout_terms.SP_RETAINED not in table.terms:
+                gaps.append(f"GDN layers at TP{parallel.tp} with {mode} recompute (traced on the CPU only: "
+                            "torch-cpu's structural terms, docs/memory-model.md#gdn-sp-retained): "
+                            "this table's retained GDN terms with the layout's credit")
     return gaps
 
 
@@ -167,16 +178,19 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     from above. MoE without full recompute (traced on
     the CPU only) keeps the credit of the classes its CPU traces cover (`_MOE_RETAINED_TRACED`,
     at the default expert TP and below it at EP1, `_expert_tp_retained_traced`;
-    docs/memory-model.md#moe-sp-retained, #moe-etp). Any other gap (recompute
-    schedule, GDN without full recompute, multi-latent attention at TP > 1) gets no credit: TP1,
-    CP1. O(divisors)."""
+    docs/memory-model.md#moe-sp-retained, #moe-etp), and so do GDN hybrids with dense MLPs
+    without full recompute on a table without the structural GDN terms (te-gpu;
+    docs/memory-model.md#gdn-sp-retained). Any other gap (recompute schedule, GDN with MoE MLPs
+    without full recompute, multi-latent attention at TP > 1) gets no credit: TP1, CP1.
+    O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
     gaps = layout_gaps(geometry, parallel, recompute, table)
     untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
     moe_retained = [g for g in gaps if g.startswith("MoE with ") and _expert_tp_retained_traced(parallel)]
-    if len(untraced) + len(moe_retained) != len(gaps):
+    gdn_retained = [g for g in gaps if g.startswith("GDN layers at TP") and "(traced on the CPU only" in g]
+    if len(untraced) + len(moe_retained) + len(gdn_retained) != len(gaps):
         return none
     covered = layout_terms.traced_layouts(table)
     mixed = _mixed_traced(geometry)
@@ -184,8 +198,8 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
         covered = covered & mixed
     if moe_retained:
         covered = covered & _MOE_RETAINED_TRACED
-        if key in covered:
-            return parallel
+    if (moe_retained or gdn_retained) and key in covered:
+        return parallel
     best = none
     for tp in (d for d in range(1, parallel.tp + 1) if parallel.tp % d == 0):
         for cp in (d for d in range(1, parallel.cp + 1) if parallel.cp % d == 0):
@@ -392,6 +406,9 @@ class PricingModel:
         # traced for plain attention only (an output gate is a view of that output and keeps it)
         plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
         cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
+        # a GDN hybrid's layers retained at a credited TP > 1, where the table carries the SP
+        # structural terms (torch-cpu): priced by what they hold under TP (gdn_terms)
+        hybrid_tp = (mode != RecomputeMode.FULL and self.width_tp > 1 and layout_terms.SP_RETAINED in t.terms)
         for i, layer in enumerate(layers):
             if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
                 mixer = (feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
@@ -447,6 +464,14 @@ class PricingModel:
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
             if layer.mixer == MixerKind.ATTENTION:
                 layer_retained += qk_norm - (cp_release if mode == RecomputeMode.NONE else 0.0)
+            gated = hybrid_tp and layer.mixer == MixerKind.ATTENTION and g.attention.output_gate
+            if gated and mode == RecomputeMode.SELECTIVE:
+                # the output gate's multiply keeps the core output: selective recompute frees nothing
+                layer_retained += table_discount(t, widths)
+            if hybrid_tp and layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE:
+                # in place of the TP1-fitted layer, whose hidden-wide part is mostly per-head memory
+                layer_retained = gdn_terms.tp_retained_gdn_layer_per_row(widths_r, g.gdn, tp=self.width_tp,
+                                                                         sp_div=sp_div)
             if extra:
                 layer_retained += extra
             sp_layer = sp_forward = 0.0
@@ -467,7 +492,9 @@ class PricingModel:
                     and layer.mlp == MlpKind.DENSE and sp_div > 1):
                 # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
                 less = (cp_release if mode == RecomputeMode.NONE else
-                        table_discount(t, widths))
+                        0.0 if gated else table_discount(t, widths))
+                # a gated attention layer also keeps its output gate's fp32 sigmoid (gdn_terms)
+                less -= gdn_terms.output_gate_per_row(widths) if gated else 0.0
                 kw = dict(tp=self.width_tp, rope_per_row=rope_cache_per_row(g, [layer]),
                           sequence_parallel=True)
                 sp_layer = layout_terms.sp_retained_layer_per_row(t, widths_r, **kw)
@@ -505,8 +532,9 @@ class PricingModel:
         per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
             retained=mode != RecomputeMode.FULL,
-            bare=not (layer.mixer == MixerKind.ATTENTION
-                      and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point))))
+            bare=not ((layer.mixer == MixerKind.ATTENTION
+                       and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)))
+                      or (layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE and hybrid_tp)))
             for layer in layers]) if n else np.zeros(0)
         residual = float(per_layer.max()) if n else 0.0   # beside the head's backward
         if mode == RecomputeMode.FULL:
@@ -518,6 +546,9 @@ class PricingModel:
         # wave, live from the first layer's forward on (layer 0's retained memory, and its
         # forward transient; under full recompute beside the full residual at every point)
         rope = layout_terms.cp_rope_cache_per_row(rope_cache_per_row(g, layers), cp=self.rows_cp)
+        if hybrid_tp and any(layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE for layer in layers):
+            # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
+            rope += gdn_terms.rope_cache_entry_per_row(rope_cache_per_row(g, layers))
         if rope and mode == RecomputeMode.FULL:
             workspace += rope
             nograd += rope

@@ -49,7 +49,8 @@ def test_seed000_outside_evidence_is_conservative_not_zero():
     wave = [one_group(25_728)]
     tp4 = PricingModel.build(geometry, parallel=ParallelLayout(tp=4, sequence_parallel=True))
     # GDN layers are traced at TP2, TP2+SP and TP4 with full recompute too (docs/memory-model.md#gdn-tp):
-    # outside the evidence are CP with TP, PP, and selective recompute at TP > 1
+    # outside the evidence are CP with TP, PP, and (on te-gpu, credited) selective recompute at TP > 1
+    # (docs/memory-model.md#gdn-sp-retained)
     for parallel, mode in ((ParallelLayout(tp=2, sequence_parallel=True, cp=2), "full"),
                            (ParallelLayout(tp=4, sequence_parallel=True, cp=2), "full"),
                            (ParallelLayout(pp=2), "full"),

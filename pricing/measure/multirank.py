@@ -247,21 +247,22 @@ def trace_multirank(geometry: ModelGeometry, *, layout: ParallelLayout, seq_lens
                     num_layers: int | None = None, recompute: Recompute | None = None,
                     lora_rank: int | None = 16, routing: str = "balanced",
                     decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    anatomy: bool = False) -> MultiRankTrace:
+                    anatomy: bool = False, anatomy_top: int = 40) -> MultiRankTrace:
     """Trace one wave of `seq_lens` sequences on every rank of `layout`; see the module doc.
     Spawns TP x CP x DP processes (`rank_world`). `anatomy=True` also records, per rank and
-    pass, what is live at the peak (`RankPeak.anatomy`, see `live_anatomy`)."""
+    pass, what is live at the peak (`RankPeak.anatomy`, see `live_anatomy`): its `anatomy_top`
+    largest groups, the rest summed in one row."""
     job = TraceJob(seq_lens=tuple(int(n) for n in seq_lens), recompute=recompute or Recompute(),
                    lora_rank=lora_rank)
     return trace_multirank_batch(geometry, layout=layout, jobs=[job], num_layers=num_layers,
                                  routing=routing, decoder_only=decoder_only,
-                                 timeout_s=timeout_s, anatomy=anatomy)[0]
+                                 timeout_s=timeout_s, anatomy=anatomy, anatomy_top=anatomy_top)[0]
 
 
 def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jobs,
                           num_layers: int | None = None, routing: str = "balanced",
                           decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                          anatomy: bool = False) -> list[MultiRankTrace]:
+                          anatomy: bool = False, anatomy_top: int = 40) -> list[MultiRankTrace]:
     """`trace_multirank` for several waves on one layout, in one set of rank processes (the
     model is rebuilt per job; process start and imports are paid once). O(jobs) traces."""
     jobs = list(jobs)
@@ -291,7 +292,7 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
         "geometry": geometry.to_dict(), "extra": dict(geometry.extra or {}),
         "num_layers": len(layers), "layout": world.to_dict(), "routing": routing,
         "decoder_only": bool(decoder_only), "timeout_s": float(timeout_s),
-        "anatomy": bool(anatomy), "packed": packed,
+        "anatomy": bool(anatomy), "anatomy_top": int(anatomy_top), "packed": packed,
         "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
                   "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
     }
@@ -576,13 +577,13 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
                     del out
                 peaks["forward"] = tracker.peak
                 if spec["anatomy"]:
-                    anatomy[name] = {"forward": tracker.peak_groups()}
+                    anatomy[name] = {"forward": tracker.peak_groups(spec.get("anatomy_top", 40))}
                     tracker.phase = "backward"
                 tracker.reset_peak()
                 loss.backward()
                 peaks["backward"] = tracker.peak
                 if spec["anatomy"]:
-                    anatomy[name]["backward"] = tracker.peak_groups()
+                    anatomy[name]["backward"] = tracker.peak_groups(spec.get("anatomy_top", 40))
             if full_head:
                 loss_sum = float(loss.detach().float())
             del loss

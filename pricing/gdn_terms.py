@@ -1,0 +1,121 @@
+"""Terms of a GDN hybrid's layers retained under TP (selective and no recompute): what a Gated
+DeltaNet layer with a dense MLP and a gated attention layer keep for their backward on one TP rank,
+with and without sequence parallelism (docs/memory-model.md#gdn-sp-retained).
+
+The TP1-fitted retained GDN layer (`terms.retained_layer_per_row`, 44.5 H + per-width units in
+torch-cpu) carries a hidden-wide part that is really per-head memory: it divides by TP only under SP
+(so without SP it is over, 1.07-1.19 of the GDN grid's traces) and under SP it misses the gathered
+inputs the layer keeps (so it is under, 0.97-0.99). The anatomy of the GDN grid
+(bench/results/gdn_retained_anatomy.txt) shows the layer's memory splits exactly into a hidden-wide
+part that TP does not shard and a per-head part that it does (223.8, 112.0 and 56.1 H per row at
+TP1, TP2 and TP4); these terms price both parts from what Megatron-core allocates. Structural, in CPU
+units (Megatron-core's torch chunked gated-delta rule, plain torch norms): `pricing.model` charges
+them where the table carries the other SP structural terms (`layout_terms.SP_RETAINED`: torch-cpu);
+te-gpu keeps its own retained GDN terms with the layout's credit.
+
+All functions are O(1) and torch-free.
+"""
+
+from __future__ import annotations
+
+from .geometry import GdnSpec
+
+BF16, FP32 = 2, 4
+# Megatron-core's `torch_chunk_gated_delta_rule` default chunk (rows per chunk of the recurrence)
+CHUNK = 64
+
+
+def gdn_mixer_retained_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> float:
+    """What a GDN mixer keeps for its backward, per gathered row on one TP rank, as Megatron-core's
+    torch chunked gated-delta rule allocates it (`megatron.core.ssm.gated_delta_net`).
+
+    What memory, per rank (hv = value heads / TP, hk = key heads / TP, dk, dv their widths,
+    C the chunk, conv = 2 hk dk + hv dv the conv channels): the kernel's fp32 operands, head-repeated
+    to hv heads: the scaled query and the beta-weighted key and value (4 hv (2 dk + dv)), the padded
+    key and value (4 hv (dk + dv)), per chunk the decayed query and key (8 hv dk), the intra-chunk
+    solved value, the cumulative-decay key and the new value (4 hv (dk + 2 dv)), and one [dk, dv]
+    recurrent state per chunk (4 hv dk dv / C); the C-wide per-head matrices (the decay mask's
+    exp, tril and sum, the key products and their masked copies: 24 hv C) and the triangular
+    solve's row and block clones (sum over i < C of 4 hv (i + i^2) / C = 4/3 hv (C^2 - 1)); the
+    gated output norm (the gate's fp32 copy and SiLU, the norm's fp32 input, bf16 output and the
+    bf16 product: 16 hv dv); the causal conv's input and output (bf16, 4 conv); the
+    l2-normalised query and key before the head repeat (bf16, 4 hk dk); per-head scalars (gates,
+    betas, decay sums, norm statistics: at most 28 hv + 4 hk); the in and out projections' LoRA
+    outputs (4 rank, charged by the caller, which knows the rank). The input projection's output
+    is split and copied, not kept.
+
+    Formula: 24 hv dk + 32 hv dv + 4 hv dk dv / C + 24 hv C + 4/3 hv (C^2 - 1) + 4 conv + 4 hk dk
+    + 28 hv + 4 hk. Evidence: docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt,
+    grid-gdn-h1024 no recompute, L0.self_attention at the whole step's backward peak: 194,563 B
+    per row at TP1 against 194,960 B of the formula, 0.2 % over; its per-head tensors halve at TP2
+    and quarter at TP4). O(1).
+    """
+    hv, hk = gdn.num_value_heads / tp, gdn.num_key_heads / tp
+    dk, dv, c = gdn.key_head_dim, gdn.value_head_dim, chunk
+    conv = 2 * hk * dk + hv * dv
+    return (FP32 * hv * (6 * dk + 8 * dv) + FP32 * hv * dk * dv / c + 6 * FP32 * hv * c
+            + FP32 / 3 * hv * (c * c - 1) + 2 * BF16 * conv + 2 * BF16 * hk * dk
+            + 7 * FP32 * hv + FP32 * hk)
+
+
+def tp_retained_gdn_layer_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int) -> float:
+    """What a GDN layer with a dense MLP retains without full recompute at TP > 1, per gathered row.
+
+    What memory: the two norms' fp32 inputs (8H, on the rank's sequence shard under SP: 8H / TP),
+    the inputs of the column-parallel in_proj and linear_fc1 (the norms' bf16 outputs, 2H each: all
+    rows on every rank without SP; all-gathered and kept for the weight gradients with SP, not
+    divided by TP either way), the MLP's FC1 output and activations at per-TP-rank width (10F: the
+    2F-wide FC1 output and its LoRA sum, the F-wide gate, up and product), the four adapters'
+    rank-wide outputs (8 rank) and the GDN mixer's per-head tensors
+    (`gdn_mixer_retained_per_row`, all divided by TP).
+
+    Formula: 4H + 8H / sp_div + 10F + 8 rank + gdn_mixer_retained_per_row (F per rank, rank the
+    largest slot rank); 0 at TP1 (the TP1-fitted layer prices it there). Charged in place of the
+    TP1-fitted retained GDN layer (whose 44.5 H hidden-wide coefficient is mostly per-head memory
+    TP shards) where the table carries the SP structural terms. Evidence:
+    docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt: L0's hidden-wide
+    storages 12H at TP1, TP2 and TP4; 4H gathered + 8H / TP at TP2+SP and TP4+SP; the rest
+    223.8 / 112.0 / 56.1 H per row at TP1 / TP2 / TP4, with or without SP). O(1).
+    """
+    if tp <= 1:
+        return 0.0
+    h = widths["H"]
+    return (4.0 * h + 8.0 * h / sp_div + 10.0 * widths["F"] + 8.0 * widths["rank"]
+            + gdn_mixer_retained_per_row(gdn, tp=tp))
+
+
+def output_gate_per_row(widths: dict) -> float:
+    """The fp32 sigmoid a gated attention layer keeps of its output gate, per gathered row.
+
+    What memory: Qwen3.5/3.8's attention multiplies its core output by sigmoid(gate); the gate is
+    computed in fp32 ([rows, core / TP] fp32, 4 core bytes at per-TP-rank width) and saved for the
+    multiply's backward. The SP retained layer (`layout_terms.sp_retained_layer_per_row`, traced on
+    ungated attention) leaves it out; the gate's bf16 half is already in its 3 qkv (qkv counts the
+    gate). The same multiply saves the core output, so selective recompute of core attention frees
+    nothing of a gated layer (`pricing.model` charges no selective discount there at TP > 1).
+
+    Formula: 4 x core (per-TP-rank width). Evidence: docs/memory-model.md#gdn-sp-retained
+    (bench/results/gdn_retained_anatomy.txt: `L1.self_attention sigmoid` [rows, 1024 / TP] float32
+    at TP1, TP2 and TP4, [2048, 512] at TP2+SP; the L1 storages of selective and no recompute equal
+    to 0.03 H per row). O(1).
+    """
+    return FP32 * widths["core"]
+
+
+def rope_cache_entry_per_row(rope_per_row: float) -> float:
+    """The RoPE cache entry of the wave's longest sequence at CP1, per rank row, where the
+    structural hybrid layer terms price the layers.
+
+    What memory: Megatron's `RotaryEmbedding.forward` keeps the frequencies of the longest packed
+    sequence, [max_seqlen, rotary dim] fp32 (`rope_per_row` = 4 x rotary dim bytes per row,
+    `pipeline.rope_cache_per_row`), live from the first layer's forward to the end of the step.
+    The TP1-fitted layer terms absorb it (`layout_terms.cp_rope_cache_per_row` charges only the
+    rows CP adds); `tp_retained_gdn_layer_per_row` replaces a fitted layer by what the layer itself
+    holds, so the entry is charged once per wave beside it (the longest sequence is at most the
+    wave's rows: a GDN hybrid's wave runs as one causal row).
+
+    Formula: rope_per_row per row, once per wave (layer 0's retained memory). Evidence:
+    docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt: `rotary_pos_emb
+    cat` [2048, 128] float32, 512 B per row, live at every peak of every cell). O(1).
+    """
+    return rope_per_row
