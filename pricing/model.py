@@ -472,6 +472,14 @@ class PricingModel:
                 # in place of the TP1-fitted layer, whose hidden-wide part is mostly per-head memory
                 layer_retained = gdn_terms.tp_retained_gdn_layer_per_row(widths_r, g.gdn, tp=self.width_tp,
                                                                          sp_div=sp_div)
+            elif (mode != RecomputeMode.FULL and layer.mixer == MixerKind.GDN and sp_div > 1
+                    and layout_terms.SP_RETAINED not in t.terms):
+                # a table without the structural GDN terms (te-gpu): under SP the layer keeps its
+                # column-parallel inputs gathered (gdn_terms), so its fitted hidden-wide part is
+                # charged unsharded, a bound on the gathered inputs plus the sharded rest
+                layer_retained = terms.retained_layer_per_row(
+                    t, widths_r, layer.mixer, layer.mlp, sp_div=1,
+                    selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
             if extra:
                 layer_retained += extra
             sp_layer = sp_forward = 0.0
@@ -529,9 +537,13 @@ class PricingModel:
         # get the residual fitted with them; the others the one fitted without them (`bare`)
         moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or (
             layout_terms.SP_RETAINED in t.terms))
+        # a GDN layer charged unsharded under SP (a table without the structural GDN terms, above)
+        # holds no more than without SP: it takes the residual of the class without SP
+        unsharded_gdn = (mode != RecomputeMode.FULL and sp_div > 1
+                         and layout_terms.SP_RETAINED not in t.terms)
         per_layer = np.array([layout_terms.layout_residual_per_row(
-            t, widths, tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
-            retained=mode != RecomputeMode.FULL,
+            t, widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
+            sequence_parallel=c.sequence_parallel and not (unsharded_gdn and layer.mixer == MixerKind.GDN),
             bare=not ((layer.mixer == MixerKind.ATTENTION
                        and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)))
                       or (layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE and hybrid_tp)))
