@@ -2,6 +2,8 @@
 proportions at TP1, TP2, TP2+SP, TP4 and TP4+SP.
 
     python bench/gdn_grid.py     # trace the cells missing from bench/results/traces_multirank_gdn.jsonl
+    python bench/gdn_grid.py --heldout [--only "GDN TP2+SP" ...]
+                                 # the held-out shape's cells (traces_multirank_gdn_heldout.jsonl)
 
 The shape (inline; no preset has it): qwen3.8-27b's GDN and attention heads at head width 128
 on hidden 1024: GDN with 4 key heads and 12 value heads of 128 (a key:value head ratio of 1:3, as
@@ -17,6 +19,16 @@ Every recompute mode (full, selective, none); full recompute's cells put GDN lay
 and TP4 on evidence (pricing.model._GDN_TRACED; bench/results/layout_validation.txt).
 Waves, LoRA rank and record form are bench/multirank_grid.py's; the cells are appended to their
 own file so traces_multirank.jsonl stays as traced.
+
+The held-out shape (`--heldout`, bench/results/traces_multirank_gdn_heldout.jsonl): the retained
+GDN terms (pricing/gdn_terms.py) were read on the anatomy of the grid above, so this second
+geometry checks them where nothing was derived (docs/memory-model.md#gdn-sp-retained): hidden 768;
+GDN with 4 key heads and 8 value heads of 128 (1:2, against 1:3; key width 0.67 H, value width
+1.33 H), conv kernel 4; gated attention with 4 heads of 128 in 4 KV groups (multi-head, 0.67 H of
+core, against GQA 2 and 1 H); dense gated MLP of FFN 2304 (3.0 H, against 3.375 H); vocabulary 1024.
+Two waves: 1540 tokens (900 + 420 + 220: not a multiple of the kernel's 64-row chunk, so the wave
+is padded by 60 rows, near the most there is) and 2560; TP1 (the TP1-fitted table's own check on
+this shape), TP2, TP2+SP, TP4+SP and TP4, every recompute mode.
 """
 
 from __future__ import annotations
@@ -37,6 +49,14 @@ GDN = {"name": "grid-gdn-h1024", "hidden": 1024, "ffn": 3456, "vocab": 2048, "dt
                "conv_kernel": 4},
        "moe": None}
 TRACES = grid.RESULTS / "traces_multirank_gdn.jsonl"
+HELDOUT = {"name": "grid-gdn-h768", "hidden": 768, "ffn": 2304, "vocab": 1024, "dtype": "bf16",
+           "gated_mlp": True, "tied_embeddings": False, "layers": [["gdn", "dense"], ["attention", "dense"]],
+           "attention": {"num_heads": 4, "num_kv_groups": 4, "head_dim": 128, "output_gate": True},
+           "gdn": {"num_key_heads": 4, "num_value_heads": 8, "key_head_dim": 128, "value_head_dim": 128,
+                   "conv_kernel": 4},
+           "moe": None}
+HELDOUT_TRACES = grid.RESULTS / "traces_multirank_gdn_heldout.jsonl"
+HELDOUT_WAVES = ((900, 420, 220), (1280, 768, 512))
 LAYOUTS = (
     ("GDN TP1", GDN, {}, "balanced", grid.RECOMPUTES),
     ("GDN TP2", GDN, {"tp": 2}, "balanced", grid.RECOMPUTES),
@@ -45,10 +65,23 @@ LAYOUTS = (
     ("GDN TP4+SP", GDN, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
 )
 
+HELDOUT_LAYOUTS = (
+    ("GDN TP1", HELDOUT, {}, "balanced", grid.RECOMPUTES),
+    ("GDN TP2+SP", HELDOUT, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("GDN TP4+SP", HELDOUT, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("GDN TP2", HELDOUT, {"tp": 2}, "balanced", grid.RECOMPUTES),
+    ("GDN TP4", HELDOUT, {"tp": 4}, "balanced", grid.RECOMPUTES),
+)
+
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--heldout" in argv:
+        argv.remove("--heldout")
+        grid.LAYOUTS, grid.WAVES = HELDOUT_LAYOUTS, HELDOUT_WAVES
+        return grid.main(["trace", "--traces", str(HELDOUT_TRACES)] + argv)
     grid.LAYOUTS = LAYOUTS
-    return grid.main(["trace", "--traces", str(TRACES)] + list(argv or sys.argv[1:]))
+    return grid.main(["trace", "--traces", str(TRACES)] + argv)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ storage at the whole step's forward and backward peaks, summed per layer
 (docs/memory-model.md#gdn-sp-retained).
 
     python bench/gdn_retained_anatomy.py [--only TP1 TP2 ...] [--recompute none selective] [--json F]
+    python bench/gdn_retained_anatomy.py --heldout --only TP4 --recompute none full
+                     # the held-out shape (bench/gdn_grid.py HELDOUT), its 1540-token wave
+                     # (bench/results/gdn_heldout_anatomy.txt)
 
 Writes bench/results/gdn_retained_anatomy.txt: per cell and peak, the bytes per gathered row of
 each decoder layer (L0 = GDN + dense MLP, L1 = gated attention + dense MLP) and of the rest, then
@@ -29,6 +32,7 @@ import multirank_grid as grid  # noqa: E402
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 
 OUT = grid.RESULTS / "gdn_retained_anatomy.txt"
+HELDOUT_OUT = grid.RESULTS / "gdn_heldout_anatomy.txt"
 LAYOUTS = {"TP1": {}, "TP2": {"tp": 2}, "TP2+SP": {"tp": 2, "sequence_parallel": True},
            "TP4": {"tp": 4}, "TP4+SP": {"tp": 4, "sequence_parallel": True}}
 
@@ -39,13 +43,15 @@ def _layer(module: str) -> str:
     return head if head[:1] == "L" and head[1:].isdigit() else "other"
 
 
-def trace(label: str, recomputes, wave: int = 0) -> list[dict]:
+def trace(label: str, recomputes, wave: int = 0, model: dict | None = None, waves=None) -> list[dict]:
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch
     from waveplan.pricing.parallel import Recompute
 
-    g = ModelGeometry.from_dict(gdn_grid.GDN)
-    jobs = [TraceJob(seq_lens=tuple(grid.WAVES[wave]), recompute=Recompute(mode=rc), lora_rank=grid.LORA_RANK)
+    model = model or gdn_grid.GDN
+    g = ModelGeometry.from_dict(model)
+    lens = tuple((waves or grid.WAVES)[wave])
+    jobs = [TraceJob(seq_lens=lens, recompute=Recompute(mode=rc), lora_rank=grid.LORA_RANK)
             for rc in recomputes]
     t0 = time.monotonic()
     traces = trace_multirank_batch(g, layout=grid.layout_of(LAYOUTS[label]), jobs=jobs, num_layers=2,
@@ -54,7 +60,8 @@ def trace(label: str, recomputes, wave: int = 0) -> list[dict]:
     out = []
     for rc, tr in zip(recomputes, traces):
         b = tr.busiest
-        out.append({"label": label, "recompute": rc, "rows": sum(tr.seq_lens), "rank_rows": b.rows,
+        out.append({"label": label, "model": model["name"], "hidden": model["hidden"],
+                    "recompute": rc, "rows": sum(tr.seq_lens), "rank_rows": b.rows,
                     "rank": b.rank, "peak_forward": b.peak_forward_bytes, "peak_backward": b.peak_backward_bytes,
                     "anatomy": b.anatomy["full"]})
     return out
@@ -62,10 +69,10 @@ def trace(label: str, recomputes, wave: int = 0) -> list[dict]:
 
 def lines_of(rec: dict) -> list[str]:
     rows = rec["rows"]
-    out = [f"== {rec['label']} grid-gdn-h1024 recompute {rec['recompute']}: {rows} gathered rows "
+    out = [f"== {rec['label']} {rec['model']} recompute {rec['recompute']}: {rows} gathered rows "
            f"({rec['rank_rows']} on the rank), busiest rank {rec['rank']}; peak forward "
            f"{rec['peak_forward'] / rows:.1f}, backward {rec['peak_backward'] / rows:.1f} B per gathered row"]
-    h = gdn_grid.GDN["hidden"]
+    h = rec["hidden"]
     for phase, groups in rec["anatomy"].items():
         per: dict[str, float] = {}
         split: dict[tuple[str, str], float] = {}
@@ -95,13 +102,16 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=list(LAYOUTS))
     ap.add_argument("--recompute", nargs="*", default=["none", "selective"])
     ap.add_argument("--json", default=None, help="also write the records as JSON here")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--heldout", action="store_true", help="the held-out shape, its first wave")
     args = ap.parse_args(argv)
-    recs = [r for label in args.only for r in trace(label, args.recompute)]
+    model, waves = (gdn_grid.HELDOUT, gdn_grid.HELDOUT_WAVES) if args.heldout else (gdn_grid.GDN, grid.WAVES)
+    args.out = args.out or str(HELDOUT_OUT if args.heldout else OUT)
+    recs = [r for label in args.only for r in trace(label, args.recompute, model=model, waves=waves)]
     if args.json:
         write_text_atomic(Path(args.json), json.dumps(recs))
-    text = ["anatomy of the GDN grid's retained cells (busiest rank, whole step, wave "
-            f"{list(grid.WAVES[0])}): bench/gdn_retained_anatomy.py; B per gathered row; "
+    text = [f"anatomy of {model['name']}'s cells (busiest rank, whole step, wave "
+            f"{list(waves[0])}): bench/gdn_retained_anatomy.py; B per gathered row; "
             "docs/memory-model.md#gdn-sp-retained", ""]
     for r in recs:
         text += lines_of(r) + [""]

@@ -42,6 +42,7 @@ OPTIONAL_TERMS = {
     "moe_routing_metadata": "0: the fitted MoE stage covers the router's per-choice bookkeeping",
     "moe_norm_inputs": "0: the mixer stage carries a MoE layer's norm inputs",
     "mla_norm_inputs": "0: the MLA stage alone (the norms' fp32 inputs not held on a GPU's fused norms)",
+    "gdn_chunk_padding": "1: the GDN kernel runs no padding rows (FLA's chunked kernels mask the last chunk)",
 }
 _COEF_KEYS = ("per_row", "per_routed_row", "per_expert_row")
 _SCALAR_KEYS = ("value", "per_row_vocab", "retained_per_row_vocab", "transient_per_row_vocab")

@@ -73,6 +73,13 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     ig, head_ret, head_tr, head_c = a["input_grad"], a["head_retained"], a["head_transient"], a["head_const"]
     max_state = float(gdn.max()) if gdn.size else 0.0
     max_ng = float(ng.max()) if ng.size else 0.0
+    # a GDN kernel's padding rows, at most chunk - 1 per forward call (gdn_terms), as presence:
+    # kept like retained rows (pad_ret), and pad_point more at the layer's own points; the lower
+    # envelope leaves them out (they are >= 0)
+    most_pad = max(float(a["chunk"]) - 1.0, 0.0) if not lower else 0.0
+    pad_ret, pad_point = a["pad_retained"], a["pad_point"]
+    cum_pad = np.cumsum(pad_ret)
+    total_pad = float(pad_ret.sum()) if pad_ret.size else 0.0
 
     # Each point: the running class, its row / segment / presence coefficients.
     running, row_own, seg_own, pres_own, pend_own = [], [], [], [], []
@@ -81,7 +88,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
             running.append(np.array([g]))
             row_own.append(np.array([max_ng + head_ret]))
             seg_own.append(np.array([max_state]))
-            pres_own.append(np.array([head_c]))
+            pres_own.append(np.array([head_c + most_pad * (float(pad_point.max()) if ng.size else 0.0)]))
             pend_own.append(np.zeros(1))
             continue
         n = ret.shape[0]
@@ -89,7 +96,9 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         row_own.append(np.concatenate([cum - ret + ng, cum + ws + ig,
                                        [total + head_ret, total + head_ret + head_tr + ig]]))
         seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
-        pres_own.append(np.concatenate([np.zeros(2 * n), [head_c, head_c]]))
+        pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point),
+                                        most_pad * (cum_pad + pad_point),
+                                        [head_c + most_pad * total_pad] * 2]))
         grads = a["pending"][model.slot_index(class_slot[g])]
         suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
         pend_own.append(np.concatenate([np.zeros(n), suffix, [0.0, 0.0]]))
@@ -105,7 +114,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     row_c[cols, run] = np.concatenate(row_own)
     seg_c = np.zeros((num_points, k_classes))
     seg_c[cols, run] = np.concatenate(seg_own)
-    pres_c = np.zeros((num_points, k_classes))
+    # ... and their padding rows' (at most chunk - 1 per forward call)
+    pres_c = np.tile(np.where(np.asarray(class_grad, dtype=bool), most_pad * total_pad, 0.0), (num_points, 1))
     pres_c[cols, run] = np.concatenate(pres_own)
     if lower:
         # Valid below the exact price of any flat wave in which some class is present: rows

@@ -23,6 +23,63 @@ from .geometry import GdnSpec
 BF16, FP32 = 2, 4
 # Megatron-core's `torch_chunk_gated_delta_rule` default chunk (rows per chunk of the recurrence)
 CHUNK = 64
+# the coefficient-table entry naming the chunk a backend's GDN kernel pads a forward call's rows
+# to (torch-cpu: 64; a table without it, te-gpu's FLA kernel, pads nothing)
+PADDING_ENTRY = "gdn_chunk_padding"
+
+
+def chunk_of(table) -> int:
+    """The chunk the table's GDN kernel pads each forward call's rows to a multiple of (1: none,
+    a table without the `gdn_chunk_padding` entry). O(1)."""
+    return int(table.scalar(PADDING_ENTRY)) if PADDING_ENTRY in table.terms else 1
+
+
+def gdn_kernel_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> float:
+    """What Megatron-core's torch chunked gated-delta rule (`torch_chunk_gated_delta_rule`) keeps
+    for its backward per row of its padded input, on one TP rank: the part of
+    `gdn_mixer_retained_per_row` that runs on the rows padded to a multiple of the chunk.
+
+    What memory, per rank (hv = value heads / TP, dk, dv their widths, C the chunk): the fp32
+    operands, head-repeated to hv heads (the scaled query, the beta-weighted key and value, the
+    padded key and value: 4 hv (3 dk + 2 dv)), per chunk the decayed query and key, the intra-chunk
+    solved value, the cumulative-decay key and the new value (4 hv (3 dk + 2 dv)), the recurrent
+    states (one [dk, dv] per chunk, the zero initial state included: 4 hv dk dv / C), the C-wide
+    per-head matrices (24 hv C), the triangular solve's row and block clones (4/3 hv (C^2 - 1))
+    and the padded gates, betas and decay sums (16 hv).
+
+    Formula: 24 hv dk + 16 hv dv + 4 hv dk dv / C + 24 hv C + 4/3 hv (C^2 - 1) + 16 hv. A wave of
+    n chunks keeps n recurrent states (the anatomy's 31 updated states and the zero initial
+    state at 2048 rows, TP4: one state per C rows, the initial one included), so the rule keeps
+    this per padded row less 28,672 B per value head (the last chunk's unsaved key decay and
+    products). Evidence: docs/memory-model.md#gdn-sp-retained (the rule's saved tensors alone,
+    bf16 inputs, dk = dv = 128: 841,988 B per chunk and value head, 13,156 B per row, against
+    13,156 B of the formula; bench/results/gdn_retained_anatomy.txt, TP4: `add [1, 3, 128, 128]`
+    31 x and `zeros [1, 3, 128, 128]` once at 2048 rows). O(1).
+    """
+    hv = gdn.num_value_heads / tp
+    dk, dv, c = gdn.key_head_dim, gdn.value_head_dim, chunk
+    return (FP32 * hv * (6 * dk + 4 * dv) + FP32 * hv * dk * dv / c + 6 * FP32 * hv * c
+            + FP32 / 3 * hv * (c * c - 1) + 4 * FP32 * hv)
+
+
+def chunk_padding_rows(rows: float, chunk: int = CHUNK) -> float:
+    """Rows the torch chunked gated-delta rule pads one forward call's gathered rows with.
+
+    What memory: `torch_chunk_gated_delta_rule` pads the sequence dimension of its [b, s] input
+    to a multiple of the chunk (`pad_size = (chunk - s % chunk) % chunk`) and runs every kernel
+    tensor (`gdn_kernel_per_row`) on the padded rows. Megatron-core 0.16.1's GatedDeltaNet
+    refuses packed sequences (`packed_seq_params` raises), so a wave's sequences run
+    concatenated as one causal row (b = 1, s = the forward call's gathered rows: the tracers
+    run GDN hybrids so) and the padding is per forward call, not per sequence; at most C - 1
+    rows. (The FLA kernel a GPU runs masks its last chunk instead: no padded rows.)
+
+    Formula: ceil(rows / C) x C - rows. Evidence: docs/memory-model.md#gdn-sp-retained (the
+    held-out GDN cells of 1540 tokens, 60 rows of padding: 0.55 H per row under without it at
+    TP2+SP). O(1).
+    """
+    if chunk <= 1:
+        return 0.0
+    return -(-rows // chunk) * chunk - rows
 
 
 def gdn_mixer_retained_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> float:
@@ -51,11 +108,11 @@ def gdn_mixer_retained_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> 
     and quarter at TP4). O(1).
     """
     hv, hk = gdn.num_value_heads / tp, gdn.num_key_heads / tp
-    dk, dv, c = gdn.key_head_dim, gdn.value_head_dim, chunk
+    dk, dv = gdn.key_head_dim, gdn.value_head_dim
     conv = 2 * hk * dk + hv * dv
-    return (FP32 * hv * (6 * dk + 8 * dv) + FP32 * hv * dk * dv / c + 6 * FP32 * hv * c
-            + FP32 / 3 * hv * (c * c - 1) + 2 * BF16 * conv + 2 * BF16 * hk * dk
-            + 7 * FP32 * hv + FP32 * hk)
+    # the chunked rule's own tensors, then the gated norm, the conv, the l2-normed query and key
+    return (gdn_kernel_per_row(gdn, tp=tp, chunk=chunk) + 4 * FP32 * hv * dv + 2 * BF16 * conv
+            + 2 * BF16 * hk * dk + 3 * FP32 * hv + FP32 * hk)
 
 
 def tp_retained_gdn_layer_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int) -> float:
@@ -119,3 +176,23 @@ def rope_cache_entry_per_row(rope_per_row: float) -> float:
     cat` [2048, 128] float32, 512 B per row, live at every peak of every cell). O(1).
     """
     return rope_per_row
+
+
+def final_norm_backward_per_row(widths: dict, *, sp_div: int) -> float:
+    """The decoder's final norm's backward intermediates per gathered row, where the structural
+    hybrid layer terms price the layers.
+
+    What memory: a plain torch RMSNorm's backward (Megatron-core's torch norm on the CPU) makes
+    fp32 intermediates of its [rows, H] input: three products (12H), the quotient (4H) and the
+    power (4H), on the rank's sequence shard under SP. The torch-cpu table fits this point at
+    0.9858 of that unit (`final_norm_backward`, 19.72 H, fitted on TP1 cells whose fitted layers
+    absorb the 0.28 H); `tp_retained_gdn_layer_per_row` replaces those layers by what they hold,
+    so the norm is charged what it allocates beside them.
+
+    Formula: 20 H / sp_div. Evidence: docs/memory-model.md#gdn-sp-retained
+    (bench/results/gdn_heldout_anatomy.txt, grid-gdn-h768 TP4 none at its backward peak: `mul`
+    [1540, 1, 768] fp32 9216 B per row, `div` and `pow` 3072 each, 20 H; with the fitted 19.72 H
+    that cell was 0.06 H per row under; bench/results/gdn_retained_anatomy.txt: 26 H hidden-wide
+    outside the layers on every cell without SP, 6.5 H at TP4+SP). O(1).
+    """
+    return 20.0 * widths["H"] / sp_div

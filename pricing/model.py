@@ -464,9 +464,11 @@ class PricingModel:
                 selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
             if layer.mixer == MixerKind.ATTENTION:
                 layer_retained += qk_norm - (cp_release if mode == RecomputeMode.NONE else 0.0)
-            gated = hybrid_tp and layer.mixer == MixerKind.ATTENTION and g.attention.output_gate
-            if gated and mode == RecomputeMode.SELECTIVE:
-                # the output gate's multiply keeps the core output: selective recompute frees nothing
+            # the output gate's multiply keeps the core output: selective recompute frees nothing
+            # of a gated attention layer, at any TP (docs/memory-model.md#gdn-sp-retained)
+            keeps_core = layer.mixer == MixerKind.ATTENTION and g.attention.output_gate
+            gated = hybrid_tp and keeps_core
+            if keeps_core and mode == RecomputeMode.SELECTIVE:
                 layer_retained += table_discount(t, widths)
             if hybrid_tp and layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE:
                 # in place of the TP1-fitted layer, whose hidden-wide part is mostly per-head memory
@@ -500,7 +502,7 @@ class PricingModel:
                     and layer.mlp == MlpKind.DENSE and sp_div > 1):
                 # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
                 less = (cp_release if mode == RecomputeMode.NONE else
-                        0.0 if gated else table_discount(t, widths))
+                        0.0 if keeps_core else table_discount(t, widths))
                 # a gated attention layer also keeps its output gate's fp32 sigmoid (gdn_terms)
                 less -= gdn_terms.output_gate_per_row(widths) if gated else 0.0
                 kw = dict(tp=self.width_tp, rope_per_row=rope_cache_per_row(g, [layer]),
@@ -567,6 +569,14 @@ class PricingModel:
         elif rope:
             retained[0] += rope
             nograd[0] += rope
+        # a GDN layer's chunked kernel pads each forward call's rows (gdn_terms): its padding
+        # rows keep the kernel's tensors until the layer's backward (without full recompute) and
+        # hold them at the layer's own points (the recomputed kernel under full recompute, the
+        # gradients of its padded tensors in a retained layer's backward)
+        gdn_chunk = gdn_terms.chunk_of(t) if g.gdn is not None else 1
+        kernel = gdn_terms.gdn_kernel_per_row(g.gdn, tp=self.width_tp, chunk=gdn_chunk) if gdn_chunk > 1 else 0.0
+        pad_point = np.array([kernel if layer.mixer == MixerKind.GDN else 0.0 for layer in layers])
+        pad_retained = pad_point * (1.0 if mode != RecomputeMode.FULL else 0.0)
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
@@ -583,6 +593,10 @@ class PricingModel:
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
+        if norm_bwd and hybrid_tp and any(layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE
+                                          for layer in layers):
+            # what the norm's backward allocates, beside the structural layer terms (gdn_terms)
+            norm_bwd = max(norm_bwd, gdn_terms.final_norm_backward_per_row(widths, sp_div=sp_div))
         head_ret = logits_ret + norm_saved
         # the norm's backward runs after the logits are released: priced so when TP shards the
         # vocabulary, and for TE's head at any TP (its terms are structural, not calibrate-fitted)
@@ -591,7 +605,7 @@ class PricingModel:
                    + (residual + rope if mode == RecomputeMode.FULL else 0.0))
         arrays = {
             "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
-            "pending": pending,
+            "pending": pending, "pad_retained": pad_retained, "pad_point": pad_point, "chunk": float(gdn_chunk),
             "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
             "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
             "head_chunk_rows": chunk,
@@ -608,7 +622,8 @@ class PricingModel:
         if p.pp > 1:
             # the per-layer arrays, each stage's charges, and the folded per-wave proxy
             arrays["layers"] = {name: arrays[name] for name in
-                                ("retained", "workspace", "nograd", "gdn_state", "pending")}
+                                ("retained", "workspace", "nograd", "gdn_state", "pending",
+                                 "pad_retained", "pad_point")}
             boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
             rope = [rope_cache_per_row(g, layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
             stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,

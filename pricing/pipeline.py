@@ -170,7 +170,8 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
             float(arrays["head_retained"]) if last else 0.0,
             float(arrays["head_transient"]) if last else 0.0,
             float(arrays["head_const"]) if last else 0.0,
-            float(arrays["caller"]) if last else 0.0)
+            float(arrays["caller"]) if last else 0.0,
+            full["pad_retained"][lo:hi].copy(), full["pad_point"][lo:hi].copy(), float(arrays["chunk"]))
         out.append(StageCharges(
             stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
             retained_per_row=float(retained.sum()) + charges.head_retained,
@@ -194,6 +195,7 @@ def fold_stages(stages: Sequence[StageCharges]) -> dict:
     n_slots = stages[0].charges.pending.shape[0]
     retained, workspace, nograd = np.zeros(n), np.zeros(n), np.zeros(n)
     gdn_state, pending = np.zeros(n), np.zeros((n_slots, n))
+    pad_retained, pad_point = np.zeros(n), np.zeros(n)
     for st in stages:
         c, m = st.charges, st.hi - st.lo
         others = (st.window - 1) * float(c.retained.sum())
@@ -207,8 +209,11 @@ def fold_stages(stages: Sequence[StageCharges]) -> dict:
         nograd[:m] = np.maximum(nograd[:m], ng)
         gdn_state[:m] = np.maximum(gdn_state[:m], c.gdn_state)
         pending[:, :m] = np.maximum(pending[:, :m], c.pending)
+        pad_retained[:m] = np.maximum(pad_retained[:m], c.pad_retained)
+        pad_point[:m] = np.maximum(pad_point[:m], c.pad_point)
     return {"retained": retained, "workspace": workspace, "nograd": nograd,
-            "gdn_state": gdn_state, "pending": pending}
+            "gdn_state": gdn_state, "pending": pending, "pad_retained": pad_retained,
+            "pad_point": pad_point}
 
 
 @dataclass(frozen=True)
@@ -277,7 +282,8 @@ def below_top_charges(c: WalkCharges) -> WalkCharges | None:
     pending[:, -1] += c.pending[:, -1]
     return c._replace(retained=c.retained[:-1].copy(), workspace=c.workspace[:-1].copy(),
                       nograd=c.nograd[:-1].copy(), gdn_state=c.gdn_state[:-1].copy(),
-                      pending=pending)
+                      pending=pending, pad_retained=c.pad_retained[:-1].copy(),
+                      pad_point=c.pad_point[:-1].copy())
 
 
 def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float,
@@ -292,6 +298,11 @@ def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float,
     fwd, _ = walk(forward_charges(stage.charges), first_exec, groups)
     rows = float(np.sum(groups.rows[groups.grad]))
     kept = rows * stage.retained_per_row
+    if stage.charges.chunk > 1.0:
+        # each forward call's GDN padding rows (gdn_terms.chunk_padding_rows) keep the kernel's
+        chunk = stage.charges.chunk
+        pads = np.ceil(groups.rows[groups.grad] / chunk) * chunk - groups.rows[groups.grad]
+        kept += float(pads.sum()) * float(stage.charges.pad_retained.sum())
     peak = float(best[PEAK_BYTES])
     if stage.grad_in_per_row and rows:
         lower = below_top_charges(stage.charges)

@@ -9,6 +9,9 @@ Schedule (docs/memory-model.md#schedule; the #anchors below are sections of that
   layer L-1 down to 0, where the recomputed layer holds its stage workspace, one input
   gradient, the GDN states of its segments (#gdn-states), the boundaries of layers 0..i and
   the adapter gradients of layers >= i if the group carries its slot's pending gradients.
+- a GDN layer's chunked kernel runs each forward call's rows padded to a multiple of the chunk
+  (#gdn-sp-retained): its padding rows keep `pad_retained` from the layer's forward to its
+  backward, and `pad_point` more at the layer's own forward and backward points.
 - While group g runs, a group already run holds its pending gradients and a group not yet run
   holds its retained memory; the worst order charges each other group max(gradients,
   retained) (#other-groups, closed form; `brute_force_orders` in the tests checks it).
@@ -54,6 +57,9 @@ class WalkCharges(NamedTuple):
     head_transient: float   # per row, the head's backward transient
     head_const: float       # the head's constant bytes
     caller: float           # per logical row, the caller's own tensors
+    pad_retained: np.ndarray  # float64[L] per padding row of a forward call, kept by layer i
+    pad_point: np.ndarray   # float64[L] per padding row of a forward call at layer i's own points
+    chunk: float            # a forward call's rows padded to a multiple of this (<= 1: none)
 
 
 class WalkGroups(NamedTuple):
@@ -120,6 +126,9 @@ def walk(charges, first_exec, groups):
     head_ret = charges.head_retained
     head_tr = charges.head_transient
     head_const = charges.head_const
+    pad_ret = charges.pad_retained
+    pad_point = charges.pad_point
+    chunk = charges.chunk
     rows = groups.rows
     segments = groups.segments
     grad = groups.grad
@@ -138,6 +147,12 @@ def walk(charges, first_exec, groups):
 
     total_retained = retained.sum()
     cum = np.cumsum(retained)
+    total_pad = pad_ret.sum()
+    cum_pad = np.cumsum(pad_ret)
+    pad = np.zeros(n_groups)   # each forward call's padding rows (a GDN kernel's chunk)
+    if chunk > 1.0:
+        for g in range(n_groups):
+            pad[g] = np.ceil(rows[g] / chunk) * chunk - rows[g]
     max_state = gdn_state.max() if n_layers > 0 else 0.0
     n_slots = pending.shape[0]
     suffix = np.zeros((n_slots, n_layers + 1))
@@ -155,7 +170,7 @@ def walk(charges, first_exec, groups):
     done = np.zeros(n_groups)   # pending gradients a grad group leaves after its backward
     for g in range(n_groups):
         if grad[g]:
-            keep[g] = rows[g] * (total_retained + head_ret)
+            keep[g] = rows[g] * (total_retained + head_ret) + pad[g] * total_pad
             if carries[g] and per_slot[slot[g]] == 1:
                 done[g] = suffix[slot[g], 0]
     others_all = 0.0
@@ -168,7 +183,7 @@ def walk(charges, first_exec, groups):
             # no-grad group: forward only, beside every grad group's retained memory
             ng = 0.0
             for i in range(n_layers):
-                ng = max(ng, rows[g] * nograd[i])
+                ng = max(ng, rows[g] * nograd[i] + pad[g] * pad_point[i])
             _start(point, others_all, caller_bytes, first_exec)
             point[TERM_NOGRAD_TRANSIENT] = ng
             point[TERM_GDN_STATES] = segments[g] * max_state
@@ -181,17 +196,17 @@ def walk(charges, first_exec, groups):
         # forward: layer i runs with boundaries 0..i-1 saved and the layer's own transient
         for i in range(n_layers):
             _start(point, others, caller_bytes, first_exec)
-            point[TERM_RETAINED] = rows[g] * (cum[i] - retained[i])
-            point[TERM_WORKSPACE] = rows[g] * nograd[i]
+            point[TERM_RETAINED] = rows[g] * (cum[i] - retained[i]) + pad[g] * (cum_pad[i] - pad_ret[i])
+            point[TERM_WORKSPACE] = rows[g] * nograd[i] + pad[g] * pad_point[i]
             point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
             _offer(best, out, point, POINT_FORWARD, i, g)
         _start(point, others, caller_bytes, first_exec)
-        point[TERM_RETAINED] = rows[g] * total_retained
+        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad
         point[TERM_HEAD] = rows[g] * head_ret + head_const
         _offer(best, out, point, POINT_HEAD_FORWARD, -1, g)
         # backward of the head
         _start(point, others, caller_bytes, first_exec)
-        point[TERM_RETAINED] = rows[g] * total_retained
+        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad
         point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
         point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if (carries[g] and shared_slot) else 0.0
         point[TERM_HEAD] = rows[g] * (head_ret + head_tr) + head_const
@@ -199,8 +214,8 @@ def walk(charges, first_exec, groups):
         # backward, layer n-1 down to 0
         for i in range(n_layers - 1, -1, -1):
             _start(point, others, caller_bytes, first_exec)
-            point[TERM_RETAINED] = rows[g] * cum[i]
-            point[TERM_WORKSPACE] = rows[g] * workspace[i]
+            point[TERM_RETAINED] = rows[g] * cum[i] + pad[g] * cum_pad[i]
+            point[TERM_WORKSPACE] = rows[g] * workspace[i] + pad[g] * pad_point[i]
             point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
             if carries[g]:
                 point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if shared_slot else suffix[s, i]

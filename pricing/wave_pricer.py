@@ -41,7 +41,7 @@ _CLASS, _PACKED, _PADDED, _LOGICAL, _SEGMENTS = range(5)
 _CLASS_GRAD, _CLASS_SLOT = range(2)
 # entries of the scalar vector handed to the jitted walk
 _S_INPUT_GRAD, _S_HEAD_RET, _S_HEAD_TR, _S_HEAD_CONST, _S_CALLER, _S_FIRST_EXEC, _S_SAFETY, \
-    _S_CP, _S_CONSERVATIVE, _S_MULTIPLE = range(10)
+    _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK = range(11)
 
 
 @njit(cache=True)
@@ -90,8 +90,8 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
     """Admitted bytes of one wave, exactly as `price_groups` computes them (its rank rows,
     segments = layout segments + padding rows, first execution only with a gradient group),
     or -status when `_loads` fails. `classes`: int64[K, 2] (grad, model slot index);
-    `carry`: bool[model slots] in first_slots; `layers`: float64[4, L] (retained, workspace,
-    nograd, gdn_state). O(requests x classes + groups^2 + groups x L)."""
+    `carry`: bool[model slots] in first_slots; `layers`: float64[6, L] (retained, workspace,
+    nograd, gdn_state, pad_retained, pad_point). O(requests x classes + groups^2 + groups x L)."""
     status, lo = _loads(rank, table, length_at, class_of, reqs, ptr, classes.shape[0],
                         np.int64(scal[_S_MULTIPLE]))
     if status != 0:
@@ -118,7 +118,7 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
     first_exec = scal[_S_FIRST_EXEC] if any_grad else 0.0
     charges = WalkCharges(layers[0], layers[1], layers[2], layers[3], pending,
                           scal[_S_INPUT_GRAD], scal[_S_HEAD_RET], scal[_S_HEAD_TR],
-                          scal[_S_HEAD_CONST], scal[_S_CALLER])
+                          scal[_S_HEAD_CONST], scal[_S_CALLER], layers[4], layers[5], scal[_S_CHUNK])
     best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries))
     raw = np.ceil(best[PEAK_BYTES])
     return np.int64(np.ceil(raw * scal[_S_SAFETY]))
@@ -191,13 +191,14 @@ class WavePricer:
             cache = a.setdefault("fast_walk", {})
             if self.profiled not in cache:
                 layers = np.ascontiguousarray(np.stack([a["retained"], a["workspace"],
-                                                        a["nograd"], a["gdn_state"]]),
+                                                        a["nograd"], a["gdn_state"],
+                                                        a["pad_retained"], a["pad_point"]]),
                                               dtype=np.float64)
                 scal = np.asarray([a["input_grad"], a["head_retained"], a["head_transient"],
                                    a["head_const"], a["caller"],
                                    0.0 if self.profiled else a["first_exec"], model.safety,
                                    model.rows_cp, 0.0,
-                                   model.parallel.row_multiple], dtype=np.float64)
+                                   model.parallel.row_multiple, a["chunk"]], dtype=np.float64)
                 pending = np.ascontiguousarray(a["pending"], dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))
             layers, pending, scal, n_slots = cache[self.profiled]

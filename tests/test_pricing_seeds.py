@@ -142,7 +142,7 @@ def test_seed004_closed_form_worst_order_matches_brute_force(seed):
     slots = np.arange(n_groups)
     carries = rng.random(n_groups) < 0.7
     zeros = np.zeros(n_layers)
-    charges = WalkCharges(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0)
+    charges = WalkCharges(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0, zeros, zeros, 1.0)
     groups = WalkGroups(rows, np.zeros(n_groups), np.zeros(n_groups), np.ones(n_groups, np.bool_),
                         slots, carries)
     best, _ = walk(charges, 0.0, groups)
