@@ -52,6 +52,10 @@ TRACES2 = ROOT / "bench/results/traces_multirank_dense2.jsonl"
 # the GDN hybrid's cells (bench/gdn_grid.py): validated here, never fitted (the residual's GDN
 # layers take the `full_bare` group fitted on the dense cells)
 TRACES_GDN = ROOT / "bench/results/traces_multirank_gdn.jsonl"
+# a second GDN geometry (bench/gdn_grid.py --heldout): nothing of pricing/gdn_terms.py was read on
+# it; every cell is held out (1540 tokens, padded by the GDN kernel's chunk, and 2560)
+TRACES_GDN_HELDOUT = ROOT / "bench/results/traces_multirank_gdn_heldout.jsonl"
+GDN_HELDOUT_SHAPE = "grid-gdn-h768"
 OUT = ROOT / "bench/results/layout_validation.txt"
 TABLES = [ROOT / "pricing/data/coefficients/torch-cpu.json", ROOT / "pricing/data/coefficients/te-gpu.json"]
 FIT_TOKENS = 2048
@@ -73,7 +77,7 @@ HELD_BACK: dict[str, str] = {}
 
 
 def load_cells() -> list[dict]:
-    return [json.loads(line) for path in (TRACES, TRACES2, TRACES_GDN) if path.exists()
+    return [json.loads(line) for path in (TRACES, TRACES2, TRACES_GDN, TRACES_GDN_HELDOUT) if path.exists()
             for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -240,7 +244,10 @@ def report() -> list[str]:
              "on the 3072-token cells (held-out) and across geometries (below). Layout terms beside them:",
              "the layer-norm point (TP without SP) and the SP FC2 point (full recompute), the SP retained layer",
              "(selective/none), the CP RoPE cache and the CP attention release; the GDN hybrid's retained",
-             "layers at TP > 1 by pricing/gdn_terms.py (docs/memory-model.md#gdn-sp-retained).",
+             "layers at TP > 1 by pricing/gdn_terms.py (docs/memory-model.md#gdn-sp-retained); a second GDN",
+             f"geometry held out of those terms ({GDN_HELDOUT_SHAPE}, traces_multirank_gdn_heldout.jsonl: hidden 768,",
+             "GDN 4 key and 8 value heads of 128, 4 gated attention heads of 128 in 4 groups, FFN 2304,",
+             "vocabulary 1024; 1540 tokens, padded by the GDN kernel's 64-row chunk, and 2560: all held out).",
              "Targets: no cell under, median <= 1.03, worst <= 1.10.",
              "",
              "Per dense layout class (both geometries, both waves; TP1 is the table's own fit). 'vs TP1':",
@@ -258,6 +265,16 @@ def report() -> list[str]:
         held = [r for h, r in vals if h == "held-out"]
         lines.append(f"{name:28s} {mode:9s} {basis:12s} {_summary(ratios)}  "
                      + " ".join(f"{r:.3f}" for r in held))
+    lines += ["", f"Held-out GDN geometry ({GDN_HELDOUT_SHAPE}), every cell held out; per recompute group at",
+              "TP > 1 (TP2, TP2+SP, TP4, TP4+SP) and at TP1 (the TP1-fitted table's own error on this shape):",
+              f"{'cells':28s} {'recompute':9s} cells under  median   worst"]
+    for name, tps, modes in (("TP > 1 retained", (2, 4), ("selective", "none")), ("TP > 1 full", (2, 4), ("full",)),
+                             ("TP1 retained", (1,), ("selective", "none")), ("TP1 full", (1,), ("full",))):
+        ratios = [r for (cls, mode, _), vals in by_class.items() for _, r in vals
+                  if cls.startswith(f"GDN {GDN_HELDOUT_SHAPE} TP") and mode in modes
+                  and int(cls.split(" TP")[1].split("+")[0]) in tps]
+        if ratios:
+            lines.append(f"{name:28s} {'/'.join(modes):9s} {_summary(ratios)}")
     fitted = with_residual(table, fit())
     for key, why in HELD_BACK.items():
         lines += ["", f"Held back from evidence, {why}.", "Its cells priced with the fitted residual:",

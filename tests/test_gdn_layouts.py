@@ -140,3 +140,84 @@ def test_the_27b_hybrid_at_tp2_and_tp4_is_sharded_and_on_evidence():
                            recompute=Recompute(mode="selective"), backend="torch-cpu")
     assert m.basis == "conservative" and m.credit.tp == 1
     assert any("GDN layers with MoE MLPs at TP2" in r for r in m.gaps)
+
+
+HELDOUT = TRACES.with_name("traces_multirank_gdn_heldout.jsonl")
+
+
+def _heldout_ratios(table) -> dict[tuple, list[float]]:
+    per: dict[tuple, list[float]] = {}
+    for line in HELDOUT.read_text().splitlines():
+        rec = json.loads(line)
+        cell, trace = rec["cell"], rec["trace"]
+        lay = cell["layout"]
+        if lay["tp"] == 1:
+            continue
+        model = _cell_model(cell, table)
+        ratio = _raw(model, cell["seq_lens"]) / trace["peak_bytes"]
+        assert model.basis == "evidence" and model.credit == model.parallel, model.gaps
+        assert ratio >= 1.0, (lay, cell["recompute"], trace["tokens"], ratio)
+        per.setdefault((lay["tp"], lay["sequence_parallel"], cell["recompute"]), []).append(ratio)
+    return per
+
+
+def test_heldout_gdn_shape_is_never_under_at_tp_above_one():
+    """The second GDN geometry (bench/gdn_grid.py --heldout, grid-gdn-h768: 1:2 key:value heads,
+    multi-head gated attention, FFN 3 H), on which nothing of pricing.gdn_terms was read: every cell
+    at TP2, TP2+SP, TP4 and TP4+SP, each recompute mode, a 1540-token wave (padded by the GDN
+    kernel's chunk to 1600 rows) and a 2560-token one, at or over its busiest rank on evidence;
+    retained (selective, none) per class median within 3 %, every cell within 10 %
+    (docs/memory-model.md#gdn-sp-retained)."""
+    per = _heldout_ratios(load_table("torch-cpu"))
+    assert set(per) == {(tp, sp, rc) for tp in (2, 4) for sp in (False, True)
+                        for rc in ("full", "selective", "none")}
+    for key, ratios in per.items():
+        assert len(ratios) == 2 and max(ratios) <= 1.10, (key, ratios)
+        if key[2] != "full":
+            assert statistics.median(ratios) <= 1.03, (key, ratios)
+
+
+def test_gdn_kernel_term_and_chunk_padding():
+    """The chunked rule's tensors per padded row: 13,156 B per value head at dk = dv = 128 (its saved
+    tensors measured alone: 841,988 B per 64-row chunk); padding to the next multiple of 64 rows."""
+    g = ModelGeometry.from_dict(json.loads(HELDOUT.read_text().splitlines()[0])["cell"]["geometry"])
+    assert gdn_terms.gdn_kernel_per_row(g.gdn, tp=1) == pytest.approx(8 * 13_156)
+    assert gdn_terms.gdn_kernel_per_row(g.gdn, tp=4) == pytest.approx(2 * 13_156)
+    assert gdn_terms.gdn_kernel_per_row(g.gdn, tp=1) < gdn_terms.gdn_mixer_retained_per_row(g.gdn, tp=1)
+    assert [gdn_terms.chunk_padding_rows(n) for n in (1540, 1600, 1, 64, 65)] == [60, 0, 63, 0, 63]
+    assert gdn_terms.chunk_padding_rows(1540, chunk=1) == 0
+    assert gdn_terms.chunk_of(load_table("torch-cpu")) == 64 and gdn_terms.chunk_of(load_table("te-gpu")) == 1
+
+
+def test_a_padded_gdn_wave_keeps_its_padding_rows_and_the_envelope_covers_it():
+    """Without full recompute a wave's padding rows keep the GDN kernel's tensors to the head's
+    backward: a 1540-token wave (60 rows of padding) is priced 60 x the kernel per row above the same
+    wave without the table's padding entry (torch-cpu, TP2, selective); the search's envelope stays at
+    or over the exact price; te-gpu's kernel pads nothing."""
+    line = next(x for x in HELDOUT.read_text().splitlines()
+                if json.loads(x)["cell"]["recompute"] == "selective"
+                and json.loads(x)["cell"]["layout"]["tp"] == 2 and json.loads(x)["trace"]["tokens"] == 1540)
+    cell = json.loads(line)["cell"]
+    table = load_table("torch-cpu")
+    bare = dataclasses.replace(table, terms={k: v for k, v in table.terms.items() if k != gdn_terms.PADDING_ENTRY})
+    with_pad, without = _cell_model(cell, table), _cell_model(cell, bare)
+    kernel = gdn_terms.gdn_kernel_per_row(with_pad.geometry.gdn, tp=2)
+    assert _raw(with_pad, cell["seq_lens"]) - _raw(without, cell["seq_lens"]) == pytest.approx(60 * kernel, abs=2)
+    assert without.arrays["chunk"] == 1.0 and not without.arrays["pad_retained"].any()
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
+    pricer = WavePricer.build(step, with_pad, profiled=True)
+    exact = pricer.price([np.arange(len(step.requests))], first_slots=frozenset({"default"})).admitted_bytes
+    assert pricer.admitted([np.arange(len(step.requests))], first_slots=frozenset({"default"})) == exact
+    env = pricer.envelope()
+    (load,) = pricer.group_loads([np.arange(len(step.requests))])
+    counts = np.array([[load.packed_rows, load.logical_rows, load.segments]], float)
+    assert env.value(np.array([True]), counts) >= exact
+
+
+def test_gated_attention_keeps_its_core_output_under_selective_recompute_at_tp1():
+    """A gated attention layer's retained memory is the same under selective and no recompute at
+    TP1 too (the gate's multiply saves the core output): the selective discount is not charged."""
+    g = load_preset("qwen3.8-27b")
+    sel, none = (PricingModel.build(g, recompute=Recompute(mode=m), backend="torch-cpu") for m in ("selective", "none"))
+    att = [i for i, spec in enumerate(g.layers) if spec.mixer.value == "attention"]
+    assert att and all(sel.arrays["retained"][i] == none.arrays["retained"][i] for i in att)
