@@ -8,7 +8,11 @@ torch-cpu) carries a hidden-wide part that is really per-head memory: it divides
 inputs the layer keeps (so it is under, 0.97-0.99). The anatomy of the GDN grid
 (bench/results/gdn_retained_anatomy.txt) shows the layer's memory splits exactly into a hidden-wide
 part that TP does not shard and a per-head part that it does (223.8, 112.0 and 56.1 H per row at
-TP1, TP2 and TP4); these terms price both parts from what Megatron-core allocates. Structural, in CPU
+TP1, TP2 and TP4); these terms price both parts from what Megatron-core allocates. The chunked
+kernel's padding of each forward call's rows to a multiple of its chunk (`gdn_kernel_per_row`,
+`chunk_padding_rows`) is charged by the walk at any TP and recompute mode, and the final norm's
+backward at what it allocates (`final_norm_backward_per_row`); a second GDN geometry, on which
+nothing here was read, checks them (bench/gdn_grid.py --heldout). Structural, in CPU
 units (Megatron-core's torch chunked gated-delta rule, plain torch norms): `pricing.model` charges
 them where the table carries the other SP structural terms (`layout_terms.SP_RETAINED`: torch-cpu);
 te-gpu keeps its own retained GDN terms with the layout's credit.
@@ -104,7 +108,7 @@ def gdn_mixer_retained_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> 
     Formula: 24 hv dk + 32 hv dv + 4 hv dk dv / C + 24 hv C + 4/3 hv (C^2 - 1) + 4 conv + 4 hk dk
     + 28 hv + 4 hk. Evidence: docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt,
     grid-gdn-h1024 no recompute, L0.self_attention at the whole step's backward peak: 194,563 B
-    per row at TP1 against 194,960 B of the formula, 0.2 % over; its per-head tensors halve at TP2
+    per row at TP1 against 194,896 B of the formula, 0.2 % over; its per-head tensors halve at TP2
     and quarter at TP4). O(1).
     """
     hv, hk = gdn.num_value_heads / tp, gdn.num_key_heads / tp
