@@ -48,22 +48,23 @@ def gdn_kernel_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> float:
     padded key and value: 4 hv (3 dk + 2 dv)), per chunk the decayed query and key, the intra-chunk
     solved value, the cumulative-decay key and the new value (4 hv (3 dk + 2 dv)), the recurrent
     states (one [dk, dv] per chunk, the zero initial state included: 4 hv dk dv / C), the C-wide
-    per-head matrices (24 hv C), the triangular solve's row and block clones (4/3 hv (C^2 - 1))
-    and the padded gates, betas and decay sums (16 hv).
+    per-head matrices (24 hv C), the triangular solve's row and block clones (4/3 hv (C^2 - 1)),
+    the padded gates, betas and decay sums (16 hv) and each chunk's state decay (4 hv / C).
 
-    Formula: 24 hv dk + 16 hv dv + 4 hv dk dv / C + 24 hv C + 4/3 hv (C^2 - 1) + 16 hv. A wave of
-    n chunks keeps n recurrent states (the anatomy's 31 updated states and the zero initial
-    state at 2048 rows, TP4: one state per C rows, the initial one included), so the rule keeps
-    this per padded row less 28,672 B per value head (the last chunk's unsaved key decay and
-    products). Evidence: docs/memory-model.md#gdn-sp-retained (the rule's saved tensors alone,
-    bf16 inputs, dk = dv = 128: 841,988 B per chunk and value head, 13,156 B per row, against
-    13,156 B of the formula; bench/results/gdn_retained_anatomy.txt, TP4: `add [1, 3, 128, 128]`
-    31 x and `zeros [1, 3, 128, 128]` once at 2048 rows). O(1).
+    Formula: 24 hv dk + 16 hv dv + 4 hv dk dv / C + 24 hv C + 4/3 hv (C^2 - 1) + 16 hv + 4 hv / C.
+    A wave of n chunks keeps n recurrent states (the anatomy's 31 updated states and the zero
+    initial state at 2048 rows, TP4: one state per C rows, the initial one included), so the rule
+    keeps this per padded row less 28,672 B per value head and wave (the last chunk's unsaved
+    key decay and products). Evidence: docs/memory-model.md#gdn-sp-retained (`python
+    bench/gdn_kernel_saved.py`: the rule's saved tensors alone, bf16 inputs, dk = dv = 128, each
+    further chunk 841,988 B per value head, the formula's 64 rows; bench/results/
+    gdn_retained_anatomy.txt, TP4: `add [1, 3, 128, 128]` 31 x and `zeros [1, 3, 128, 128]` once
+    at 2048 rows). O(1).
     """
     hv = gdn.num_value_heads / tp
     dk, dv, c = gdn.key_head_dim, gdn.value_head_dim, chunk
     return (FP32 * hv * (6 * dk + 4 * dv) + FP32 * hv * dk * dv / c + 6 * FP32 * hv * c
-            + FP32 / 3 * hv * (c * c - 1) + 4 * FP32 * hv)
+            + FP32 / 3 * hv * (c * c - 1) + 4 * FP32 * hv + FP32 * hv / c)
 
 
 def chunk_padding_rows(rows: float, chunk: int = CHUNK) -> float:
@@ -101,14 +102,15 @@ def gdn_mixer_retained_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> 
     gated output norm (the gate's fp32 copy and SiLU, the norm's fp32 input, bf16 output and the
     bf16 product: 16 hv dv); the causal conv's input and output (bf16, 4 conv); the
     l2-normalised query and key before the head repeat (bf16, 4 hk dk); per-head scalars (gates,
-    betas, decay sums, norm statistics: at most 28 hv + 4 hk); the in and out projections' LoRA
-    outputs (4 rank, charged by the caller, which knows the rank). The input projection's output
+    betas, decay sums, norm statistics, each chunk's state decay: at most 28 hv + 4 hv / C + 4 hk);
+    the in and out projections' LoRA outputs (4 rank, charged by the caller, which knows the rank). The input projection's output
     is split and copied, not kept.
 
     Formula: 24 hv dk + 32 hv dv + 4 hv dk dv / C + 24 hv C + 4/3 hv (C^2 - 1) + 4 conv + 4 hk dk
-    + 28 hv + 4 hk. Evidence: docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt,
+    + 28 hv + 4 hv / C + 4 hk (`gdn_kernel_per_row` and what runs on the unpadded rows). Evidence:
+    docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt,
     grid-gdn-h1024 no recompute, L0.self_attention at the whole step's backward peak: 194,563 B
-    per row at TP1 against 194,896 B of the formula, 0.2 % over; its per-head tensors halve at TP2
+    per row at TP1 against 194,897 B of the formula, 0.2 % over; its per-head tensors halve at TP2
     and quarter at TP4). O(1).
     """
     hv, hk = gdn.num_value_heads / tp, gdn.num_key_heads / tp

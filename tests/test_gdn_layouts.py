@@ -178,11 +178,12 @@ def test_heldout_gdn_shape_is_never_under_at_tp_above_one():
 
 
 def test_gdn_kernel_term_and_chunk_padding():
-    """The chunked rule's tensors per padded row: 13,156 B per value head at dk = dv = 128 (its saved
-    tensors measured alone: 841,988 B per 64-row chunk); padding to the next multiple of 64 rows."""
+    """The chunked rule's tensors per padded row: 841,988 B per 64-row chunk and value head at
+    dk = dv = 128 (its saved tensors measured alone, bench/gdn_kernel_saved.py: each chunk past the
+    second adds that much); padding to the next multiple of 64 rows."""
     g = ModelGeometry.from_dict(json.loads(HELDOUT.read_text().splitlines()[0])["cell"]["geometry"])
-    assert gdn_terms.gdn_kernel_per_row(g.gdn, tp=1) == pytest.approx(8 * 13_156)
-    assert gdn_terms.gdn_kernel_per_row(g.gdn, tp=4) == pytest.approx(2 * 13_156)
+    assert 64 * gdn_terms.gdn_kernel_per_row(g.gdn, tp=1) == pytest.approx(8 * 841_988)
+    assert 64 * gdn_terms.gdn_kernel_per_row(g.gdn, tp=4) == pytest.approx(2 * 841_988)
     assert gdn_terms.gdn_kernel_per_row(g.gdn, tp=1) < gdn_terms.gdn_mixer_retained_per_row(g.gdn, tp=1)
     assert [gdn_terms.chunk_padding_rows(n) for n in (1540, 1600, 1, 64, 65)] == [60, 0, 63, 0, 63]
     assert gdn_terms.chunk_padding_rows(1540, chunk=1) == 0
