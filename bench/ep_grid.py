@@ -69,6 +69,15 @@ LAYOUTS = (
     # a3b shape's TP2+SP and TP4+SP cells they price retained MoE layers under TP+SP
     # (pricing.moe_terms.sp_retained_moe_layer_per_row)
     ("MoE-wide TP2+SP", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True}, "balanced", ("selective", "none")),
+    # MoE layers under context parallelism (ring attention's allocation model; each rank routes
+    # its CP share of the rows): with them MoE at TP1+CP2, TP2+SP+CP2 and TP4+SP+CP2 is priced
+    # on evidence (pricing.model._MOE_TRACED; docs/memory-model.md#moe-cp)
+    ("MoE-a3b CP2", MOE_A3B, {"cp": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP2+SP+CP2", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-wide TP2+SP+CP2", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "cp": 2}, "balanced",
+     grid.RECOMPUTES),
+    ("MoE-wide CP2", grid.MOE_WIDE, {"cp": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP4+SP+CP2", MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 2}, "balanced", grid.RECOMPUTES),
 )
 
 
