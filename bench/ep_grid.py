@@ -78,6 +78,15 @@ LAYOUTS = (
      grid.RECOMPUTES),
     ("MoE-wide CP2", grid.MOE_WIDE, {"cp": 2}, "balanced", grid.RECOMPUTES),
     ("MoE-a3b TP4+SP+CP2", MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 2}, "balanced", grid.RECOMPUTES),
+    # CP4 (TP1+CP4, TP2+SP+CP4, TP4+SP+CP4: 4, 8 and 16 gloo ranks), the a3b shape
+    ("MoE-a3b CP4", MOE_A3B, {"cp": 4}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP2+SP+CP4", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 4}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP4+SP+CP4", MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 4}, "balanced", grid.RECOMPUTES),
+    # EP with CP: Megatron carves the expert-parallel group out of DP x CP, so at CP2 EP2 the
+    # all-to-all runs between the two CP ranks (different rows of the same sequences)
+    ("MoE-a3b CP2+EP2", MOE_A3B, {"cp": 2, "ep": 2}, "balanced", ("full",)),
+    ("MoE-a3b TP2+SP+CP2+EP2", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2, "ep": 2}, "balanced",
+     ("full",)),
 )
 
 
