@@ -98,6 +98,9 @@ _MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1", "tp1-cp2"
 # GDN layers also at TP2, TP2+SP and TP4 (full recompute): the GDN grid's multi-rank CPU cells
 # (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp)
 _GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
+# GDN and MoE layers traced together also at TP2+SP (full recompute): the GDN grid's GDN+MoE
+# hybrid at TP1, TP2+SP and TP4+SP (bench/gdn_grid.py; docs/memory-model.md#gdn-moe-tp)
+_GDN_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
 
 
 def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
@@ -105,9 +108,10 @@ def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
     geometry, every traced class applies). MoE also at TP2+SP (the EP grid's TP2+SP+EP2
     cells, bench/results/moe_validation.txt) and with CP (TP1, TP2+SP, TP4+SP at CP2 and CP4:
     docs/memory-model.md#moe-cp); GDN (with a dense MLP) also at TP2, TP2+SP and
-    TP4 (`_GDN_TRACED`); a GDN hybrid with MoE layers only where both were traced together."""
+    TP4 (`_GDN_TRACED`); a GDN hybrid with MoE layers only where both were traced together
+    (`_GDN_MOE_TRACED`: TP1 at CP1/CP2, TP2+SP, TP4+SP)."""
     if geometry.gdn is not None:
-        return _MIXED_TRACED if geometry.moe is not None else _GDN_TRACED
+        return _GDN_MOE_TRACED if geometry.moe is not None else _GDN_TRACED
     if geometry.moe is not None:
         return _MOE_TRACED
     return None
