@@ -12,7 +12,10 @@ wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credite
 shape too (full recompute), to validate the TP+SP MoE point on a second geometry; both shapes
 at TP2+SP and this one at TP4+SP also retaining their activations (selective and no recompute:
 docs/memory-model.md#moe-sp-retained); below the default expert TP (ETP1 and ETP2 at TP4+SP, ETP1 at TP2+SP,
-both shapes, every recompute mode; ETP1 with EP2 at TP2+SP, full: docs/memory-model.md#moe-etp).
+both shapes, every recompute mode; ETP1 with EP2 at TP2+SP, full: docs/memory-model.md#moe-etp);
+under context parallelism (ring attention's allocation model): TP1, TP2+SP and TP4+SP with CP2 and
+CP4 (this shape; the wide one at TP1+CP2 and TP2+SP+CP2), every recompute mode, and EP2 with CP2
+(docs/memory-model.md#moe-cp).
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """

@@ -92,9 +92,9 @@ _MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
 _MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1", "tp2sp-cp2", "tp4sp-cp2", "tp1-cp4", "tp2sp-cp4", "tp4sp-cp4"}
 # Layout classes whose MoE layers are traced retaining their activations (selective and no
 # recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP;
-# under CP at TP1+CP2/CP4, TP2+SP+CP2/CP4 and TP4+SP+CP2 (#moe-cp)
+# under CP at TP1, TP2+SP and TP4+SP with CP2 and CP4 (#moe-cp)
 _MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1", "tp1-cp2", "tp2sp-cp2", "tp4sp-cp2",
-                                  "tp1-cp4", "tp2sp-cp4"})
+                                  "tp1-cp4", "tp2sp-cp4", "tp4sp-cp4"})
 # GDN layers also at TP2, TP2+SP and TP4 (full recompute): the GDN grid's multi-rank CPU cells
 # (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp)
 _GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
