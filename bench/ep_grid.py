@@ -12,7 +12,10 @@ wide MoE shape is also traced at TP4+SP (EP1), the layout MoE layers are credite
 shape too (full recompute), to validate the TP+SP MoE point on a second geometry; both shapes
 at TP2+SP and this one at TP4+SP also retaining their activations (selective and no recompute:
 docs/memory-model.md#moe-sp-retained); below the default expert TP (ETP1 and ETP2 at TP4+SP, ETP1 at TP2+SP,
-both shapes, every recompute mode; ETP1 with EP2 at TP2+SP, full: docs/memory-model.md#moe-etp).
+both shapes, every recompute mode; ETP1 with EP2 at TP2+SP, full: docs/memory-model.md#moe-etp);
+under context parallelism (ring attention's allocation model): TP1, TP2+SP and TP4+SP with CP2 and
+CP4 (this shape; the wide one at TP1+CP2 and TP2+SP+CP2), every recompute mode, and EP2 with CP2
+(docs/memory-model.md#moe-cp).
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
@@ -69,6 +72,24 @@ LAYOUTS = (
     # a3b shape's TP2+SP and TP4+SP cells they price retained MoE layers under TP+SP
     # (pricing.moe_terms.sp_retained_moe_layer_per_row)
     ("MoE-wide TP2+SP", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True}, "balanced", ("selective", "none")),
+    # MoE layers under context parallelism (ring attention's allocation model; each rank routes
+    # its CP share of the rows): with them MoE at TP1+CP2, TP2+SP+CP2 and TP4+SP+CP2 is priced
+    # on evidence (pricing.model._MOE_TRACED; docs/memory-model.md#moe-cp)
+    ("MoE-a3b CP2", MOE_A3B, {"cp": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP2+SP+CP2", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-wide TP2+SP+CP2", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "cp": 2}, "balanced",
+     grid.RECOMPUTES),
+    ("MoE-wide CP2", grid.MOE_WIDE, {"cp": 2}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP4+SP+CP2", MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 2}, "balanced", grid.RECOMPUTES),
+    # CP4 (TP1+CP4, TP2+SP+CP4, TP4+SP+CP4: 4, 8 and 16 gloo ranks), the a3b shape
+    ("MoE-a3b CP4", MOE_A3B, {"cp": 4}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP2+SP+CP4", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 4}, "balanced", grid.RECOMPUTES),
+    ("MoE-a3b TP4+SP+CP4", MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 4}, "balanced", grid.RECOMPUTES),
+    # EP with CP: Megatron carves the expert-parallel group out of DP x CP, so at CP2 EP2 the
+    # all-to-all runs between the two CP ranks (different rows of the same sequences)
+    ("MoE-a3b CP2+EP2", MOE_A3B, {"cp": 2, "ep": 2}, "balanced", ("full",)),
+    ("MoE-a3b TP2+SP+CP2+EP2", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2, "ep": 2}, "balanced",
+     ("full",)),
 )
 
 

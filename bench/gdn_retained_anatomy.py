@@ -58,7 +58,7 @@ def trace(label: str, recomputes, wave: int = 0, model: dict | None = None, wave
                                    anatomy=True, anatomy_top=100000, timeout_s=3600)
     print(f"{label} {list(recomputes)}: {time.monotonic() - t0:.0f} s", flush=True)
     out = []
-    for rc, tr in zip(recomputes, traces):
+    for rc, tr in zip(recomputes, traces, strict=True):
         b = tr.busiest
         out.append({"label": label, "model": model["name"], "hidden": model["hidden"],
                     "recompute": rc, "rows": sum(tr.seq_lens), "rank_rows": b.rows,

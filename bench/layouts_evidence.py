@@ -68,6 +68,13 @@ ANATOMY_CELLS = (
     ("MoE-a3b TP2+SP ETP1", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "etp": 1}, "full"),
     ("MoE-wide TP4+SP ETP1", grid.MOE_WIDE, {"tp": 4, "sequence_parallel": True, "etp": 1}, "none"),
     ("MoE-a3b TP2+SP ETP1", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "etp": 1}, "none"),
+    # MoE layers under context parallelism (docs/memory-model.md#moe-cp)
+    ("MoE-a3b TP2+SP+CP2", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2}, "full"),
+    ("MoE-a3b TP2+SP+CP2", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2}, "selective"),
+    ("MoE-a3b TP2+SP+CP2", ep_grid.MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2}, "none"),
+    ("MoE-wide TP2+SP+CP2", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "cp": 2}, "full"),
+    ("MoE-a3b TP4+SP+CP2", ep_grid.MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 2}, "full"),
+    ("MoE-a3b CP2", ep_grid.MOE_A3B, {"cp": 2}, "full"),
 )
 
 

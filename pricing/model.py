@@ -87,23 +87,32 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
 # at TP4+SP on GPU; TP1 at CP1/CP2 on the CPU grid); the multi-rank CPU grid's other layouts
 # (bench/results/traces_multirank.jsonl) traced dense layers only.
 _MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
-_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
+# MoE layers also at TP2+SP, and under CP at every traced CP class (TP1, TP2+SP, TP4+SP with CP2
+# and CP4; the EP grid's CP cells, bench/ep_grid.py; docs/memory-model.md#moe-cp)
+_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1", "tp2sp-cp2", "tp4sp-cp2", "tp1-cp4", "tp2sp-cp4", "tp4sp-cp4"}
 # Layout classes whose MoE layers are traced retaining their activations (selective and no
-# recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP
-_MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1"})
+# recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP;
+# under CP at TP1, TP2+SP and TP4+SP with CP2 and CP4 (#moe-cp)
+_MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1", "tp1-cp2", "tp2sp-cp2", "tp4sp-cp2",
+                                  "tp1-cp4", "tp2sp-cp4", "tp4sp-cp4"})
 # GDN layers also at TP2, TP2+SP and TP4: the GDN grid's multi-rank CPU cells, every recompute
 # mode (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp, and
 # without full recompute at TP > 1 priced by `gdn_terms`, docs/memory-model.md#gdn-sp-retained)
 _GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
+# GDN and MoE layers traced together also at TP2+SP (full recompute): the GDN grid's GDN+MoE
+# hybrid at TP1, TP2+SP and TP4+SP (bench/gdn_grid.py; docs/memory-model.md#gdn-moe-tp)
+_GDN_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
 
 
 def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
     """The layout classes traced with this geometry's GDN or MoE layers (None: a dense
     geometry, every traced class applies). MoE also at TP2+SP (the EP grid's TP2+SP+EP2
-    cells, bench/results/moe_validation.txt); GDN (with a dense MLP) also at TP2, TP2+SP and
-    TP4 (`_GDN_TRACED`); a GDN hybrid with MoE layers only where both were traced together."""
+    cells, bench/results/moe_validation.txt) and with CP (TP1, TP2+SP, TP4+SP at CP2 and CP4:
+    docs/memory-model.md#moe-cp); GDN (with a dense MLP) also at TP2, TP2+SP and
+    TP4 (`_GDN_TRACED`); a GDN hybrid with MoE layers only where both were traced together
+    (`_GDN_MOE_TRACED`: TP1 at CP1/CP2, TP2+SP, TP4+SP)."""
     if geometry.gdn is not None:
-        return _MIXED_TRACED if geometry.moe is not None else _GDN_TRACED
+        return _GDN_MOE_TRACED if geometry.moe is not None else _GDN_TRACED
     if geometry.moe is not None:
         return _MOE_TRACED
     return None

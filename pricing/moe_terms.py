@@ -160,9 +160,13 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
     tensors (3 qkv + 5 core, as `layout_terms.sp_retained_layer_per_row`), the rotary frequencies
     gathered per row (2 x `rope_per_row`) and the LoRA adapters' rank-wide intermediates
     (8 x rank); on the rank's sequence shard, the two norms' fp32 inputs (8H / TP) and the
-    pre-MLP norm's output, the residual sum and the layer's input (6H / TP: `pre_mlp_layernorm`,
-    `L* add`, the embedding's `clone` before layer 0; the small router, LoRA and routing groups
-    the anatomy lists below them fit in it). The MoE MLP keeps, per routed row its
+    pre-MLP norm's output and the residual sum (4H / TP: `pre_mlp_layernorm`, `L* add`; the small
+    router, LoRA and routing groups the anatomy lists below them fit in it). Once per wave (`first`,
+    the first layer): the layer's input (2H / TP, the embedding's `clone`) and the RoPE cache
+    entry of the wave's longest sequence (`rotary_pos_emb` `cat`, [longest, rotary dim] fp32, one
+    entry row per rank row: `rope_per_row`, the bound for a sequence as long as the rank's rows;
+    under CP `layout_terms.cp_rope_cache_per_row` charges the rest of a wave-long entry, as the
+    full-recompute point `sp_layer_point_per_row` does). The MoE MLP keeps, per routed row its
     expert-TP group runs (`routed` = top_k x the EP load x the expert-TP share), every local
     expert's FC1 output and activations (10 expert_ffn, already 1/ETP wide), and nothing
     hidden-wide: the dispatcher's gathered and sorted rows are released after the experts'
@@ -179,10 +183,10 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
     activations retained (2H + 10 shared_ffn, per-TP-rank width), and at the forward peak its
     row-parallel LoRA output full-row with the reduce-scatter output (4H + 4H / TP).
 
-    Formula: 2H + 14H / TP + 3 qkv + 5 core + 8 rank + 3 experts + 2 x rope_per_row
-    + routed x 10 expert_ffn (+ 2H + 10 shared_ffn with a shared expert); `forward` adds
-    routed x (6H + 6H / ETP) + 8 experts (+ 4H + 4H / TP with a shared expert). 0 at TP1 or
-    ETP1 (no trace: the caller gives those layers no credit). Structural, in CPU units (torch
+    Formula: 2H + 12H / TP + 3 qkv + 5 core + 8 rank + 3 experts + 2 x rope_per_row
+    + routed x 10 expert_ffn (+ 2H + 10 shared_ffn with a shared expert), + 2H / TP + rope_per_row
+    for the `first` layer; `forward` adds routed x (6H + 6H / ETP; 6H at ETP1) + 8 experts (+ 4H
+    + 4H / TP with a shared expert). 0 at TP1. Structural, in CPU units (torch
     norms' fp32 inputs, Megatron's unfused dispatcher): `pricing.model` charges it, in place of
     the TP1-fitted retained layer, where the table carries the other SP structural terms
     (`layout_terms.SP_RETAINED`: torch-cpu); te-gpu keeps its own retained MoE terms (8H + 6
@@ -190,13 +194,15 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
     basis stays conservative (no GPU trace of a retained MoE layer). Evidence:
     docs/memory-model.md#moe-sp-retained (bench/results/moe_sp_retained_anatomy.txt: the
     forward peaks of grid-moe-a3b-h512 and grid-moe-h1024 at TP2+SP and TP4+SP, no recompute,
-    at L1.mlp's combine with L0 retained). O(1).
+    at L1.mlp's combine with L0 retained; the RoPE cache entry: #moe-cp,
+    bench/results/moe_cp_anatomy.txt, every retained peak holds it, and without it the layer at
+    TP2+SP+CP2 selective had no margin left for a wave of one sequence). O(1).
     """
     if tp <= 1:
         return 0.0
     h = widths["H"]
     out = (2.0 * h + (12.0 + 2.0 * first) * h / tp + 3.0 * widths["qkv"] + 5.0 * widths["core"] + 8.0 * widths["rank"]
-           + 3.0 * widths["experts"] + 2.0 * rope_per_row + routed * 10.0 * widths["expert_ffn"])
+           + 3.0 * widths["experts"] + (2.0 + first) * rope_per_row + routed * 10.0 * widths["expert_ffn"])
     shared = widths["shared_ffn"] > 0
     if shared:
         out += 2.0 * h + 10.0 * widths["shared_ffn"]

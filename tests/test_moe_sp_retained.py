@@ -78,9 +78,10 @@ def test_the_structural_layer_is_zero_at_tp1_and_adds_the_combine_point():
     kept = moe_terms.sp_retained_moe_layer_per_row(w, tp=2, etp=2, **kw)
     # gathered attention input, shards, attention, LoRA, router, rotary rows, experts' FC1 and activations
     assert kept == 2 * 512 + 12 * 512 / 2 + 3 * 512 + 5 * 256 + 8 * 16 + 3 * 32 + 2 * 256 + 8 * 10 * 96
-    # the first layer also keeps the embedding's output, its input (once per wave, not per layer)
+    # the first layer also keeps the embedding's output, its input, and the RoPE cache entry (one
+    # entry row per rank row), once per wave, not per layer
     first = moe_terms.sp_retained_moe_layer_per_row(w, tp=2, etp=2, first=True, **kw)
-    assert first - kept == 2 * 512 / 2
+    assert first - kept == 2 * 512 / 2 + 256
     fwd = moe_terms.sp_retained_moe_layer_per_row(w, tp=2, etp=2, forward=True, **kw)
     assert fwd - kept == 8 * (6 * 512 + 6 * 512 / 2) + 8 * 32
     # ETP1 (below TP): no gather, no fp32 copy, no reduce-scatter: the combine holds point A's 6H
