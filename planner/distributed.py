@@ -115,6 +115,9 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     rank alone). `dp_group`: this rank's data-parallel group, likewise (default: derived from
     rank lists of `model_parallel_group`, the i-th rank of every list together; otherwise
     every rank of `group`, which is right only when each model-parallel group is one rank).
+    With expert parallelism the ranks agree on the wave count, not on the waves' rows, while the
+    busiest EP rank's price assumes no EP peer's concurrent wave is larger than its own
+    (docs/memory-model.md#expert-parallel, "Unequal waves across the EP group": not enforced).
     `plan_kwargs` go to `Planner.plan`; `deterministic` defaults to True so that model-parallel
     peers with the same inputs compute byte-identical plans. Ranks are global ranks of the
     default group. `pipeline_stage` (PP > 1): this rank's pipeline stage; then each stage's
