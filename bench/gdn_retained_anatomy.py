@@ -7,7 +7,7 @@ storage at the whole step's forward and backward peaks, summed per layer
     python bench/gdn_retained_anatomy.py --heldout --only TP4 --recompute none full
                      # the held-out shape (bench/gdn_grid.py HELDOUT), its 1540-token wave
                      # (bench/results/gdn_heldout_anatomy.txt)
-    python bench/gdn_retained_anatomy.py --only TP1 TP4+SP --recompute full --moe \
+    python bench/gdn_retained_anatomy.py --only TP1 TP2 TP2+SP TP4+SP --recompute full --moe \
         --out bench/results/gdn_full_anatomy.txt
                      # full recompute, and the GDN+MoE hybrid (bench/gdn_grid.py GDN_MOE) at
                      # TP1, TP2+SP and TP4+SP (docs/memory-model.md#gdn-full-point)

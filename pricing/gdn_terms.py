@@ -260,30 +260,34 @@ def full_gdn_dense_point_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div:
 
     What memory: what the layer holds throughout (`full_gdn_held_per_row`) and the RoPE cache
     entry (`rope_per_row`), and at the MLP's backward the FC1 input (the pre-MLP norm's bf16
-    output, 2H: all rows, gathered under SP, where its shard stays too: 2H / TP), the FC1 and FC2
-    adapters' rank-wide outputs (4 rank) and the FC1 output and activations at per-TP-rank
-    width, either
+    output, 2H: all rows, gathered under SP), the FC1 and FC2 adapters' rank-wide outputs
+    (4 rank) and the FC1 output and activations at per-TP-rank width, either
     - after the output projection's backward: the 2F-wide FC1 output and its LoRA sum, the SiLU and
       the product's input (8F) and the gradients of the activation from the base and LoRA paths
       and their sum (6F): 14F; or
     - during it: the FC1 output and activations (10F), the row-parallel LoRA output at full rows
-      (its matmul and scale outputs, 4H) and the output projection's output (the reduce-scatter
-      output under SP: 2H / sp_div), as `layout_terms.sp_fc2_point_per_row`;
+      (its matmul and scale outputs, 4H), the output projection's output (the reduce-scatter
+      output under SP: 2H / sp_div) and under SP the pre-MLP norm's output shard (2H / TP), as
+      `layout_terms.sp_fc2_point_per_row`;
     or, at the input norm's backward, `full_gdn_norm_point_per_row`.
 
-    Formula: held + rope + max(2H + 2H [SP] / TP + 4 rank + 14F, 2H + 2H [SP] / TP + 4 rank + 10F
-    + 4H + 2H / sp_div, 20H / sp_div). Evidence: docs/memory-model.md#gdn-full-point (bench/results/gdn_full_anatomy.txt:
-    grid-gdn-h1024 TP1 full peaks after FC2's backward, 14F and 14H hidden-wide beside the mixer;
-    TP4+SP full in FC2's backward, 8H gathered, 14H / TP, 10F; bench/results/gdn_heldout_anatomy.txt:
+    Formula: held + rope + max(2H + 4 rank + 14F, 2H + 4 rank + 10F + 4H + 2H / sp_div
+    + 2H [SP] / TP, 20H / sp_div). Evidence: docs/memory-model.md#gdn-full-point
+    (bench/results/gdn_full_anatomy.txt: grid-gdn-h1024 TP1, TP2 and TP2+SP full peak after FC2's
+    backward, 8F saved and 6F of gradients beside the mixer, the FC1 input and 12H hidden-wide on
+    all rows (TP1, TP2) or 12H / TP on the shard (TP2+SP); TP4+SP full in FC2's backward, 8H
+    gathered, 14H / TP, 10F; bench/results/gdn_heldout_anatomy.txt:
     grid-gdn-h768 TP4 full at the input norm's backward; qwen3.8-27b at real width, 4 layers, full,
     2048 rows, ranks 8 and 64 (`bench/validation_study.py` anatomy): layer 2's `in_proj`,
     `out_proj` and `linear_fc1` [2048, rank] outputs at its backward peak). O(1).
     """
     h, f = widths["H"], widths["F"]
-    # the FC1 input, and its shard under SP, with the FC1 and FC2 adapters' rank-wide outputs
-    fc1_input = 2.0 * h + (2.0 * h / sp_div if sp_div > 1 else 0.0) + 4.0 * widths["rank"]
+    # the FC1 input (gathered under SP) with the FC1 and FC2 adapters' rank-wide outputs
+    fc1_input = 2.0 * h + 4.0 * widths["rank"]
     after_fc2 = fc1_input + 14.0 * f
-    in_fc2 = fc1_input + 10.0 * f + 4.0 * h + 2.0 * h / sp_div
+    # in FC2's backward: its full-row LoRA output, its output (the reduce-scatter's shard under
+    # SP) and, under SP, the pre-MLP norm's output shard beside its gathered copy
+    in_fc2 = fc1_input + 10.0 * f + 4.0 * h + 2.0 * h / sp_div + (2.0 * h / sp_div if sp_div > 1 else 0.0)
     held = full_gdn_held_per_row(widths, gdn, tp=tp, sp_div=sp_div) + rope_per_row
     return held + max(after_fc2, in_fc2, 20.0 * h / sp_div)
 
