@@ -15,7 +15,11 @@ backward at what it allocates (`final_norm_backward_per_row`); a second GDN geom
 nothing here was read, checks them (bench/gdn_grid.py --heldout). Structural, in CPU
 units (Megatron-core's torch chunked gated-delta rule, plain torch norms): `pricing.model` charges
 them where the table carries the other SP structural terms (`layout_terms.SP_RETAINED`: torch-cpu);
-te-gpu keeps its own retained GDN terms with the layout's credit.
+te-gpu keeps its own retained GDN terms with the layout's credit. Under full recompute the
+recomputed GDN layer's backward point (`full_gdn_dense_point_per_row`, `full_gdn_moe_point_per_row`:
+the recomputed mixer's saved tensors, the layer's hidden-wide storages and the larger of its MLP's
+and input norm's backward points) replaces the TP1-fitted GDN stage on the same tables, at TP1
+and TP > 1 (docs/memory-model.md#gdn-full-point).
 
 All functions are O(1) and torch-free.
 """
