@@ -7,6 +7,10 @@ storage at the whole step's forward and backward peaks, summed per layer
     python bench/gdn_retained_anatomy.py --heldout --only TP4 --recompute none full
                      # the held-out shape (bench/gdn_grid.py HELDOUT), its 1540-token wave
                      # (bench/results/gdn_heldout_anatomy.txt)
+    python bench/gdn_retained_anatomy.py --only TP1 TP2 TP2+SP TP4+SP --recompute full --moe \
+        --out bench/results/gdn_full_anatomy.txt
+                     # full recompute, and the GDN+MoE hybrid (bench/gdn_grid.py GDN_MOE) at
+                     # TP1, TP2+SP and TP4+SP (docs/memory-model.md#gdn-full-point)
 
 Writes bench/results/gdn_retained_anatomy.txt: per cell and peak, the bytes per gathered row of
 each decoder layer (L0 = GDN + dense MLP, L1 = gated attention + dense MLP) and of the rest, then
@@ -35,6 +39,10 @@ OUT = grid.RESULTS / "gdn_retained_anatomy.txt"
 HELDOUT_OUT = grid.RESULTS / "gdn_heldout_anatomy.txt"
 LAYOUTS = {"TP1": {}, "TP2": {"tp": 2}, "TP2+SP": {"tp": 2, "sequence_parallel": True},
            "TP4": {"tp": 4}, "TP4+SP": {"tp": 4, "sequence_parallel": True}}
+
+
+# the layouts the GDN+MoE hybrid is traced at (bench/gdn_grid.py LAYOUTS)
+MOE_LAYOUTS = ("TP1", "TP2+SP", "TP4+SP")
 
 
 def _layer(module: str) -> str:
@@ -104,15 +112,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the records as JSON here")
     ap.add_argument("--out", default=None)
     ap.add_argument("--heldout", action="store_true", help="the held-out shape, its first wave")
+    ap.add_argument("--moe", action="store_true",
+                    help="also the GDN+MoE hybrid (gdn_grid.GDN_MOE) at its traced layouts (TP1, TP2+SP, TP4+SP)")
     args = ap.parse_args(argv)
     model, waves = (gdn_grid.HELDOUT, gdn_grid.HELDOUT_WAVES) if args.heldout else (gdn_grid.GDN, grid.WAVES)
     args.out = args.out or str(HELDOUT_OUT if args.heldout else OUT)
     recs = [r for label in args.only for r in trace(label, args.recompute, model=model, waves=waves)]
+    if args.moe:
+        recs += [r for label in MOE_LAYOUTS for r in trace(label, args.recompute, model=gdn_grid.GDN_MOE)]
     if args.json:
         write_text_atomic(Path(args.json), json.dumps(recs))
-    text = [f"anatomy of {model['name']}'s cells (busiest rank, whole step, wave "
+    names = model["name"] + ("'s and " + gdn_grid.GDN_MOE["name"] if args.moe else "")
+    text = [f"anatomy of {names}'s cells (busiest rank, whole step, wave "
             f"{list(waves[0])}): bench/gdn_retained_anatomy.py; B per gathered row; "
-            "docs/memory-model.md#gdn-sp-retained", ""]
+            "docs/memory-model.md#gdn-sp-retained" + (", #gdn-full-point" if args.moe else ""), ""]
     for r in recs:
         text += lines_of(r) + [""]
     write_text_atomic(Path(args.out), "\n".join(text) + "\n")

@@ -15,7 +15,11 @@ backward at what it allocates (`final_norm_backward_per_row`); a second GDN geom
 nothing here was read, checks them (bench/gdn_grid.py --heldout). Structural, in CPU
 units (Megatron-core's torch chunked gated-delta rule, plain torch norms): `pricing.model` charges
 them where the table carries the other SP structural terms (`layout_terms.SP_RETAINED`: torch-cpu);
-te-gpu keeps its own retained GDN terms with the layout's credit.
+te-gpu keeps its own retained GDN terms with the layout's credit. Under full recompute the
+recomputed GDN layer's backward point (`full_gdn_dense_point_per_row`, `full_gdn_moe_point_per_row`:
+the recomputed mixer's saved tensors, the layer's hidden-wide storages and the larger of its MLP's
+and input norm's backward points) replaces the TP1-fitted GDN stage on the same tables, at TP1
+and TP > 1 (docs/memory-model.md#gdn-full-point).
 
 All functions are O(1) and torch-free.
 """
@@ -202,3 +206,137 @@ def final_norm_backward_per_row(widths: dict, *, sp_div: int) -> float:
     outside the layers on every cell without SP, 6.5 H at TP4+SP). O(1).
     """
     return 20.0 * widths["H"] / sp_div
+
+
+# the wave's int64 inputs live through the step (token ids, labels, packed positions: 3 x 8 B)
+INPUT_IDS_PER_ROW = 24.0
+
+
+def full_gdn_held_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int) -> float:
+    """What a GDN layer recomputed under full recompute holds at every point of its backward,
+    per gathered row on one TP rank (the part common to `full_gdn_dense_point_per_row`,
+    `full_gdn_moe_point_per_row` and `full_gdn_norm_point_per_row`).
+
+    What memory: the recomputed mixer's saved tensors (`gdn_mixer_retained_per_row`, at per-TP-rank
+    heads: they stay live through the layer's whole backward, its input norm's included), the
+    in and out projections' LoRA outputs ([rows, rank] bf16 each: 4 rank), the in_proj's input
+    (the input norm's bf16 output: all rows on every rank without SP, all-gathered and kept for the
+    weight gradient with SP, 2H either way), the two norms' fp32 inputs and the residual sum
+    (8H + 2H, on the rank's shard under SP) and the wave's int64 inputs (24 B). The walk adds the
+    boundaries, the input gradient, the pending adapter gradients, the GDN states and the kernel's
+    padding rows (`pad_point`).
+
+    Formula: gdn_mixer_retained_per_row + 4 rank + 2H + 10H / sp_div + 24. Evidence:
+    docs/memory-model.md#gdn-full-point (bench/results/gdn_full_anatomy.txt: grid-gdn-h1024 TP1
+    and TP4+SP full, the layer's per-head storages equal to the retained mixer's to 0.2 %;
+    bench/results/gdn_heldout_anatomy.txt, grid-gdn-h768 TP4 full: the mixer's tensors live at the
+    input norm's backward). O(1).
+    """
+    h = widths["H"]
+    return (gdn_mixer_retained_per_row(gdn, tp=tp) + 4.0 * widths["rank"] + 2.0 * h + 10.0 * h / sp_div
+            + INPUT_IDS_PER_ROW)
+
+
+def full_gdn_norm_point_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int,
+                                rope_per_row: float) -> float:
+    """A GDN layer recomputed under full recompute at its input norm's backward, the layer's last
+    point, per gathered row (the MLP's tensors are released by then; the mixer's are not).
+
+    What memory: what the layer holds throughout (`full_gdn_held_per_row`), the norm's fp32
+    backward intermediates (three products, a quotient and a power of [rows, H]: 20H, on the
+    rank's shard under SP, replicated on every TP rank without it) and the RoPE cache entry of the
+    wave's longest sequence (`rope_per_row`, live from the first layer's forward on).
+
+    Formula: full_gdn_held_per_row + 20H / sp_div + rope_per_row. Evidence:
+    docs/memory-model.md#gdn-full-point (bench/results/gdn_heldout_anatomy.txt, grid-gdn-h768 TP4
+    full at its backward peak: `mul` [1540, 1, 768] fp32 9216 B per row, `div` and `pow` 3072
+    each, beside L0's 12H and per-head storages 44.28 H: the mixer's). O(1).
+    """
+    return (full_gdn_held_per_row(widths, gdn, tp=tp, sp_div=sp_div) + 20.0 * widths["H"] / sp_div
+            + rope_per_row)
+
+
+def full_gdn_dense_point_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int,
+                                 rope_per_row: float) -> float:
+    """A GDN layer with a dense MLP recomputed under full recompute, at its backward peak, per
+    gathered row on one TP rank (the larger of its MLP's backward and its input norm's backward):
+    in place of the TP1-fitted stage sum and the `full_bare` layout residual.
+
+    What memory: what the layer holds throughout (`full_gdn_held_per_row`) and the RoPE cache
+    entry (`rope_per_row`), and at the MLP's backward the FC1 input (the pre-MLP norm's bf16
+    output, 2H: all rows, gathered under SP), the FC1 and FC2 adapters' rank-wide outputs
+    (4 rank) and the FC1 output and activations at per-TP-rank width, either
+    - after the output projection's backward: the 2F-wide FC1 output and its LoRA sum, the SiLU and
+      the product's input (8F) and the gradients of the activation from the base and LoRA paths
+      and their sum (6F): 14F; or
+    - during it: the FC1 output and activations (10F), the row-parallel LoRA output at full rows
+      (its matmul and scale outputs, 4H), the output projection's output (the reduce-scatter
+      output under SP: 2H / sp_div) and under SP the pre-MLP norm's output shard (2H / TP), as
+      `layout_terms.sp_fc2_point_per_row`;
+    or, at the input norm's backward, `full_gdn_norm_point_per_row`.
+
+    Formula: held + rope + max(2H + 4 rank + 14F, 2H + 4 rank + 10F + 4H + 2H / sp_div
+    + 2H [SP] / TP, 20H / sp_div). Evidence: docs/memory-model.md#gdn-full-point
+    (bench/results/gdn_full_anatomy.txt: grid-gdn-h1024 TP1, TP2 and TP2+SP full peak after FC2's
+    backward, 8F saved and 6F of gradients beside the mixer, the FC1 input and 12H hidden-wide on
+    all rows (TP1, TP2) or 12H / TP on the shard (TP2+SP); TP4+SP full in FC2's backward, 8H
+    gathered, 14H / TP, 10F; bench/results/gdn_heldout_anatomy.txt:
+    grid-gdn-h768 TP4 full at the input norm's backward; qwen3.8-27b at real width, 4 layers, full,
+    2048 rows, ranks 8 and 64 (`bench/validation_study.py` anatomy): layer 2's `in_proj`,
+    `out_proj` and `linear_fc1` [2048, rank] outputs at its backward peak). O(1).
+    """
+    h, f = widths["H"], widths["F"]
+    # the FC1 input (gathered under SP) with the FC1 and FC2 adapters' rank-wide outputs
+    fc1_input = 2.0 * h + 4.0 * widths["rank"]
+    after_fc2 = fc1_input + 14.0 * f
+    # in FC2's backward: its full-row LoRA output, its output (the reduce-scatter's shard under
+    # SP) and, under SP, the pre-MLP norm's output shard beside its gathered copy
+    in_fc2 = fc1_input + 10.0 * f + 4.0 * h + 2.0 * h / sp_div + (2.0 * h / sp_div if sp_div > 1 else 0.0)
+    held = full_gdn_held_per_row(widths, gdn, tp=tp, sp_div=sp_div) + rope_per_row
+    return held + max(after_fc2, in_fc2, 20.0 * h / sp_div)
+
+
+def full_gdn_moe_point_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int,
+                               rope_per_row: float) -> float:
+    """A GDN layer with a MoE MLP recomputed under full recompute at its MoE backward point, per
+    gathered row on one TP rank: every tensor but the routed rows, the router and a shared expert
+    (which the caller adds: `terms.moe_routed_stage_per_row`, `moe_terms.sp_shared_expert_point_per_row`),
+    as `moe_terms.sp_layer_point_per_row` is for an attention layer.
+
+    What memory: what the layer holds throughout (`full_gdn_held_per_row`), the pre-MLP norm's bf16
+    output (2H / sp_div: the MoE MLP keeps no gathered input, its hidden-wide tensors are its
+    routed rows'), a second residual sum made by the layer's forward pass (2H / sp_div, live at
+    the MoE backward, as it is not at a dense MLP's) and the RoPE cache entry (`rope_per_row`).
+
+    Formula: full_gdn_held_per_row + 4H / sp_div + rope_per_row. Evidence:
+    docs/memory-model.md#gdn-full-point (bench/results/gdn_full_anatomy.txt, grid-gdn-moe-h1024
+    full at layer 0's MoE backward: hidden-wide 16H per row at TP1, 2H gathered (`in_proj`
+    `empty`) and 14H / TP on the rank's shard at TP2+SP and TP4+SP, two `L0` `add` among them;
+    the mixer's per-head storages). O(1).
+    """
+    return (full_gdn_held_per_row(widths, gdn, tp=tp, sp_div=sp_div) + 4.0 * widths["H"] / sp_div
+            + rope_per_row)
+
+
+def full_gdn_shared_expert_per_row(widths: dict, *, sp_div: int) -> float:
+    """A MoE MLP's shared expert at a recomputed GDN layer's MoE backward point
+    (`full_gdn_moe_point_per_row`), per gathered row on one TP rank; 0 without one.
+
+    What memory: the shared expert (a dense MLP of TP-sharded width `shared_ffn`, on the gathered
+    rows) has not run its backward yet at the routed experts' backward: it holds its FC1 output
+    and activations (the 2 shared_ffn-wide FC1 output, the gate's SiLU and the product's input:
+    8 shared_ffn traced; 10 shared_ffn charged, the dense MLP's count with the product) and its
+    output projection's output, reduce-scattered to the rank's shard under SP (2H / sp_div). Its
+    gathered input is the routed experts' (`index_select`, in the routed stage), and its
+    row-parallel LoRA output is released after the forward's reduce-scatter: the bound
+    `moe_terms.sp_shared_expert_point_per_row` (8H + 10 shared_ffn, for an attention layer, whose
+    shared expert is not traced under TP) charges 7-8 H per row that this point does not hold.
+
+    Formula: 2H / sp_div + 10 shared_ffn. Evidence: docs/memory-model.md#gdn-full-point
+    (bench/results/gdn_full_anatomy.txt, grid-gdn-moe-h1024 full at layer 0's backward peak:
+    `shared_experts.linear_fc2` `empty` [512, 1, 1024], `linear_fc1` `mm` [2048, 128], `add` and
+    `silu` [2048, 1, 64] at TP4+SP, 1,024 B per row; 2,048 at TP2+SP). O(1).
+    """
+    if not widths["shared_ffn"]:
+        return 0.0
+    return 2.0 * widths["H"] / sp_div + 10.0 * widths["shared_ffn"]

@@ -408,7 +408,7 @@ class PricingModel:
         gdn_state = np.zeros(n)
         nograd_plain = np.zeros(n)  # the no-grad transient and a retained layer's own forward
         retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
-        moe_sp_point = np.zeros(n, dtype=bool)  # MoE layers priced at their TP+SP point (no residual)
+        moe_sp_point = np.zeros(n, dtype=bool)  # layers priced at a structural point (MoE TP+SP, GDN full: no residual)
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
         # ring attention (CP > 1) releases the projection output the attention would keep;
@@ -418,6 +418,9 @@ class PricingModel:
         # a GDN hybrid's layers retained at a credited TP > 1, where the table carries the SP
         # structural terms (torch-cpu): priced by what they hold under TP (gdn_terms)
         hybrid_tp = (mode != RecomputeMode.FULL and self.width_tp > 1 and layout_terms.SP_RETAINED in t.terms)
+        # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
+        # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
+        full_gdn = (mode == RecomputeMode.FULL and self.rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
         for i, layer in enumerate(layers):
             if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
                 mixer = (feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
@@ -453,6 +456,20 @@ class PricingModel:
                                                               etp=self.width_etp, sp_div=sp_div))
                     workspace[i] = max(point, mixer + norms)
                     moe_sp_point[i] = True
+            if full_gdn and layer.mixer == MixerKind.GDN and (layer.mlp == MlpKind.DENSE or (
+                    (sp_div > 1 or self.width_tp == 1) and layout_terms.SP_POINT in t.terms)):
+                # a recomputed GDN layer at its backward peak, by what it holds (gdn_terms), in
+                # place of the TP1-fitted stage sum and the layout residual fitted without it
+                kw = dict(tp=self.width_tp, sp_div=sp_div, rope_per_row=rope_cache_per_row(g, layers))
+                if layer.mlp == MlpKind.DENSE:
+                    workspace[i] = gdn_terms.full_gdn_dense_point_per_row(widths_r, g.gdn, **kw)
+                else:
+                    point = (gdn_terms.full_gdn_moe_point_per_row(widths_r, g.gdn, **kw)
+                             + gdn_terms.full_gdn_shared_expert_per_row(widths, sp_div=sp_div)
+                             + terms.moe_routed_stage_per_row(t, widths, ep_skew=ep_skew, local_experts=local_experts,
+                                                              etp=self.width_etp, sp_div=sp_div))
+                    workspace[i] = max(point, gdn_terms.full_gdn_norm_point_per_row(widths_r, g.gdn, **kw))
+                moe_sp_point[i] = True
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
                                                                      local_experts=local_experts)
             moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0

@@ -68,13 +68,26 @@ def _grid() -> list[dict]:
     return [json.loads(line) for line in TRACES.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def _structural_gdn_full(rec: dict) -> bool:
+    """A GDN hybrid's cell under full recompute: on torch-cpu its GDN layers' backward points are
+    structural (`gdn_terms.full_gdn_dense_point_per_row`, docs/memory-model.md#gdn-full-point),
+    not the fit's, so its decoder-only peak is held to its trace, not to the fit's margin."""
+    return (rec["cell"]["recompute"] == "full"
+            and calibrate.cell_geometry(rec["cell"]).gdn is not None)
+
+
 def test_shipped_table_covers_every_committed_trace():
-    """torch-cpu is fitted to every committed cell with calibrate.MARGIN of headroom."""
+    """torch-cpu is fitted to every committed cell with calibrate.MARGIN of headroom; the decoder
+    peaks its structural GDN points price (GDN hybrids under full recompute) are never under."""
     table = load_table("torch-cpu")
+    structural = 0
     for rec in _grid():
         est = calibrate.estimate(table, rec)
         assert est["peak"] >= rec["trace"]["peak_bytes"] * (1 + calibrate.MARGIN) * 0.99999
-        assert est["decoder"] >= rec["trace"]["decoder_peak_bytes"] * (1 + calibrate.MARGIN) * 0.99999
+        margin = 0.0 if _structural_gdn_full(rec) else calibrate.MARGIN
+        structural += margin == 0.0
+        assert est["decoder"] >= rec["trace"]["decoder_peak_bytes"] * (1 + margin) * 0.99999
+    assert structural >= 9   # qwen3.8-27b (5) and qwen3.6-35b-a3b (4) full cells
 
 
 @pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
