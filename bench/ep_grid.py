@@ -36,6 +36,12 @@ MOE_A3B = {"name": "grid-moe-a3b-h512", "hidden": 512, "ffn": 0, "vocab": 2048, 
            "attention": {"num_heads": 8, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
            "gdn": None,
            "moe": {"num_experts": 32, "top_k": 8, "expert_ffn": 192, "shared_expert_ffn": 0}}
+# the wide shape with a shared expert (hidden 1024, 16 experts top 4, expert FFN 512, a shared
+# expert of FFN 1024, 16 heads in 8 KV groups): what an attention layer's shared expert holds at
+# the MoE backward point under TP+SP (pricing.moe_terms.sp_shared_expert_point_per_row;
+# docs/memory-model.md#moe-shared-sp)
+MOE_SHARED = dict(grid.MOE_WIDE, name="grid-moe-shared-h1024",
+                  moe=dict(grid.MOE_WIDE["moe"], shared_expert_ffn=1024))
 TRACES = grid.RESULTS / "traces_multirank_ep.jsonl"
 LAYOUTS = (
     ("MoE-a3b TP1", MOE_A3B, {}, "balanced", grid.RECOMPUTES),
@@ -90,6 +96,10 @@ LAYOUTS = (
     ("MoE-a3b CP2+EP2", MOE_A3B, {"cp": 2, "ep": 2}, "balanced", ("full",)),
     ("MoE-a3b TP2+SP+CP2+EP2", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2, "ep": 2}, "balanced",
      ("full",)),
+    # attention + MoE layers with a shared expert at TP1, TP2+SP and TP4+SP
+    ("MoE-shared TP1", MOE_SHARED, {}, "balanced", ("full",)),
+    ("MoE-shared TP2+SP", MOE_SHARED, {"tp": 2, "sequence_parallel": True}, "balanced", ("full",)),
+    ("MoE-shared TP4+SP", MOE_SHARED, {"tp": 4, "sequence_parallel": True}, "balanced", ("full",)),
 )
 
 

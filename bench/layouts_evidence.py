@@ -75,6 +75,10 @@ ANATOMY_CELLS = (
     ("MoE-wide TP2+SP+CP2", grid.MOE_WIDE, {"tp": 2, "sequence_parallel": True, "cp": 2}, "full"),
     ("MoE-a3b TP4+SP+CP2", ep_grid.MOE_A3B, {"tp": 4, "sequence_parallel": True, "cp": 2}, "full"),
     ("MoE-a3b CP2", ep_grid.MOE_A3B, {"cp": 2}, "full"),
+    # attention + MoE layers with a shared expert (docs/memory-model.md#moe-shared-sp)
+    ("MoE-shared TP1", ep_grid.MOE_SHARED, {}, "full"),
+    ("MoE-shared TP2+SP", ep_grid.MOE_SHARED, {"tp": 2, "sequence_parallel": True}, "full"),
+    ("MoE-shared TP4+SP", ep_grid.MOE_SHARED, {"tp": 4, "sequence_parallel": True}, "full"),
 )
 
 

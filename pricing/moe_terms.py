@@ -257,16 +257,28 @@ def sp_layer_point_per_row(widths: dict, *, tp: int, rope_per_row: float, heads:
 
 
 def sp_shared_expert_point_per_row(widths: dict, *, tp: int) -> float:
-    """A MoE layer's shared expert at the layer's TP+SP backward point (`sp_layer_point_per_row`),
-    per gathered row; 0 without one or at TP1.
+    """A MoE layer's shared expert at the recomputed attention layer's TP+SP MoE backward point
+    (`sp_layer_point_per_row`), per gathered row on one TP rank; 0 without one or at TP1 (where
+    `terms.shared_expert_per_row`, in the fitted MLP stage, charges it).
 
-    What memory: the shared expert is a dense MLP of TP-sharded width (`shared_ffn` is per TP rank)
-    on the gathered rows: priced as a dense SP MLP at its output projection
-    (`layout_terms.sp_fc2_point_per_row`'s MLP part): its all-gathered input (2H), the
-    row-parallel LoRA output at full rows (4H) and its FC1 output and activations (10
-    shared_ffn), plus its FC2 output (2H, `terms.shared_expert_per_row` at TP1). Formula: 8H + 10
-    shared_ffn. A bound: no shared expert is traced under TP (docs/memory-model.md#moe-etp). O(1).
+    What memory: the shared expert (a dense MLP of TP-sharded width `shared_ffn`, on the gathered
+    rows) has not run its backward yet when the routed experts run theirs: it holds its FC1 output
+    (2 shared_ffn-wide, 4 shared_ffn), the gate's SiLU and the product's input (2 shared_ffn each):
+    8 shared_ffn traced, 10 shared_ffn charged (the dense MLP's count with the product); and its
+    output projection's output, reduce-scattered to the rank's sequence shard (2H / TP). Its
+    gathered input is the routed experts' (`index_select`, in the routed stage) and its
+    row-parallel LoRA output is released after the forward's reduce-scatter; nothing else of it
+    is hidden-wide. (Was the untraced bound 8H + 10 shared_ffn: a dense SP MLP at its output
+    projection plus its FC2 output, 7-8H per row over.)
+
+    Formula: 2H / TP + 10 shared_ffn. Structural, in CPU units (like the other MoE SP terms,
+    charged where the table carries them: torch-cpu). Evidence: docs/memory-model.md#moe-shared-sp
+    (bench/results/moe_shared_anatomy.txt, grid-moe-shared-h1024 full recompute, the busiest
+    rank's backward peak at L0's routed experts: `shared_experts.linear_fc2` `empty`
+    [512, 1, 1024], `linear_fc1` `mm` [2048, 512], `add` and `silu` [2048, 1, 256] at TP4+SP:
+    2,560 B per row (3,072 charged, 10,752 by the bound); 5,120 at TP2+SP; as the GDN layer's
+    `gdn_terms.full_gdn_shared_expert_per_row`, docs/memory-model.md#gdn-full-point). O(1).
     """
     if tp <= 1 or not widths["shared_ffn"]:
         return 0.0
-    return 8.0 * widths["H"] + 10.0 * widths["shared_ffn"]
+    return 2.0 * widths["H"] / tp + 10.0 * widths["shared_ffn"]
