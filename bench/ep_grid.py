@@ -97,9 +97,9 @@ LAYOUTS = (
     ("MoE-a3b TP2+SP+CP2+EP2", MOE_A3B, {"tp": 2, "sequence_parallel": True, "cp": 2, "ep": 2}, "balanced",
      ("full",)),
     # attention + MoE layers with a shared expert at TP1, TP2+SP and TP4+SP
-    ("MoE-shared TP1", MOE_SHARED, {}, "balanced", ("full",)),
-    ("MoE-shared TP2+SP", MOE_SHARED, {"tp": 2, "sequence_parallel": True}, "balanced", ("full",)),
-    ("MoE-shared TP4+SP", MOE_SHARED, {"tp": 4, "sequence_parallel": True}, "balanced", ("full",)),
+    ("MoE-shared TP1", MOE_SHARED, {}, "balanced", grid.RECOMPUTES),
+    ("MoE-shared TP2+SP", MOE_SHARED, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("MoE-shared TP4+SP", MOE_SHARED, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
 )
 
 

@@ -79,6 +79,10 @@ ANATOMY_CELLS = (
     ("MoE-shared TP1", ep_grid.MOE_SHARED, {}, "full"),
     ("MoE-shared TP2+SP", ep_grid.MOE_SHARED, {"tp": 2, "sequence_parallel": True}, "full"),
     ("MoE-shared TP4+SP", ep_grid.MOE_SHARED, {"tp": 4, "sequence_parallel": True}, "full"),
+    ("MoE-shared TP1", ep_grid.MOE_SHARED, {}, "none"),
+    ("MoE-shared TP1", ep_grid.MOE_SHARED, {}, "selective"),
+    ("MoE-shared TP2+SP", ep_grid.MOE_SHARED, {"tp": 2, "sequence_parallel": True}, "none"),
+    ("MoE-shared TP4+SP", ep_grid.MOE_SHARED, {"tp": 4, "sequence_parallel": True}, "none"),
 )
 
 

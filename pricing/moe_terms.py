@@ -178,15 +178,16 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
     reduce-scatter's fp32 output shard (4H / ETP) and the rank's permuted rows of its own shard
     (2H / ETP): 6H + 6H / ETP per routed row (point C's hidden-wide tensors, in the forward;
     `tp_backward_point_per_routed_row`), plus the router's fp32 probabilities (8 x experts).
-    A shared expert (none traced under TP) is priced as a dense SP MLP
-    (`layout_terms.sp_retained_layer_per_row`'s MLP part): its gathered input and FC1 output and
-    activations retained (2H + 10 shared_ffn, per-TP-rank width), and at the forward peak its
-    row-parallel LoRA output full-row with the reduce-scatter output (4H + 4H / TP).
+    A shared expert keeps its FC1 output and activations (8 shared_ffn traced, 10 charged, at
+    per-TP-rank width) and nothing hidden-wide (its gathered input is the routed experts'
+    `index_select`, released with them); at the forward peak its output projection's
+    reduce-scattered output is live (2H / TP). (Was a dense SP MLP's 2H + 10 shared_ffn retained
+    and 4H + 4H / TP at the forward peak, untraced: docs/memory-model.md#moe-shared-sp.)
 
     Formula: 2H + 12H / TP + 3 qkv + 5 core + 8 rank + 3 experts + 2 x rope_per_row
-    + routed x 10 expert_ffn (+ 2H + 10 shared_ffn with a shared expert), + 2H / TP + rope_per_row
-    for the `first` layer; `forward` adds routed x (6H + 6H / ETP; 6H at ETP1) + 8 experts (+ 4H
-    + 4H / TP with a shared expert). 0 at TP1. Structural, in CPU units (torch
+    + routed x 10 expert_ffn (+ 10 shared_ffn with a shared expert), + 2H / TP + rope_per_row
+    for the `first` layer; `forward` adds routed x (6H + 6H / ETP; 6H at ETP1) + 8 experts (+ 2H
+    / TP with a shared expert). 0 at TP1. Structural, in CPU units (torch
     norms' fp32 inputs, Megatron's unfused dispatcher): `pricing.model` charges it, in place of
     the TP1-fitted retained layer, where the table carries the other SP structural terms
     (`layout_terms.SP_RETAINED`: torch-cpu); te-gpu keeps its own retained MoE terms (8H + 6
@@ -196,7 +197,9 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
     forward peaks of grid-moe-a3b-h512 and grid-moe-h1024 at TP2+SP and TP4+SP, no recompute,
     at L1.mlp's combine with L0 retained; the RoPE cache entry: #moe-cp,
     bench/results/moe_cp_anatomy.txt, every retained peak holds it, and without it the layer at
-    TP2+SP+CP2 selective had no margin left for a wave of one sequence). O(1).
+    TP2+SP+CP2 selective had no margin left for a wave of one sequence; the shared expert:
+    bench/results/moe_shared_retained_anatomy.txt, grid-moe-shared-h1024 TP2+SP and TP4+SP none).
+    O(1).
     """
     if tp <= 1:
         return 0.0
@@ -205,11 +208,11 @@ def sp_retained_moe_layer_per_row(widths: dict, *, tp: int, etp: int, routed: fl
            + 3.0 * widths["experts"] + (2.0 + first) * rope_per_row + routed * 10.0 * widths["expert_ffn"])
     shared = widths["shared_ffn"] > 0
     if shared:
-        out += 2.0 * h + 10.0 * widths["shared_ffn"]
+        out += 10.0 * widths["shared_ffn"]
     if forward:
         out += routed * (6.0 * h + (6.0 * h / etp if etp > 1 else 0.0)) + 8.0 * widths["experts"]
         if shared:
-            out += 4.0 * h + 4.0 * h / tp
+            out += 2.0 * h / tp
     return out
 
 

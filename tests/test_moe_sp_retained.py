@@ -90,7 +90,11 @@ def test_the_structural_layer_is_zero_at_tp1_and_adds_the_combine_point():
     assert one == 2 * 512 + 12 * 512 / 4 + 3 * 512 + 5 * 256 + 8 * 16 + 3 * 32 + 2 * 256 + 8 * 10 * 96
     assert moe_terms.sp_retained_moe_layer_per_row(w, tp=4, etp=1, forward=True, **kw) - one == 8 * 6 * 512 + 8 * 32
     shared = moe_terms.sp_retained_moe_layer_per_row(dict(w, shared_ffn=256.0), tp=2, etp=2, **kw)
-    assert shared - kept == 2 * 512 + 10 * 256
+    # a shared expert keeps its FC1 output and activations, nothing hidden-wide; its reduce-scattered
+    # output at the forward peak (docs/memory-model.md#moe-shared-sp)
+    assert shared - kept == 10 * 256
+    shared_fwd = moe_terms.sp_retained_moe_layer_per_row(dict(w, shared_ffn=256.0), tp=2, etp=2, forward=True, **kw)
+    assert shared_fwd - fwd == 10 * 256 + 2 * 512 / 2
 
 
 def _price(model: PricingModel, rows: int = 4096) -> int:

@@ -289,7 +289,8 @@ def test_the_moe_tp_sp_layer_point():
     point = moe_terms.sp_layer_point_per_row(w, tp=4, rope_per_row=256.0, heads=4)
     assert point == 2 * 1024 + 12 * 1024 / 4 + 3 * 512 + 5 * 256 + 3 * 256 + 4 * 16 + 4 * 4 + 24
     assert moe_terms.sp_shared_expert_point_per_row(w, tp=4) == 0.0
-    assert moe_terms.sp_shared_expert_point_per_row(dict(w, shared_ffn=128.0), tp=4) == 8 * 1024 + 10 * 128
+    assert moe_terms.sp_shared_expert_point_per_row(dict(w, shared_ffn=128.0), tp=4) == 2 * 1024 / 4 + 10 * 128
+    assert moe_terms.sp_shared_expert_point_per_row(dict(w, shared_ffn=128.0), tp=1) == 0.0
     g = load_preset("qwen3-30b-a3b")
     for etp in (1, 2, 4):
         par = ParallelLayout(tp=4, sequence_parallel=True, etp=etp)
@@ -305,3 +306,37 @@ def test_the_moe_tp_sp_layer_point():
         qk = terms.qk_norm_per_row(table, widths)
         extra = moe_terms.routed_extra_per_row(table, widths, ep=1, tp=etp, load=cpu.expert_row_share)
         assert cpu.arrays["workspace"][0] == pytest.approx(rest + qk + routed + extra)
+
+
+def _shared_expert_cells() -> list[dict]:
+    return [rec for rec in _traced_moe_cells() if rec["cell"]["geometry"]["moe"]["shared_expert_ffn"]]
+
+
+def test_every_shared_expert_cell_is_priced_at_or_over_its_trace():
+    """grid-moe-shared-h1024 (attention + MoE with a shared expert) at TP1, TP2+SP and TP4+SP,
+    2048 and 3072 tokens, every recompute mode: every cell at or over its busiest rank's traced
+    peak and within 3 % (the shared expert at the TP+SP MoE point: 2H / TP + 10 shared_ffn; kept
+    by a retained layer: 8 shared_ffn at TP1, 10 shared_ffn under TP+SP;
+    docs/memory-model.md#moe-shared-sp)."""
+    table = load_table("torch-cpu")
+    cells = _shared_expert_cells()
+    classes = {(c["cell"]["layout"]["tp"], c["cell"]["recompute"]) for c in cells}
+    assert {(tp, rc) for tp in (1, 2, 4) for rc in ("full", "selective", "none")} <= classes
+    for rec in cells:
+        cell, trace = rec["cell"], rec["trace"]
+        g = ModelGeometry.from_dict(cell["geometry"])
+        g = dataclasses.replace(g, layers=g.layers[:cell["num_layers"]])
+        step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
+        model = PricingModel(geometry=g, parallel=ParallelLayout(**cell["layout"]),
+                             recompute=Recompute(mode=cell["recompute"]),
+                             lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
+                             table=table, head="full-native", safety=1.0)
+        priced = WavePricer.build(step, model, profiled=True).price(
+            [np.arange(len(step.requests))], first_slots=frozenset({"default"}))
+        ratio = priced.raw_bytes / trace["peak_bytes"]
+        assert ratio >= 1.0, (cell["layout"], cell["recompute"], ratio)
+        if cell["recompute"] == "full":
+            assert priced.basis == "evidence", cell["layout"]
+            assert ratio <= 1.03, (cell["layout"], ratio)
+        else:   # retained (MoE without full recompute: conservative basis, traced on the CPU only)
+            assert ratio <= 1.03, (cell["layout"], cell["recompute"], ratio)
