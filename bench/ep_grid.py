@@ -15,7 +15,9 @@ docs/memory-model.md#moe-sp-retained); below the default expert TP (ETP1 and ETP
 both shapes, every recompute mode; ETP1 with EP2 at TP2+SP, full: docs/memory-model.md#moe-etp);
 under context parallelism (ring attention's allocation model): TP1, TP2+SP and TP4+SP with CP2 and
 CP4 (this shape; the wide one at TP1+CP2 and TP2+SP+CP2), every recompute mode, and EP2 with CP2
-(docs/memory-model.md#moe-cp).
+(docs/memory-model.md#moe-cp). The wide shape with a shared expert of FFN 1024
+(grid-moe-shared-h1024) at TP1, TP2+SP and TP4+SP, every recompute mode: what an attention layer's
+shared expert holds under TP+SP and retained (docs/memory-model.md#moe-shared-sp).
 Waves, recompute modes, LoRA rank and record form are bench/multirank_grid.py's; the cells are
 appended to their own file so traces_multirank.jsonl stays as traced.
 """
