@@ -144,8 +144,6 @@ def tp_retained_gdn_layer_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div
     storages 12H at TP1, TP2 and TP4; 4H gathered + 8H / TP at TP2+SP and TP4+SP; the rest
     223.8 / 112.0 / 56.1 H per row at TP1 / TP2 / TP4, with or without SP). O(1).
     """
-    if tp <= 1:
-        return 0.0
     h = widths["H"]
     return (4.0 * h + 8.0 * h / sp_div + 10.0 * widths["F"] + 8.0 * widths["rank"]
             + gdn_mixer_retained_per_row(gdn, tp=tp))

@@ -415,9 +415,11 @@ class PricingModel:
         # traced for plain attention only (an output gate is a view of that output and keeps it)
         plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
         cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
-        # a GDN hybrid's layers retained at a credited TP > 1, where the table carries the SP
-        # structural terms (torch-cpu): priced by what they hold under TP (gdn_terms)
-        hybrid_tp = (mode != RecomputeMode.FULL and self.width_tp > 1 and layout_terms.SP_RETAINED in t.terms)
+        # a GDN hybrid's layers retained (selective or no recompute) where the table carries the
+        # SP structural terms (torch-cpu): priced by what they hold (gdn_terms), at a credited
+        # TP > 1 and at TP1 CP1 (a GDN layer under CP has no CPU trace: the fitted layer stays)
+        hybrid_tp = (mode != RecomputeMode.FULL and layout_terms.SP_RETAINED in t.terms
+                     and (self.width_tp > 1 or self.rows_cp == 1))
         # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
         # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
         full_gdn = (mode == RecomputeMode.FULL and self.rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
@@ -619,14 +621,17 @@ class PricingModel:
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
-        if norm_bwd and hybrid_tp and any(layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE
-                                          for layer in layers):
+        structural_head = hybrid_tp and any(layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE
+                                            for layer in layers)
+        if norm_bwd and structural_head:
             # what the norm's backward allocates, beside the structural layer terms (gdn_terms)
             norm_bwd = max(norm_bwd, gdn_terms.final_norm_backward_per_row(widths, sp_div=sp_div))
         head_ret = logits_ret + norm_saved
         # the norm's backward runs after the logits are released: priced so when TP shards the
-        # vocabulary, and for TE's head at any TP (its terms are structural, not calibrate-fitted)
-        released = self.width_tp > 1 or kind == "full-te"
+        # vocabulary, for TE's head at any TP (its terms are structural, not calibrate-fitted), and
+        # beside the structural GDN layer terms at TP1 too (gdn_terms: the TP1 fit's logits at the
+        # norm covered what its fitted layers fall short of; these layers are charged what they hold)
+        released = self.width_tp > 1 or kind == "full-te" or structural_head
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + (residual + rope if mode == RecomputeMode.FULL else 0.0))
         arrays = {

@@ -97,10 +97,14 @@ def test_gdn_mixer_term_counts_the_grid_anatomy_and_shards_by_tp():
     for tp in (2, 4):
         assert gdn_terms.gdn_mixer_retained_per_row(g.gdn, tp=tp) == pytest.approx(tp1 / tp)
     widths = {"H": 1024.0, "F": 3456 / 2, "rank": 16.0, "core": 512.0}
-    # hidden-wide 4H + 8H / sp_div: 12H without SP, 4H + 4H with SP at TP2; nothing at TP1
+    # hidden-wide 4H + 8H / sp_div: 12H without SP, 4H + 4H with SP at TP2; at TP1 12H beside
+    # the whole FFN's 10F and the mixer's TP1 heads (the layer the anatomy lists at TP1)
     no_sp = gdn_terms.tp_retained_gdn_layer_per_row(widths, g.gdn, tp=2, sp_div=1)
     sp = gdn_terms.tp_retained_gdn_layer_per_row(widths, g.gdn, tp=2, sp_div=2)
-    assert no_sp - sp == 4 * 1024 and gdn_terms.tp_retained_gdn_layer_per_row(widths, g.gdn, tp=1, sp_div=1) == 0
+    assert no_sp - sp == 4 * 1024
+    w1 = dict(widths, F=3456.0)
+    assert gdn_terms.tp_retained_gdn_layer_per_row(w1, g.gdn, tp=1, sp_div=1) == pytest.approx(
+        12 * 1024 + 10 * 3456 + 8 * 16 + tp1)
     assert gdn_terms.output_gate_per_row(widths) == 4 * 512
 
 
