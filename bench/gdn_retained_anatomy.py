@@ -11,6 +11,10 @@ storage at the whole step's forward and backward peaks, summed per layer
         --out bench/results/gdn_full_anatomy.txt
                      # full recompute, and the GDN+MoE hybrid (bench/gdn_grid.py GDN_MOE) at
                      # TP1, TP2+SP and TP4+SP (docs/memory-model.md#gdn-full-point)
+    python bench/gdn_retained_anatomy.py --only --moe --moe-layouts TP1 --recompute none selective \
+        --out bench/results/gdn_moe_retained_anatomy.txt
+                     # the GDN+MoE hybrid alone at TP1, retaining its activations
+                     # (docs/memory-model.md#gdn-sp-retained)
 
 Writes bench/results/gdn_retained_anatomy.txt: per cell and peak, the bytes per gathered row of
 each decoder layer (L0 = GDN + dense MLP, L1 = gated attention + dense MLP) and of the rest, then
@@ -114,15 +118,17 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", action="store_true", help="the held-out shape, its first wave")
     ap.add_argument("--moe", action="store_true",
                     help="also the GDN+MoE hybrid (gdn_grid.GDN_MOE) at its traced layouts (TP1, TP2+SP, TP4+SP)")
+    ap.add_argument("--moe-layouts", nargs="*", default=list(MOE_LAYOUTS),
+                    help="the GDN+MoE hybrid's layouts with --moe (default: every traced one)")
     args = ap.parse_args(argv)
     model, waves = (gdn_grid.HELDOUT, gdn_grid.HELDOUT_WAVES) if args.heldout else (gdn_grid.GDN, grid.WAVES)
     args.out = args.out or str(HELDOUT_OUT if args.heldout else OUT)
     recs = [r for label in args.only for r in trace(label, args.recompute, model=model, waves=waves)]
     if args.moe:
-        recs += [r for label in MOE_LAYOUTS for r in trace(label, args.recompute, model=gdn_grid.GDN_MOE)]
+        recs += [r for label in args.moe_layouts for r in trace(label, args.recompute, model=gdn_grid.GDN_MOE)]
     if args.json:
         write_text_atomic(Path(args.json), json.dumps(recs))
-    names = model["name"] + ("'s and " + gdn_grid.GDN_MOE["name"] if args.moe else "")
+    names = " and ".join(([model["name"]] if args.only else []) + ([gdn_grid.GDN_MOE["name"]] if args.moe else []))
     text = [f"anatomy of {names}'s cells (busiest rank, whole step, wave "
             f"{list(waves[0])}): bench/gdn_retained_anatomy.py; B per gathered row; "
             "docs/memory-model.md#gdn-sp-retained" + (", #gdn-full-point" if args.moe else ""), ""]

@@ -268,7 +268,7 @@ def report() -> list[str]:
         lines.append(f"{name:28s} {mode:9s} {basis:12s} {_summary(ratios)}  "
                      + " ".join(f"{r:.3f}" for r in held))
     lines += ["", f"Held-out GDN geometry ({GDN_HELDOUT_SHAPE}), every cell held out; per recompute group at",
-              "TP > 1 (TP2, TP2+SP, TP4, TP4+SP) and at TP1 (the TP1-fitted table's own error on this shape):",
+              "TP > 1 (TP2, TP2+SP, TP4, TP4+SP) and at TP1 (torch-cpu: the structural GDN terms at every TP):",
               f"{'cells':28s} {'recompute':9s} cells under  median   worst"]
     for name, tps, modes in (("TP > 1 retained", (2, 4), ("selective", "none")), ("TP > 1 full", (2, 4), ("full",)),
                              ("TP1 retained", (1,), ("selective", "none")), ("TP1 full", (1,), ("full",))):

@@ -1,6 +1,6 @@
 """Terms of a GDN hybrid's layers retained under TP (selective and no recompute): what a Gated
 DeltaNet layer with a dense MLP and a gated attention layer keep for their backward on one TP rank,
-with and without sequence parallelism (docs/memory-model.md#gdn-sp-retained).
+with and without sequence parallelism, and at TP1 (docs/memory-model.md#gdn-sp-retained).
 
 The TP1-fitted retained GDN layer (`terms.retained_layer_per_row`, 44.5 H + per-width units in
 torch-cpu) carries a hidden-wide part that is really per-head memory: it divides by TP only under SP
@@ -15,7 +15,10 @@ backward at what it allocates (`final_norm_backward_per_row`); a second GDN geom
 nothing here was read, checks them (bench/gdn_grid.py --heldout). Structural, in CPU
 units (Megatron-core's torch chunked gated-delta rule, plain torch norms): `pricing.model` charges
 them where the table carries the other SP structural terms (`layout_terms.SP_RETAINED`: torch-cpu);
-te-gpu keeps its own retained GDN terms with the layout's credit. Under full recompute the
+te-gpu keeps its own retained GDN terms with the layout's credit. At TP1 CP1 they replace the
+TP1-fitted layer too (fitted to the 27B's head ratios: 1.059 of the held-out geometry's TP1 cells,
+1.003-1.004 with these terms), with the head's logits released before the final norm's backward
+(`final_norm_backward_per_row`). Under full recompute the
 recomputed GDN layer's backward point (`full_gdn_dense_point_per_row`, `full_gdn_moe_point_per_row`:
 the recomputed mixer's saved tensors, the layer's hidden-wide storages and the larger of its MLP's
 and input norm's backward points) replaces the TP1-fitted GDN stage on the same tables, at TP1
@@ -126,7 +129,8 @@ def gdn_mixer_retained_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> 
 
 
 def tp_retained_gdn_layer_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div: int) -> float:
-    """What a GDN layer with a dense MLP retains without full recompute at TP > 1, per gathered row.
+    """What a GDN layer with a dense MLP retains without full recompute, per gathered row on one TP
+    rank (TP1 included).
 
     What memory: the two norms' fp32 inputs (8H, on the rank's sequence shard under SP: 8H / TP),
     the inputs of the column-parallel in_proj and linear_fc1 (the norms' bf16 outputs, 2H each: all
@@ -137,19 +141,68 @@ def tp_retained_gdn_layer_per_row(widths: dict, gdn: GdnSpec, *, tp: int, sp_div
     (`gdn_mixer_retained_per_row`, all divided by TP).
 
     Formula: 4H + 8H / sp_div + 10F + 8 rank + gdn_mixer_retained_per_row (F per rank, rank the
-    largest slot rank); 0 at TP1 (the TP1-fitted layer prices it there). Charged in place of the
-    TP1-fitted retained GDN layer (whose 44.5 H hidden-wide coefficient is mostly per-head memory
-    TP shards) where the table carries the SP structural terms. Evidence:
-    docs/memory-model.md#gdn-sp-retained (bench/results/gdn_retained_anatomy.txt: L0's hidden-wide
-    storages 12H at TP1, TP2 and TP4; 4H gathered + 8H / TP at TP2+SP and TP4+SP; the rest
-    223.8 / 112.0 / 56.1 H per row at TP1 / TP2 / TP4, with or without SP). O(1).
+    largest slot rank). Charged in place of the TP1-fitted retained GDN layer (whose 44.5 H
+    hidden-wide coefficient is mostly per-head memory TP shards, and which is fitted to the 27B's
+    head ratios: 1.059 of the held-out geometry's TP1 cells) where the table carries the SP
+    structural terms, at TP > 1 and at TP1 CP1. Evidence: docs/memory-model.md#gdn-sp-retained
+    (bench/results/gdn_retained_anatomy.txt: L0's hidden-wide storages 12H at TP1, TP2 and TP4;
+    4H gathered + 8H / TP at TP2+SP and TP4+SP; the rest 223.8 / 112.0 / 56.1 H per row at TP1 /
+    TP2 / TP4, with or without SP; TP1 cells of both GDN geometries 1.003-1.004, the real-width
+    qwen3.8-27b cpu-fake cells 1.003-1.005). O(1).
     """
-    if tp <= 1:
-        return 0.0
     h = widths["H"]
     return (4.0 * h + 8.0 * h / sp_div + 10.0 * widths["F"] + 8.0 * widths["rank"]
             + gdn_mixer_retained_per_row(gdn, tp=tp))
 
+
+
+def retained_gdn_moe_layer_per_row(widths: dict, gdn: GdnSpec, *, routed: float) -> float:
+    """What a GDN layer with a MoE MLP retains without full recompute at TP1, per row.
+
+    What memory: the two norms' fp32 inputs (8H) and bf16 outputs (the in_proj's input and the
+    MoE MLP's input, which the router and the dispatcher read: 2H each), the GDN mixer's per-head
+    tensors (`gdn_mixer_retained_per_row`), the adapters' rank-wide outputs (8 rank), per routed
+    row (`routed` = top_k x the EP load) every local expert's FC1 output and activations
+    (10 expert_ffn), the shared expert's FC1 output and activations (10 shared_ffn: 8 traced, the
+    dense MLP's count with the product charged), and the router's fp32 probabilities, routing map
+    and its transpose (12 experts bytes). The dispatcher's permuted rows are released after the
+    experts' forward: nothing hidden-wide per routed row.
+
+    Formula: 12H + 8 rank + gdn_mixer_retained_per_row + routed x 10 expert_ffn + 10 shared_ffn
+    + 12 experts. Charged in place of the TP1-fitted retained GDN layer with the fitted MoE MLP
+    (`terms.retained_layer_per_row`, whose MoE part carries 1 H per routed row that this layer
+    does not hold) where the table carries the SP structural terms (torch-cpu), at TP1 CP1.
+    Evidence: docs/memory-model.md#gdn-sp-retained (bench/results/gdn_moe_retained_anatomy.txt: the
+    GDN grid's GDN+MoE shape, grid-gdn-moe-h1024, TP1 none and selective, 2048 rows: L0 at the
+    backward peak 219,451 B per row, 12.00 H hidden-wide and 202.31 H the rest: experts' `mm`
+    [512, 512] and `add`, `mul`, `silu` [512, 256] x 4 routed rows, shared `mm` [2048, 512],
+    `add`, `silu` [2048, 1, 256], router `_softmax`, `scatter`, `clone` 64 B each; the term
+    220,305 B, 0.4 % over; bench/results/validation_anatomy.txt, qwen3.6-35b-a3b none at 1024
+    rows: 597,208 B per GDN+MoE layer against 601,794 of the term). O(1).
+    """
+    h = widths["H"]
+    return (12.0 * h + 8.0 * widths["rank"] + gdn_mixer_retained_per_row(gdn, tp=1)
+            + routed * 10.0 * widths["expert_ffn"] + 10.0 * widths["shared_ffn"] + 12.0 * widths["experts"])
+
+
+def forward_inputs_per_row(widths: dict, *, sp_div: int) -> float:
+    """What a retained layer's forward holds beside its own tensors and the layers below it, per
+    gathered row, where the structural GDN layer terms price the layers.
+
+    What memory: the layer's input (the layer below's output: the bf16 residual its second add
+    reads, 2H, on the rank's shard under SP) and the embedding's output copy (`model` `clone`,
+    2H / sp_div, live through the step). Neither is retained for the backward (a layer's norm
+    keeps its own fp32 copy), so the structural layer terms leave them out; the TP1-fitted
+    forward and layer terms absorbed them. They bind where a layer's forward is the step's peak
+    (a MoE MLP's combine on a small vocabulary).
+
+    Formula: 4H / sp_div. Evidence: docs/memory-model.md#gdn-sp-retained (the GDN+MoE shape
+    grid-gdn-moe-h1024, TP1 none, 2048 rows: at the forward peak, in L1's MoE, L0 holds 14.00 H
+    hidden-wide against its 12.00 H at the backward peak, and `model` `clone` [2048, 1, 1024]
+    2.00 H outside the layers, bench/results/gdn_moe_retained_anatomy.txt; without them that cell
+    is priced at 0.989 of its peak, 0.983 with the TP1-fitted layer). O(1).
+    """
+    return 4.0 * widths["H"] / sp_div
 
 def output_gate_per_row(widths: dict) -> float:
     """The fp32 sigmoid a gated attention layer keeps of its output gate, per gathered row.
@@ -197,13 +250,19 @@ def final_norm_backward_per_row(widths: dict, *, sp_div: int) -> float:
     power (4H), on the rank's sequence shard under SP. The torch-cpu table fits this point at
     0.9858 of that unit (`final_norm_backward`, 19.72 H, fitted on TP1 cells whose fitted layers
     absorb the 0.28 H); `tp_retained_gdn_layer_per_row` replaces those layers by what they hold,
-    so the norm is charged what it allocates beside them.
+    so the norm is charged what it allocates beside them. At TP1 the fitted head point also keeps
+    the logits beside the norm's backward (`layout_terms.head_point_transient`, released=False),
+    which covered what the fitted layers fall short of; beside these layers `pricing.model`
+    releases them at TP1 as at TP > 1, as the anatomy shows (the logits are freed by the loss's
+    backward before the norm's backward runs).
 
     Formula: 20 H / sp_div. Evidence: docs/memory-model.md#gdn-sp-retained
     (bench/results/gdn_heldout_anatomy.txt, grid-gdn-h768 TP4 none at its backward peak: `mul`
     [1540, 1, 768] fp32 9216 B per row, `div` and `pow` 3072 each, 20 H; with the fitted 19.72 H
     that cell was 0.06 H per row under; bench/results/gdn_retained_anatomy.txt: 26 H hidden-wide
-    outside the layers on every cell without SP, 6.5 H at TP4+SP). O(1).
+    outside the layers on every cell without SP, 6.5 H at TP4+SP; at TP1's backward peak 26 H and
+    the 0.52 H RoPE entry outside the layers, no logits: 7.5 H per row over, 1.026 of the GDN grid's
+    TP1 cells, with them charged). O(1).
     """
     return 20.0 * widths["H"] / sp_div
 

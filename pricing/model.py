@@ -415,9 +415,14 @@ class PricingModel:
         # traced for plain attention only (an output gate is a view of that output and keeps it)
         plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
         cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
-        # a GDN hybrid's layers retained at a credited TP > 1, where the table carries the SP
-        # structural terms (torch-cpu): priced by what they hold under TP (gdn_terms)
-        hybrid_tp = (mode != RecomputeMode.FULL and self.width_tp > 1 and layout_terms.SP_RETAINED in t.terms)
+        # a GDN hybrid's layers retained (selective or no recompute) where the table carries the
+        # SP structural terms (torch-cpu): priced by what they hold (gdn_terms), at a credited
+        # TP > 1 and at TP1 CP1 (a GDN layer under CP has no CPU trace: the fitted layer stays)
+        hybrid_tp = (mode != RecomputeMode.FULL and layout_terms.SP_RETAINED in t.terms
+                     and (self.width_tp > 1 or self.rows_cp == 1))
+        # ... and a hybrid with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1)
+        structural_gdn = hybrid_tp and any(layer.mixer == MixerKind.GDN and (
+            layer.mlp == MlpKind.DENSE or self.width_tp == 1) for layer in layers)
         # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
         # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
         full_gdn = (mode == RecomputeMode.FULL and self.rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
@@ -500,6 +505,10 @@ class PricingModel:
                 # in place of the TP1-fitted layer, whose hidden-wide part is mostly per-head memory
                 layer_retained = gdn_terms.tp_retained_gdn_layer_per_row(widths_r, g.gdn, tp=self.width_tp,
                                                                          sp_div=sp_div)
+            elif hybrid_tp and layer.mixer == MixerKind.GDN and self.width_tp == 1:
+                # a GDN layer with a MoE MLP at TP1, by what it holds (gdn_terms)
+                layer_retained = gdn_terms.retained_gdn_moe_layer_per_row(widths_r, g.gdn,
+                                                                          routed=g.moe.top_k * ep_skew)
             elif (mode != RecomputeMode.FULL and layer.mixer == MixerKind.GDN and sp_div > 1
                     and layout_terms.SP_RETAINED not in t.terms):
                 # a table without the structural GDN terms (te-gpu): under SP the layer keeps its
@@ -548,6 +557,9 @@ class PricingModel:
                 own = max(terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
                                                          layer_retained=layer_retained) + moe_extra,
                           sp_forward)
+                if structural_gdn:
+                    # the layer's residual input and the embedding's output beside it (gdn_terms)
+                    own += gdn_terms.forward_inputs_per_row(widths, sp_div=sp_div)
                 retained_fwd[i] = own
                 nograd[i] = max(nograd[i], own)
                 stage = workspace[i]
@@ -586,7 +598,7 @@ class PricingModel:
         # wave, live from the first layer's forward on (layer 0's retained memory, and its
         # forward transient; under full recompute beside the full residual at every point)
         rope = layout_terms.cp_rope_cache_per_row(rope_cache_per_row(g, layers), cp=self.rows_cp)
-        if hybrid_tp and any(layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE for layer in layers):
+        if structural_gdn:
             # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
             rope += gdn_terms.rope_cache_entry_per_row(rope_cache_per_row(g, layers))
         if rope and mode == RecomputeMode.FULL:
@@ -619,14 +631,15 @@ class PricingModel:
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
-        if norm_bwd and hybrid_tp and any(layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE
-                                          for layer in layers):
+        if norm_bwd and structural_gdn:
             # what the norm's backward allocates, beside the structural layer terms (gdn_terms)
             norm_bwd = max(norm_bwd, gdn_terms.final_norm_backward_per_row(widths, sp_div=sp_div))
         head_ret = logits_ret + norm_saved
         # the norm's backward runs after the logits are released: priced so when TP shards the
-        # vocabulary, and for TE's head at any TP (its terms are structural, not calibrate-fitted)
-        released = self.width_tp > 1 or kind == "full-te"
+        # vocabulary, for TE's head at any TP (its terms are structural, not calibrate-fitted), and
+        # beside the structural GDN layer terms at TP1 too (gdn_terms: the TP1 fit's logits at the
+        # norm covered what its fitted layers fall short of; these layers are charged what they hold)
+        released = self.width_tp > 1 or kind == "full-te" or structural_gdn
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + (residual + rope if mode == RecomputeMode.FULL else 0.0))
         arrays = {

@@ -11,6 +11,7 @@ from waveplan.pricing.coefficients import OPTIONAL_TERMS, load_table
 from waveplan.pricing.geometry import MixerKind
 from waveplan.pricing.model import PricingModel, has_qk_norm, layer_widths
 from waveplan.pricing.parallel import Recompute
+from waveplan.pricing.pipeline import rope_cache_per_row
 from waveplan.pricing.presets import load_preset
 
 
@@ -68,7 +69,12 @@ def test_retained_layers_use_their_own_forward_and_backward_terms(preset):
         # a retained layer's backward holds less than a recomputed layer's stage
         assert np.all(a["workspace"] < full["workspace"])
         fwd = a["forward_parts"]
-        assert np.allclose(a["nograd"], np.maximum(fwd["nograd"], fwd["retained_forward"]))
+        # layer 0's forward point also holds the wave's RoPE cache entry where the structural GDN
+        # terms price a hybrid's layers (gdn_terms.rope_cache_entry_per_row, torch-cpu at TP1)
+        rope = np.zeros(len(a["nograd"]))
+        if geometry.gdn is not None:
+            rope[0] = rope_cache_per_row(geometry, geometry.layers)
+        assert np.allclose(a["nograd"], np.maximum(fwd["nograd"], fwd["retained_forward"]) + rope)
         assert np.all(fwd["retained_forward"] >= load_table("torch-cpu").scalar("retained_forward")
                       * a["retained"] - 1e-6)
 
