@@ -387,9 +387,9 @@ def full_gdn_shared_expert_per_row(widths: dict, *, sp_div: int) -> float:
     8 shared_ffn traced; 10 shared_ffn charged, the dense MLP's count with the product) and its
     output projection's output, reduce-scattered to the rank's shard under SP (2H / sp_div). Its
     gathered input is the routed experts' (`index_select`, in the routed stage), and its
-    row-parallel LoRA output is released after the forward's reduce-scatter: the bound
-    `moe_terms.sp_shared_expert_point_per_row` (8H + 10 shared_ffn, for an attention layer, whose
-    shared expert is not traced under TP) charges 7-8 H per row that this point does not hold.
+    row-parallel LoRA output is released after the forward's reduce-scatter. An attention layer's
+    shared expert, traced since (`moe_terms.sp_shared_expert_point_per_row`,
+    docs/memory-model.md#moe-shared-sp), holds the same: 2H / TP + 10 shared_ffn.
 
     Formula: 2H / sp_div + 10 shared_ffn. Evidence: docs/memory-model.md#gdn-full-point
     (bench/results/gdn_full_anatomy.txt, grid-gdn-moe-h1024 full at layer 0's backward peak:
