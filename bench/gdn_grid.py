@@ -55,12 +55,9 @@ GDN = {"name": "grid-gdn-h1024", "hidden": 1024, "ffn": 3456, "vocab": 2048, "dt
 GDN_MOE = dict(GDN, name="grid-gdn-moe-h1024", ffn=0, layers=[["gdn", "moe"], ["attention", "moe"]],
                moe={"num_experts": 16, "top_k": 4, "expert_ffn": 256, "shared_expert_ffn": 256})
 TRACES = grid.RESULTS / "traces_multirank_gdn.jsonl"
-HELDOUT = {"name": "grid-gdn-h768", "hidden": 768, "ffn": 2304, "vocab": 1024, "dtype": "bf16",
-           "gated_mlp": True, "tied_embeddings": False, "layers": [["gdn", "dense"], ["attention", "dense"]],
-           "attention": {"num_heads": 4, "num_kv_groups": 4, "head_dim": 128, "output_gate": True},
-           "gdn": {"num_key_heads": 4, "num_value_heads": 8, "key_head_dim": 128, "value_head_dim": 128,
-                   "conv_kernel": 4},
-           "moe": None}
+HELDOUT = dict(GDN, name="grid-gdn-h768", hidden=768, ffn=2304, vocab=1024,
+               attention=dict(GDN["attention"], num_heads=4),
+               gdn=dict(GDN["gdn"], num_value_heads=8))
 HELDOUT_TRACES = grid.RESULTS / "traces_multirank_gdn_heldout.jsonl"
 HELDOUT_WAVES = ((900, 420, 220), (1280, 768, 512))
 LAYOUTS = (

@@ -74,8 +74,9 @@ def gdn_kernel_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> float:
             + FP32 / 3 * hv * (c * c - 1) + 4 * FP32 * hv + FP32 * hv / c)
 
 
-def chunk_padding_rows(rows: float, chunk: int = CHUNK) -> float:
-    """Rows the torch chunked gated-delta rule pads one forward call's gathered rows with.
+def chunk_padding_rows(rows, chunk: float = CHUNK):
+    """Rows the torch chunked gated-delta rule pads one forward call's gathered rows with (a
+    number, or elementwise over an array of forward calls' rows).
 
     What memory: `torch_chunk_gated_delta_rule` pads the sequence dimension of its [b, s] input
     to a multiple of the chunk (`pad_size = (chunk - s % chunk) % chunk`) and runs every kernel

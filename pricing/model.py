@@ -408,7 +408,7 @@ class PricingModel:
         gdn_state = np.zeros(n)
         nograd_plain = np.zeros(n)  # the no-grad transient and a retained layer's own forward
         retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
-        moe_sp_point = np.zeros(n, dtype=bool)  # layers priced at a structural point (MoE TP+SP, GDN full: no residual)
+        structural_point = np.zeros(n, dtype=bool)  # layers priced at a structural point (MoE TP+SP, GDN full: no residual)
         widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
         qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
         # ring attention (CP > 1) releases the projection output the attention would keep;
@@ -426,6 +426,11 @@ class PricingModel:
         # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
         # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
         full_gdn = (mode == RecomputeMode.FULL and self.rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
+        # a GDN layer retained under SP on a table without the structural GDN terms (te-gpu): its
+        # fitted hidden-wide part charged unsharded (the layer keeps its column-parallel inputs
+        # gathered, gdn_terms), a bound on the gathered inputs plus the sharded rest
+        unsharded_gdn = (mode != RecomputeMode.FULL and sp_div > 1
+                         and layout_terms.SP_RETAINED not in t.terms)
         for i, layer in enumerate(layers):
             if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
                 mixer = (feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
@@ -460,7 +465,7 @@ class PricingModel:
                              + terms.moe_routed_stage_per_row(t, widths, ep_skew=ep_skew, local_experts=local_experts,
                                                               etp=self.width_etp, sp_div=sp_div))
                     workspace[i] = max(point, mixer + norms)
-                    moe_sp_point[i] = True
+                    structural_point[i] = True
             if full_gdn and layer.mixer == MixerKind.GDN and (layer.mlp == MlpKind.DENSE or (
                     (sp_div > 1 or self.width_tp == 1) and layout_terms.SP_POINT in t.terms)):
                 # a recomputed GDN layer at its backward peak, by what it holds (gdn_terms), in
@@ -474,7 +479,7 @@ class PricingModel:
                              + terms.moe_routed_stage_per_row(t, widths, ep_skew=ep_skew, local_experts=local_experts,
                                                               etp=self.width_etp, sp_div=sp_div))
                     workspace[i] = max(point, gdn_terms.full_gdn_norm_point_per_row(widths_r, g.gdn, **kw))
-                moe_sp_point[i] = True
+                structural_point[i] = True
             nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
                                                                      local_experts=local_experts)
             moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
@@ -509,11 +514,7 @@ class PricingModel:
                 # a GDN layer with a MoE MLP at TP1, by what it holds (gdn_terms)
                 layer_retained = gdn_terms.retained_gdn_moe_layer_per_row(widths_r, g.gdn,
                                                                           routed=g.moe.top_k * ep_skew)
-            elif (mode != RecomputeMode.FULL and layer.mixer == MixerKind.GDN and sp_div > 1
-                    and layout_terms.SP_RETAINED not in t.terms):
-                # a table without the structural GDN terms (te-gpu): under SP the layer keeps its
-                # column-parallel inputs gathered (gdn_terms), so its fitted hidden-wide part is
-                # charged unsharded, a bound on the gathered inputs plus the sharded rest
+            elif unsharded_gdn and layer.mixer == MixerKind.GDN:
                 layer_retained = terms.retained_layer_per_row(
                     t, widths_r, layer.mixer, layer.mlp, sp_div=1,
                     selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
@@ -577,10 +578,8 @@ class PricingModel:
         # get the residual fitted with them; the others the one fitted without them (`bare`)
         moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or (
             layout_terms.SP_RETAINED in t.terms))
-        # a GDN layer charged unsharded under SP (a table without the structural GDN terms, above)
-        # holds no more than without SP: it takes the residual of the class without SP
-        unsharded_gdn = (mode != RecomputeMode.FULL and sp_div > 1
-                         and layout_terms.SP_RETAINED not in t.terms)
+        # a GDN layer charged unsharded under SP (`unsharded_gdn`, above) holds no more than
+        # without SP: it takes the residual of the class without SP
         per_layer = np.array([layout_terms.layout_residual_per_row(
             t, widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
             sequence_parallel=c.sequence_parallel and not (unsharded_gdn and layer.mixer == MixerKind.GDN),
@@ -590,7 +589,7 @@ class PricingModel:
             for layer in layers]) if n else np.zeros(0)
         residual = float(per_layer.max()) if n else 0.0   # beside the head's backward
         if mode == RecomputeMode.FULL:
-            workspace += np.where(moe_sp_point, 0.0, per_layer)
+            workspace += np.where(structural_point, 0.0, per_layer)
             nograd += per_layer
         else:
             retained += per_layer

@@ -145,7 +145,8 @@ def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:
 def routed_extra_per_row(table: CoefficientTable, widths: dict, *, ep: int, tp: int, load: float) -> float:
     """Per wave row: top_k x load x (permutation copy + dispatch buffer), what the all-to-all
     dispatcher adds on the busiest EP rank beyond a MoE term's own bytes; charged in the MoE
-    layer's gradient stage, its forward transients and a retained layer's backward (`pricing.model`)."""
+    layer's gradient stage, its forward transients and a retained layer's backward (`pricing.model`).
+    Evidence: its two terms' (docs/memory-model.md#expert-parallel)."""
     return widths["top_k"] * load * (permutation_per_routed_row(table, widths)
                                      + dispatch_per_routed_row(widths, ep, tp))
 

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import gdn_terms
 from .errors import ConfigError, bad
 from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 
@@ -299,9 +300,8 @@ def wave_parts(stage: StageCharges, groups: WalkGroups, first_exec: float,
     rows = float(np.sum(groups.rows[groups.grad]))
     kept = rows * stage.retained_per_row
     if stage.charges.chunk > 1.0:
-        # each forward call's GDN padding rows (gdn_terms.chunk_padding_rows) keep the kernel's
-        chunk = stage.charges.chunk
-        pads = np.ceil(groups.rows[groups.grad] / chunk) * chunk - groups.rows[groups.grad]
+        # each forward call's GDN padding rows keep the kernel's tensors
+        pads = gdn_terms.chunk_padding_rows(groups.rows[groups.grad], stage.charges.chunk)
         kept += float(pads.sum()) * float(stage.charges.pad_retained.sum())
     peak = float(best[PEAK_BYTES])
     if stage.grad_in_per_row and rows:
