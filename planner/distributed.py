@@ -13,6 +13,10 @@ data-parallel group, one rank per model-parallel replica):
 3. wave count: all_reduce MAX (int64) over DP; each rank with fewer waves re-plans with
    `num_waves=max` (the search balances the requests over the extra waves; no empty or
    over-budget wave is ever added)                -> error flag over W
+3b. MoE at EP > 1 only: each wave's largest forward call, all_reduce MAX over DP; each rank
+   checks its waves raised to those rows (`ep_peers.peer_overflow`) -> overflow flag: all_reduce
+   MAX over W; while set, every rank re-plans with one wave more (at most `EP_ROUNDS` times,
+   then InfeasibleError)                        -> error flag over W
 4. plan hash:  all_gather of the sha256 of `plan.to_json()` without `planning_ms` over MP;
    all must agree (same inputs, same plan)       -> error flag over W; a mismatch is a
    `DistributedPlanError` naming each distinct hash and the global ranks that planned it.
@@ -29,16 +33,21 @@ not a `WaveplanError` becomes a `DistributedPlanError` naming its type.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
 
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 
+from .ep_peers import ep_peers_matter, peer_overflow, wave_call_rows
 from .plan import Plan
 from .planner import Planner, budget_from_free_bytes
 
 _MSG_BYTES = 1024
+# re-plans with one wave more that step 3b tries before the overflowing ranks raise
+EP_ROUNDS = 8
 
 
 class DistributedPlanError(WaveplanError):
@@ -115,9 +124,10 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     rank alone). `dp_group`: this rank's data-parallel group, likewise (default: derived from
     rank lists of `model_parallel_group`, the i-th rank of every list together; otherwise
     every rank of `group`, which is right only when each model-parallel group is one rank).
-    With expert parallelism the ranks agree on the wave count, not on the waves' rows, while the
-    busiest EP rank's price assumes no EP peer's concurrent wave is larger than its own
-    (docs/memory-model.md#expert-parallel, "Unequal waves across the EP group": not enforced).
+    With expert parallelism (a MoE model at EP > 1) the waves' rows differ between the ranks,
+    so every wave is also checked at its data-parallel peers' largest concurrent forward call,
+    adding waves until all fit (step 3b, `planner.ep_peers`; docs/memory-model.md#expert-parallel,
+    "Unequal waves across the EP group").
     `plan_kwargs` go to `Planner.plan`; `deterministic` defaults to True so that model-parallel
     peers with the same inputs compute byte-identical plans. Ranks are global ranks of the
     default group. `pipeline_stage` (PP > 1): this rank's pipeline stage; then each stage's
@@ -212,6 +222,10 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     else:
         step_local(lambda: None)
 
+    # 3b. MoE at EP > 1: every wave priced at its peers' largest concurrent call (ep_peers)
+    plan = _ep_peer_rounds(dist, torch, planner, step, plan, budget, plan_kwargs,
+                           dp=dp, world_group=world_group, step_local=step_local, flag=flag)
+
     # 4. same inputs, same plan: all_gather of the hash over the model-parallel group
     if mp is not None:
         mine = torch.frombuffer(bytearray(bytes.fromhex(plan_hash(plan))), dtype=torch.uint8).clone()
@@ -223,6 +237,50 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     else:
         flag(None)
     return plan
+
+
+def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int, plan_kwargs: dict,
+                    *, dp, world_group, step_local, flag) -> Plan:
+    """Step 3b (a MoE model at EP > 1; a no-op otherwise, with no collective): all_reduce MAX
+    over DP of each wave's largest forward call (`ep_peers.wave_call_rows`), then each rank
+    checks its waves raised to those rows (`ep_peers.peer_overflow`); all_reduce MAX of the
+    overflow flag over W. While some rank overflows, every rank re-plans with one wave more (the
+    search spreads the requests, so the peers' concurrent calls shrink), at most `EP_ROUNDS`
+    times; then the overflowing ranks raise `InfeasibleError` (through the error flag). Every
+    rank runs the same rounds. Returns the checked plan, its `stats["ep_peer_rounds"]` the
+    re-plans it took. O(rounds x (waves x loads + one plan))."""
+    if not ep_peers_matter(planner.model):
+        return plan
+    rounds = 0
+    while True:
+        rows = torch.tensor(wave_call_rows(plan), dtype=torch.int64)
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=dp)
+        peer_rows = [int(x) for x in rows.tolist()]
+        over = step_local(lambda p=plan, r=peer_rows: peer_overflow(planner.pricer(step), p, r))
+        t = torch.tensor([0 if over is None else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
+        if int(t.item()) == 0:
+            break
+        if rounds == EP_ROUNDS:
+            flag(None if over is None else InfeasibleError(
+                f"expert-parallel peers: {over.message()} after {rounds} re-plans with more waves; "
+                f"plan steps of similar size on every data-parallel rank, or bound the routed rows "
+                f"with moe_load (docs/memory-model.md#expert-parallel)"))
+        rounds += 1
+        kwargs = dict(plan_kwargs, num_waves=plan.num_waves + 1)
+        plan = step_local(functools.partial(_replan_for_peers, planner, step, budget, kwargs))
+    return dataclasses.replace(plan, stats={**plan.stats, "ep_peer_rounds": rounds})
+
+
+def _replan_for_peers(planner: Planner, step, budget: int, kwargs: dict) -> Plan:
+    """Step 3b's re-plan with one wave more; its InfeasibleError says why it was asked for."""
+    try:
+        return planner.plan(step, budget, **kwargs)
+    except InfeasibleError as exc:
+        raise InfeasibleError(
+            f"expert-parallel peers: a wave of the group does not fit at its peers' largest "
+            f"concurrent forward call, and re-planning with {kwargs['num_waves']} waves failed: "
+            f"{exc}") from exc
 
 
 def _stage_budgets(dist, torch, mp, stage, budget: int, planner: Planner):
