@@ -17,7 +17,8 @@ import numpy as np
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .errors import ConfigError, bad
-from .geometry import MixerKind, MlpKind, ModelGeometry
+from .geometry import MlpKind, ModelGeometry
+from .layer_arrays import layer_arrays, layer_context
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute, RecomputeMode
 from .pipeline import (
@@ -236,14 +237,6 @@ def has_qk_norm(geometry: ModelGeometry) -> bool:
     return geometry.qk_norm
 
 
-def table_discount(table: CoefficientTable, widths: dict) -> float:
-    """The selective core-attention recompute's discount of a retained attention layer
-    (`selective_core_attn_discount`; 0 without the entry)."""
-    if "selective_core_attn_discount" not in table.terms:
-        return 0.0
-    return table.per_row("selective_core_attn_discount", widths)
-
-
 def layer_widths(geometry: ModelGeometry, *, tp: int, etp: int | None = None) -> dict[str, float]:
     """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths.
 
@@ -390,230 +383,17 @@ class PricingModel:
         g, p, t = self.geometry, self.parallel, self.table
         widths = layer_widths(g, tp=self.width_tp, etp=self.width_etp)
         sp_div = self.sp_div
-        # the busiest EP rank's routed rows over rows x top_k (moe_terms), and what the
-        # all-to-all dispatcher adds per wave row on that rank (its top-k copies and receive buffer)
-        # and the share of the gathered routed rows one expert-TP group runs (ETP / TP: with an
-        # expert TP below TP each rank's experts see its own sequence shard's routed rows)
-        ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, self.moe_load) if g.moe is not None else 1.0
-        ep_skew *= self.expert_row_share
-        routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.expert_tp, load=ep_skew)
-                        if g.moe is not None else 0.0)
-        local_experts = g.moe.num_experts // p.ep if g.moe is not None else 1
+        # the decoder layers' arrays (`layer_arrays`): each layer's stage, retained and forward
+        # charges, the layout residual, the CP RoPE cache and the GDN chunk padding
+        ctx = layer_context(self, widths, qk_norm=has_qk_norm(g))
+        decoder = layer_arrays(ctx)
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
         layers = g.layers
-        mode = self.recompute.mode
-        retained = np.zeros(n)
-        workspace = np.zeros(n)
-        nograd = np.zeros(n)
-        gdn_state = np.zeros(n)
-        nograd_plain = np.zeros(n)  # the no-grad transient and a retained layer's own forward
-        retained_fwd = np.zeros(n)  # peak, before `nograd` takes the larger
-        structural_point = np.zeros(n, dtype=bool)  # layers priced at a structural point (MoE TP+SP, GDN full: no residual)
-        widths_r = dict(widths, rank=max((s.rank for s in self.lora.slots), default=0))
-        qk_norm = terms.qk_norm_per_row(t, widths) if has_qk_norm(g) else 0.0
-        # ring attention (CP > 1) releases the projection output the attention would keep;
-        # traced for plain attention only (an output gate is a view of that output and keeps it)
-        plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
-        cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=self.rows_cp) if plain else 0.0
-        # a GDN hybrid's layers retained (selective or no recompute) where the table carries the
-        # SP structural terms (torch-cpu): priced by what they hold (gdn_terms), at a credited
-        # TP > 1 and at TP1 CP1 (a GDN layer under CP has no CPU trace: the fitted layer stays)
-        hybrid_tp = (mode != RecomputeMode.FULL and layout_terms.SP_RETAINED in t.terms
-                     and (self.width_tp > 1 or self.rows_cp == 1))
-        # ... and a hybrid with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1)
-        structural_gdn = hybrid_tp and any(layer.mixer == MixerKind.GDN and (
-            layer.mlp == MlpKind.DENSE or self.width_tp == 1) for layer in layers)
-        # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
-        # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
-        full_gdn = (mode == RecomputeMode.FULL and self.rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
-        # a GDN layer retained under SP on a table without the structural GDN terms (te-gpu): its
-        # fitted hidden-wide part charged unsharded (the layer keeps its column-parallel inputs
-        # gathered, gdn_terms), a bound on the gathered inputs plus the sharded rest
-        unsharded_gdn = (mode != RecomputeMode.FULL and sp_div > 1
-                         and layout_terms.SP_RETAINED not in t.terms)
-        for i, layer in enumerate(layers):
-            if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
-                mixer = (feature_terms.mla_stage_per_row(g.attention, tp=self.width_tp)
-                         + terms.mla_norm_inputs_per_row(t, widths, sp_div=sp_div))
-            else:
-                mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
-            if layer.mixer == MixerKind.ATTENTION:
-                mixer += qk_norm - (cp_release if mode == RecomputeMode.FULL else 0.0)
-            mlp = terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew, local_experts=local_experts,
-                                          etp=self.width_etp if sp_div > 1 else 1, sp_div=sp_div)
-            norms = terms.norm_and_residual_per_row(t, widths, sp_div=sp_div)
-            workspace[i] = mixer + mlp + norms
-            if mode == RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION:
-                # points of the recomputed layer's backward the TP1-fitted stage misses
-                # (layout_terms): the input norm's backward with replicated norms (TP without SP),
-                # the MLP's output projection's backward with gathered inputs (TP with SP)
-                rope_rows = rope_cache_per_row(g, [layer])
-                norm_point = layout_terms.layer_norm_point_per_row(
-                    t, widths, rope_per_row=rope_rows, replicated=self.width_tp > 1 and sp_div == 1)
-                fc2_point = layout_terms.sp_fc2_point_per_row(
-                    t, widths, tp=self.width_tp, rope_per_row=rope_rows,
-                    sequence_parallel=sp_div > 1) if layer.mlp == MlpKind.DENSE else 0.0
-                points = max(norm_point, fc2_point)
-                if points:
-                    workspace[i] = max(workspace[i], points - cp_release)
-                if layer.mlp == MlpKind.MOE and sp_div > 1 and layout_terms.SP_POINT in t.terms:
-                    # a MoE layer under TP with SP at its MoE backward point (moe_terms), in place of
-                    # the TP1-fitted stage sum; the attention's own backward (mixer, norms) comes after
-                    point = (moe_terms.sp_layer_point_per_row(widths_r, tp=self.width_tp, rope_per_row=rope_rows,
-                                                               heads=g.attention.num_heads / self.width_tp)
-                             + qk_norm - cp_release + moe_terms.sp_shared_expert_point_per_row(widths, tp=self.width_tp)
-                             + terms.moe_routed_stage_per_row(t, widths, ep_skew=ep_skew, local_experts=local_experts,
-                                                              etp=self.width_etp, sp_div=sp_div))
-                    workspace[i] = max(point, mixer + norms)
-                    structural_point[i] = True
-            if full_gdn and layer.mixer == MixerKind.GDN and (layer.mlp == MlpKind.DENSE or (
-                    (sp_div > 1 or self.width_tp == 1) and layout_terms.SP_POINT in t.terms)):
-                # a recomputed GDN layer at its backward peak, by what it holds (gdn_terms), in
-                # place of the TP1-fitted stage sum and the layout residual fitted without it
-                kw = dict(tp=self.width_tp, sp_div=sp_div, rope_per_row=rope_cache_per_row(g, layers))
-                if layer.mlp == MlpKind.DENSE:
-                    workspace[i] = gdn_terms.full_gdn_dense_point_per_row(widths_r, g.gdn, **kw)
-                else:
-                    point = (gdn_terms.full_gdn_moe_point_per_row(widths_r, g.gdn, **kw)
-                             + gdn_terms.full_gdn_shared_expert_per_row(widths, sp_div=sp_div)
-                             + terms.moe_routed_stage_per_row(t, widths, ep_skew=ep_skew, local_experts=local_experts,
-                                                              etp=self.width_etp, sp_div=sp_div))
-                    workspace[i] = max(point, gdn_terms.full_gdn_norm_point_per_row(widths_r, g.gdn, **kw))
-                structural_point[i] = True
-            nograd[i] = nograd_plain[i] = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
-                                                                     local_experts=local_experts)
-            moe_extra = routed_extra if layer.mlp == MlpKind.MOE else 0.0
-            if moe_extra:
-                workspace[i] += moe_extra
-                nograd[i] = nograd_plain[i] = nograd[i] + moe_extra
-            # model-family features: their extra tensors live in the stage, the forward
-            # transient and (without full recompute) the retained activations alike
-            extra = feature_terms.layer_extra_per_row(g, widths, layer, tp=self.width_tp,
-                                                      sp_div=sp_div, ep_skew=ep_skew)
-            if extra:
-                workspace[i] += extra
-                nograd[i] = nograd_plain[i] = nograd[i] + extra
-            if layer.mixer == MixerKind.GDN:
-                gdn_state[i] = terms.gdn_state_per_segment(t, g.gdn, tp=self.width_tp)
-            layer_retained = terms.retained_layer_per_row(
-                t, widths_r, layer.mixer, layer.mlp, sp_div=sp_div,
-                selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
-            if layer.mixer == MixerKind.ATTENTION:
-                layer_retained += qk_norm - (cp_release if mode == RecomputeMode.NONE else 0.0)
-            # the output gate's multiply keeps the core output: selective recompute frees nothing
-            # of a gated attention layer, at any TP (docs/memory-model.md#gdn-sp-retained)
-            keeps_core = layer.mixer == MixerKind.ATTENTION and g.attention.output_gate
-            gated = hybrid_tp and keeps_core
-            if keeps_core and mode == RecomputeMode.SELECTIVE:
-                layer_retained += table_discount(t, widths)
-            if hybrid_tp and layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE:
-                # in place of the TP1-fitted layer, whose hidden-wide part is mostly per-head memory
-                layer_retained = gdn_terms.tp_retained_gdn_layer_per_row(widths_r, g.gdn, tp=self.width_tp,
-                                                                         sp_div=sp_div)
-            elif hybrid_tp and layer.mixer == MixerKind.GDN and self.width_tp == 1:
-                # a GDN layer with a MoE MLP at TP1, by what it holds (gdn_terms)
-                layer_retained = gdn_terms.retained_gdn_moe_layer_per_row(widths_r, g.gdn,
-                                                                          routed=g.moe.top_k * ep_skew)
-            elif unsharded_gdn and layer.mixer == MixerKind.GDN:
-                layer_retained = terms.retained_layer_per_row(
-                    t, widths_r, layer.mixer, layer.mlp, sp_div=1,
-                    selective=mode == RecomputeMode.SELECTIVE, ep_skew=ep_skew)
-            if extra:
-                layer_retained += extra
-            sp_layer = sp_forward = 0.0
-            moe_sp = (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
-                      and layer.mlp == MlpKind.MOE and sp_div > 1
-                      and layout_terms.SP_RETAINED in t.terms)
-            if moe_sp:
-                # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
-                # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
-                less = (cp_release if mode == RecomputeMode.NONE else table_discount(t, widths))
-                kw = dict(tp=self.width_tp, etp=self.width_etp, routed=g.moe.top_k * ep_skew,
-                          rope_per_row=rope_cache_per_row(g, [layer]), first=i == 0)
-                layer_retained = (moe_terms.sp_retained_moe_layer_per_row(widths_r, **kw)
-                                  - less + qk_norm + extra)
-                sp_forward = (moe_terms.sp_retained_moe_layer_per_row(widths_r, forward=True, **kw)
-                              - less + qk_norm + extra + moe_extra)
-            elif (mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION
-                    and layer.mlp == MlpKind.DENSE and sp_div > 1):
-                # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
-                less = (cp_release if mode == RecomputeMode.NONE else
-                        0.0 if keeps_core else table_discount(t, widths))
-                # a gated attention layer also keeps its output gate's fp32 sigmoid (gdn_terms)
-                less -= gdn_terms.output_gate_per_row(widths) if gated else 0.0
-                kw = dict(tp=self.width_tp, rope_per_row=rope_cache_per_row(g, [layer]),
-                          sequence_parallel=True)
-                sp_layer = layout_terms.sp_retained_layer_per_row(t, widths_r, **kw)
-                sp_layer = sp_layer - less + qk_norm if sp_layer else 0.0
-                sp_forward = layout_terms.sp_retained_layer_per_row(t, widths_r, forward=True, **kw)
-                sp_forward = sp_forward - less + qk_norm if sp_forward else 0.0
-                layer_retained = max(layer_retained, sp_layer)
-            if mode == RecomputeMode.FULL:
-                retained[i] = terms.boundary_per_row(t, widths, sp_div=sp_div)
-                if self.recompute.num_layers > 1 or self.recompute.method == "block":
-                    # a multi-layer recompute chunk re-materialises num_layers layers at once
-                    workspace[i] += (self.recompute.num_layers - 1) * layer_retained
-            else:
-                retained[i] = layer_retained
-                own = max(terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ep_skew,
-                                                         layer_retained=layer_retained) + moe_extra,
-                          sp_forward)
-                if structural_gdn:
-                    # the layer's residual input and the embedding's output beside it (gdn_terms)
-                    own += gdn_terms.forward_inputs_per_row(widths, sp_div=sp_div)
-                retained_fwd[i] = own
-                nograd[i] = max(nograd[i], own)
-                stage = workspace[i]
-                workspace[i] = terms.retained_backward_per_row(t, widths_r, layer.mlp, ep_skew=ep_skew,
-                                                               stage=stage)
-                if "retained_backward" in t.terms:
-                    # the backward's all-to-all and un-sort copies of the routed gradients
-                    workspace[i] += moe_extra
-        # what the layout leaves unsharded (layout_terms): per layer when layers retain
-        # activations, once per wave (every point) under full recompute
-        c = self.credit
-        # layers the structural layout terms cover (attention with a dense MLP, or with a MoE MLP
-        # at TP with SP: under full recompute its TP+SP point `moe_terms.tp_backward_point_per_routed_row`,
-        # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`)
-        # get the residual fitted with them; the others the one fitted without them (`bare`)
-        moe_point = sp_div > 1 and (mode == RecomputeMode.FULL or (
-            layout_terms.SP_RETAINED in t.terms))
-        # a GDN layer charged unsharded under SP (`unsharded_gdn`, above) holds no more than
-        # without SP: it takes the residual of the class without SP
-        per_layer = np.array([layout_terms.layout_residual_per_row(
-            t, widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
-            sequence_parallel=c.sequence_parallel and not (unsharded_gdn and layer.mixer == MixerKind.GDN),
-            bare=not ((layer.mixer == MixerKind.ATTENTION
-                       and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)))
-                      or (layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE and hybrid_tp)))
-            for layer in layers]) if n else np.zeros(0)
-        residual = float(per_layer.max()) if n else 0.0   # beside the head's backward
-        if mode == RecomputeMode.FULL:
-            workspace += np.where(structural_point, 0.0, per_layer)
-            nograd += per_layer
-        else:
-            retained += per_layer
-        # the RoPE cache entry of the whole longest sequence under CP (layout_terms): once per
-        # wave, live from the first layer's forward on (layer 0's retained memory, and its
-        # forward transient; under full recompute beside the full residual at every point)
-        rope = layout_terms.cp_rope_cache_per_row(rope_cache_per_row(g, layers), cp=self.rows_cp)
-        if structural_gdn:
-            # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
-            rope += gdn_terms.rope_cache_entry_per_row(rope_cache_per_row(g, layers))
-        if rope and mode == RecomputeMode.FULL:
-            workspace += rope
-            nograd += rope
-        elif rope:
-            retained[0] += rope
-            nograd[0] += rope
-        # a GDN layer's chunked kernel pads each forward call's rows (gdn_terms): its padding
-        # rows keep the kernel's tensors until the layer's backward (without full recompute) and
-        # hold them at the layer's own points (the recomputed kernel under full recompute, the
-        # gradients of its padded tensors in a retained layer's backward)
-        gdn_chunk = gdn_terms.chunk_of(t) if g.gdn is not None else 1
-        kernel = gdn_terms.gdn_kernel_per_row(g.gdn, tp=self.width_tp, chunk=gdn_chunk) if gdn_chunk > 1 else 0.0
-        pad_point = np.array([kernel if layer.mixer == MixerKind.GDN else 0.0 for layer in layers])
-        pad_retained = pad_point * (1.0 if mode != RecomputeMode.FULL else 0.0)
+        mode, structural_gdn = ctx.mode, ctx.structural_gdn
+        retained, workspace, nograd = decoder.retained, decoder.workspace, decoder.nograd
+        gdn_state, nograd_plain, retained_fwd = decoder.gdn_state, decoder.nograd_plain, decoder.retained_forward
+        pad_retained, pad_point, gdn_chunk = decoder.pad_retained, decoder.pad_point, decoder.chunk
+        residual, rope = decoder.residual, decoder.rope   # beside the head's backward (full recompute)
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
