@@ -153,7 +153,7 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
         if not recompute.is_one_layer_full:
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
     else:
-        if geometry.moe is not None:
+        if geometry.moe is not None and not _moe_retained_on_evidence(geometry, parallel, table):
             gaps.append(f"MoE with {recompute.mode.value} recompute (traced on the CPU only: "
                         "bench/results/moe_validation.txt)")
         if parallel.tp > 1 and geometry.gdn is not None:
@@ -165,6 +165,20 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
                             "torch-cpu's structural terms, docs/memory-model.md#gdn-sp-retained): "
                             "this table's retained GDN terms with the layout's credit")
     return gaps
+
+
+def _moe_retained_on_evidence(geometry: ModelGeometry, parallel: ParallelLayout,
+                              table: CoefficientTable) -> bool:
+    """Whether MoE layers retaining their activations (selective or no recompute) are priced on
+    evidence: on a table fitted to the CPU traces, which carries their structural terms
+    (torch-cpu: `retained_moe_mlp` fitted by bench/moe_fit.py, `moe_terms.sp_retained_moe_layer_per_row`
+    under TP with SP), at a layout class and expert TP its multi-rank traces cover (every such
+    class meets the targets on held-out cells: bench/results/moe_validation.txt,
+    docs/memory-model.md#moe-sp-retained), for a model without GDN layers (a GDN hybrid with MoE
+    MLPs has its own gaps). The te-gpu table has no GPU trace of a retained MoE layer: conservative."""
+    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
+    return (geometry.gdn is None and layout_terms.SP_RETAINED in table.terms
+            and key in _MOE_RETAINED_TRACED and _expert_tp_retained_traced(parallel))
 
 
 def _expert_tp_retained_traced(parallel: ParallelLayout) -> bool:
