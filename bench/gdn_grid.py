@@ -51,7 +51,9 @@ GDN = {"name": "grid-gdn-h1024", "hidden": 1024, "ffn": 3456, "vocab": 2048, "dt
 # the same hybrid with MoE MLPs (qwen3.6-35b-a3b's kinds together: GDN and gated attention layers,
 # every MLP a MoE with a shared expert; expert FFN 0.25 H and a shared expert of 0.25 H, as the
 # 35B's 512 on hidden 2048; 16 experts, top 4): MoE and GDN layers traced together under TP+SP
-# (pricing.model._mixed_traced; docs/memory-model.md#gdn-moe-tp)
+# (pricing.model._mixed_traced; docs/memory-model.md#gdn-moe-tp), every recompute mode at TP2+SP
+# and TP4+SP (selective and none: pricing.model._GDN_MOE_RETAINED_TRACED,
+# docs/memory-model.md#gdn-moe-sp-retained; `--only "GDN-MoE TP2+SP" "GDN-MoE TP4+SP"`)
 GDN_MOE = dict(GDN, name="grid-gdn-moe-h1024", ffn=0, layers=[["gdn", "moe"], ["attention", "moe"]],
                moe={"num_experts": 16, "top_k": 4, "expert_ffn": 256, "shared_expert_ffn": 256})
 TRACES = grid.RESULTS / "traces_multirank_gdn.jsonl"
@@ -67,8 +69,8 @@ LAYOUTS = (
     ("GDN TP4", GDN, {"tp": 4}, "balanced", grid.RECOMPUTES),
     ("GDN TP4+SP", GDN, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
     ("GDN-MoE TP1", GDN_MOE, {}, "balanced", ("full",)),
-    ("GDN-MoE TP2+SP", GDN_MOE, {"tp": 2, "sequence_parallel": True}, "balanced", ("full",)),
-    ("GDN-MoE TP4+SP", GDN_MOE, {"tp": 4, "sequence_parallel": True}, "balanced", ("full",)),
+    ("GDN-MoE TP2+SP", GDN_MOE, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("GDN-MoE TP4+SP", GDN_MOE, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
 )
 
 HELDOUT_LAYOUTS = (

@@ -15,6 +15,9 @@ storage at the whole step's forward and backward peaks, summed per layer
         --out bench/results/gdn_moe_retained_anatomy.txt
                      # the GDN+MoE hybrid alone at TP1, retaining its activations
                      # (docs/memory-model.md#gdn-sp-retained)
+    python bench/gdn_retained_anatomy.py --only --moe --moe-layouts TP2+SP TP4+SP --recompute none selective \
+        --out bench/results/gdn_moe_sp_retained_anatomy.txt
+                     # ... and under TP+SP (docs/memory-model.md#gdn-moe-sp-retained)
 
 Writes bench/results/gdn_retained_anatomy.txt: per cell and peak, the bytes per gathered row of
 each decoder layer (L0 = GDN + dense MLP, L1 = gated attention + dense MLP) and of the rest, then

@@ -22,7 +22,9 @@ TP1-fitted layer too (fitted to the 27B's head ratios: 1.059 of the held-out geo
 recomputed GDN layer's backward point (`full_gdn_dense_point_per_row`, `full_gdn_moe_point_per_row`:
 the recomputed mixer's saved tensors, the layer's hidden-wide storages and the larger of its MLP's
 and input norm's backward points) replaces the TP1-fitted GDN stage on the same tables, at TP1
-and TP > 1 (docs/memory-model.md#gdn-full-point).
+and TP > 1 (docs/memory-model.md#gdn-full-point). A GDN layer with a MoE MLP retained under TP
+with SP is priced by what it holds too (`sp_retained_gdn_moe_layer_per_row`,
+docs/memory-model.md#gdn-moe-sp-retained).
 
 All functions are O(1) and torch-free.
 """
@@ -184,6 +186,55 @@ def retained_gdn_moe_layer_per_row(widths: dict, gdn: GdnSpec, *, routed: float)
     h = widths["H"]
     return (12.0 * h + 8.0 * widths["rank"] + gdn_mixer_retained_per_row(gdn, tp=1)
             + routed * 10.0 * widths["expert_ffn"] + 10.0 * widths["shared_ffn"] + 12.0 * widths["experts"])
+
+
+def sp_retained_gdn_moe_layer_per_row(widths: dict, gdn: GdnSpec, *, tp: int, etp: int, routed: float,
+                                      forward: bool = False) -> float:
+    """What a GDN layer with a MoE MLP retains without full recompute under TP with sequence
+    parallelism, per gathered row on one TP rank, and (`forward`) its forward peak at the MoE
+    combine.
+
+    What memory: the in_proj's all-gathered input (the input norm's bf16 output, kept for the
+    column-parallel weight gradient: 2H per gathered row, not divided by TP); on the rank's
+    sequence shard the two norms' fp32 inputs (8H / TP) and the pre-MLP norm's bf16 output, which
+    the router and the dispatcher read (2H / TP); the GDN mixer's per-head tensors at per-TP-rank
+    heads (`gdn_mixer_retained_per_row`); the in and out projections' and the shared expert's
+    adapters' rank-wide outputs (8 rank); per routed row its expert-TP group runs (`routed` =
+    top_k x the EP load x the expert-TP share) every local expert's FC1 output and activations
+    (10 expert_ffn, 1/ETP wide); the shared expert's FC1 output and activations at per-TP-rank
+    width (10 shared_ffn: 8 traced); the router's fp32 probabilities and routing maps (12 experts
+    bytes, charged per gathered row: they are on the shard). Nothing hidden-wide per routed row:
+    the dispatcher's gathered and sorted rows are released after the experts' forward (as in an
+    attention layer's, `moe_terms.sp_retained_moe_layer_per_row`). The layer's output (the
+    residual the next layer reads) and the embedding's copy are the caller's
+    (`forward_inputs_per_row`). At its forward peak, the MoE combine, it also holds, per routed
+    row, the experts' concatenated output (2H), its fp32 copy (4H), the reduce-scatter's fp32
+    output shard (4H / ETP) and the rank's permuted rows of its own shard (2H / ETP), the
+    router's fp32 probabilities (8 experts) and the shared expert's reduce-scattered output
+    (2H / TP); the dispatcher's TP gather and sort copies are the caller's
+    (`moe_terms.routed_extra_per_row`), as for an attention layer.
+
+    Formula: 2H + 10H / TP + 8 rank + gdn_mixer_retained_per_row(tp) + routed x 10 expert_ffn
+    + 10 shared_ffn + 12 experts (at TP1 `retained_gdn_moe_layer_per_row`'s 12H + ...); `forward`
+    adds routed x (6H + 6H / ETP; 6H at ETP1) + 8 experts (+ 2H / TP with a shared expert).
+    Structural, in CPU units: `pricing.model` charges it in place of the TP1-fitted layer where
+    the table carries the SP structural terms (torch-cpu); te-gpu keeps its fitted retained GDN
+    layer charged unsharded with the layout's credit. Evidence:
+    docs/memory-model.md#gdn-moe-sp-retained (bench/results/gdn_moe_sp_retained_anatomy.txt:
+    grid-gdn-moe-h1024 TP2+SP and TP4+SP none and selective, 2048 rows, L0 at the backward peak
+    110,791.5 and 56,462.0 B per row against 111,336 and 56,852 of the term, 2H gathered
+    (`in_proj` `empty`) and 10H / TP on the shard; the forward peak at L1's combine:
+    `L1.mlp` `_to_copy` [8192, 1024] fp32, `empty_like` [4096, 1024] fp32, `index_select`
+    [4096, 1024], `L1.mlp.experts` `cat` [8192, 1024] at TP2+SP). O(1).
+    """
+    h = widths["H"]
+    out = (2.0 * h + 10.0 * h / tp + 8.0 * widths["rank"] + gdn_mixer_retained_per_row(gdn, tp=tp)
+           + routed * 10.0 * widths["expert_ffn"] + 10.0 * widths["shared_ffn"] + 12.0 * widths["experts"])
+    if forward:
+        out += routed * (6.0 * h + (6.0 * h / etp if etp > 1 else 0.0)) + 8.0 * widths["experts"]
+        if widths["shared_ffn"]:
+            out += 2.0 * h / tp
+    return out
 
 
 def forward_inputs_per_row(widths: dict, *, sp_div: int) -> float:

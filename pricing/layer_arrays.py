@@ -67,11 +67,14 @@ class LayerContext:
     hybrid_tp: bool
     """Retained GDN-hybrid layers priced by what they hold (`gdn_terms`): torch-cpu's SP terms."""
     structural_gdn: bool
-    """`hybrid_tp` with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1)."""
+    """`hybrid_tp` with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1 and
+    under TP with SP)."""
     full_gdn: bool
     """Recomputed GDN layers (full recompute, CP1) priced at their backward peak (`gdn_terms`)."""
     unsharded_gdn: bool
     """Retained GDN layers under SP without the structural terms (te-gpu): charged unsharded."""
+    unsharded_hybrid: bool
+    """`unsharded_gdn` in a GDN hybrid with MoE MLPs: its attention layers charged unsharded too."""
 
     @property
     def full(self) -> bool:
@@ -108,9 +111,10 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # TP > 1 and at TP1 CP1 (a GDN layer under CP has no CPU trace: the fitted layer stays)
     hybrid_tp = (mode != RecomputeMode.FULL and layout_terms.SP_RETAINED in t.terms
                  and (width_tp > 1 or rows_cp == 1))
-    # ... and a hybrid with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1)
+    # ... and a hybrid with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1
+    # and under TP with SP)
     structural_gdn = hybrid_tp and any(layer.mixer == MixerKind.GDN and (
-        layer.mlp == MlpKind.DENSE or width_tp == 1) for layer in layers)
+        layer.mlp == MlpKind.DENSE or width_tp == 1 or sp_div > 1) for layer in layers)
     # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
     # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
     full_gdn = (mode == RecomputeMode.FULL and rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
@@ -119,12 +123,16 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # gathered, gdn_terms), a bound on the gathered inputs plus the sharded rest
     unsharded_gdn = (mode != RecomputeMode.FULL and sp_div > 1
                      and layout_terms.SP_RETAINED not in t.terms)
+    # ... and, in a GDN hybrid with MoE MLPs, its attention layers' too (credited by CPU traces
+    # alone: what every SP layer keeps gathered is then inside the unsharded fitted hidden-wide
+    # part, docs/memory-model.md#gdn-moe-sp-retained)
+    unsharded_hybrid = unsharded_gdn and g.gdn is not None and g.moe is not None
     return LayerContext(
         geometry=g, table=t, recompute=model.recompute, mode=mode, credit=model.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=model.width_etp, sp_div=sp_div,
         rows_cp=rows_cp, ep_skew=ep_skew, routed_extra=routed_extra, local_experts=local_experts,
         qk_norm=qk, cp_release=cp_release, hybrid_tp=hybrid_tp, structural_gdn=structural_gdn,
-        full_gdn=full_gdn, unsharded_gdn=unsharded_gdn)
+        full_gdn=full_gdn, unsharded_gdn=unsharded_gdn, unsharded_hybrid=unsharded_hybrid)
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:
@@ -246,11 +254,12 @@ def fitted_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float
     """The layer's retained activations per row by the TP1-fitted layer (`terms`) with its q/k
     norms, less what ring attention releases without recompute, plus the gated attention's
     undiscounted core; a GDN layer by what it holds under `ctx.hybrid_tp` (`gdn_terms`), or
-    unsharded under `ctx.unsharded_gdn`; plus the features' `extra`. Under full recompute this is
-    what a multi-layer chunk re-materialises per layer."""
+    unsharded under `ctx.unsharded_gdn` (every layer of a GDN hybrid with MoE MLPs under
+    `ctx.unsharded_hybrid`); plus the features' `extra`. Under full recompute this is what a
+    multi-layer chunk re-materialises per layer."""
     g, t, widths, widths_r, mode = ctx.geometry, ctx.table, ctx.widths, ctx.widths_r, ctx.mode
     layer_retained = terms.retained_layer_per_row(
-        t, widths_r, layer.mixer, layer.mlp, sp_div=ctx.sp_div,
+        t, widths_r, layer.mixer, layer.mlp, sp_div=1 if ctx.unsharded_hybrid else ctx.sp_div,
         selective=mode == RecomputeMode.SELECTIVE, ep_skew=ctx.ep_skew)
     if layer.mixer == MixerKind.ATTENTION:
         layer_retained += ctx.qk_norm - (ctx.cp_release if mode == RecomputeMode.NONE else 0.0)
@@ -283,13 +292,28 @@ def sp_moe_retained_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, 
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
     # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
     # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
-    less = (ctx.cp_release if ctx.mode == RecomputeMode.NONE else table_discount(t, widths))
+    less = (ctx.cp_release if ctx.mode == RecomputeMode.NONE else
+            0.0 if keeps_core(ctx, layer) else table_discount(t, widths))
+    # a gated attention layer (a GDN hybrid's) also keeps its output gate's fp32 sigmoid (gdn_terms)
+    less -= gdn_terms.output_gate_per_row(widths) if ctx.hybrid_tp and keeps_core(ctx, layer) else 0.0
     kw = dict(tp=ctx.tp, etp=ctx.etp, routed=g.moe.top_k * ctx.ep_skew,
               rope_per_row=rope_cache_per_row(g, [layer]), first=index == 0)
     kept = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, **kw)
             - less + ctx.qk_norm + extra)
     forward = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, forward=True, **kw)
                - less + ctx.qk_norm + extra + moe_extra)
+    return kept, forward
+
+
+def sp_gdn_moe_retained_per_row(ctx: LayerContext, *, extra: float, moe_extra: float) -> tuple[float, float]:
+    """A retained GDN layer with a MoE MLP under TP with SP (`gdn_terms.sp_retained_gdn_moe_layer_per_row`)
+    on a table with the SP structural terms: its retained activations and its forward peak (the
+    MoE combine, with the dispatcher's copies `moe_extra`) per row, in place of the TP1-fitted
+    layer (docs/memory-model.md#gdn-moe-sp-retained)."""
+    g = ctx.geometry
+    kw = dict(tp=ctx.tp, etp=ctx.etp, routed=g.moe.top_k * ctx.ep_skew)
+    kept = gdn_terms.sp_retained_gdn_moe_layer_per_row(ctx.widths_r, g.gdn, **kw) + extra
+    forward = gdn_terms.sp_retained_gdn_moe_layer_per_row(ctx.widths_r, g.gdn, forward=True, **kw) + extra + moe_extra
     return kept, forward
 
 
@@ -317,8 +341,12 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
 def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                            moe_extra: float) -> tuple[float, float]:
     """The layer's retained activations per row (`fitted_retained_per_row`, replaced or raised
-    under TP with SP without full recompute by `sp_moe_retained_per_row` or
-    `sp_dense_retained_per_row`), and its SP forward peak per row (0 without one)."""
+    under TP with SP without full recompute by `sp_moe_retained_per_row`,
+    `sp_gdn_moe_retained_per_row` or `sp_dense_retained_per_row`), and its SP forward peak per
+    row (0 without one)."""
+    if (ctx.hybrid_tp and ctx.sp_div > 1 and layer.mixer == MixerKind.GDN
+            and layer.mlp == MlpKind.MOE):
+        return sp_gdn_moe_retained_per_row(ctx, extra=extra, moe_extra=moe_extra)
     layer_retained = fitted_retained_per_row(ctx, layer, extra=extra)
     retains = ctx.mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION and ctx.sp_div > 1
     moe_sp = (retains and layer.mlp == MlpKind.MOE
@@ -406,18 +434,22 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     layers = g.layers
     # layers the structural layout terms cover (attention with a dense MLP, or with a MoE MLP
     # at TP with SP: under full recompute its TP+SP point `moe_terms.tp_backward_point_per_routed_row`,
-    # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`)
+    # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`;
+    # a retained GDN layer priced by `gdn_terms`, with a MoE MLP under SP)
     # get the residual fitted with them; the others the one fitted without them (`bare`)
     moe_point = ctx.sp_div > 1 and (mode == RecomputeMode.FULL or (
         layout_terms.SP_RETAINED in t.terms))
-    # a GDN layer charged unsharded under SP (`LayerContext.unsharded_gdn`) holds no more than
-    # without SP: it takes the residual of the class without SP
+    # a GDN layer charged unsharded under SP (`LayerContext.unsharded_gdn`; every layer of a GDN
+    # hybrid with MoE MLPs, `unsharded_hybrid`) holds no more than without SP: it takes the
+    # residual of the class without SP
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
-        sequence_parallel=c.sequence_parallel and not (ctx.unsharded_gdn and layer.mixer == MixerKind.GDN),
+        sequence_parallel=c.sequence_parallel and not (
+            ctx.unsharded_hybrid or (ctx.unsharded_gdn and layer.mixer == MixerKind.GDN)),
         bare=not ((layer.mixer == MixerKind.ATTENTION
                    and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)))
-                  or (layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE and ctx.hybrid_tp)))
+                  or (layer.mixer == MixerKind.GDN and ctx.hybrid_tp
+                      and (layer.mlp == MlpKind.DENSE or ctx.sp_div > 1))))
         for layer in layers]) if g.num_layers else np.zeros(0)
 
 

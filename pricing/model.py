@@ -103,6 +103,10 @@ _GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
 # GDN and MoE layers traced together also at TP2+SP (full recompute): the GDN grid's GDN+MoE
 # hybrid at TP1, TP2+SP and TP4+SP (bench/gdn_grid.py; docs/memory-model.md#gdn-moe-tp)
 _GDN_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
+# ... and retaining their activations (selective and no recompute) under TP with SP: the same
+# hybrid at TP2+SP and TP4+SP, both waves (torch-cpu prices them by `gdn_terms`, on evidence;
+# te-gpu credits them: docs/memory-model.md#gdn-moe-sp-retained)
+_GDN_MOE_RETAINED_TRACED = frozenset({"tp2sp-cp1", "tp4sp-cp1"})
 
 
 def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
@@ -131,8 +135,9 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
     dense MLPs at `_GDN_TRACED`). Without full recompute MoE layers are conservative (CPU traces
     only); GDN layers with dense MLPs at TP > 1 are covered where the table carries the structural
     terms that price them (torch-cpu: `gdn_terms`, docs/memory-model.md#gdn-sp-retained) and
-    conservative with the layout's credit otherwise (te-gpu: no GPU trace), with MoE MLPs
-    conservative without credit (no trace); multi-latent attention only at TP1."""
+    conservative with the layout's credit otherwise (te-gpu: no GPU trace); with MoE MLPs the same
+    under TP with SP (`_GDN_MOE_RETAINED_TRACED`, docs/memory-model.md#gdn-moe-sp-retained) and
+    conservative without credit without SP (no trace); multi-latent attention only at TP1."""
     table = table or load_table("torch-cpu")
     gaps = []
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
@@ -158,9 +163,14 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
                         "bench/results/moe_validation.txt)")
         if parallel.tp > 1 and geometry.gdn is not None:
             mode = recompute.mode.value
-            if geometry.moe is not None:
-                gaps.append(f"GDN layers with MoE MLPs at TP{parallel.tp} with {mode} recompute (traced at TP1)")
-            elif layout_terms.SP_RETAINED not in table.terms:
+            if geometry.moe is not None and not parallel.sequence_parallel:
+                gaps.append(f"GDN layers with MoE MLPs at TP{parallel.tp} with {mode} recompute "
+                            "(traced at TP1, and under TP with SP only)")
+            elif geometry.moe is not None and layout_terms.SP_RETAINED not in table.terms:
+                gaps.append(f"GDN layers with MoE MLPs at TP{parallel.tp} with {mode} recompute (traced on the "
+                            "CPU only: torch-cpu's structural terms, docs/memory-model.md#gdn-moe-sp-retained): "
+                            "this table's retained GDN terms with the layout's credit")
+            elif geometry.moe is None and layout_terms.SP_RETAINED not in table.terms:
                 gaps.append(f"GDN layers at TP{parallel.tp} with {mode} recompute (traced on the CPU only: "
                             "torch-cpu's structural terms, docs/memory-model.md#gdn-sp-retained): "
                             "this table's retained GDN terms with the layout's credit")
@@ -174,11 +184,16 @@ def _moe_retained_on_evidence(geometry: ModelGeometry, parallel: ParallelLayout,
     (torch-cpu: `retained_moe_mlp` fitted by bench/moe_fit.py, `moe_terms.sp_retained_moe_layer_per_row`
     under TP with SP), at a layout class and expert TP its multi-rank traces cover (every such
     class meets the targets on held-out cells: bench/results/moe_validation.txt,
-    docs/memory-model.md#moe-sp-retained), for a model without GDN layers (a GDN hybrid with MoE
-    MLPs has its own gaps). The te-gpu table has no GPU trace of a retained MoE layer: conservative."""
+    docs/memory-model.md#moe-sp-retained), for a model without GDN layers; a GDN hybrid with MoE
+    MLPs at the classes its GDN+MoE cells were traced retaining at (`_GDN_MOE_RETAINED_TRACED`:
+    TP2+SP and TP4+SP, at Megatron's default expert TP; docs/memory-model.md#gdn-moe-sp-retained).
+    The te-gpu table has no GPU trace of a retained MoE layer: conservative."""
     key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
-    return (geometry.gdn is None and layout_terms.SP_RETAINED in table.terms
-            and key in _MOE_RETAINED_TRACED and _expert_tp_retained_traced(parallel))
+    if layout_terms.SP_RETAINED not in table.terms:
+        return False
+    if geometry.gdn is not None:
+        return key in _GDN_MOE_RETAINED_TRACED and parallel.expert_tp == parallel.tp
+    return key in _MOE_RETAINED_TRACED and _expert_tp_retained_traced(parallel)
 
 
 def _expert_tp_retained_traced(parallel: ParallelLayout) -> bool:
@@ -202,10 +217,11 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     from above. MoE without full recompute (traced on
     the CPU only) keeps the credit of the classes its CPU traces cover (`_MOE_RETAINED_TRACED`,
     at the default expert TP and below it at EP1, `_expert_tp_retained_traced`;
-    docs/memory-model.md#moe-sp-retained, #moe-etp), and so do GDN hybrids with dense MLPs
-    without full recompute on a table without the structural GDN terms (te-gpu;
-    docs/memory-model.md#gdn-sp-retained). Any other gap (recompute schedule, GDN with MoE MLPs
-    without full recompute, multi-latent attention at TP > 1) gets no credit: TP1, CP1.
+    docs/memory-model.md#moe-sp-retained, #moe-etp), and so do GDN hybrids without full recompute
+    on a table without the structural GDN terms (te-gpu; docs/memory-model.md#gdn-sp-retained),
+    with MoE MLPs under TP with SP (`_GDN_MOE_RETAINED_TRACED`, docs/memory-model.md#gdn-moe-sp-retained).
+    Any other gap (recompute schedule, GDN with MoE MLPs without full recompute at TP > 1 without
+    SP, multi-latent attention at TP > 1) gets no credit: TP1, CP1.
     O(divisors)."""
     table = table or load_table("torch-cpu")
     none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
@@ -213,7 +229,8 @@ def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: 
     gaps = layout_gaps(geometry, parallel, recompute, table)
     untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
     moe_retained = [g for g in gaps if g.startswith("MoE with ") and _expert_tp_retained_traced(parallel)]
-    gdn_retained = [g for g in gaps if g.startswith("GDN layers at TP") and "(traced on the CPU only" in g]
+    gdn_retained = [g for g in gaps if g.startswith(("GDN layers at TP", "GDN layers with MoE MLPs at TP"))
+                    and "(traced on the CPU only" in g]
     if len(untraced) + len(moe_retained) + len(gdn_retained) != len(gaps):
         return none
     covered = layout_terms.traced_layouts(table)
