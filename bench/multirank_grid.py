@@ -82,6 +82,7 @@ LAYOUTS = (
     ("TP2+SP+CP4", DENSE, {"tp": 2, "sequence_parallel": True, "cp": 4}, "balanced", RECOMPUTES),
     ("TP4+SP+CP4", DENSE, {"tp": 4, "sequence_parallel": True, "cp": 4}, "balanced", RECOMPUTES),
     ("TP8+SP+CP2", DENSE, {"tp": 8, "sequence_parallel": True, "cp": 2}, "balanced", RECOMPUTES),
+    ("TP8+SP+CP4", DENSE, {"tp": 8, "sequence_parallel": True, "cp": 4}, "balanced", RECOMPUTES),
     ("MoE TP1", MOE, {}, "balanced", RECOMPUTES),
     ("MoE EP2", MOE, {"ep": 2}, "balanced", RECOMPUTES),
     ("MoE EP4", MOE, {"ep": 4}, "balanced", RECOMPUTES),

@@ -66,11 +66,11 @@ def test_inspect_subprocess(tmp_path):
 
 def test_inspect_prints_the_conservative_reason_on_the_basis_line(capsys):
     """An untraced layout: the basis line says conservative, why, and the layout it is credited as."""
-    assert main(["inspect", "--model", "qwen3-32b", "--tp", "8", "--sp", "--cp", "4"]) == 0
+    assert main(["inspect", "--model", "qwen3-32b", "--tp", "8", "--sp", "--cp", "8"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("basis")]
     assert len(lines) == 1
-    assert lines[0].startswith("basis      conservative (TP8 SP CP4, full recompute, te-gpu): TP8 SP CP4 (no multi-rank trace")
-    assert lines[0].endswith("priced as TP4 SP CP4")
+    assert lines[0].startswith("basis      conservative (TP8 SP CP8, full recompute, te-gpu): TP8 SP CP8 (no multi-rank trace")
+    assert lines[0].endswith("priced as TP8 SP CP4")
     assert main(["inspect", "--model", "qwen3-32b", "--tp", "4", "--sp"]) == 0
     assert "basis      evidence (TP4 SP CP1, full recompute, te-gpu)\n" in capsys.readouterr().out
     assert main(["inspect", "--json", "--model", "qwen3-32b", "--pp", "2"]) == 0
