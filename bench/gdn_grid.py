@@ -60,6 +60,11 @@ TRACES = grid.RESULTS / "traces_multirank_gdn.jsonl"
 HELDOUT = dict(GDN, name="grid-gdn-h768", hidden=768, ffn=2304, vocab=1024,
                attention=dict(GDN["attention"], num_heads=4),
                gdn=dict(GDN["gdn"], num_value_heads=8))
+# the held-out shape with MoE MLPs: nothing of the GDN+MoE retained term
+# (gdn_terms.sp_retained_gdn_moe_layer_per_row) was read on it; other MoE proportions than
+# GDN_MOE's (8 experts, top 2, expert FFN 0.5 H, shared expert 0.25 H, against 16, 4, 0.25 H, 0.25 H)
+HELDOUT_MOE = dict(HELDOUT, name="grid-gdn-moe-h768", ffn=0, layers=[["gdn", "moe"], ["attention", "moe"]],
+                   moe={"num_experts": 8, "top_k": 2, "expert_ffn": 384, "shared_expert_ffn": 192})
 HELDOUT_TRACES = grid.RESULTS / "traces_multirank_gdn_heldout.jsonl"
 HELDOUT_WAVES = ((900, 420, 220), (1280, 768, 512))
 LAYOUTS = (
@@ -79,6 +84,8 @@ HELDOUT_LAYOUTS = (
     ("GDN TP4+SP", HELDOUT, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
     ("GDN TP2", HELDOUT, {"tp": 2}, "balanced", grid.RECOMPUTES),
     ("GDN TP4", HELDOUT, {"tp": 4}, "balanced", grid.RECOMPUTES),
+    ("GDN-MoE TP2+SP", HELDOUT_MOE, {"tp": 2, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
+    ("GDN-MoE TP4+SP", HELDOUT_MOE, {"tp": 4, "sequence_parallel": True}, "balanced", grid.RECOMPUTES),
 )
 
 

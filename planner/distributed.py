@@ -13,8 +13,10 @@ data-parallel group, one rank per model-parallel replica):
 3. wave count: all_reduce MAX (int64) over DP; each rank with fewer waves re-plans with
    `num_waves=max` (the search balances the requests over the extra waves; no empty or
    over-budget wave is ever added)                -> error flag over W
-3b. MoE at EP > 1 only: each wave's largest forward call, all_reduce MAX over DP; each rank
-   checks its waves raised to those rows (`ep_peers.peer_overflow`) -> overflow flag: all_reduce
+3b. MoE at EP > 1 only: each wave's largest forward call, all_reduce MAX over DP, and its call
+   count, all_reduce MIN and MAX over DP (`ep_peers.concurrent_rows`); each rank checks its
+   waves (PP > 1: its stages' windows) raised to those rows (`ep_peers.peer_overflow`)
+   -> overflow flag: all_reduce
    MAX over W; while set, every rank re-plans with one wave more (at most `EP_ROUNDS` times,
    then InfeasibleError)                        -> error flag over W
 4. plan hash:  all_gather of the sha256 of `plan.to_json()` without `planning_ms` over MP;
@@ -41,7 +43,7 @@ from collections.abc import Sequence
 
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 
-from .ep_peers import ep_peers_matter, peer_overflow, wave_call_rows
+from .ep_peers import concurrent_rows, ep_peers_matter, peer_overflow, wave_call_rows, wave_calls
 from .plan import Plan
 from .planner import Planner, budget_from_free_bytes
 
@@ -242,8 +244,10 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
 def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int, plan_kwargs: dict,
                     *, dp, world_group, step_local, flag) -> Plan:
     """Step 3b (a MoE model at EP > 1; a no-op otherwise, with no collective): all_reduce MAX
-    over DP of each wave's largest forward call (`ep_peers.wave_call_rows`), then each rank
-    checks its waves raised to those rows (`ep_peers.peer_overflow`); all_reduce MAX of the
+    over DP of each wave's largest forward call (`ep_peers.wave_call_rows`) and MIN and MAX of
+    its call count (`ep_peers.concurrent_rows`: unequal counts check every wave at the step's
+    largest call), then each rank checks its waves, or with PP > 1 its stages' windows, raised
+    to those rows (`ep_peers.peer_overflow`); all_reduce MAX of the
     overflow flag over W. While some rank overflows, every rank re-plans with one wave more (the
     search spreads the requests, so the peers' concurrent calls shrink), at most `EP_ROUNDS`
     times; then the overflowing ranks raise `InfeasibleError` (through the error flag). Every
@@ -254,14 +258,19 @@ def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int
     rounds = 0
     while True:
         rows = torch.tensor(wave_call_rows(plan), dtype=torch.int64)
+        calls_min = torch.tensor(wave_calls(plan), dtype=torch.int64)
+        calls_max = calls_min.clone()
         dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=dp)
-        peer_rows = [int(x) for x in rows.tolist()]
-        over = step_local(lambda p=plan, r=peer_rows: peer_overflow(planner.pricer(step), p, r))
+        dist.all_reduce(calls_min, op=dist.ReduceOp.MIN, group=dp)
+        dist.all_reduce(calls_max, op=dist.ReduceOp.MAX, group=dp)
+        peer_rows = concurrent_rows(rows.tolist(), calls_min.tolist(), calls_max.tolist())
+        over = step_local(lambda p=plan, r=peer_rows: peer_overflow(planner.pricer(step), p, r, step=step))
         t = torch.tensor([0 if over is None else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
         if int(t.item()) == 0:
             break
         if rounds == EP_ROUNDS:
+            # every rank calls flag (a collective); only the overflowing ranks pass an error
             flag(None if over is None else InfeasibleError(
                 f"expert-parallel peers: {over.message()} after {rounds} re-plans with more waves; "
                 f"plan steps of similar size on every data-parallel rank, or bound the routed rows "

@@ -15,7 +15,16 @@ load. `planner.distributed.plan_distributed` gathers the peers' rows over the da
 context-parallel ranks, and context-parallel peers run the same wave) and adds waves until
 every rank's check passes.
 
-Torch-free: the caller gathers `peer_rows`.
+Which calls run side by side: a wave runs one forward call per (child, class) group load, each
+with its own all-to-alls, so wave i's calls pair with the peers' wave-i calls only when every peer
+runs as many calls in wave i (`concurrent_rows`); where the counts differ, a call may pair with a
+peer's call of another wave, and every wave is checked at the largest call of the whole step.
+With pipeline parallelism a stage holds several waves in flight, so the check is the plan's
+1F1B windows, every wave raised, against each stage's budget (`search.pipeline`'s exact check),
+not each wave alone. Conservative: every call of a wave and every term of it is raised, not only
+the routed ones (a wave of k small calls is priced as k peer-sized calls).
+
+Torch-free: the caller gathers the peers' rows and call counts.
 """
 
 from __future__ import annotations
@@ -25,7 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from waveplan.pricing.model import PricingModel
+from waveplan.pricing.pipeline import peaks_from_parts
 from waveplan.pricing.price import GroupLoad
+from waveplan.pricing.stage_price import price_parts
+from waveplan.pricing.step import Step
+from waveplan.search.pipeline import longest_sequence, pipeline_model
 
 from .plan import Plan
 
@@ -39,6 +52,23 @@ def wave_call_rows(plan: Plan) -> list[int]:
     """Per wave, the padded rows of its largest forward call (a (child, class) group load): what
     this rank sends into the all-to-all of wave i at most. O(group loads)."""
     return [max((int(g.padded_rows) for g in w.loads), default=0) for w in plan.waves]
+
+
+def wave_calls(plan: Plan) -> list[int]:
+    """Per wave, its forward calls (group loads): how many all-to-all rounds it runs. O(waves)."""
+    return [len(w.loads) for w in plan.waves]
+
+
+def concurrent_rows(peer_rows: Sequence[int], calls_min: Sequence[int],
+                    calls_max: Sequence[int]) -> list[int]:
+    """The rows each wave's calls are checked at: per wave, the peers' largest call of that wave
+    (`peer_rows`, the MAX over the group) when every peer runs as many calls in every wave
+    (`calls_min` == `calls_max`, the MIN and MAX over the group), else the largest call of the
+    whole step for every wave (the calls pair across waves). O(waves)."""
+    if list(calls_min) == list(calls_max):
+        return [int(r) for r in peer_rows]
+    top = max((int(r) for r in peer_rows), default=0)
+    return [top] * len(peer_rows)
 
 
 def raise_to_peer_rows(loads: Sequence[GroupLoad], peer_rows: int) -> tuple[GroupLoad, ...]:
@@ -56,35 +86,73 @@ def raise_to_peer_rows(loads: Sequence[GroupLoad], peer_rows: int) -> tuple[Grou
 
 @dataclass(frozen=True)
 class PeerOverflow:
-    """The first wave of a plan whose price at its peers' concurrent rows exceeds the budget."""
+    """What of a plan does not fit once its calls are raised to the peers' rows: a wave (PP1), or
+    a pipeline stage's window of waves (PP > 1)."""
 
     wave: int
     peer_rows: int
     own_rows: int
     admitted_bytes: int
     budget_bytes: int
+    stage: int | None = None
+    window: tuple[int, int] | None = None
 
     def message(self) -> str:
-        return (f"wave {self.wave}: priced at its expert-parallel peers' largest concurrent forward "
-                f"call ({self.peer_rows} rows against its own {self.own_rows}) it admits "
+        where = (f"wave {self.wave}" if self.stage is None else
+                 f"pipeline stage {self.stage}'s window of waves {list(self.window)}")
+        return (f"{where}: priced at its expert-parallel peers' largest concurrent forward call "
+                f"({self.peer_rows} rows against its own {self.own_rows}) it admits "
                 f"{self.admitted_bytes} bytes > budget {self.budget_bytes}")
 
 
-def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int]) -> PeerOverflow | None:
+def _own_rows(wave) -> int:
+    return max((int(g.padded_rows) for g in wave.loads), default=0)
+
+
+def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
+                  step: Step | None = None) -> PeerOverflow | None:
     """The first wave of `plan` that does not fit `plan.budget_bytes` once its forward calls are
     raised to `peer_rows[i]` (see the module docstring), or None when every wave fits. `pricer`
     is the step's pricer (`Planner.pricer(step)`): learned profiles apply as they do to the
-    plan. Waves whose calls all reach their peers' rows keep their price. O(waves x loads)
-    plus one walk per raised wave."""
+    plan. Waves whose calls all reach their peers' rows keep their price. With PP > 1 (`step`
+    required) the 1F1B windows of the raised waves, in the plan's order, are checked against
+    each stage's budget instead (`stage_overflow`). O(waves x loads) plus one walk per raised
+    wave (PP: one per wave and stage)."""
     if len(peer_rows) != plan.num_waves:
         raise ValueError(f"peer_rows: {len(peer_rows)} entries for {plan.num_waves} waves")
+    model = pipeline_model(pricer)
+    if model is not None:
+        if step is None:
+            raise ValueError("step: needed to check a pipeline plan's windows")
+        return stage_overflow(model, step, plan, peer_rows)
     for i, wave in enumerate(plan.waves):
         raised = raise_to_peer_rows(wave.loads, peer_rows[i])
         if raised == tuple(wave.loads):
             continue
         admitted = int(pricer.price_loads(raised, first_slots=wave.first_slots).admitted_bytes)
         if admitted > plan.budget_bytes:
-            return PeerOverflow(wave=i, peer_rows=int(peer_rows[i]),
-                                own_rows=max((int(g.padded_rows) for g in wave.loads), default=0),
+            return PeerOverflow(wave=i, peer_rows=int(peer_rows[i]), own_rows=_own_rows(wave),
                                 admitted_bytes=admitted, budget_bytes=int(plan.budget_bytes))
+    return None
+
+
+def stage_overflow(model: PricingModel, step: Step, plan: Plan,
+                   peer_rows: Sequence[int]) -> PeerOverflow | None:
+    """PP > 1: the first stage whose 1F1B window over the plan's waves, each raised to its
+    peers' rows and run in the plan's order, exceeds the stage's budget (the budgets the plan
+    was checked against, `plan.stages`), or None. The same exact check as the pipeline search's
+    (`stage_price.price_parts`, `pipeline.peaks_from_parts`). O(p x W x (groups^2 + groups x L/p))."""
+    budgets = [int(s["budget_bytes"]) for s in sorted(plan.stages, key=lambda s: s["stage"])]
+    if len(budgets) != model.parallel.pp:
+        raise ValueError(f"plan.stages: {len(budgets)} stage budgets for pp={model.parallel.pp}")
+    raised = [(raise_to_peer_rows(w.loads, peer_rows[i]), w.first_slots) for i, w in enumerate(plan.waves)]
+    parts = price_parts(model, raised, max_len=longest_sequence(step, model))
+    for peak in peaks_from_parts(model.arrays["stages"], parts, budgets, model.safety):
+        if not peak.fits:
+            lo, hi = peak.window
+            waves = range(lo, hi + 1) if hi >= lo else range(plan.num_waves)
+            worst = max(waves, key=lambda i: int(peer_rows[i]) - _own_rows(plan.waves[i]))
+            return PeerOverflow(wave=worst, peer_rows=int(peer_rows[worst]),
+                                own_rows=_own_rows(plan.waves[worst]), admitted_bytes=int(peak.peak_bytes),
+                                budget_bytes=int(peak.budget_bytes), stage=peak.stage, window=(lo, hi))
     return None

@@ -10,10 +10,12 @@ from gloo_ranks import run_ranks, warm_script
 
 from waveplan.planner import Planner
 from waveplan.planner.ep_peers import (
+    concurrent_rows,
     ep_peers_matter,
     peer_overflow,
     raise_to_peer_rows,
     wave_call_rows,
+    wave_calls,
 )
 from waveplan.pricing.price import GroupLoad
 from waveplan.pricing.step import Request, Step
@@ -50,6 +52,14 @@ def test_raising_a_call_adds_padding_rows_only_where_it_has_fewer():
     assert (big.slot, big.grad) == ("s", True)
 
 
+def test_calls_pair_within_a_wave_only_when_every_peer_runs_as_many():
+    assert concurrent_rows([300, 100, 200], [1, 2, 1], [1, 2, 1]) == [300, 100, 200]
+    # a peer runs two calls in wave 1 where another runs one: calls pair across waves, so every
+    # wave is checked at the step's largest call
+    assert concurrent_rows([300, 100, 200], [1, 1, 1], [1, 2, 1]) == [300, 300, 300]
+    assert concurrent_rows([], [], []) == []
+
+
 def test_a_plan_checked_at_its_own_rows_never_overflows(moe_ep2):
     step = _short()
     plan = moe_ep2.plan(step, 24 * GIB, deterministic=True, time_budget_ms=20.0)
@@ -76,6 +86,24 @@ def test_a_wave_beside_a_larger_peer_call_is_priced_at_the_peer_rows(moe_ep2):
         peer_overflow(pricer, small, peer[:-1])
 
 
+def test_a_pipeline_plan_is_checked_window_by_window(moe_ep2):
+    # PP2: the stages' 1F1B windows of the raised waves against their budgets, not each wave alone
+    pp = Planner.from_preset("qwen3-30b-a3b", ep=2, pp=2, recompute="full")
+    step = _short()
+    plan = pp.plan(step, 24 * GIB, deterministic=True, time_budget_ms=20.0)
+    assert len(plan.stages) == 2
+    pricer = pp.pricer(step)
+    own = wave_call_rows(plan)
+    assert wave_calls(plan) == [len(w.loads) for w in plan.waves]
+    assert peer_overflow(pricer, plan, own, step=step) is None
+    over = peer_overflow(pricer, plan, [4 * max(own)] * plan.num_waves, step=step)
+    assert over is not None and over.stage in (0, 1) and over.window is not None
+    assert over.admitted_bytes > over.budget_bytes
+    assert over.message().startswith(f"pipeline stage {over.stage}'s window of waves")
+    with pytest.raises(ValueError, match="step"):
+        peer_overflow(pricer, plan, own)
+
+
 WORKER = textwrap.dedent("""
     import faulthandler, json, os, sys
     faulthandler.dump_traceback_later(TIMEOUT_S - 30, exit=True)
@@ -91,12 +119,12 @@ WORKER = textwrap.dedent("""
 
     def inputs(rank, case):
         planner = Planner.from_preset("qwen3-30b-a3b", ep=2, recompute="full")
-        if rank == 0:   # "stuck": five longer requests, so no sixth wave can be added
+        if rank == 0 and case != "same":   # "stuck": five longer requests, so no sixth wave can be added
             n, base = (5, 40000) if case == "stuck" else (6, 16384)
             step = Step.from_requests([Request(id=f"b{i}", num_tokens=base + 2048 * i) for i in range(n)])
             return planner, step, 80 * GIB
         step = Step.from_requests([Request(id=f"a{i}", num_tokens=1024 + 64 * i) for i in range(48)])
-        return planner, step, (80 * GIB if case == "equal" else 20 * GIB)
+        return planner, step, (80 * GIB if case == "same" else 20 * GIB)
 
 
     if sys.argv[1] == "warm":
@@ -139,12 +167,12 @@ WORKER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    return warm_script(tmp_path_factory.mktemp("gloo_ep"), WORKER, "unequal", "equal", "stuck",
+    return warm_script(tmp_path_factory.mktemp("gloo_ep"), WORKER, "unequal", "same", "stuck",
                        timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["unequal", "equal"])
+@pytest.mark.parametrize("case", ["unequal", "same"])
 def test_plan_distributed_adds_waves_until_every_wave_fits_at_its_peers_rows(worker, tmp_path, case):
     res = run_ranks(worker, tmp_path, 2, lambda r, port, out: [str(r), str(port), case, str(out)],
                     TIMEOUT_S, what=f"plan_distributed EP ({case})")
@@ -153,6 +181,8 @@ def test_plan_distributed_adds_waves_until_every_wave_fits_at_its_peers_rows(wor
     assert res[0]["rounds"] == res[1]["rounds"], res
     if case == "unequal":   # the 20 GiB rank's waves beside the 80 GiB rank's: re-planned
         assert res[0]["rounds"] >= 1, res
+    else:                   # the same step and budget on both ranks: nothing changes
+        assert res[0]["rounds"] == 0, res
 
 
 @pytest.mark.slow
