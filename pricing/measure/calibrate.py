@@ -19,8 +19,11 @@ concatenated the sequences into one row. The decoder-only peak of a cell is pric
 way with the head's logits terms (per row x vocab) set to zero — the final norm stays, as the
 trace's decoder-only pass runs it — against the trace's decoder-only pass.
 
-Every walk point of a one-group wave is an affine function of the factors (`cell_points`),
-so the fit is a linear programme: minimise the mean over the fit cells, whole and
+Every walk point of a one-group wave is an affine function of the factors (`cell_points`), but
+for a recomputed MoE layer's routed point, the largest of the fitted point A and structural
+constants; such a cell's points are given once per side of that maximum
+(`moe_point_branches`), so calibrate's model of every cell is the pricer's price at any factors
+(`_Linear`), and the fit is a linear programme: minimise the mean over the fit cells, whole and
 decoder-only peaks, of estimate / measured, plus `TIE_BREAK` x the total distance of the
 factors from 1 (a factor leaves the base structure only where that buys a tighter fit), with
 every estimate at least `1 + margin` x its trace. An estimate is a maximum over points, so
@@ -412,6 +415,44 @@ def _round(x: float) -> float:
     return float(f"{x:.6g}")
 
 
+# --- the MoE routed point's branches --------------------------------------------------------
+
+_EXPERT_BACKWARD = "moe_expert_backward"
+
+
+def moe_point_branches(cell: dict) -> tuple[tuple[str | None, str], ...]:
+    """How `_Linear` gives a cell's points: (table variant, anchor) pairs whose points' largest
+    is the pricer's point. A cell with MoE layers under full recompute prices each one's routed
+    rows (in its recomputed stage) at the largest of point A (`moe_routed`, which `moe_stage`
+    scales), B and C (structural constants: `terms.moe_routed_stage_per_row`), not affine in
+    `moe_stage`; so it is given with point A alone (`"a"`: B's entry zeroed, linearised at
+    `moe_stage` = the top of `FACTOR_BOUNDS`, where x A >= C wherever A binds) and with B and C
+    alone (`"bc"`: A's entry zeroed, at the zero anchor). Other cells (a retained layer's backward is `retained_backward`, without the
+    stage): the table as it is. O(layers)."""
+    from ..geometry import MlpKind
+
+    moe = any(s.mlp == MlpKind.MOE for s in cell_geometry(cell).layers)
+    if not moe or cell["recompute"] != "full":
+        return ((None, "zero"),)
+    return (("a", "moe_a"), ("bc", "zero"))
+
+
+def _variant(table: CoefficientTable, variant: str | None) -> CoefficientTable:
+    """`table` with one side of the MoE routed point's maximum (`moe_point_branches`): `"a"`
+    zeroes point B (`moe_expert_backward`, te-gpu's missing entry charged as the CPU units),
+    `"bc"` zeroes point A (`moe_routed`); None: `table` itself. O(terms)."""
+    if variant is None:
+        return table
+    terms = dict(table.terms)
+    if variant == "a":
+        terms[_EXPERT_BACKWARD] = {"per_routed_row": {}, "per_expert_row": {},
+                                   "source": "calibrate: point B left out (point A's branch)"}
+    else:
+        entry = terms["moe_routed"]
+        terms["moe_routed"] = dict(entry, per_routed_row={w: 0 for w in entry.get("per_routed_row", {})})
+    return CoefficientTable(backend=table.backend, terms=terms, path=table.path)
+
+
 # --- the fit --------------------------------------------------------------------------------
 
 
@@ -459,26 +500,46 @@ def _used_groups(records: list[dict]) -> list[str]:
 
 class _Linear:
     """The walk points of every (record, whole | decoder) pair as affine functions of the
-    fitted factors: points = const + coef @ factors (one row per point)."""
+    fitted factors: points = const + coef @ factors (one row per point), exactly as the pricer
+    prices them (`cell_points`, whose maximum is `price_groups`' price) for every factor vector
+    in `FACTOR_BOUNDS`.
+
+    A point is affine in the factors but for a recomputed MoE layer's routed point, the largest
+    of point A (`moe_routed`, scaled by `moe_stage`) and the structural points B and C
+    (`terms.moe_routed_stage_per_row`: constants of the pricer, not fitted). Such a record's
+    points are given twice (`moe_point_branches`): with point A alone, linearised at the top of
+    `FACTOR_BOUNDS` (where it is affine whenever it can bind), and with points B and C alone
+    (constants); the largest of the two is the pricer's point at every factor vector."""
 
     def __init__(self, base: CoefficientTable, records: list[dict], groups: list[str]) -> None:
         self.groups = groups
-        zero = {g: 0.0 for g in groups}
-        tables = [_scaled(base, zero, note=None)]
-        tables += [_scaled(base, dict(zero, **{g: 1.0}), note=None) for g in groups]
+        anchors = {"zero": np.zeros(len(groups))}
+        if "moe_stage" in groups:
+            anchors["moe_a"] = np.where(np.array(groups) == "moe_stage", FACTOR_BOUNDS[1], 0.0)
+        # per anchor: the table at the anchor, then the anchor with each group's factor + 1
+        tables = {name: [_scaled(base, dict(zip(groups, a, strict=True)), note=None)]
+                  + [_scaled(base, dict(zip(groups, a + (np.arange(len(groups)) == j), strict=True)),
+                             note=None) for j in range(len(groups))]
+                  for name, a in anchors.items()}
         self.items = []  # (const[P], coef[P, G], measured)
         self.classes: dict[tuple, list[int]] = {}  # items whose points correspond
         self.phase_points: list[np.ndarray] = []
         for rec in records:
+            cell = rec["cell"]
+            branches = moe_point_branches(cell) if "moe_a" in anchors else ((None, "zero"),)
             for decoder, measured in ((False, rec["trace"]["peak_bytes"]),
                                       (True, rec["trace"]["decoder_peak_bytes"])):
-                pts = [cell_points(decoder_table(t) if decoder else t, rec) for t in tables]
-                const = pts[0]
-                coef = np.stack([p - const for p in pts[1:]], axis=1)
+                consts, coefs = [], []
+                for variant, anchor in branches:
+                    pts = [cell_points(_variant(decoder_table(t) if decoder else t, variant), rec)
+                           for t in tables[anchor]]
+                    coef = np.stack([p - pts[0] for p in pts[1:]], axis=1)
+                    consts.append(pts[0] - coef @ anchors[anchor])
+                    coefs.append(coef)
+                const, coef = np.concatenate(consts), np.concatenate(coefs)
                 keep = _undominated(const, coef)
                 const, coef = const[keep], coef[keep]
-                cell = rec["cell"]
-                phases = point_phases(int(cell["num_layers"]))[keep]
+                phases = np.tile(point_phases(int(cell["num_layers"])), len(branches))[keep]
                 tr = rec["trace"]
                 forward = decoder and tr.get("decoder_peak_forward_bytes", 0) > tr.get(
                     "decoder_peak_backward_bytes", 0)
@@ -672,7 +733,8 @@ def fit_table(traces: list[dict], base_table: CoefficientTable, *, backend: str 
     scales = fit_scales(traces, base_table, margin=margin)
     note = f"fitted by waveplan.pricing.measure.calibrate to {len(traces)} traced cells of {source_label}"
     table = _scaled(base_table, scales, note=note, backend=backend)
-    # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
+    # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check, by
+    # the pricer itself (`_ratios`: `price_groups`), that every cell stays over its margin
     for _ in range(5):
         lo = min(_ratios(table, {}, traces))
         if lo >= 1.0 + margin:
