@@ -129,11 +129,10 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
 
     Covered layouts are those `table` (default: the torch-cpu table, whose multi-rank traces
     fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
-    with and without SP at CP1, TP1 at CP2 and CP4, TP2 and TP4 with SP at CP2, TP2 with SP at
-    CP4), for every recompute
-    mode; MoE and GDN layers only at the layouts in `_MIXED_TRACED` (MoE also at TP2+SP, GDN with
-    dense MLPs at `_GDN_TRACED`). Without full recompute MoE layers are conservative (CPU traces
-    only); GDN layers with dense MLPs at TP > 1 are covered where the table carries the structural
+    with and without SP at CP1, TP1 at CP2 and CP4, TP2, TP4 and TP8 with SP at CP2 and CP4),
+    for every recompute mode; MoE and GDN layers only at the layouts in `_mixed_traced`. Without
+    full recompute MoE layers are on evidence where `_moe_retained_on_evidence` says (torch-cpu,
+    its traced classes and expert TPs), conservative otherwise (te-gpu: CPU traces only); GDN layers with dense MLPs at TP > 1 are covered where the table carries the structural
     terms that price them (torch-cpu: `gdn_terms`, docs/memory-model.md#gdn-sp-retained) and
     conservative with the layout's credit otherwise (te-gpu: no GPU trace); with MoE MLPs the same
     under TP with SP (`_GDN_MOE_RETAINED_TRACED`, docs/memory-model.md#gdn-moe-sp-retained) and
@@ -159,8 +158,10 @@ def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Re
             gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
     else:
         if geometry.moe is not None and not _moe_retained_on_evidence(geometry, parallel, table):
-            gaps.append(f"MoE with {recompute.mode.value} recompute (traced on the CPU only: "
-                        "bench/results/moe_validation.txt)")
+            why = ("traced on the CPU only: bench/results/moe_validation.txt"
+                   if layout_terms.SP_RETAINED not in table.terms else
+                   "no CPU trace of a retained MoE layer at this layout class and expert TP")
+            gaps.append(f"MoE with {recompute.mode.value} recompute ({why})")
         if parallel.tp > 1 and geometry.gdn is not None:
             mode = recompute.mode.value
             if geometry.moe is not None and not parallel.sequence_parallel:
