@@ -37,8 +37,6 @@ class LayerContext:
     """The backend's coefficients."""
     recompute: Recompute
     """The recompute schedule (a multi-layer chunk's size and method)."""
-    mode: RecomputeMode
-    """The recompute mode (`recompute.mode`)."""
     credit: ParallelLayout
     """The layout whose sharding the rank is credited with (`model.credit_layout`): the class
     whose layout residual the layers get."""
@@ -60,10 +58,11 @@ class LayerContext:
     """What the all-to-all dispatcher adds per wave row on the busiest EP rank (0: dense)."""
     local_experts: int
     """Experts per EP rank (1: dense)."""
-    qk_norm: float
-    """An attention layer's q/k norms per row (0 without them: `model.has_qk_norm`)."""
-    cp_release: float
-    """The projection output ring attention (CP > 1) releases, per row (0 unless plain attention)."""
+    qk_norm_per_row: float
+    """An attention layer's q/k norms, bytes per row (0 without them: `model.has_qk_norm`)."""
+    cp_release_per_row: float
+    """The projection output ring attention (CP > 1) releases, bytes per row (0 unless plain
+    attention)."""
     hybrid_tp: bool
     """Retained GDN-hybrid layers priced by what they hold (`gdn_terms`): torch-cpu's SP terms."""
     structural_gdn: bool
@@ -75,6 +74,11 @@ class LayerContext:
     """Retained GDN layers under SP without the structural terms (te-gpu): charged unsharded."""
     unsharded_hybrid: bool
     """`unsharded_gdn` in a GDN hybrid with MoE MLPs: its attention layers charged unsharded too."""
+
+    @property
+    def mode(self) -> RecomputeMode:
+        """The recompute mode (`recompute.mode`)."""
+        return self.recompute.mode
 
     @property
     def full(self) -> bool:
@@ -128,10 +132,10 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # part, docs/memory-model.md#gdn-moe-sp-retained)
     unsharded_hybrid = unsharded_gdn and g.gdn is not None and g.moe is not None
     return LayerContext(
-        geometry=g, table=t, recompute=model.recompute, mode=mode, credit=model.credit,
+        geometry=g, table=t, recompute=model.recompute, credit=model.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=model.width_etp, sp_div=sp_div,
         rows_cp=rows_cp, ep_skew=ep_skew, routed_extra=routed_extra, local_experts=local_experts,
-        qk_norm=qk, cp_release=cp_release, hybrid_tp=hybrid_tp, structural_gdn=structural_gdn,
+        qk_norm_per_row=qk, cp_release_per_row=cp_release, hybrid_tp=hybrid_tp, structural_gdn=structural_gdn,
         full_gdn=full_gdn, unsharded_gdn=unsharded_gdn, unsharded_hybrid=unsharded_hybrid)
 
 
@@ -150,7 +154,7 @@ def mixer_stage_per_row(ctx: LayerContext, layer: LayerSpec) -> float:
     """The layer's mixer stage per row: the TP1-fitted attention or GDN stage (`terms`), or
     multi-latent attention by its true widths (`feature_terms.mla_stage_per_row`) with its
     norms' inputs; an attention layer adds its q/k norms and, under full recompute, gives back
-    what ring attention releases (`ctx.cp_release`)."""
+    what ring attention releases (`ctx.cp_release_per_row`)."""
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
     if layer.mixer == MixerKind.ATTENTION and g.attention.mla is not None:
         mixer = (feature_terms.mla_stage_per_row(g.attention, tp=ctx.tp)
@@ -158,7 +162,7 @@ def mixer_stage_per_row(ctx: LayerContext, layer: LayerSpec) -> float:
     else:
         mixer = terms.mixer_stage_per_row(t, widths, layer.mixer)
     if layer.mixer == MixerKind.ATTENTION:
-        mixer += ctx.qk_norm - (ctx.cp_release if ctx.mode == RecomputeMode.FULL else 0.0)
+        mixer += ctx.qk_norm_per_row - (ctx.cp_release_per_row if ctx.mode == RecomputeMode.FULL else 0.0)
     return mixer
 
 
@@ -187,13 +191,13 @@ def attention_points_per_row(ctx: LayerContext, layer: LayerSpec, *, stage: floa
         sequence_parallel=ctx.sp_div > 1) if layer.mlp == MlpKind.DENSE else 0.0
     points = max(norm_point, fc2_point)
     if points:
-        stage = max(stage, points - ctx.cp_release)
+        stage = max(stage, points - ctx.cp_release_per_row)
     if layer.mlp == MlpKind.MOE and ctx.sp_div > 1 and layout_terms.SP_POINT in t.terms:
         # a MoE layer under TP with SP at its MoE backward point (moe_terms), in place of
         # the TP1-fitted stage sum; the attention's own backward (mixer, norms) comes after
         point = (moe_terms.sp_layer_point_per_row(ctx.widths_r, tp=ctx.tp, rope_per_row=rope_rows,
                                                    heads=g.attention.num_heads / ctx.tp)
-                 + ctx.qk_norm - ctx.cp_release + moe_terms.sp_shared_expert_point_per_row(widths, tp=ctx.tp)
+                 + ctx.qk_norm_per_row - ctx.cp_release_per_row + moe_terms.sp_shared_expert_point_per_row(widths, tp=ctx.tp)
                  + terms.moe_routed_stage_per_row(t, widths, ep_skew=ctx.ep_skew,
                                                   local_experts=ctx.local_experts,
                                                   etp=ctx.etp, sp_div=ctx.sp_div))
@@ -250,19 +254,21 @@ def keeps_core(ctx: LayerContext, layer: LayerSpec) -> bool:
     return layer.mixer == MixerKind.ATTENTION and ctx.geometry.attention.output_gate
 
 
-def fitted_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) -> float:
-    """The layer's retained activations per row by the TP1-fitted layer (`terms`) with its q/k
-    norms, less what ring attention releases without recompute, plus the gated attention's
-    undiscounted core; a GDN layer by what it holds under `ctx.hybrid_tp` (`gdn_terms`), or
-    unsharded under `ctx.unsharded_gdn` (every layer of a GDN hybrid with MoE MLPs under
-    `ctx.unsharded_hybrid`); plus the features' `extra`. Under full recompute this is what a
-    multi-layer chunk re-materialises per layer."""
+def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) -> float:
+    """The layer's base retained activations per row, before the SP replacements of
+    `retained_layer_per_row`: the TP1-fitted layer (`terms`) with its q/k norms, less what ring
+    attention releases without recompute, plus the gated attention's undiscounted core; for a
+    GDN layer, in place of the fitted layer, the structural `gdn_terms` replacements under
+    `ctx.hybrid_tp` (with a dense MLP, or a MoE MLP at TP1), or the fitted layer unsharded under
+    `ctx.unsharded_gdn` (every layer of a GDN hybrid with MoE MLPs under `ctx.unsharded_hybrid`);
+    plus the features' `extra`. Under full recompute this is what a multi-layer chunk
+    re-materialises per layer."""
     g, t, widths, widths_r, mode = ctx.geometry, ctx.table, ctx.widths, ctx.widths_r, ctx.mode
     layer_retained = terms.retained_layer_per_row(
         t, widths_r, layer.mixer, layer.mlp, sp_div=1 if ctx.unsharded_hybrid else ctx.sp_div,
         selective=mode == RecomputeMode.SELECTIVE, ep_skew=ctx.ep_skew)
     if layer.mixer == MixerKind.ATTENTION:
-        layer_retained += ctx.qk_norm - (ctx.cp_release if mode == RecomputeMode.NONE else 0.0)
+        layer_retained += ctx.qk_norm_per_row - (ctx.cp_release_per_row if mode == RecomputeMode.NONE else 0.0)
     if keeps_core(ctx, layer) and mode == RecomputeMode.SELECTIVE:
         # selective recompute frees nothing of a gated attention layer (`keeps_core`)
         layer_retained += table_discount(t, widths)
@@ -292,16 +298,16 @@ def sp_moe_retained_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, 
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
     # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
     # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
-    less = (ctx.cp_release if ctx.mode == RecomputeMode.NONE else
+    less = (ctx.cp_release_per_row if ctx.mode == RecomputeMode.NONE else
             0.0 if keeps_core(ctx, layer) else table_discount(t, widths))
     # a gated attention layer (a GDN hybrid's) also keeps its output gate's fp32 sigmoid (gdn_terms)
     less -= gdn_terms.output_gate_per_row(widths) if ctx.hybrid_tp and keeps_core(ctx, layer) else 0.0
     kw = dict(tp=ctx.tp, etp=ctx.etp, routed=g.moe.top_k * ctx.ep_skew,
               rope_per_row=rope_cache_per_row(g, [layer]), first=index == 0)
     kept = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, **kw)
-            - less + ctx.qk_norm + extra)
+            - less + ctx.qk_norm_per_row + extra)
     forward = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, forward=True, **kw)
-               - less + ctx.qk_norm + extra + moe_extra)
+               - less + ctx.qk_norm_per_row + extra + moe_extra)
     return kept, forward
 
 
@@ -324,7 +330,7 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
     retained activations (the larger) and its forward peak per row (0 without the entry)."""
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
     # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
-    less = (ctx.cp_release if ctx.mode == RecomputeMode.NONE else
+    less = (ctx.cp_release_per_row if ctx.mode == RecomputeMode.NONE else
             0.0 if keeps_core(ctx, layer) else table_discount(t, widths))
     # a gated attention layer also keeps its output gate's fp32 sigmoid (gdn_terms)
     gated = ctx.hybrid_tp and keeps_core(ctx, layer)
@@ -332,22 +338,22 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
     kw = dict(tp=ctx.tp, rope_per_row=rope_cache_per_row(g, [layer]),
               sequence_parallel=True)
     sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
-    sp_layer = sp_layer - less + ctx.qk_norm if sp_layer else 0.0
+    sp_layer = sp_layer - less + ctx.qk_norm_per_row if sp_layer else 0.0
     sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True, **kw)
-    sp_forward = sp_forward - less + ctx.qk_norm if sp_forward else 0.0
+    sp_forward = sp_forward - less + ctx.qk_norm_per_row if sp_forward else 0.0
     return max(fitted, sp_layer), sp_forward
 
 
 def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                            moe_extra: float) -> tuple[float, float]:
-    """The layer's retained activations per row (`fitted_retained_per_row`, replaced or raised
+    """The layer's retained activations per row (`base_retained_per_row`, replaced or raised
     under TP with SP without full recompute by `sp_moe_retained_per_row`,
     `sp_gdn_moe_retained_per_row` or `sp_dense_retained_per_row`), and its SP forward peak per
     row (0 without one)."""
     if (ctx.hybrid_tp and ctx.sp_div > 1 and layer.mixer == MixerKind.GDN
             and layer.mlp == MlpKind.MOE):
         return sp_gdn_moe_retained_per_row(ctx, extra=extra, moe_extra=moe_extra)
-    layer_retained = fitted_retained_per_row(ctx, layer, extra=extra)
+    layer_retained = base_retained_per_row(ctx, layer, extra=extra)
     retains = ctx.mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION and ctx.sp_div > 1
     moe_sp = (retains and layer.mlp == MlpKind.MOE
               and layout_terms.SP_RETAINED in ctx.table.terms)
@@ -426,19 +432,27 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
 # --- beside the layers: the layout residual, the CP RoPE cache, the GDN chunk padding ---------
 
 
+def covered_by_structural_terms(ctx: LayerContext, layer: LayerSpec) -> bool:
+    """Whether the structural layout terms cover the layer, so that it takes the layout residual
+    fitted with them (the others take the one fitted without them, `bare`): an attention layer
+    with a dense MLP, or with a MoE MLP under TP with SP (under full recompute its TP+SP point
+    `moe_terms.tp_backward_point_per_routed_row`; retaining its activations on a table with the
+    SP structural terms, `moe_terms.sp_retained_moe_layer_per_row`); a retained GDN layer priced
+    by what it holds (`ctx.hybrid_tp`, `gdn_terms`) with a dense MLP, or a MoE MLP under SP."""
+    moe_point = ctx.sp_div > 1 and (ctx.mode == RecomputeMode.FULL
+                                    or layout_terms.SP_RETAINED in ctx.table.terms)
+    if layer.mixer == MixerKind.ATTENTION:
+        return layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)
+    return (layer.mixer == MixerKind.GDN and ctx.hybrid_tp
+            and (layer.mlp == MlpKind.DENSE or ctx.sp_div > 1))
+
+
 def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     """What the layout leaves unsharded (`layout_terms.layout_residual_per_row`), per layer and
     row, at the credited layout's class: the residual fitted with the structural layout terms
-    for the layers they cover, the one fitted without them (`bare`) for the others."""
+    for the layers they cover (`covered_by_structural_terms`), the one fitted without them
+    (`bare`) for the others."""
     g, t, mode, c = ctx.geometry, ctx.table, ctx.mode, ctx.credit
-    layers = g.layers
-    # layers the structural layout terms cover (attention with a dense MLP, or with a MoE MLP
-    # at TP with SP: under full recompute its TP+SP point `moe_terms.tp_backward_point_per_routed_row`,
-    # retaining its activations at an expert TP above 1 `moe_terms.sp_retained_moe_layer_per_row`;
-    # a retained GDN layer priced by `gdn_terms`, with a MoE MLP under SP)
-    # get the residual fitted with them; the others the one fitted without them (`bare`)
-    moe_point = ctx.sp_div > 1 and (mode == RecomputeMode.FULL or (
-        layout_terms.SP_RETAINED in t.terms))
     # a GDN layer charged unsharded under SP (`LayerContext.unsharded_gdn`; every layer of a GDN
     # hybrid with MoE MLPs, `unsharded_hybrid`) holds no more than without SP: it takes the
     # residual of the class without SP
@@ -446,11 +460,8 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
         sequence_parallel=c.sequence_parallel and not (
             ctx.unsharded_hybrid or (ctx.unsharded_gdn and layer.mixer == MixerKind.GDN)),
-        bare=not ((layer.mixer == MixerKind.ATTENTION
-                   and (layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)))
-                  or (layer.mixer == MixerKind.GDN and ctx.hybrid_tp
-                      and (layer.mlp == MlpKind.DENSE or ctx.sp_div > 1))))
-        for layer in layers]) if g.num_layers else np.zeros(0)
+        bare=not covered_by_structural_terms(ctx, layer))
+        for layer in g.layers]) if g.num_layers else np.zeros(0)
 
 
 def wave_rope_cache_per_row(ctx: LayerContext) -> float:
@@ -490,18 +501,35 @@ class LayerArrays:
     (per row; with full recompute both are beside the head's backward), the GDN chunk."""
 
     retained: np.ndarray
+    """Each layer's retained activations per row: its boundary activation under full recompute,
+    else what it keeps for its backward (with the layout residual and, on layer 0, the RoPE
+    cache)."""
     workspace: np.ndarray
+    """Each layer's workspace per row: its stage (full recompute: with the layout residual and
+    the RoPE cache) or, retained, its backward transient."""
     nograd: np.ndarray
+    """Each layer's no-grad forward transient per row, the larger of it and a retained layer's
+    own forward peak, with the layout residual and the RoPE cache where they are live."""
     gdn_state: np.ndarray
+    """Each layer's GDN recurrent state per segment (0 for non-GDN layers)."""
     nograd_plain: np.ndarray
     """The no-grad transient and a retained layer's own forward peak, before `nograd` takes the
     larger; without the layout residual and the RoPE cache."""
     retained_forward: np.ndarray
+    """A retained layer's own forward peak per row (0 under full recompute); without the layout
+    residual and the RoPE cache."""
     pad_point: np.ndarray
+    """Each GDN layer's chunk-padding bytes per padding row at its own points (0 elsewhere)."""
     pad_retained: np.ndarray
-    chunk: int
+    """`pad_point` kept until the layer's backward (all 0 under full recompute)."""
+    gdn_chunk: int
+    """The GDN kernel's chunk (1: no GDN layers, or a table without the padding entry)."""
     residual: float
+    """The largest layer's layout residual per row (beside the head's backward under full
+    recompute)."""
     rope: float
+    """The CP RoPE cache entry per row, once per wave (beside the head's backward under full
+    recompute)."""
 
 
 def layer_arrays(ctx: LayerContext) -> LayerArrays:
@@ -546,5 +574,5 @@ def layer_arrays(ctx: LayerContext) -> LayerArrays:
     gdn_chunk, pad_point, pad_retained = gdn_chunk_padding(ctx)
     return LayerArrays(retained=retained, workspace=workspace, nograd=nograd, gdn_state=gdn_state,
                        nograd_plain=nograd_plain, retained_forward=retained_fwd,
-                       pad_point=pad_point, pad_retained=pad_retained, chunk=gdn_chunk,
+                       pad_point=pad_point, pad_retained=pad_retained, gdn_chunk=gdn_chunk,
                        residual=residual, rope=rope)

@@ -412,6 +412,13 @@ class PricingModel:
         return max(hi - lo for lo, hi in stage_bounds(self.geometry.num_layers, self.parallel.pp))
 
     def _build_arrays(self) -> dict:
+        """The arrays the jitted walk reads (`self.arrays`): the decoder layers' per-layer arrays
+        (`layer_arrays`: retained, workspace, no-grad, GDN state and chunk padding, with the
+        layout residual and the CP RoPE cache), each LoRA slot's pending gradients per layer, the
+        head's and the final norm's charges (`head_*`, with their parts for calibration), the
+        input gradient, the caller's and first execution's bytes; under PP > 1 also each stage's
+        charges (`stage_charges`) and their folded per-wave proxy (`fold_stages`).
+        O(layers x slots)."""
         g, p, t = self.geometry, self.parallel, self.table
         widths = layer_widths(g, tp=self.width_tp, etp=self.width_etp)
         sp_div = self.sp_div
@@ -420,12 +427,9 @@ class PricingModel:
         ctx = layer_context(self, widths, qk_norm=has_qk_norm(g))
         decoder = layer_arrays(ctx)
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
-        layers = g.layers
-        mode, structural_gdn = ctx.mode, ctx.structural_gdn
-        retained, workspace, nograd = decoder.retained, decoder.workspace, decoder.nograd
-        gdn_state, nograd_plain, retained_fwd = decoder.gdn_state, decoder.nograd_plain, decoder.retained_forward
-        pad_retained, pad_point, gdn_chunk = decoder.pad_retained, decoder.pad_point, decoder.chunk
-        residual, rope = decoder.residual, decoder.rope   # beside the head's backward (full recompute)
+        full = ctx.full   # full recompute
+        # the layout residual and the CP RoPE cache beside the head's backward (full recompute)
+        beside_head = decoder.residual + decoder.rope if full else 0.0
         pending = np.zeros((len(self.lora.slots), n))
         for s, slot in enumerate(self.lora.slots):
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
@@ -442,7 +446,7 @@ class PricingModel:
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
-        if norm_bwd and structural_gdn:
+        if norm_bwd and ctx.structural_gdn:
             # what the norm's backward allocates, beside the structural layer terms (gdn_terms)
             norm_bwd = max(norm_bwd, gdn_terms.final_norm_backward_per_row(widths, sp_div=sp_div))
         head_ret = logits_ret + norm_saved
@@ -450,24 +454,26 @@ class PricingModel:
         # vocabulary, for TE's head at any TP (its terms are structural, not calibrate-fitted), and
         # beside the structural GDN layer terms at TP1 too (gdn_terms: the TP1 fit's logits at the
         # norm covered what its fitted layers fall short of; these layers are charged what they hold)
-        released = self.width_tp > 1 or kind == "full-te" or structural_gdn
+        released = self.width_tp > 1 or kind == "full-te" or ctx.structural_gdn
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
-                   + (residual + rope if mode == RecomputeMode.FULL else 0.0))
+                   + beside_head)
         arrays = {
-            "retained": retained, "workspace": workspace, "nograd": nograd, "gdn_state": gdn_state,
-            "pending": pending, "pad_retained": pad_retained, "pad_point": pad_point, "chunk": float(gdn_chunk),
+            "retained": decoder.retained, "workspace": decoder.workspace, "nograd": decoder.nograd,
+            "gdn_state": decoder.gdn_state, "pending": pending, "pad_retained": decoder.pad_retained,
+            "pad_point": decoder.pad_point, "chunk": float(decoder.gdn_chunk),
             "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
             "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
             "head_chunk_rows": chunk,
             # the head's parts before they are combined (calibration reads them)
             "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
                            "norm_saved": norm_saved, "norm_backward": norm_bwd,
-                           "layout_residual": residual + rope if mode == RecomputeMode.FULL else 0.0,
+                           "layout_residual": beside_head,
                            "logits_at_norm": 0.0 if released else logits_ret},
-            "forward_parts": {"nograd": nograd_plain, "retained_forward": retained_fwd},
+            "forward_parts": {"nograd": decoder.nograd_plain,
+                              "retained_forward": decoder.retained_forward},
             "caller": terms.caller_per_logical_token(t),
             "first_exec": terms.first_execution_bytes(t),
-            "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in layers),
+            "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in g.layers),
         }
         if p.pp > 1:
             # the per-layer arrays, each stage's charges, and the folded per-wave proxy
@@ -475,11 +481,11 @@ class PricingModel:
                                 ("retained", "workspace", "nograd", "gdn_state", "pending",
                                  "pad_retained", "pad_point")}
             boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
-            rope = [rope_cache_per_row(g, layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
+            stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
             stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,
                                    received_per_row=received_activation_per_row(
-                                       boundary, full_recompute=mode == RecomputeMode.FULL),
-                                   rope_per_row=rope, rows_cp=self.rows_cp)
+                                       boundary, full_recompute=full),
+                                   rope_per_row=stage_rope, rows_cp=self.rows_cp)
             arrays["stages"] = stages
             arrays.update(fold_stages(stages))
         return arrays
