@@ -83,7 +83,7 @@ def test_feature_gaps_keep_the_layout_credit():
     model, _ = price_step(gemma, parallel=ParallelLayout(tp=4, sequence_parallel=True))
     assert model.basis == "conservative" and not model.conservative and model.width_tp == 4
     assert model.layout_gaps == () and len(model.gaps) == 1
-    padded, _ = price_step(gemma, parallel=ParallelLayout(tp=8, sequence_parallel=True, cp=4))  # untraced
+    padded, _ = price_step(gemma, parallel=ParallelLayout(tp=8, sequence_parallel=True, cp=8))  # untraced
     assert padded.conservative and padded.layout_gaps
 
 
