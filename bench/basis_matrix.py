@@ -3,7 +3,8 @@
     .venv/bin/python bench/basis_matrix.py
 
 Prints a Markdown table: per layout class and recompute mode, for a dense model (qwen3-8b), an
-MoE model (qwen3-30b-a3b) and a GDN hybrid (qwen3.8-27b): "evidence", or "conservative" with
+MoE model (qwen3-30b-a3b), a GDN hybrid (qwen3.8-27b) and a GDN hybrid with MoE MLPs
+(qwen3.6-35b-a3b), on the default te-gpu table: "evidence", or "conservative" with
 the traced layout whose sharding it is credited (`pricing.model.credit_layout`), or "invalid"
 when the model cannot take the layout (heads not divisible by TP).
 """
@@ -15,7 +16,8 @@ from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 
-KINDS = (("dense", "qwen3-8b"), ("MoE", "qwen3-30b-a3b"), ("GDN hybrid", "qwen3.8-27b"))
+KINDS = (("dense", "qwen3-8b"), ("MoE", "qwen3-30b-a3b"), ("GDN hybrid", "qwen3.8-27b"),
+         ("GDN+MoE hybrid", "qwen3.6-35b-a3b"))
 LAYOUTS = ((1, False, 1, 1), (2, False, 1, 1), (2, True, 1, 1), (4, False, 1, 1), (4, True, 1, 1),
            (8, False, 1, 1), (8, True, 1, 1), (1, False, 2, 1), (1, False, 4, 1), (2, True, 2, 1),
            (4, True, 2, 1), (2, True, 4, 1), (4, True, 4, 1), (8, True, 2, 1), (8, True, 4, 1),
@@ -51,7 +53,7 @@ def main() -> None:
     for tp, sp, ep, etp in EXPERT_LAYOUTS:
         name = f"TP{tp}{'+SP' if sp else ''}{f' EP{ep}' if ep > 1 else ''} ETP{etp}"
         for mode in ("full", "selective", "none"):
-            print(f"| {name} | {mode} | " + " | ".join(cell(p, tp, sp, 1, 1, mode, ep, etp) if kind == "MoE" else "-"
+            print(f"| {name} | {mode} | " + " | ".join(cell(p, tp, sp, 1, 1, mode, ep, etp) if "MoE" in kind else "-"
                                                       for kind, p in KINDS) + " |")
 
 
