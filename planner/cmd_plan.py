@@ -23,6 +23,7 @@ from .cli_common import (
     parse_gib,
     read_step,
 )
+from .ep_peers import single_rank_note
 from .plan import Plan
 from .planner import Planner
 from .report import PlanOptions, write_report
@@ -149,6 +150,8 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
         verdict = (f"{waves}; lower bound {plan.lower_bound_waves}: "
                    f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}")
     print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms)")
+    if (ep_note := single_rank_note(m)) is not None:
+        print(ep_note)
     if plan.compile_ms > 0:
         print(f"compiled kernels first: {plan.compile_ms / 1e3:.2f} s (once per machine; "
               "`waveplan warmup` pays it ahead)")

@@ -48,6 +48,16 @@ def ep_peers_matter(model: PricingModel) -> bool:
     return model.geometry.moe is not None and model.parallel.ep > 1
 
 
+def single_rank_note(model: PricingModel) -> str | None:
+    """What a plan made on one rank assumes at EP > 1 (None otherwise), for the plan table: its
+    waves are priced with no EP peer running a larger concurrent wave."""
+    if not ep_peers_matter(model):
+        return None
+    return (f"EP{model.parallel.ep}: each wave is priced with no expert-parallel peer running a larger "
+            f"concurrent wave; data-parallel ranks with different steps must plan through "
+            f"plan_distributed, which checks it (docs/memory-model.md#expert-parallel)")
+
+
 def wave_call_rows(plan: Plan) -> list[int]:
     """Per wave, the padded rows of its largest forward call (a (child, class) group load): what
     this rank sends into the all-to-all of wave i at most. O(group loads)."""

@@ -29,6 +29,18 @@ def test_bundled_example_prints_a_table(capsys):
     assert "40.00" in out   # the default budget
 
 
+def test_the_table_says_what_a_single_rank_ep_plan_assumes(capsys):
+    """A MoE model at EP > 1 planned on one rank: the table names the EP peers' assumption and
+    the way to have it checked (plan_distributed); at EP1 no such line."""
+    argv = ["plan", "grpo-8x8", "--model", "qwen3-30b-a3b", "--recompute", "full", "--free-gib", "60"]
+    assert main(argv + ["--ep", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    note = [ln for ln in lines if ln.startswith("EP2: ")]
+    assert len(note) == 1 and "plan_distributed" in note[0] and "#expert-parallel" in note[0]
+    assert main(argv) == 0
+    assert not any(ln.startswith("EP") for ln in capsys.readouterr().out.splitlines())
+
+
 def test_plan_json(capsys):
     assert main(["plan", "grpo-8x8", "--free-gib", "30", "--json", "--packer", "greedy"]) == 0
     data = json.loads(capsys.readouterr().out)
