@@ -15,6 +15,7 @@ from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
 
 from .cli_common import add_model_args, model_from_args
+from .ep_peers import single_rank_note
 
 DEFAULT_MODEL = "qwen3.8-27b"
 DEFAULT_STEP = "grpo-8x8"
@@ -169,11 +170,14 @@ def run(args: argparse.Namespace) -> int:
     geometry = model.geometry
     step, source = resolve_step(args.step)
     stats = step_stats(step)
+    ep_note = single_rank_note(model)   # what a plan made on one rank assumes at EP > 1
     if args.json:
+        extra = {"ep_peers": ep_note} if ep_note is not None else {}
         print(json.dumps({"model": geometry.to_dict(), "step": source, **stats, "basis": model.basis,
                           "reasons": list(model.gaps), "layout": model.parallel.to_dict(),
-                          "recompute": model.recompute.mode.value}, indent=2))
+                          "recompute": model.recompute.mode.value, **extra}, indent=2))
     else:
-        print("\n".join(geometry_lines(geometry) + [basis_line(model), ""]
+        notes = [f"ep peers   {ep_note}"] if ep_note is not None else []
+        print("\n".join(geometry_lines(geometry) + [basis_line(model)] + notes + [""]
                         + step_lines(step, source, stats)))
     return 0

@@ -64,6 +64,17 @@ def test_inspect_subprocess(tmp_path):
         "Expecting property name enclosed in double quotes (column 2)"
 
 
+def test_inspect_names_the_ep_peers_assumption_at_ep_above_one(capsys):
+    """A MoE model at EP > 1: inspect says what a plan made on one rank assumes (text and JSON)."""
+    assert main(["inspect", "--model", "qwen3-30b-a3b", "--ep", "2"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ep peers")]
+    assert len(lines) == 1 and "EP2: " in lines[0] and "plan_distributed" in lines[0]
+    assert main(["inspect", "--json", "--model", "qwen3-30b-a3b", "--ep", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["ep_peers"].startswith("EP2: ")
+    assert main(["inspect", "--json", "--model", "qwen3-30b-a3b"]) == 0
+    assert "ep_peers" not in json.loads(capsys.readouterr().out)
+
+
 def test_inspect_prints_the_conservative_reason_on_the_basis_line(capsys):
     """An untraced layout: the basis line says conservative, why, and the layout it is credited as."""
     assert main(["inspect", "--model", "qwen3-32b", "--tp", "8", "--sp", "--cp", "8"]) == 0
