@@ -61,7 +61,12 @@ def single_rank_note(model: PricingModel) -> str | None:
 def wave_call_rows(plan: Plan) -> list[int]:
     """Per wave, the padded rows of its largest forward call (a (child, class) group load): what
     this rank sends into the all-to-all of wave i at most. O(group loads)."""
-    return [max((int(g.padded_rows) for g in w.loads), default=0) for w in plan.waves]
+    return [_own_rows(w) for w in plan.waves]
+
+
+def _own_rows(wave) -> int:
+    """The padded rows of a wave's largest forward call."""
+    return max((int(g.padded_rows) for g in wave.loads), default=0)
 
 
 def wave_calls(plan: Plan) -> list[int]:
@@ -113,10 +118,6 @@ class PeerOverflow:
         return (f"{where}: priced at its expert-parallel peers' largest concurrent forward call "
                 f"({self.peer_rows} rows against its own {self.own_rows}) it admits "
                 f"{self.admitted_bytes} bytes > budget {self.budget_bytes}")
-
-
-def _own_rows(wave) -> int:
-    return max((int(g.padded_rows) for g in wave.loads), default=0)
 
 
 def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,

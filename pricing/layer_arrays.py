@@ -254,6 +254,13 @@ def keeps_core(ctx: LayerContext, layer: LayerSpec) -> bool:
     return layer.mixer == MixerKind.ATTENTION and ctx.geometry.attention.output_gate
 
 
+def charged_unsharded(ctx: LayerContext, layer: LayerSpec) -> bool:
+    """Whether the layer's fitted retained terms are charged unsharded under SP (a table without
+    the structural GDN terms): a GDN layer (`ctx.unsharded_gdn`), and every layer of a GDN hybrid
+    with MoE MLPs (`ctx.unsharded_hybrid`)."""
+    return ctx.unsharded_hybrid or (ctx.unsharded_gdn and layer.mixer == MixerKind.GDN)
+
+
 def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) -> float:
     """The layer's base retained activations per row, before the SP replacements of
     `retained_layer_per_row`: the TP1-fitted layer (`terms`) with its q/k norms, less what ring
@@ -265,7 +272,7 @@ def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) 
     re-materialises per layer."""
     g, t, widths, widths_r, mode = ctx.geometry, ctx.table, ctx.widths, ctx.widths_r, ctx.mode
     layer_retained = terms.retained_layer_per_row(
-        t, widths_r, layer.mixer, layer.mlp, sp_div=1 if ctx.unsharded_hybrid else ctx.sp_div,
+        t, widths_r, layer.mixer, layer.mlp, sp_div=1 if charged_unsharded(ctx, layer) else ctx.sp_div,
         selective=mode == RecomputeMode.SELECTIVE, ep_skew=ctx.ep_skew)
     if layer.mixer == MixerKind.ATTENTION:
         layer_retained += ctx.qk_norm_per_row - (ctx.cp_release_per_row if mode == RecomputeMode.NONE else 0.0)
@@ -280,13 +287,23 @@ def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) 
         # a GDN layer with a MoE MLP at TP1, by what it holds (gdn_terms)
         layer_retained = gdn_terms.retained_gdn_moe_layer_per_row(widths_r, g.gdn,
                                                                   routed=g.moe.top_k * ctx.ep_skew)
-    elif ctx.unsharded_gdn and layer.mixer == MixerKind.GDN:
-        layer_retained = terms.retained_layer_per_row(
-            t, widths_r, layer.mixer, layer.mlp, sp_div=1,
-            selective=mode == RecomputeMode.SELECTIVE, ep_skew=ctx.ep_skew)
     if extra:
         layer_retained += extra
     return layer_retained
+
+
+def sp_layer_release_per_row(ctx: LayerContext, layer: LayerSpec) -> float:
+    """What a retained attention layer under TP with SP holds less than its structural term
+    (`moe_terms.sp_retained_moe_layer_per_row`, `layout_terms.sp_retained_layer_per_row`) per
+    row: without recompute what ring attention releases (`ctx.cp_release_per_row`), with
+    selective recompute the core-attention discount (`table_discount`; none where the layer
+    keeps its core, `keeps_core`); less the output gate's fp32 sigmoid a GDN hybrid's gated
+    attention layer also keeps (`gdn_terms.output_gate_per_row`, docs/memory-model.md#gdn-sp-retained)."""
+    less = (ctx.cp_release_per_row if ctx.mode == RecomputeMode.NONE else
+            0.0 if keeps_core(ctx, layer) else table_discount(ctx.table, ctx.widths))
+    if ctx.hybrid_tp and keeps_core(ctx, layer):
+        less -= gdn_terms.output_gate_per_row(ctx.widths)
+    return less
 
 
 def sp_moe_retained_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
@@ -295,13 +312,10 @@ def sp_moe_retained_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, 
     table with the SP structural terms: its retained activations and its forward peak per row,
     in place of the TP1-fitted layer (`index`: the first layer also holds the embedding's
     output)."""
-    g, t, widths = ctx.geometry, ctx.table, ctx.widths
+    g = ctx.geometry
     # a retained MoE layer under TP with SP (moe_terms), replacing the TP1-fitted layer
     # where the table carries the SP structural terms (torch-cpu; te-gpu keeps its own)
-    less = (ctx.cp_release_per_row if ctx.mode == RecomputeMode.NONE else
-            0.0 if keeps_core(ctx, layer) else table_discount(t, widths))
-    # a gated attention layer (a GDN hybrid's) also keeps its output gate's fp32 sigmoid (gdn_terms)
-    less -= gdn_terms.output_gate_per_row(widths) if ctx.hybrid_tp and keeps_core(ctx, layer) else 0.0
+    less = sp_layer_release_per_row(ctx, layer)
     kw = dict(tp=ctx.tp, etp=ctx.etp, routed=g.moe.top_k * ctx.ep_skew,
               rope_per_row=rope_cache_per_row(g, [layer]), first=index == 0)
     kept = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, **kw)
@@ -328,13 +342,9 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
     """A retained attention layer with a dense MLP under TP with SP: what it keeps gathered
     (`layout_terms.sp_retained_layer_per_row`) against the TP1-fitted layer (`fitted`): its
     retained activations (the larger) and its forward peak per row (0 without the entry)."""
-    g, t, widths = ctx.geometry, ctx.table, ctx.widths
+    g, t = ctx.geometry, ctx.table
     # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
-    less = (ctx.cp_release_per_row if ctx.mode == RecomputeMode.NONE else
-            0.0 if keeps_core(ctx, layer) else table_discount(t, widths))
-    # a gated attention layer also keeps its output gate's fp32 sigmoid (gdn_terms)
-    gated = ctx.hybrid_tp and keeps_core(ctx, layer)
-    less -= gdn_terms.output_gate_per_row(widths) if gated else 0.0
+    less = sp_layer_release_per_row(ctx, layer)
     kw = dict(tp=ctx.tp, rope_per_row=rope_cache_per_row(g, [layer]),
               sequence_parallel=True)
     sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
@@ -458,8 +468,7 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     # residual of the class without SP
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
-        sequence_parallel=c.sequence_parallel and not (
-            ctx.unsharded_hybrid or (ctx.unsharded_gdn and layer.mixer == MixerKind.GDN)),
+        sequence_parallel=c.sequence_parallel and not charged_unsharded(ctx, layer),
         bare=not covered_by_structural_terms(ctx, layer))
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
@@ -468,11 +477,11 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     """The RoPE cache entry of the whole longest sequence under CP (`layout_terms.cp_rope_cache_per_row`),
     per row, once per wave; with the structural GDN terms also the entry's own rows, which the
     fitted layer the GDN term replaces absorbed (`gdn_terms.rope_cache_entry_per_row`)."""
-    g = ctx.geometry
-    rope = layout_terms.cp_rope_cache_per_row(rope_cache_per_row(g, g.layers), cp=ctx.rows_cp)
+    entry = rope_cache_per_row(ctx.geometry, ctx.geometry.layers)
+    rope = layout_terms.cp_rope_cache_per_row(entry, cp=ctx.rows_cp)
     if ctx.structural_gdn:
         # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
-        rope += gdn_terms.rope_cache_entry_per_row(rope_cache_per_row(g, g.layers))
+        rope += gdn_terms.rope_cache_entry_per_row(entry)
     return rope
 
 
