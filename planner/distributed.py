@@ -15,7 +15,8 @@ data-parallel group, one rank per model-parallel replica):
    over-budget wave is ever added)                -> error flag over W
 3b. MoE at EP > 1 only: each wave's largest forward call, all_reduce MAX over DP, and its call
    count, all_reduce MIN and MAX over DP (`ep_peers.concurrent_rows`); each rank checks its
-   waves (PP > 1: its stages' windows) raised to those rows (`ep_peers.peer_overflow`)
+   waves (PP > 1: its stages' windows) raised to those rows, a wave fitting when all its
+   calls raised or its routed rows alone raised fit (`ep_peers.peer_overflow`)
    -> overflow flag: all_reduce
    MAX over W; while set, every rank re-plans with one wave more (at most `EP_ROUNDS` times,
    then InfeasibleError)                        -> error flag over W
@@ -247,7 +248,8 @@ def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int
     over DP of each wave's largest forward call (`ep_peers.wave_call_rows`) and MIN and MAX of
     its call count (`ep_peers.concurrent_rows`: unequal counts check every wave at the step's
     largest call), then each rank checks its waves, or with PP > 1 its stages' windows, raised
-    to those rows (`ep_peers.peer_overflow`); all_reduce MAX of the
+    to those rows (`ep_peers.peer_overflow`: a wave fits when all its calls raised, or its routed
+    rows alone raised, fit); all_reduce MAX of the
     overflow flag over W. While some rank overflows, every rank re-plans with one wave more (the
     search spreads the requests, so the peers' concurrent calls shrink), at most `EP_ROUNDS`
     times; then the overflowing ranks raise `InfeasibleError` (through the error flag). Every
@@ -255,6 +257,14 @@ def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int
     re-plans it took. O(rounds x (waves x loads + one plan))."""
     if not ep_peers_matter(planner.model):
         return plan
+    scaled: dict[float, object] = {}
+
+    def routed(scale: float):
+        # bound (b): the step's pricer with only the routed rows raised (ep_peers), one model per scale
+        if scale not in scaled:
+            scaled[scale] = planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=scale))
+        return scaled[scale]
+
     rounds = 0
     while True:
         rows = torch.tensor(wave_call_rows(plan), dtype=torch.int64)
@@ -264,7 +274,8 @@ def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int
         dist.all_reduce(calls_min, op=dist.ReduceOp.MIN, group=dp)
         dist.all_reduce(calls_max, op=dist.ReduceOp.MAX, group=dp)
         peer_rows = concurrent_rows(rows.tolist(), calls_min.tolist(), calls_max.tolist())
-        over = step_local(lambda p=plan, r=peer_rows: peer_overflow(planner.pricer(step), p, r, step=step))
+        over = step_local(lambda p=plan, r=peer_rows: peer_overflow(planner.pricer(step), p, r, step=step,
+                                                                    routed_pricer=routed))
         t = torch.tensor([0 if over is None else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
         if int(t.item()) == 0:

@@ -19,10 +19,18 @@ Which calls run side by side: a wave runs one forward call per (child, class) gr
 with its own all-to-alls, so wave i's calls pair with the peers' wave-i calls only when every peer
 runs as many calls in wave i (`concurrent_rows`); where the counts differ, a call may pair with a
 peer's call of another wave, and every wave is checked at the largest call of the whole step.
+Two upper bounds, and a wave fits when either does (PP1): (a) every call of the wave and every
+term of it raised to the peers' rows (a wave of k small calls priced as k peer-sized calls);
+(b) the wave as it is, with only the routed rows raised: the busiest rank's routed rows of each
+call bound by the peers' largest concurrent call, `peer_row_scale` = peers' rows over the
+wave's smallest call (`PricingModel.peer_row_scale`, which multiplies the busiest-rank load of
+every routed-row term and the dispatcher's buffers); what does not go through the all-to-all
+(attention, norms, the head, the shared expert, the boundaries, the adapter gradients) depends
+on this rank's own rows only. (b) is the tighter one when the wave has one call or calls of
+like size, (a) when a small call sits beside a large one.
 With pipeline parallelism a stage holds several waves in flight, so the check is the plan's
-1F1B windows, every wave raised, against each stage's budget (`search.pipeline`'s exact check),
-not each wave alone. Conservative: every call of a wave and every term of it is raised, not only
-the routed ones (a wave of k small calls is priced as k peer-sized calls).
+1F1B windows, every wave raised as in (a), against each stage's budget (`search.pipeline`'s
+exact check), not each wave alone.
 
 Torch-free: the caller gathers the peers' rows and call counts.
 """
@@ -120,15 +128,25 @@ class PeerOverflow:
                 f"{self.admitted_bytes} bytes > budget {self.budget_bytes}")
 
 
+def peer_row_scale(wave, peer_rows: int) -> float:
+    """The factor bound (b) raises the busiest rank's routed rows by: the peers' largest
+    concurrent call over the wave's smallest call (at least 1). O(loads)."""
+    smallest = min((int(g.padded_rows) for g in wave.loads), default=0)
+    return max(1.0, int(peer_rows) / smallest) if smallest > 0 else 1.0
+
+
 def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
-                  step: Step | None = None) -> PeerOverflow | None:
-    """The first wave of `plan` that does not fit `plan.budget_bytes` once its forward calls are
-    raised to `peer_rows[i]` (see the module docstring), or None when every wave fits. `pricer`
-    is the step's pricer (`Planner.pricer(step)`): learned profiles apply as they do to the
-    plan. Waves whose calls all reach their peers' rows keep their price. With PP > 1 (`step`
-    required) the 1F1B windows of the raised waves, in the plan's order, are checked against
-    each stage's budget instead (`stage_overflow`). O(waves x loads) plus one walk per raised
-    wave (PP: one per wave and stage)."""
+                  step: Step | None = None, routed_pricer=None) -> PeerOverflow | None:
+    """The first wave of `plan` that does not fit `plan.budget_bytes` at its peers' rows
+    `peer_rows[i]` (see the module docstring), or None when every wave fits. `pricer` is the
+    step's pricer (`Planner.pricer(step)`): learned profiles apply as they do to the plan; it
+    prices bound (a), every call raised. `routed_pricer(scale)`, when given, is the step's pricer
+    of the same model with `peer_row_scale=scale` (bound (b)), asked only for waves (a) does not
+    fit; a wave fits when either bound fits, and an overflow reports the smaller. Waves whose
+    calls all reach their peers' rows keep their price. With PP > 1 (`step` required) the 1F1B
+    windows of the waves raised as in (a), in the plan's order, are checked against each stage's
+    budget instead (`stage_overflow`). O(waves x loads) plus one or two walks per raised wave
+    (PP: one per wave and stage)."""
     if len(peer_rows) != plan.num_waves:
         raise ValueError(f"peer_rows: {len(peer_rows)} entries for {plan.num_waves} waves")
     model = pipeline_model(pricer)
@@ -141,6 +159,10 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
         if raised == tuple(wave.loads):
             continue
         admitted = int(pricer.price_loads(raised, first_slots=wave.first_slots).admitted_bytes)
+        if admitted > plan.budget_bytes and routed_pricer is not None:
+            routed = routed_pricer(peer_row_scale(wave, peer_rows[i]))
+            admitted = min(admitted, int(routed.price_loads(tuple(wave.loads),
+                                                            first_slots=wave.first_slots).admitted_bytes))
         if admitted > plan.budget_bytes:
             return PeerOverflow(wave=i, peer_rows=int(peer_rows[i]), own_rows=_own_rows(wave),
                                 admitted_bytes=admitted, budget_bytes=int(plan.budget_bytes))

@@ -288,14 +288,17 @@ class Planner:
 
     # --- planning -----------------------------------------------------------------------
 
-    def pricer(self, step: Step) -> WavePricer | _ProfiledPricer:
+    def pricer(self, step: Step, *, model: PricingModel | None = None) -> WavePricer | _ProfiledPricer:
         """The step's pricer with the learned profiles applied: the plain `WavePricer` while
         the planner has none (the search may use its fast admitted path), else one that
-        prices through them (no fast path; see `_ProfiledPricer`)."""
+        prices through them (no fast path; see `_ProfiledPricer`). `model`: price with it
+        instead of the planner's own, under the planner's profiles (`planner.ep_peers`: the
+        same model with its routed rows raised to the EP peers' calls)."""
+        model = self._model if model is None else model
         if not len(self._store):
-            return WavePricer(step=step, model=self._model)
-        adjust = ProfileAdjust(store=self._store, config=self._config, safety=self._model.safety)
-        return _ProfiledPricer(WavePricer(step=step, model=self._model, adjust=adjust),
+            return WavePricer(step=step, model=model)
+        adjust = ProfileAdjust(store=self._store, config=self._config, safety=model.safety)
+        return _ProfiledPricer(WavePricer(step=step, model=model, adjust=adjust),
                                envelope_scale=self._store.max_ratio(self._config))
 
     def _stage_budgets(self, stage_free_bytes) -> tuple[int, ...]:

@@ -53,7 +53,8 @@ class LayerContext:
     rows_cp: int
     """CP divisor of a wave's rows on the busiest rank (`PricingModel.rows_cp`)."""
     ep_skew: float
-    """The busiest EP rank's routed rows over rows x top_k, times the expert-TP group's share."""
+    """The busiest EP rank's routed rows over rows x top_k, times the expert-TP group's share and
+    the EP peers' row scale (`PricingModel.peer_row_scale`, 1 outside `planner.ep_peers`)."""
     routed_extra: float
     """What the all-to-all dispatcher adds per wave row on the busiest EP rank (0: dense)."""
     local_experts: int
@@ -100,6 +101,9 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # expert TP below TP each rank's experts see its own sequence shard's routed rows)
     ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, model.moe_load) if g.moe is not None else 1.0
     ep_skew *= model.expert_row_share
+    # a wave checked against larger concurrent calls of its EP peers (planner.ep_peers): the routed
+    # rows the busiest rank receives grow with the peers' calls, the rest stays this rank's own
+    ep_skew *= model.peer_row_scale
     routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.expert_tp, load=ep_skew)
                     if g.moe is not None else 0.0)
     local_experts = g.moe.num_experts // p.ep if g.moe is not None else 1

@@ -315,6 +315,9 @@ class PricingModel:
     # opt-in: the busiest EP rank's routed rows over rows x top_k the caller guarantees (None:
     # the worst case any router can produce, `moe_terms.busiest_rank_load`)
     moe_load: float | None = None
+    # internal (planner.ep_peers): the busiest EP rank's routed rows raised this many times, for
+    # a wave whose EP peers run forward calls up to this many times this rank's smallest
+    peer_row_scale: float = 1.0
     # derived (set in __post_init__)
     basis: str = field(init=False)
     gaps: tuple[str, ...] = field(init=False)
@@ -330,6 +333,7 @@ class PricingModel:
         self.parallel.validate_for(self.geometry)
         parse_head(self.head)
         moe_terms.check_assumed_load(self.moe_load)
+        moe_terms.check_peer_row_scale(self.peer_row_scale)
         lgaps = tuple(layout_gaps(self.geometry, self.parallel, self.recompute, self.table))
         gaps = lgaps + tuple(pipeline_gaps(self.parallel) + expert_tp_gaps(self.geometry, self.parallel)
                              + feature_terms.feature_gaps(self.geometry))
@@ -506,5 +510,7 @@ class PricingModel:
                "coefficients": self.table.to_dict(), "head": self.head, "safety": self.safety}
         if self.moe_load is not None:
             doc["moe_load"] = self.moe_load
+        if self.peer_row_scale != 1.0:
+            doc["peer_row_scale"] = self.peer_row_scale
         return doc
 

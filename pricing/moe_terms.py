@@ -55,6 +55,17 @@ def busiest_rank_load(moe: MoeSpec, ep: int, assumed: float | None = None) -> fl
     return min(float(assumed), worst)
 
 
+def check_peer_row_scale(scale: float) -> None:
+    """`peer_row_scale` (`PricingModel`, set by `planner.ep_peers`) must be a finite number >= 1:
+    how many times this rank's smallest forward call of a wave its EP peers' largest concurrent
+    call holds. The busiest rank's routed rows, a bound over its peers' calls (`worst_case_load`,
+    or the caller's `moe_load` x their mean), grow by that factor; the rest of the wave is this
+    rank's own."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 1.0 <= scale < float("inf"):
+        raise bad(ConfigError, "peer_row_scale", scale,
+                  "must be a finite number >= 1 (the EP peers' largest concurrent call over this rank's smallest)")
+
+
 def check_assumed_load(assumed: float | None) -> None:
     """`moe_load` must be None or a finite number >= 1 (the balanced share is the least a
     busiest rank can hold)."""

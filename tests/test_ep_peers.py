@@ -3,6 +3,7 @@ process, and plan_distributed's step 3b on two gloo ranks (DP2 = EP2) planning u
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -13,10 +14,13 @@ from waveplan.planner.ep_peers import (
     concurrent_rows,
     ep_peers_matter,
     peer_overflow,
+    peer_row_scale,
     raise_to_peer_rows,
     wave_call_rows,
     wave_calls,
 )
+from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import GroupLoad
 from waveplan.pricing.step import Request, Step
 
@@ -86,6 +90,65 @@ def test_a_wave_beside_a_larger_peer_call_is_priced_at_the_peer_rows(moe_ep2):
         peer_overflow(pricer, small, peer[:-1])
 
 
+def _routed(planner, step):
+    return lambda scale: planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=scale))
+
+
+def test_raising_only_the_routed_rows_is_a_tighter_bound_than_raising_every_term(moe_ep2):
+    # bound (b): the wave as it is, the busiest rank's routed rows x peers' rows / its smallest call;
+    # on one-call waves it lies between the wave's own price and bound (a), every term raised
+    short, long_ = _short(), _long()
+    small = moe_ep2.plan(short, 20 * GIB, deterministic=True, time_budget_ms=20.0)
+    big = moe_ep2.plan(long_, 80 * GIB, deterministic=True, time_budget_ms=20.0, num_waves=small.num_waves)
+    peer = [max(a, b) for a, b in zip(wave_call_rows(big), wave_call_rows(small), strict=True)]
+    routed, pricer = _routed(moe_ep2, short), moe_ep2.pricer(short)
+    raised_waves = 0
+    for i, wave in enumerate(small.waves):
+        assert len(wave.loads) == 1
+        scale = peer_row_scale(wave, peer[i])
+        assert scale == max(1.0, peer[i] / wave.loads[0].padded_rows)
+        own = wave.breakdown.admitted_bytes
+        b = routed(scale).price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes
+        a = pricer.price_loads(raise_to_peer_rows(wave.loads, peer[i]), first_slots=wave.first_slots).admitted_bytes
+        if scale == 1.0:
+            assert a == b == own
+            continue
+        raised_waves += 1
+        assert own < b < a
+    assert raised_waves >= 1
+    # a budget between the two bounds: (a) alone overflows, either bound fitting is enough
+    i = max(range(small.num_waves), key=lambda j: pricer.price_loads(
+        raise_to_peer_rows(small.waves[j].loads, peer[j]), first_slots=small.waves[j].first_slots).admitted_bytes)
+    wave = small.waves[i]
+    only = [peer[j] if j == i else wave_call_rows(small)[j] for j in range(small.num_waves)]
+    a = pricer.price_loads(raise_to_peer_rows(wave.loads, peer[i]), first_slots=wave.first_slots).admitted_bytes
+    b = routed(peer_row_scale(wave, peer[i])).price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes
+    roomy = dataclasses.replace(small, budget_bytes=max(int((a + b) // 2), max(w.breakdown.admitted_bytes
+                                                                              for w in small.waves)))
+    assert peer_overflow(pricer, roomy, only).admitted_bytes == a
+    assert peer_overflow(pricer, roomy, only, routed_pricer=routed) is None
+    tight = dataclasses.replace(small, budget_bytes=int(b) - 1)
+    assert peer_overflow(pricer, tight, only, routed_pricer=routed).admitted_bytes == b   # the smaller bound
+
+
+def test_the_peer_row_scale_moves_routed_rows_only():
+    # a dense model has no routed rows: its price does not move with the scale
+    dense = Planner.from_preset("qwen3-8b", recompute="full")
+    step = _short()
+    wave = dense.plan(step, 24 * GIB, deterministic=True, time_budget_ms=20.0).waves[0]
+    scaled = dense.pricer(step, model=dataclasses.replace(dense.model, peer_row_scale=3.0))
+    assert scaled.price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes == \
+        wave.breakdown.admitted_bytes
+
+
+def test_the_peer_row_scale_is_validated_naming_the_field(moe_ep2):
+    for bad_scale in (0.5, float("inf"), True, "2"):
+        with pytest.raises(ConfigError, match="peer_row_scale"):
+            dataclasses.replace(moe_ep2.model, peer_row_scale=bad_scale)
+    assert isinstance(dataclasses.replace(moe_ep2.model, peer_row_scale=2), PricingModel)
+    assert "peer_row_scale" not in moe_ep2.model.to_dict()
+
+
 def test_a_pipeline_plan_is_checked_window_by_window(moe_ep2):
     # PP2: the stages' 1F1B windows of the raised waves against their budgets, not each wave alone
     pp = Planner.from_preset("qwen3-30b-a3b", ep=2, pp=2, recompute="full")
@@ -105,7 +168,7 @@ def test_a_pipeline_plan_is_checked_window_by_window(moe_ep2):
 
 
 WORKER = textwrap.dedent("""
-    import faulthandler, json, os, sys
+    import dataclasses, faulthandler, json, os, sys
     faulthandler.dump_traceback_later(TIMEOUT_S - 30, exit=True)
     from waveplan.planner import Planner
     from waveplan.planner.distributed import plan_distributed
@@ -156,7 +219,8 @@ WORKER = textwrap.dedent("""
     check_plan(step, planner.pricer(step), plan, budget_bytes=plan.budget_bytes)
     rows = torch.tensor(wave_call_rows(plan), dtype=torch.int64)
     dist.all_reduce(rows, op=dist.ReduceOp.MAX)
-    over = peer_overflow(planner.pricer(step), plan, [int(x) for x in rows.tolist()])
+    routed = lambda s: planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=s))
+    over = peer_overflow(planner.pricer(step), plan, [int(x) for x in rows.tolist()], routed_pricer=routed)
     with open(out, "w") as f:
         json.dump({"waves": plan.num_waves, "rounds": plan.stats["ep_peer_rounds"],
                    "over": None if over is None else over.message()}, f)
