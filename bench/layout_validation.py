@@ -10,10 +10,13 @@ estimate of the busiest rank).
 
 `fit` prices the dense cells without residuals and takes, per layout class and recompute group,
 the largest hidden-wide shortfall per row (per layer for selective/none) over the fit cells:
-the 2048-token cells of both dense geometries, and at least the shortfall at the per-row limit:
-measured against the estimate without the pending adapter gradients priced at the peak (a
-constant per wave, 0.03-0.95 H per rank row at these small waves), so the per-row residual does
-not lean on them and holds on larger waves. It writes them into the coefficient tables'
+the 2048-token cells of both dense geometries and, where traced, their 8192-token scale cells
+(bench/results/traces_multirank_scale.jsonl, `multirank_grid.py trace --grid scale`), and at
+least the per-row limit (`_per_row_limit`): what each further row adds, so the per-row residual
+does not lean on the per-wave constants (the pending adapter gradients, 0.03-0.95 H per rank
+row at 2048 tokens) and holds on larger waves. With a scale cell the limit is the secant of the
+shortfall between the two waves and the scale cell's shortfall without its pending gradients;
+without one, the 2048-token cell's shortfall without them. It writes them into the coefficient tables'
 `layout_residual` entry: torch-cpu's fitted with every layout term, te-gpu's fitted without the
 layer-norm and SP FC2 points and the SP retained layer (`layout_terms.layer_norm_point_per_row`,
 `sp_fc2_point_per_row`, `sp_retained_layer_per_row`; te-gpu has no entry for them). `report` (default) checks every cell with the tables as they are and
@@ -49,6 +52,8 @@ from waveplan.pricing.wave_pricer import WavePricer
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "bench/results/traces_multirank.jsonl"
 TRACES2 = ROOT / "bench/results/traces_multirank_dense2.jsonl"
+# both dense geometries at 8192 tokens (bench/multirank_grid.py --grid scale): the fit's per-row limit
+TRACES_SCALE = ROOT / "bench/results/traces_multirank_scale.jsonl"
 # the GDN hybrid's cells (bench/gdn_grid.py): validated here, never fitted (the residual's GDN
 # layers take the `full_bare` group fitted on the dense cells)
 TRACES_GDN = ROOT / "bench/results/traces_multirank_gdn.jsonl"
@@ -74,6 +79,13 @@ TE_GPU_FLOOR = {
 # traced classes kept off the evidence basis: their fitted residual leaves a cell under its trace
 # (report: "Held back"); they stay conservative, credited as a covered class (pricing.model.credit_layout)
 HELD_BACK: dict[str, str] = {}
+
+
+def load_scale_cells() -> list[dict]:
+    """The scale grid's cells (8192 tokens, bench/multirank_grid.py --grid scale): the per-row
+    limit of the fit (`_per_row_limit`), reported apart from the class tables."""
+    return [json.loads(line) for line in TRACES_SCALE.read_text().splitlines() if line.strip()] \
+        if TRACES_SCALE.exists() else []
 
 
 def load_cells() -> list[dict]:
@@ -122,17 +134,38 @@ def breakdown(cell: dict, table: CoefficientTable) -> tuple[Breakdown, PricingMo
     return b, model
 
 
+def _shortfall(cell: dict, trace: dict, bare: CoefficientTable, key: str, group: str) -> tuple[float, float, float]:
+    """A cell's shortfall (trace - estimate, bytes) priced with the layout covered but no
+    residual, the pending adapter gradients priced at the estimate's peak, and the residual's
+    unit (rows x H, x layers for the retained group)."""
+    b, model = breakdown(cell, dataclasses.replace(bare, terms=dict(
+        bare.terms, **{layout_terms.ENTRY: {"full": {key: 0.0}, "retained": {key: 0.0}, "source": "fit"}})))
+    rows = trace["ranks"][trace["busiest_rank"]]["rows"]
+    unit = rows * model.geometry.hidden * (cell["num_layers"] if group == "retained" else 1)
+    return trace["peak_bytes"] - b.raw_bytes, b.terms["pending_gradients"], unit
+
+
 def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     """Largest shortfall per class and group over the fit cells (2048 tokens; of the dense
-    geometries named in `shapes`, default all), in units of H per row (per layer for the retained
-    group), rounded up to the next quarter H plus a quarter H (full) or the next eighth H plus an
-    eighth H per layer (retained); and at least the shortfall at the per-row limit. `points`:
-    price with the layer-norm and SP FC2 points and the SP retained layer (False: the te-gpu fit,
-    which has none of them)."""
+    geometries named in `shapes`, default all) and the scale cells (8192 tokens, where traced),
+    in units of H per row (per layer for the retained group), rounded up to the next quarter H
+    plus a quarter H (full) or the next eighth H plus an eighth H per layer (retained); and at
+    least the per-row limit (`_per_row_limit`). `points`: price with the layer-norm and SP FC2
+    points and the SP retained layer (False: the te-gpu fit, which has none of them).
+    O(cells x layers)."""
     base = load_table("torch-cpu")
     drop = {layout_terms.ENTRY} | (set() if points else {layout_terms.NORM_POINT, layout_terms.SP_POINT, layout_terms.SP_RETAINED})
     bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k not in drop})
     residual = {"full": {}, "retained": {}}
+    scale_cells = {}
+    for rec in load_scale_cells():
+        cell, trace = rec["cell"], rec["trace"]
+        lay = cell["layout"]
+        key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
+        group = "full" if cell["recompute"] == "full" else "retained"
+        if key == layout_terms.layout_key(1, False, 1) or (shapes is not None and cell["geometry"]["name"] not in shapes):
+            continue
+        scale_cells[(cell["geometry"]["name"], key, cell["recompute"])] = _shortfall(cell, trace, bare, key, group)
     for rec in load_cells():
         cell, trace = rec["cell"], rec["trace"]
         lay = cell["layout"]
@@ -144,25 +177,37 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
         key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
         if key == layout_terms.layout_key(1, False, 1):
             continue
-        # price with the layout covered but no residual, then measure the shortfall
-        b, model = breakdown(cell, dataclasses.replace(bare, terms=dict(
-            bare.terms, **{layout_terms.ENTRY: {"full": {key: 0.0}, "retained": {key: 0.0}, "source": "fit"}})))
-        rows = trace["ranks"][trace["busiest_rank"]]["rows"]
+        short, pending, unit = _shortfall(cell, trace, bare, key, group)
         # full: next quarter H plus a quarter H (the fit cells are exact to the byte; the
         # held-out ones differ in segments and padding by up to ~0.2 H per row); retained: next
         # eighth plus an eighth per layer (held-out differences up to 0.05 H per layer)
         step = 4 if group == "full" else 8
-        scale = rows * model.geometry.hidden * (cell["num_layers"] if group == "retained" else 1)
-        per = (trace["peak_bytes"] - b.raw_bytes) / scale
-        c = np.ceil(per * step) / step + 1 / step if per > 0 else 0.0
-        # and at least the shortfall at the per-row limit: the pending adapter gradients are a
-        # constant per wave, so a per-row residual that leaned on them at these small waves would
-        # fall short on larger ones (they weigh 1/rows); the estimate without them
-        limit = (trace["peak_bytes"] - b.raw_bytes + b.terms["pending_gradients"]) / scale
+        scaled = scale_cells.get((cell["geometry"]["name"], key, cell["recompute"]))
+        per = [short / unit] + ([scaled[0] / scaled[2]] if scaled else [])
+        c = max(np.ceil(p * step) / step + 1 / step if p > 0 else 0.0 for p in per)
+        limit = _per_row_limit((short, pending, unit), scaled)
         c = max(c, np.ceil(limit * step) / step if limit > 0 else 0.0)
         residual[group].setdefault(key, 0.0)
         residual[group][key] = max(residual[group][key], c)
     return residual
+
+
+def _per_row_limit(small: tuple[float, float, float], scaled: tuple[float, float, float] | None) -> float:
+    """The shortfall per residual unit the residual must cover on any larger wave. A per-row
+    residual that leaned on the per-wave constants (the pending adapter gradients, 0.03-0.95 H
+    per rank row at the 2048-token waves) would fall short on larger waves, where they weigh
+    1/rows. Without a scale cell: the shortfall of the 2048-token cell measured against the
+    estimate without the pending gradients. With one (8192 tokens, the same class, geometry and
+    recompute; bench/multirank_grid.py --grid scale): the larger of the secant slope of the
+    shortfall between the two waves (what each further row adds) and the scale cell's
+    shortfall without its pending gradients, both measured where the constants weigh a quarter
+    as much."""
+    short, pending, unit = small
+    if scaled is None:
+        return (short + pending) / unit
+    s_short, s_pending, s_unit = scaled
+    secant = (s_short - short) / (s_unit - unit)
+    return max(secant, (s_short + s_pending) / s_unit)
 
 
 def with_residual(table: CoefficientTable, residual: dict) -> CoefficientTable:
@@ -178,9 +223,11 @@ def write_fit(residual: dict, te_residual: dict) -> None:
     source = ("fitted by bench/layout_validation.py to the 2048-token cells of "
               "bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl (multi-rank CPU traces, "
               "real Megatron-core layers over gloo, two dense geometries: hidden 1024 GQA 2 and hidden 768 "
-              "multi-head, 2 layers): the busiest rank's hidden-wide shortfall per gathered row "
-              "(x H) beyond the sharded terms and the layout terms, covering the per-row limit too (the estimate "
-              "without the pending adapter gradients), per layout class; 'full' once per wave, 'retained' per layer. "
+              "multi-head, 2 layers) and the 8192-token cells of traces_multirank_scale.jsonl: the busiest "
+              "rank's hidden-wide shortfall per gathered row (x H) beyond the sharded terms and the layout terms, "
+              "covering the per-row limit too (the secant of the shortfall between 2048 and 8192 tokens and the "
+              "8192-token shortfall without the pending adapter gradients; without a scale cell, the 2048-token "
+              "shortfall without them), per layout class; 'full' once per wave, 'retained' per layer. "
               "Keys are the traced layouts (layout_terms.layout_key); others are conservative. "
               "'full_bare'/'retained_bare' (torch-cpu): fitted without the layout points, for the layers "
               "they do not cover (GDN mixers, MoE MLPs). "
@@ -240,8 +287,9 @@ def report() -> list[str]:
              "fitted; torch-cpu table, head full-native, safety 1.0). Residuals fitted",
              "on the 2048-token cells of both dense geometries (h1024: hidden 1024, 16 heads in 8 KV groups,",
              "FFN 2816, vocabulary 8192; h768: hidden 768, 8 heads of 96 in 8 groups, FFN 2048, vocabulary",
-             "4096), covering the per-row limit too (the estimate without the pending adapter gradients), checked",
-             "on the 3072-token cells (held-out) and across geometries (below). Layout terms beside them:",
+             "4096) and at 8192 tokens where traced (the scale cells, below), covering the per-row limit too",
+             "(bench/layout_validation.py _per_row_limit), checked on the 3072-token cells (held-out) and",
+             "across geometries (below). Layout terms beside them:",
              "the layer-norm point (TP without SP) and the SP FC2 point (full recompute), the SP retained layer",
              "(selective/none), the CP RoPE cache and the CP attention release; the GDN hybrid's retained",
              "layers at TP > 1 by pricing/gdn_terms.py (docs/memory-model.md#gdn-sp-retained), and its GDN",
@@ -278,6 +326,21 @@ def report() -> list[str]:
                   and int(cls.split(" TP")[1].split("+")[0]) in tps]
         if ratios:
             lines.append(f"{name:28s} {'/'.join(modes):9s} {_summary(ratios)}")
+    scale: dict[str, list[float]] = {}
+    for rec in load_scale_cells():
+        cell, trace = rec["cell"], rec["trace"]
+        raw, _ = estimate(cell, table)
+        name = class_of(cell) + ("" if cell["recompute"] == "full" else f" {cell['recompute']}")
+        scale.setdefault(cell["geometry"]["name"].removeprefix("grid-dense-") + " " + name, []).append(
+            raw / trace["peak_bytes"])
+    if scale:
+        lines += ["", "Scale cells: both dense geometries at one wave of 8192 tokens, 4x the fit wave",
+                  "(traces_multirank_scale.jsonl; they set the fit's per-row limit, bench/layout_validation.py",
+                  "_per_row_limit, and are covered by the fit, so they are not held out):",
+                  f"{'class':28s} cells under  median   worst"]
+        order = list(dense)
+        for name in sorted(scale, key=lambda n: (n.split(" ", 1)[0], order.index(n.split(" ", 1)[1]))):
+            lines.append(f"{name:28s} {_summary(scale[name])}")
     fitted = with_residual(table, fit())
     for key, why in HELD_BACK.items():
         lines += ["", f"Held back from evidence, {why}.", "Its cells priced with the fitted residual:",

@@ -2,6 +2,7 @@
 
     python bench/multirank_grid.py trace     # trace the cells missing from traces_multirank.jsonl
     python bench/multirank_grid.py report    # the table: busiest-rank peak vs current estimate
+    python bench/multirank_grid.py trace --grid scale --recompute full   # both dense shapes at 8192 tokens
 
 `trace` runs each layout's cells in one set of rank processes
 (`waveplan.pricing.measure.multirank.trace_multirank_batch`) and appends one record per cell
@@ -102,6 +103,17 @@ LAYOUTS2 = tuple((name, DENSE2, kwargs, "balanced", RECOMPUTES) for name, model,
                  if model is DENSE)
 TRACES2 = RESULTS / "traces_multirank_dense2.jsonl"
 
+# the scale grid (`--grid scale`, traces_multirank_scale.jsonl): both dense geometries' layout
+# classes at one wave of 8192 tokens, 4x the fit wave, where the per-wave constants (adapter
+# gradients, the head's workspace) weigh a quarter of what they weigh at 2048: the per-row
+# limit of the layout residuals' fit (bench/layout_validation.py) is taken here
+WAVES_SCALE = ((4096, 2048, 1024, 512, 512),)
+LAYOUTS_SCALE = tuple((name, shape, kwargs, "balanced", RECOMPUTES) for shape in (DENSE, DENSE2)
+                      for name, model, kwargs, _, _ in LAYOUTS if model is DENSE)
+TRACES_SCALE = RESULTS / "traces_multirank_scale.jsonl"
+GRIDS = {"main": (LAYOUTS, WAVES, TRACES), "dense2": (LAYOUTS2, WAVES2, TRACES2),
+         "scale": (LAYOUTS_SCALE, WAVES_SCALE, TRACES_SCALE)}
+
 
 def cell_key(cell: dict) -> str:
     return json.dumps([cell["model"], cell["layout"], cell.get("routing", "none"),
@@ -184,12 +196,12 @@ def current_estimate(cell: dict) -> dict:
 
 
 def planned(grid: str = "main") -> list[tuple[str, dict, dict, str, list[dict]]]:
-    """(class, model, layout kwargs, routing, cells) of the grid ("main" or "dense2"), in order."""
+    """(class, model, layout kwargs, routing, cells) of the grid (a key of `GRIDS`), in order."""
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.measure.multirank import padded_lens, rank_world
 
     out = []
-    layouts, waves = (LAYOUTS2, WAVES2) if grid == "dense2" else (LAYOUTS, WAVES)
+    layouts, waves, _ = GRIDS[grid]
     for name, model, kwargs, routing, recomputes in layouts:
         layout = layout_of(kwargs)
         g = ModelGeometry.from_dict(model)
@@ -211,7 +223,7 @@ def cmd_trace(args) -> int:
     from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch, trace_record
     from waveplan.pricing.parallel import Recompute
 
-    path = Path(args.traces or (TRACES2 if args.grid == "dense2" else TRACES))
+    path = Path(args.traces or GRIDS[args.grid][2])
     records = _load(path)
     have = {cell_key(r["cell"]) for r in records}
     grid = planned(args.grid)
@@ -224,12 +236,14 @@ def cmd_trace(args) -> int:
 
     t_all = time.monotonic()
     total = sum(1 for name, *_, cells in grid if not (args.only and name not in args.only)
-                for c in cells if cell_key(c) not in have)
+                for c in cells if cell_key(c) not in have
+                and (not args.recompute or c["recompute"] in args.recompute))
     bar = progress_bar(total, "multi-rank grid", unit="cell")
     for name, model, kwargs, routing, cells in grid:
         if args.only and name not in args.only:
             continue
-        todo = [c for c in cells if cell_key(c) not in have]
+        todo = [c for c in cells if cell_key(c) not in have
+                and (not args.recompute or c["recompute"] in args.recompute)]
         if not todo:
             continue
         g = ModelGeometry.from_dict(model)
@@ -311,8 +325,11 @@ def main(argv=None) -> int:
     t = sub.add_parser("trace")
     t.add_argument("--only", nargs="*", default=None, help="layout classes to trace (default all)")
     t.add_argument("--timeout", type=float, default=3600.0)
-    t.add_argument("--grid", choices=("main", "dense2"), default="main",
-                   help="main: every layout class on three shapes; dense2: the second dense geometry")
+    t.add_argument("--recompute", nargs="*", default=None, choices=RECOMPUTES,
+                   help="recompute modes to trace (default all)")
+    t.add_argument("--grid", choices=tuple(GRIDS), default="main",
+                   help="main: every layout class on three shapes; dense2: the second dense geometry; "
+                        "scale: both dense geometries at 8192 tokens (the residual fit's per-row limit)")
     t.add_argument("--traces", default=None,
                    help="the JSONL file to complete (default: the grid's file in bench/results)")
     t.set_defaults(func=cmd_trace)
