@@ -5,23 +5,26 @@ under its busiest rank (docs/memory-model.md#layout-residuals)."""
 
 from __future__ import annotations
 
-import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from waveplan.pricing.coefficients import load_table
-from waveplan.pricing.geometry import ModelGeometry
-from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import PricingModel
-from waveplan.pricing.parallel import ParallelLayout, Recompute
-from waveplan.pricing.step import Request, Step
-from waveplan.pricing.wave_pricer import WavePricer
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+RESULTS = BENCH / "results"
 FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_scale.jsonl")
+
+
+def _layout_validation():
+    """bench/layout_validation.py, whose `estimate` prices a cell as its report does (one first
+    gradient wave, head full-native, 2-byte adapter gradients, safety 1.0)."""
+    spec = importlib.util.spec_from_file_location("layout_validation", BENCH / "layout_validation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _dense_cells() -> list[dict]:
@@ -40,26 +43,13 @@ def _dense_cells() -> list[dict]:
     return out
 
 
-def _price(cell: dict, table) -> tuple[int, PricingModel]:
-    g = ModelGeometry.from_dict(cell["geometry"])
-    g = dataclasses.replace(g, layers=g.layers[:cell["num_layers"]])
-    model = PricingModel(geometry=g, parallel=ParallelLayout(**cell["layout"]),
-                         recompute=Recompute(mode=cell["recompute"]),
-                         lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
-                         table=table, head="full-native", safety=1.0)
-    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
-    raw = WavePricer.build(step, model, profiled=True).price(
-        [np.arange(len(step.requests))], first_slots=frozenset({"default"})).raw_bytes
-    return raw, model
-
-
 def test_every_dense_layout_cell_is_on_evidence_and_at_or_over_its_trace():
     table = load_table("torch-cpu")
-    records = _dense_cells()
+    estimate = _layout_validation().estimate
     seen = set()
-    for rec in records:
+    for rec in _dense_cells():
         cell, trace = rec["cell"], rec["trace"]
-        raw, model = _price(cell, table)
+        raw, model = estimate(cell, table)
         assert model.basis == "evidence", (cell["layout"], cell["recompute"], model.gaps)
         assert raw >= trace["peak_bytes"], (cell["geometry"]["name"], cell["layout"], cell["recompute"],
                                             trace["tokens"], raw / trace["peak_bytes"])
