@@ -54,6 +54,8 @@ TRACES = ROOT / "bench/results/traces_multirank.jsonl"
 TRACES2 = ROOT / "bench/results/traces_multirank_dense2.jsonl"
 # both dense geometries at 8192 tokens (bench/multirank_grid.py --grid scale): the fit's per-row limit
 TRACES_SCALE = ROOT / "bench/results/traces_multirank_scale.jsonl"
+# one 12288-token sequence per cell (bench/multirank_grid.py --grid long): fit cells too
+TRACES_LONG = ROOT / "bench/results/traces_multirank_long.jsonl"
 # the GDN hybrid's cells (bench/gdn_grid.py): validated here, never fitted (the residual's GDN
 # layers take the `full_bare` group fitted on the dense cells)
 TRACES_GDN = ROOT / "bench/results/traces_multirank_gdn.jsonl"
@@ -70,7 +72,9 @@ TE_GPU_NOTE = (", except tp4sp-cp1 full = 0: the GPU trace of the 27B hybrid at 
                "(docs/memory-model.md#boundaries, 7.13 GB) is covered within 2.4% raw without it, and the "
                "CPU shortfall at hidden 1024 is not seen there")
 # te-gpu's residuals before the layout points and the CP RoPE cache term: a CPU refit does not
-# lower them (no GPU multi-rank trace at these layouts to lower a GPU price on)
+# lower them (no GPU multi-rank trace at these layouts to lower a GPU price on); the classes
+# traced after them (TP2+SP+CP4, TP4+SP+CP4, TP8+SP+CP2, TP8+SP+CP4) carry the CPU fit without
+# the layout points as it comes, as they did when first fitted
 TE_GPU_FLOOR = {
     "full": {"tp2-cp1": 4.0, "tp4-cp1": 13.5, "tp8-cp1": 11.75, "tp2sp-cp1": 1.0, "tp8sp-cp1": 6.0,
              "tp2sp-cp2": 0.75, "tp4sp-cp2": 4.0},
@@ -81,11 +85,21 @@ TE_GPU_FLOOR = {
 HELD_BACK: dict[str, str] = {}
 
 
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def load_scale_cells() -> list[dict]:
     """The scale grid's cells (8192 tokens, bench/multirank_grid.py --grid scale): the per-row
     limit of the fit (`_per_row_limit`), reported apart from the class tables."""
-    return [json.loads(line) for line in TRACES_SCALE.read_text().splitlines() if line.strip()] \
-        if TRACES_SCALE.exists() else []
+    return _records(TRACES_SCALE)
+
+
+def load_long_cells() -> list[dict]:
+    """The long grid's cells (one sequence of 12288 tokens, bench/multirank_grid.py --grid
+    long): fit cells where traced (a wave of one sequence holds every per-sequence tensor at
+    its largest), reported apart from the class tables."""
+    return _records(TRACES_LONG)
 
 
 def load_cells() -> list[dict]:
@@ -157,15 +171,8 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     drop = {layout_terms.ENTRY} | (set() if points else {layout_terms.NORM_POINT, layout_terms.SP_POINT, layout_terms.SP_RETAINED})
     bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k not in drop})
     residual = {"full": {}, "retained": {}}
-    scale_cells = {}
-    for rec in load_scale_cells():
-        cell, trace = rec["cell"], rec["trace"]
-        lay = cell["layout"]
-        key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
-        group = "full" if cell["recompute"] == "full" else "retained"
-        if key == layout_terms.layout_key(1, False, 1) or (shapes is not None and cell["geometry"]["name"] not in shapes):
-            continue
-        scale_cells[(cell["geometry"]["name"], key, cell["recompute"])] = _shortfall(cell, trace, bare, key, group)
+    scale_cells = _shortfalls(load_scale_cells(), bare, shapes)
+    long_cells = _shortfalls(load_long_cells(), bare, shapes)
     for rec in load_cells():
         cell, trace = rec["cell"], rec["trace"]
         lay = cell["layout"]
@@ -183,13 +190,31 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
         # eighth plus an eighth per layer (held-out differences up to 0.05 H per layer)
         step = 4 if group == "full" else 8
         scaled = scale_cells.get((cell["geometry"]["name"], key, cell["recompute"]))
-        per = [short / unit] + ([scaled[0] / scaled[2]] if scaled else [])
+        long_ = long_cells.get((cell["geometry"]["name"], key, cell["recompute"]))
+        per = [short / unit] + [x[0] / x[2] for x in (scaled, long_) if x]
         c = max(np.ceil(p * step) / step + 1 / step if p > 0 else 0.0 for p in per)
         limit = _per_row_limit((short, pending, unit), scaled)
+        if long_:   # the one-sequence wave: its shortfall without its pending gradients
+            limit = max(limit, (long_[0] + long_[1]) / long_[2])
         c = max(c, np.ceil(limit * step) / step if limit > 0 else 0.0)
         residual[group].setdefault(key, 0.0)
         residual[group][key] = max(residual[group][key], c)
     return residual
+
+
+def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[str] | None) -> dict:
+    """`_shortfall` of each dense cell of `records` at TP > 1 or CP > 1 (of the geometries named
+    in `shapes`, default all), keyed by (geometry, layout key, recompute)."""
+    out = {}
+    for rec in records:
+        cell, trace = rec["cell"], rec["trace"]
+        lay = cell["layout"]
+        key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
+        group = "full" if cell["recompute"] == "full" else "retained"
+        if key == layout_terms.layout_key(1, False, 1) or (shapes is not None and cell["geometry"]["name"] not in shapes):
+            continue
+        out[(cell["geometry"]["name"], key, cell["recompute"])] = _shortfall(cell, trace, bare, key, group)
+    return out
 
 
 def _per_row_limit(small: tuple[float, float, float], scaled: tuple[float, float, float] | None) -> float:
@@ -283,8 +308,8 @@ def report() -> list[str]:
             tp1[(cell["geometry"]["name"], trace["tokens"], mode, class_of(cell))] = raw / trace["peak_bytes"]
     lines = ["Layout validation: estimate / traced busiest-rank peak per layout class and recompute mode",
              "(bench/layout_validation.py; traces bench/results/traces_multirank.jsonl,",
-             "traces_multirank_dense2.jsonl and traces_multirank_gdn.jsonl, a GDN hybrid validated, never",
-             "fitted; torch-cpu table, head full-native, safety 1.0). Residuals fitted",
+             "traces_multirank_dense2.jsonl, traces_multirank_scale.jsonl and traces_multirank_gdn.jsonl, a GDN",
+             "hybrid validated, never fitted; torch-cpu table, head full-native, safety 1.0). Residuals fitted",
              "on the 2048-token cells of both dense geometries (h1024: hidden 1024, 16 heads in 8 KV groups,",
              "FFN 2816, vocabulary 8192; h768: hidden 768, 8 heads of 96 in 8 groups, FFN 2048, vocabulary",
              "4096) and at 8192 tokens where traced (the scale cells, below), covering the per-row limit too",
@@ -326,21 +351,24 @@ def report() -> list[str]:
                   and int(cls.split(" TP")[1].split("+")[0]) in tps]
         if ratios:
             lines.append(f"{name:28s} {'/'.join(modes):9s} {_summary(ratios)}")
-    scale: dict[str, list[float]] = {}
-    for rec in load_scale_cells():
-        cell, trace = rec["cell"], rec["trace"]
-        raw, _ = estimate(cell, table)
-        name = class_of(cell) + ("" if cell["recompute"] == "full" else f" {cell['recompute']}")
-        scale.setdefault(cell["geometry"]["name"].removeprefix("grid-dense-") + " " + name, []).append(
-            raw / trace["peak_bytes"])
-    if scale:
-        lines += ["", "Scale cells: both dense geometries at one wave of 8192 tokens, 4x the fit wave",
-                  "(traces_multirank_scale.jsonl; they set the fit's per-row limit, bench/layout_validation.py",
-                  "_per_row_limit, and are covered by the fit, so they are not held out):",
-                  f"{'class':28s} cells under  median   worst"]
-        order = list(dense)
-        for name in sorted(scale, key=lambda n: (n.split(" ", 1)[0], order.index(n.split(" ", 1)[1]))):
-            lines.append(f"{name:28s} {_summary(scale[name])}")
+    for records, header in (
+            (load_scale_cells(), ["Scale cells: both dense geometries at one wave of 8192 tokens, 4x the fit wave",
+                                  "(traces_multirank_scale.jsonl; they set the fit's per-row limit, bench/layout_validation.py",
+                                  "_per_row_limit, and are covered by the fit, so they are not held out):"]),
+            (load_long_cells(), ["Long cells: one sequence of 12288 tokens (traces_multirank_long.jsonl; every",
+                                 "per-sequence tensor at its largest; fit cells, covered by the fit):"])):
+        per_class: dict[str, list[float]] = {}
+        for rec in records:
+            cell, trace = rec["cell"], rec["trace"]
+            raw, _ = estimate(cell, table)
+            name = class_of(cell) + ("" if cell["recompute"] == "full" else f" {cell['recompute']}")
+            per_class.setdefault(cell["geometry"]["name"].removeprefix("grid-dense-") + " " + name, []).append(
+                raw / trace["peak_bytes"])
+        if per_class:
+            lines += ["", *header, f"{'class':28s} cells under  median   worst"]
+            order = list(dense)
+            for name in sorted(per_class, key=lambda n: (n.split(" ", 1)[0], order.index(n.split(" ", 1)[1]))):
+                lines.append(f"{name:28s} {_summary(per_class[name])}")
     fitted = with_residual(table, fit())
     for key, why in HELD_BACK.items():
         lines += ["", f"Held back from evidence, {why}.", "Its cells priced with the fitted residual:",
@@ -358,8 +386,8 @@ def report() -> list[str]:
         for (name, mode), vals in held_back.items():
             lines.append(f"{name:28s} {mode:9s} {_summary([r for _, r in vals])}  "
                          + " ".join(f"{r:.3f}" for h, r in vals if h == "held-out"))
-    lines += ["", "Cross-shape check: residuals fitted on one dense geometry's 2048-token cells alone,",
-              "priced on the other geometry's cells (estimate / trace):",
+    lines += ["", "Cross-shape check: residuals fitted on one dense geometry's cells alone (2048 tokens and its",
+              "scale cells), priced on the other geometry's 2048- and 3072-token cells (estimate / trace):",
               f"{'fitted on -> priced on':28s} {'class':14s} cells under  median   worst"]
     for fit_on, other in (DENSE_SHAPES, DENSE_SHAPES[::-1]):
         alone = with_residual(table, fit(frozenset({fit_on})))

@@ -3,6 +3,7 @@
     python bench/multirank_grid.py trace     # trace the cells missing from traces_multirank.jsonl
     python bench/multirank_grid.py report    # the table: busiest-rank peak vs current estimate
     python bench/multirank_grid.py trace --grid scale --recompute full   # both dense shapes at 8192 tokens
+    python bench/multirank_grid.py trace --grid long --only TP8+SP+CP4 --recompute full   # one 12288-token sequence
 
 `trace` runs each layout's cells in one set of rank processes
 (`waveplan.pricing.measure.multirank.trace_multirank_batch`) and appends one record per cell
@@ -111,8 +112,14 @@ WAVES_SCALE = ((4096, 2048, 1024, 512, 512),)
 LAYOUTS_SCALE = tuple((name, shape, kwargs, "balanced", RECOMPUTES) for shape in (DENSE, DENSE2)
                       for name, model, kwargs, _, _ in LAYOUTS if model is DENSE)
 TRACES_SCALE = RESULTS / "traces_multirank_scale.jsonl"
+# the long grid (`--grid long`, traces_multirank_long.jsonl): one sequence of 12288 tokens, 6x
+# the fit wave, on the scale grid's classes: a wave of one sequence holds every per-sequence
+# tensor (the RoPE cache entry, the attention's per-sequence outputs, the ring's chunks) at its
+# largest; fit cells of the layout residuals where traced (bench/layout_validation.py)
+WAVES_LONG = ((12288,),)
+TRACES_LONG = RESULTS / "traces_multirank_long.jsonl"
 GRIDS = {"main": (LAYOUTS, WAVES, TRACES), "dense2": (LAYOUTS2, WAVES2, TRACES2),
-         "scale": (LAYOUTS_SCALE, WAVES_SCALE, TRACES_SCALE)}
+         "scale": (LAYOUTS_SCALE, WAVES_SCALE, TRACES_SCALE), "long": (LAYOUTS_SCALE, WAVES_LONG, TRACES_LONG)}
 
 
 def cell_key(cell: dict) -> str:
@@ -329,7 +336,8 @@ def main(argv=None) -> int:
                    help="recompute modes to trace (default all)")
     t.add_argument("--grid", choices=tuple(GRIDS), default="main",
                    help="main: every layout class on three shapes; dense2: the second dense geometry; "
-                        "scale: both dense geometries at 8192 tokens (the residual fit's per-row limit)")
+                        "scale: both dense geometries at 8192 tokens (the residual fit's per-row limit); "
+                        "long: both dense geometries, one 12288-token sequence")
     t.add_argument("--traces", default=None,
                    help="the JSONL file to complete (default: the grid's file in bench/results)")
     t.set_defaults(func=cmd_trace)

@@ -15,7 +15,7 @@ data-parallel group, one rank per model-parallel replica):
    over-budget wave is ever added)                -> error flag over W
 3b. MoE at EP > 1 only: each wave's largest forward call, all_reduce MAX over DP, and its call
    count, all_reduce MIN and MAX over DP (`ep_peers.concurrent_rows`); each rank checks its
-   waves (PP > 1: its stages' windows) raised to those rows, a wave fitting when all its
+   waves (PP > 1: its stages' windows) raised to those rows; at PP1 a wave fits when all its
    calls raised or its routed rows alone raised fit (`ep_peers.peer_overflow`)
    -> overflow flag: all_reduce
    MAX over W; while set, every rank re-plans with one wave more (at most `EP_ROUNDS` times,
@@ -248,8 +248,8 @@ def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int
     over DP of each wave's largest forward call (`ep_peers.wave_call_rows`) and MIN and MAX of
     its call count (`ep_peers.concurrent_rows`: unequal counts check every wave at the step's
     largest call), then each rank checks its waves, or with PP > 1 its stages' windows, raised
-    to those rows (`ep_peers.peer_overflow`: a wave fits when all its calls raised, or its routed
-    rows alone raised, fit); all_reduce MAX of the
+    to those rows (`ep_peers.peer_overflow`: at PP1 a wave fits when all its calls raised, or its
+    routed rows alone raised, fit); all_reduce MAX of the
     overflow flag over W. While some rank overflows, every rank re-plans with one wave more (the
     search spreads the requests, so the peers' concurrent calls shrink), at most `EP_ROUNDS`
     times; then the overflowing ranks raise `InfeasibleError` (through the error flag). Every

@@ -128,11 +128,12 @@ class PeerOverflow:
                 f"{self.admitted_bytes} bytes > budget {self.budget_bytes}")
 
 
-def peer_row_scale(wave, peer_rows: int) -> float:
+def peer_row_scale(wave, peer_rows: int) -> float | None:
     """The factor bound (b) raises the busiest rank's routed rows by: the peers' largest
-    concurrent call over the wave's smallest call (at least 1). O(loads)."""
+    concurrent call over the wave's smallest call (at least 1); None when the wave has a call
+    of no rows (no finite factor bounds it: bound (a) alone applies). O(loads)."""
     smallest = min((int(g.padded_rows) for g in wave.loads), default=0)
-    return max(1.0, int(peer_rows) / smallest) if smallest > 0 else 1.0
+    return max(1.0, int(peer_rows) / smallest) if smallest > 0 else None
 
 
 def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
@@ -159,8 +160,9 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
         if raised == tuple(wave.loads):
             continue
         admitted = int(pricer.price_loads(raised, first_slots=wave.first_slots).admitted_bytes)
-        if admitted > plan.budget_bytes and routed_pricer is not None:
-            routed = routed_pricer(peer_row_scale(wave, peer_rows[i]))
+        scale = peer_row_scale(wave, peer_rows[i])
+        if admitted > plan.budget_bytes and routed_pricer is not None and scale is not None:
+            routed = routed_pricer(scale)
             admitted = min(admitted, int(routed.price_loads(tuple(wave.loads),
                                                             first_slots=wave.first_slots).admitted_bytes))
         if admitted > plan.budget_bytes:

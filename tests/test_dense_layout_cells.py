@@ -1,7 +1,7 @@
 """The layout residuals as shipped (`layout_residual` in torch-cpu.json, fitted by
 bench/layout_validation.py): every dense multi-rank CPU cell at TP > 1 or CP > 1 of both dense
-geometries (2048 and 3072 tokens; 8192 tokens in the scale grid) is priced on evidence and never
-under its busiest rank (docs/memory-model.md#layout-residuals)."""
+geometries (2048 and 3072 tokens; 8192 tokens in the scale grid; one 12288-token sequence in the
+long grid) is priced on evidence and never under its busiest rank (docs/memory-model.md#layout-residuals)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
 from waveplan.pricing.coefficients import load_table
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 RESULTS = BENCH / "results"
-FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_scale.jsonl")
+FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_scale.jsonl",
+         "traces_multirank_long.jsonl")
 
 
 def _layout_validation():
@@ -31,8 +30,7 @@ def _dense_cells() -> list[dict]:
     out = []
     for name in FILES:
         path = RESULTS / name
-        if not path.exists():
-            pytest.skip(f"bench/results/{name} not present")
+        assert path.exists(), f"bench/results/{name} is missing"
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             cell = rec["cell"]
@@ -54,6 +52,7 @@ def test_every_dense_layout_cell_is_on_evidence_and_at_or_over_its_trace():
         assert raw >= trace["peak_bytes"], (cell["geometry"]["name"], cell["layout"], cell["recompute"],
                                             trace["tokens"], raw / trace["peak_bytes"])
         seen.add((cell["geometry"]["name"], trace["tokens"]))
-    # both geometries, the fit wave, the held-out wave (h1024) and the scale wave
+    # both geometries, the fit wave, the held-out wave (h1024), the scale wave and one long sequence
     assert {("grid-dense-h1024", 2048), ("grid-dense-h1024", 3072), ("grid-dense-h768", 2048),
-            ("grid-dense-h1024", 8192), ("grid-dense-h768", 8192)} <= seen
+            ("grid-dense-h1024", 8192), ("grid-dense-h768", 8192), ("grid-dense-h1024", 12288),
+            ("grid-dense-h768", 12288)} <= seen

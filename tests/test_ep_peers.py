@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 from gloo_ranks import run_ranks, warm_script
@@ -139,6 +140,20 @@ def test_the_peer_row_scale_moves_routed_rows_only():
     scaled = dense.pricer(step, model=dataclasses.replace(dense.model, peer_row_scale=3.0))
     assert scaled.price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes == \
         wave.breakdown.admitted_bytes
+
+
+def test_the_peer_row_scale_multiplies_the_busiest_rank_load_and_nothing_else():
+    # a MoE model at an assumed load L with peer_row_scale s is the same model at load L x s:
+    # the scale reaches exactly the terms the busiest-rank load reaches (the routed rows)
+    step = _short()
+    at = {load: Planner.from_preset("qwen3-30b-a3b", ep=4, recompute="full", moe_load=load) for load in (1.0, 1.5)}
+    wave = at[1.0].plan(step, 24 * GIB, deterministic=True, time_budget_ms=20.0).waves[0]
+    scaled = at[1.0].pricer(step, model=dataclasses.replace(at[1.0].model, peer_row_scale=1.5))
+    direct = at[1.5].pricer(step)
+    price = lambda p: p.price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes  # noqa: E731
+    assert price(scaled) == price(direct) > price(at[1.0].pricer(step))
+    assert peer_row_scale(wave, 0) == 1.0
+    assert peer_row_scale(SimpleNamespace(loads=()), 100) is None   # no call: bound (a) alone
 
 
 def test_the_peer_row_scale_is_validated_naming_the_field(moe_ep2):
