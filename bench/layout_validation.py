@@ -11,7 +11,9 @@ estimate of the busiest rank).
 `fit` prices the dense cells without residuals and takes, per layout class and recompute group,
 the largest hidden-wide shortfall per row (per layer for selective/none) over the fit cells:
 the 2048-token cells of both dense geometries and, where traced, their 8192-token scale cells
-(bench/results/traces_multirank_scale.jsonl, `multirank_grid.py trace --grid scale`), and at
+(bench/results/traces_multirank_scale.jsonl, `multirank_grid.py trace --grid scale`) and
+one-sequence long cells (traces_multirank_long.jsonl, `--grid long`: every per-sequence tensor
+at its largest, docs/memory-model.md#cp-long-sequence), and at
 least the per-row limit (`_per_row_limit`): what each further row adds, so the per-row residual
 does not lean on the per-wave constants (the pending adapter gradients, 0.03-0.95 H per rank
 row at 2048 tokens) and holds on larger waves. With a scale cell the limit is the secant of the
@@ -161,10 +163,11 @@ def _shortfall(cell: dict, trace: dict, bare: CoefficientTable, key: str, group:
 
 def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     """Largest shortfall per class and group over the fit cells (2048 tokens; of the dense
-    geometries named in `shapes`, default all) and the scale cells (8192 tokens, where traced),
-    in units of H per row (per layer for the retained group), rounded up to the next quarter H
-    plus a quarter H (full) or the next eighth H plus an eighth H per layer (retained); and at
-    least the per-row limit (`_per_row_limit`). `points`: price with the layer-norm and SP FC2
+    geometries named in `shapes`, default all), the scale cells (8192 tokens) and the long cells
+    (one 12288-token sequence), where traced, in units of H per row (per layer for the retained
+    group), rounded up to the next quarter H plus a quarter H (full) or the next eighth H plus an
+    eighth H per layer (retained); and at least the per-row limit (`_per_row_limit`, and the long
+    cell's shortfall without its pending gradients). `points`: price with the layer-norm and SP FC2
     points and the SP retained layer (False: the te-gpu fit, which has none of them).
     O(cells x layers)."""
     base = load_table("torch-cpu")
