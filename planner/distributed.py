@@ -44,7 +44,14 @@ from collections.abc import Sequence
 
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 
-from .ep_peers import concurrent_rows, ep_peers_matter, peer_overflow, wave_call_rows, wave_calls
+from .ep_peers import (
+    concurrent_rows,
+    ep_peers_matter,
+    peer_overflow,
+    routed_pricers,
+    wave_call_rows,
+    wave_calls,
+)
 from .plan import Plan
 from .planner import Planner, budget_from_free_bytes
 
@@ -257,14 +264,7 @@ def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int
     re-plans it took. O(rounds x (waves x loads + one plan))."""
     if not ep_peers_matter(planner.model):
         return plan
-    scaled: dict[float, object] = {}
-
-    def routed(scale: float):
-        # bound (b): the step's pricer with only the routed rows raised (ep_peers), one model per scale
-        if scale not in scaled:
-            scaled[scale] = planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=scale))
-        return scaled[scale]
-
+    routed = routed_pricers(planner, step)   # bound (b): only the routed rows raised
     rounds = 0
     while True:
         rows = torch.tensor(wave_call_rows(plan), dtype=torch.int64)

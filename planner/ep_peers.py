@@ -136,14 +136,27 @@ def peer_row_scale(wave, peer_rows: int) -> float | None:
     return max(1.0, int(peer_rows) / smallest) if smallest > 0 else None
 
 
+def routed_pricers(planner, step: Step):
+    """The `routed_pricer` of `peer_overflow` for `planner` (a `Planner`) and its `step`: for a
+    scale, the step's pricer of the planner's model with `peer_row_scale=scale`, under the
+    planner's profiles; one model per distinct scale, kept for the calls that follow."""
+    cache: dict[float, object] = {}
+
+    def routed(scale: float):
+        if scale not in cache:
+            cache[scale] = planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=scale))
+        return cache[scale]
+    return routed
+
+
 def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
                   step: Step | None = None, routed_pricer=None) -> PeerOverflow | None:
     """The first wave of `plan` that does not fit `plan.budget_bytes` at its peers' rows
     `peer_rows[i]` (see the module docstring), or None when every wave fits. `pricer` is the
     step's pricer (`Planner.pricer(step)`): learned profiles apply as they do to the plan; it
     prices bound (a), every call raised. `routed_pricer(scale)`, when given, is the step's pricer
-    of the same model with `peer_row_scale=scale` (bound (b)), asked only for waves (a) does not
-    fit; a wave fits when either bound fits, and an overflow reports the smaller. Waves whose
+    of the same model with `peer_row_scale=scale` (bound (b), `routed_pricers`), asked only for
+    waves (a) does not fit; a wave fits when either bound fits, and an overflow reports the smaller. Waves whose
     calls all reach their peers' rows keep their price. With PP > 1 (`step` required) the 1F1B
     windows of the waves raised as in (a), in the plan's order, are checked against each stage's
     budget instead (`stage_overflow`). O(waves x loads) plus one or two walks per raised wave
@@ -160,11 +173,10 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
         if raised == tuple(wave.loads):
             continue
         admitted = int(pricer.price_loads(raised, first_slots=wave.first_slots).admitted_bytes)
-        scale = peer_row_scale(wave, peer_rows[i])
-        if admitted > plan.budget_bytes and routed_pricer is not None and scale is not None:
-            routed = routed_pricer(scale)
-            admitted = min(admitted, int(routed.price_loads(tuple(wave.loads),
-                                                            first_slots=wave.first_slots).admitted_bytes))
+        if (admitted > plan.budget_bytes and routed_pricer is not None
+                and (scale := peer_row_scale(wave, peer_rows[i])) is not None):
+            routed = routed_pricer(scale).price_loads(tuple(wave.loads), first_slots=wave.first_slots)
+            admitted = min(admitted, int(routed.admitted_bytes))
         if admitted > plan.budget_bytes:
             return PeerOverflow(wave=i, peer_rows=int(peer_rows[i]), own_rows=_own_rows(wave),
                                 admitted_bytes=admitted, budget_bytes=int(plan.budget_bytes))

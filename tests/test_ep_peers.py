@@ -17,6 +17,7 @@ from waveplan.planner.ep_peers import (
     peer_overflow,
     peer_row_scale,
     raise_to_peer_rows,
+    routed_pricers,
     wave_call_rows,
     wave_calls,
 )
@@ -91,10 +92,6 @@ def test_a_wave_beside_a_larger_peer_call_is_priced_at_the_peer_rows(moe_ep2):
         peer_overflow(pricer, small, peer[:-1])
 
 
-def _routed(planner, step):
-    return lambda scale: planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=scale))
-
-
 def test_raising_only_the_routed_rows_is_a_tighter_bound_than_raising_every_term(moe_ep2):
     # bound (b): the wave as it is, the busiest rank's routed rows x peers' rows / its smallest call;
     # on one-call waves it lies between the wave's own price and bound (a), every term raised
@@ -102,7 +99,7 @@ def test_raising_only_the_routed_rows_is_a_tighter_bound_than_raising_every_term
     small = moe_ep2.plan(short, 20 * GIB, deterministic=True, time_budget_ms=20.0)
     big = moe_ep2.plan(long_, 80 * GIB, deterministic=True, time_budget_ms=20.0, num_waves=small.num_waves)
     peer = [max(a, b) for a, b in zip(wave_call_rows(big), wave_call_rows(small), strict=True)]
-    routed, pricer = _routed(moe_ep2, short), moe_ep2.pricer(short)
+    routed, pricer = routed_pricers(moe_ep2, short), moe_ep2.pricer(short)
     raised_waves = 0
     for i, wave in enumerate(small.waves):
         assert len(wave.loads) == 1
@@ -137,7 +134,7 @@ def test_the_peer_row_scale_moves_routed_rows_only():
     dense = Planner.from_preset("qwen3-8b", recompute="full")
     step = _short()
     wave = dense.plan(step, 24 * GIB, deterministic=True, time_budget_ms=20.0).waves[0]
-    scaled = dense.pricer(step, model=dataclasses.replace(dense.model, peer_row_scale=3.0))
+    scaled = routed_pricers(dense, step)(3.0)
     assert scaled.price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes == \
         wave.breakdown.admitted_bytes
 
@@ -148,7 +145,7 @@ def test_the_peer_row_scale_multiplies_the_busiest_rank_load_and_nothing_else():
     step = _short()
     at = {load: Planner.from_preset("qwen3-30b-a3b", ep=4, recompute="full", moe_load=load) for load in (1.0, 1.5)}
     wave = at[1.0].plan(step, 24 * GIB, deterministic=True, time_budget_ms=20.0).waves[0]
-    scaled = at[1.0].pricer(step, model=dataclasses.replace(at[1.0].model, peer_row_scale=1.5))
+    scaled = routed_pricers(at[1.0], step)(1.5)
     direct = at[1.5].pricer(step)
     price = lambda p: p.price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes  # noqa: E731
     assert price(scaled) == price(direct) > price(at[1.0].pricer(step))
@@ -183,11 +180,11 @@ def test_a_pipeline_plan_is_checked_window_by_window(moe_ep2):
 
 
 WORKER = textwrap.dedent("""
-    import dataclasses, faulthandler, json, os, sys
+    import faulthandler, json, os, sys
     faulthandler.dump_traceback_later(TIMEOUT_S - 30, exit=True)
     from waveplan.planner import Planner
     from waveplan.planner.distributed import plan_distributed
-    from waveplan.planner.ep_peers import peer_overflow, wave_call_rows
+    from waveplan.planner.ep_peers import peer_overflow, routed_pricers, wave_call_rows
     from waveplan.pricing.errors import InfeasibleError
     from waveplan.pricing.step import Request, Step
     from waveplan.search import check_plan
@@ -234,8 +231,8 @@ WORKER = textwrap.dedent("""
     check_plan(step, planner.pricer(step), plan, budget_bytes=plan.budget_bytes)
     rows = torch.tensor(wave_call_rows(plan), dtype=torch.int64)
     dist.all_reduce(rows, op=dist.ReduceOp.MAX)
-    routed = lambda s: planner.pricer(step, model=dataclasses.replace(planner.model, peer_row_scale=s))
-    over = peer_overflow(planner.pricer(step), plan, [int(x) for x in rows.tolist()], routed_pricer=routed)
+    over = peer_overflow(planner.pricer(step), plan, [int(x) for x in rows.tolist()],
+                         routed_pricer=routed_pricers(planner, step))
     with open(out, "w") as f:
         json.dump({"waves": plan.num_waves, "rounds": plan.stats["ep_peer_rounds"],
                    "over": None if over is None else over.message()}, f)
