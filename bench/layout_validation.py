@@ -176,24 +176,15 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     residual = {"full": {}, "retained": {}}
     scale_cells = _shortfalls(load_scale_cells(), bare, shapes)
     long_cells = _shortfalls(load_long_cells(), bare, shapes)
-    for rec in load_cells():
-        cell, trace = rec["cell"], rec["trace"]
-        lay = cell["layout"]
-        if mixed(cell) or trace["tokens"] != FIT_TOKENS:
-            continue
-        if shapes is not None and cell["geometry"]["name"] not in shapes:
-            continue
-        group = "full" if cell["recompute"] == "full" else "retained"
-        key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
-        if key == layout_terms.layout_key(1, False, 1):
-            continue
-        short, pending, unit = _shortfall(cell, trace, bare, key, group)
+    fit_cells = _shortfalls([r for r in load_cells() if not mixed(r["cell"]) and r["trace"]["tokens"] == FIT_TOKENS],
+                            bare, shapes)
+    for (shape, key, recompute), (short, pending, unit) in fit_cells.items():
+        group = "full" if recompute == "full" else "retained"
         # full: next quarter H plus a quarter H (the fit cells are exact to the byte; the
         # held-out ones differ in segments and padding by up to ~0.2 H per row); retained: next
         # eighth plus an eighth per layer (held-out differences up to 0.05 H per layer)
         step = 4 if group == "full" else 8
-        scaled = scale_cells.get((cell["geometry"]["name"], key, cell["recompute"]))
-        long_ = long_cells.get((cell["geometry"]["name"], key, cell["recompute"]))
+        scaled, long_ = scale_cells.get((shape, key, recompute)), long_cells.get((shape, key, recompute))
         per = [short / unit] + [x[0] / x[2] for x in (scaled, long_) if x]
         c = max(np.ceil(p * step) / step + 1 / step if p > 0 else 0.0 for p in per)
         limit = _per_row_limit((short, pending, unit), scaled)
@@ -206,8 +197,8 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
 
 
 def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[str] | None) -> dict:
-    """`_shortfall` of each dense cell of `records` at TP > 1 or CP > 1 (of the geometries named
-    in `shapes`, default all), keyed by (geometry, layout key, recompute)."""
+    """`_shortfall` of each cell of `records` at TP > 1 or CP > 1 (of the geometries named in
+    `shapes`, default all), keyed by (geometry, layout key, recompute): one cell per key."""
     out = {}
     for rec in records:
         cell, trace = rec["cell"], rec["trace"]

@@ -241,16 +241,17 @@ def cmd_trace(args) -> int:
             current_estimate(cell)
     from waveplan.planner.progress import progress_bar
 
+    def wanted(cell: dict) -> bool:
+        return cell_key(cell) not in have and (not args.recompute or cell["recompute"] in args.recompute)
+
     t_all = time.monotonic()
     total = sum(1 for name, *_, cells in grid if not (args.only and name not in args.only)
-                for c in cells if cell_key(c) not in have
-                and (not args.recompute or c["recompute"] in args.recompute))
+                for c in cells if wanted(c))
     bar = progress_bar(total, "multi-rank grid", unit="cell")
     for name, model, kwargs, routing, cells in grid:
         if args.only and name not in args.only:
             continue
-        todo = [c for c in cells if cell_key(c) not in have
-                and (not args.recompute or c["recompute"] in args.recompute)]
+        todo = [c for c in cells if wanted(c)]
         if not todo:
             continue
         g = ModelGeometry.from_dict(model)
