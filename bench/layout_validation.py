@@ -165,8 +165,7 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     """Largest shortfall per class and group over the fit cells (2048 tokens; of the dense
     geometries named in `shapes`, default all), the scale cells (8192 tokens) and the long cells
     (one 12288-token sequence), where traced, in units of H per row (per layer for the retained
-    group), rounded up to the next quarter H plus a quarter H (full) or the next eighth H plus an
-    eighth H per layer (retained); and at least the per-row limit (`_per_row_limit`, and the long
+    group), rounded up to the next eighth H plus an eighth H (per layer for the retained group); and at least the per-row limit (`_per_row_limit`, and the long
     cell's shortfall without its pending gradients). `points`: price with the layer-norm and SP FC2
     points and the SP retained layer (False: the te-gpu fit, which has none of them).
     O(cells x layers)."""
@@ -180,10 +179,12 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
                             bare, shapes)
     for (shape, key, recompute), (short, pending, unit) in fit_cells.items():
         group = "full" if recompute == "full" else "retained"
-        # full: next quarter H plus a quarter H (the fit cells are exact to the byte; the
-        # held-out ones differ in segments and padding by up to ~0.2 H per row); retained: next
-        # eighth plus an eighth per layer (held-out differences up to 0.05 H per layer)
-        step = 4 if group == "full" else 8
+        # next eighth H plus an eighth H (per layer for the retained group): the fit cells are
+        # exact to the byte, and with the RoPE cache priced from each call's longest sequence
+        # (walk.rope_credit) the held-out cells' shortfall per row is the fit cells' to 0.01 H
+        # (it grew with the longest sequence by up to 0.2 H per row before, when full recompute
+        # took the next quarter plus a quarter)
+        step = 8
         scaled, long_ = scale_cells.get((shape, key, recompute)), long_cells.get((shape, key, recompute))
         per = [short / unit] + [x[0] / x[2] for x in (scaled, long_) if x]
         c = max(np.ceil(p * step) / step + 1 / step if p > 0 else 0.0 for p in per)

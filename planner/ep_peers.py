@@ -97,13 +97,14 @@ def concurrent_rows(peer_rows: Sequence[int], calls_min: Sequence[int],
 def raise_to_peer_rows(loads: Sequence[GroupLoad], peer_rows: int) -> tuple[GroupLoad, ...]:
     """`loads` with each forward call's rows raised to `peer_rows` where it has fewer: packed,
     padded and logical rows grow by the same difference (the added rows are padding: no new
-    segments, so no new GDN states). O(loads)."""
+    segments, so no new GDN states); the peer's longest sequence is unknown, so a raised call
+    is priced as one sequence (`GroupLoad.longest_rows` None). O(loads)."""
     out = []
     for g in loads:
         extra = max(0, int(peer_rows) - int(g.padded_rows))
         out.append(g if extra == 0 else dataclasses.replace(
             g, packed_rows=g.packed_rows + extra, padded_rows=g.padded_rows + extra,
-            logical_rows=g.logical_rows + extra))
+            logical_rows=g.logical_rows + extra, longest_rows=None))
     return tuple(out)
 
 

@@ -39,6 +39,8 @@ from waveplan.pricing.price import Breakdown, GroupLoad
 PROFILE_SCHEMA = 1
 TRUST_FACTOR = 8  # at most 8x beyond what a profile observed (docs/memory-model.md#learned-profiles)
 _LOAD_FIELDS = ("slot", "grad", "packed_rows", "padded_rows", "logical_rows", "segments")
+# written only when known (`GroupLoad.longest_rows`; a load read without it is priced at the bound)
+_LOAD_OPTIONAL = ("longest_rows",)
 
 
 # --- signatures -------------------------------------------------------------------------
@@ -134,7 +136,7 @@ class Observation:
         return self.peak_bytes / self.static_raw_bytes
 
     def to_dict(self) -> dict:
-        return {"loads": [{f: getattr(g, f) for f in _LOAD_FIELDS} for g in self.loads],
+        return {"loads": [_load_to_dict(g) for g in self.loads],
                 "static_raw_bytes": self.static_raw_bytes, "peak_bytes": self.peak_bytes}
 
 
@@ -260,12 +262,19 @@ def _number(where: str, value: object, *, integer: bool, positive: bool = True) 
     return value
 
 
+def _load_to_dict(load: GroupLoad) -> dict:
+    out = {f: getattr(load, f) for f in _LOAD_FIELDS}
+    out.update({f: getattr(load, f) for f in _LOAD_OPTIONAL if getattr(load, f) is not None})
+    return out
+
+
 def _load_from_dict(data: object, where: str) -> GroupLoad:
-    if not isinstance(data, dict) or set(data) != set(_LOAD_FIELDS):
-        raise bad(ConfigError, where, data, f"must have exactly the fields {', '.join(_LOAD_FIELDS)}")
+    if not isinstance(data, dict) or not set(_LOAD_FIELDS) <= set(data) <= set(_LOAD_FIELDS + _LOAD_OPTIONAL):
+        raise bad(ConfigError, where, data, f"must have exactly the fields {', '.join(_LOAD_FIELDS)}"
+                  f" (and optionally {', '.join(_LOAD_OPTIONAL)})")
     if not isinstance(data["slot"], str) or not isinstance(data["grad"], bool):
         raise bad(ConfigError, where, data, "slot must be a string and grad a boolean")
-    for name in _LOAD_FIELDS[2:]:
+    for name in _LOAD_FIELDS[2:] + tuple(f for f in _LOAD_OPTIONAL if f in data):
         _number(f"{where}.{name}", data[name], integer=True, positive=False)
     return GroupLoad(**data)
 

@@ -11,7 +11,10 @@ groups + members) is never below the exact admitted price. The bounds used:
 - padded rows <= packed rows + (multiple - 1) x packed sequences, and sequences <= segments;
 - true radix-tree segments <= 2 x the two-level count (at most one inner node per leaf), plus
   one root per padding row;
-- pending gradients are not in the envelope: the search prices the wave that carries them.
+- pending gradients are not in the envelope: the search prices the wave that carries them;
+- the CP RoPE cache is charged at its bound (a wave's longest sequence = CP x its rank rows);
+  the walk credits what each call's longest sequence does not hold (`walk.rope_credit`), so the
+  lower envelope leaves the bound out.
 
 The per-segment coefficient is that sum of charges, coef[..., 2] = (multiple - 1) x pad + 2 x seg,
 with `pad` the price of one padding row (a row on the busiest rank plus one root segment) and
@@ -126,6 +129,9 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         # partition of the step, so summing this over waves bounds the wave count from below.
         # A wave whose single group of class k carries its slot's pending gradients also
         # holds, at k's backward point of layer i, the adapter gradients of layers >= i.
+        # The walk credits each call the CP RoPE cache bound its longest sequence does not
+        # hold (`walk.rope_credit`, at most rope_cp per rank row): taken off every row charge.
+        row_c = np.maximum(row_c - a["rope_cp"], 0.0)
         coef = np.zeros((row_c.shape[0], k_classes, 3))
         coef[:, :, 0] = row_c / model.rows_cp
         coef[:, :, 1] = a["caller"]

@@ -477,6 +477,14 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
 
+def cp_rope_entry_per_row(ctx: LayerContext) -> float:
+    """Bytes per row of the longest sequence of one RoPE cache entry under CP
+    (`pipeline.rope_cache_per_row`; 0 at CP1, where the per-row terms price the whole entry):
+    what the walk charges a forward call's longest sequence beyond its rank rows instead of
+    the bound `cp_rope_cache_per_row` puts in the arrays (`walk.rope_credit`). O(layers)."""
+    return rope_cache_per_row(ctx.geometry, ctx.geometry.layers) if ctx.rows_cp > 1 else 0.0
+
+
 def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     """The RoPE cache entry of the whole longest sequence under CP (`layout_terms.cp_rope_cache_per_row`),
     per row, once per wave; with the structural GDN terms also the entry's own rows, which the
@@ -543,6 +551,12 @@ class LayerArrays:
     rope: float
     """The CP RoPE cache entry per row, once per wave (beside the head's backward under full
     recompute)."""
+    rope_cp: float
+    """The part of `rope` that bounds a wave's longest sequence by CP x its rank rows
+    (`layout_terms.cp_rope_cache_per_row`): the walk credits what a call's longest sequence
+    does not hold (`walk.rope_credit`)."""
+    rope_entry: float
+    """One RoPE cache entry per row of the longest sequence under CP (`cp_rope_entry_per_row`)."""
 
 
 def layer_arrays(ctx: LayerContext) -> LayerArrays:
@@ -588,4 +602,6 @@ def layer_arrays(ctx: LayerContext) -> LayerArrays:
     return LayerArrays(retained=retained, workspace=workspace, nograd=nograd, gdn_state=gdn_state,
                        nograd_plain=nograd_plain, retained_forward=retained_fwd,
                        pad_point=pad_point, pad_retained=pad_retained, gdn_chunk=gdn_chunk,
-                       residual=residual, rope=rope)
+                       residual=residual, rope=rope,
+                       rope_cp=layout_terms.cp_rope_cache_per_row(cp_rope_entry_per_row(ctx), cp=ctx.rows_cp),
+                       rope_entry=cp_rope_entry_per_row(ctx))

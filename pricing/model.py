@@ -481,6 +481,12 @@ class PricingModel:
             "caller": terms.caller_per_logical_token(t),
             "first_exec": terms.first_execution_bytes(t),
             "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in g.layers),
+            # the CP RoPE cache bound above (per rank row, where the arrays carry it) and one
+            # entry row: the walk credits what a call's longest sequence does not hold
+            # (`walk.rope_credit`); none under PP > 1, whose stage walks keep the bound
+            "rope_cp": decoder.rope_cp if p.pp == 1 else 0.0,
+            "rope_entry": decoder.rope_entry if p.pp == 1 else 0.0,
+            "rope_kept": not full,
         }
         if p.pp > 1:
             # the per-layer arrays, each stage's charges, and the folded per-wave proxy

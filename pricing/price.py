@@ -29,6 +29,9 @@ class GroupLoad:
 
     `padded_rows` are the packed rows after each packed sequence is padded to the layout's row
     multiple; `segments`: tree nodes plus one root per padding row (docs/memory-model.md#layouts).
+    `longest_rows`: the padded rows of the call's longest packed sequence (what the RoPE cache
+    entry holds under CP, docs/memory-model.md#cp-rope-cache); None when unknown: priced as if
+    the call were one sequence (the bound).
     """
 
     slot: str = "default"
@@ -37,6 +40,7 @@ class GroupLoad:
     padded_rows: int
     logical_rows: int
     segments: int
+    longest_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("packed_rows", "padded_rows", "logical_rows", "segments"):
@@ -46,6 +50,11 @@ class GroupLoad:
         if self.padded_rows < self.packed_rows:
             raise bad(ConfigError, "group.padded_rows", self.padded_rows,
                       f"must be >= packed_rows={self.packed_rows}")
+        longest = self.longest_rows
+        if longest is not None and (isinstance(longest, bool) or not isinstance(longest, int | np.integer)
+                                    or not 0 <= longest <= self.padded_rows):
+            raise bad(ConfigError, "group.longest_rows", longest,
+                      f"must be an integer in [0, padded_rows={self.padded_rows}] or null")
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,8 @@ def rank_rows(model: PricingModel, padded_rows: int) -> int:
 
 def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad],
                   first_slots: frozenset[str]) -> WalkGroups:
-    """The walk's view of the groups: rank rows, logical rows, segments, grad, slot index and
-    whether each carries its slot's pending gradients. O(groups)."""
+    """The walk's view of the groups: rank rows, logical rows, segments, grad, slot index,
+    whether each carries its slot's pending gradients, and its longest sequence. O(groups)."""
     n = len(groups)
     rows = np.empty(n)
     logical = np.empty(n)
@@ -84,14 +93,17 @@ def _group_arrays(model: PricingModel, groups: Sequence[GroupLoad],
     grad = np.empty(n, dtype=np.bool_)
     slot = np.empty(n, dtype=np.int64)
     carries = np.empty(n, dtype=np.bool_)
+    longest = np.empty(n)
     for k, group in enumerate(groups):
         rows[k] = rank_rows(model, int(group.padded_rows))
+        # unknown: the whole call as one sequence (CP x its rank rows: no RoPE credit)
+        longest[k] = rows[k] * model.rows_cp if group.longest_rows is None else group.longest_rows
         logical[k] = group.logical_rows
         segments[k] = group.segments
         grad[k] = group.grad
         slot[k] = model.slot_index(group.slot)
         carries[k] = group.grad and group.slot in first_slots
-    return WalkGroups(rows, logical, segments, grad, slot, carries)
+    return WalkGroups(rows, logical, segments, grad, slot, carries, longest)
 
 
 def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,

@@ -60,6 +60,10 @@ class WalkCharges(NamedTuple):
     pad_retained: np.ndarray  # float64[L] per padding row of a forward call, kept by layer i
     pad_point: np.ndarray   # float64[L] per padding row of a forward call at layer i's own points
     chunk: float            # a forward call's rows padded to a multiple of this (<= 1: none)
+    rope_cp: float = 0.0    # per rank row: the CP RoPE cache bound the arrays above carry
+    rope_entry: float = 0.0  # per row of the longest sequence: one RoPE cache entry row (CP > 1)
+    rope_kept: bool = False  # the bound is in retained[0] and nograd[0] (else every point's
+    #                          workspace, no-grad transient and head transient: full recompute)
 
 
 class WalkGroups(NamedTuple):
@@ -71,6 +75,7 @@ class WalkGroups(NamedTuple):
     grad: np.ndarray        # bool: a gradient group
     slot: np.ndarray        # int64: its model slot index
     carries: np.ndarray     # bool: it carries its slot's pending adapter gradients
+    longest: np.ndarray     # float64: padded rows of its longest packed sequence (all ranks)
 
 
 def walk_charges(arrays: dict) -> WalkCharges:
@@ -81,6 +86,20 @@ def walk_charges(arrays: dict) -> WalkCharges:
         charges = WalkCharges(*(arrays[name] for name in WalkCharges._fields))
         arrays["walk_charges"] = charges
     return charges
+
+
+@njit(cache=True)
+def rope_credit(charges, rows, longest):
+    """What the CP RoPE cache bound in the arrays (`rope_cp` per rank row, a wave-long entry:
+    docs/memory-model.md#cp-rope-cache) over-charges a forward call whose longest padded
+    sequence is `longest` rows: the entry holds `longest` rows on every rank, the per-row
+    terms price `rows` of them, so the call holds rope_entry x max(0, longest - rows) beyond
+    them. Between 0 and rope_cp x rows (longest <= CP x rows). O(1)."""
+    if charges.rope_cp <= 0.0:
+        return 0.0
+    bound = charges.rope_cp * rows
+    held = charges.rope_entry * max(0.0, longest - rows)
+    return min(bound, max(0.0, bound - held))
 
 
 # `_start` and `_offer` are inlined into `walk`: it passes them literal point codes, for which
@@ -134,6 +153,7 @@ def walk(charges, first_exec, groups):
     grad = groups.grad
     slot = groups.slot
     carries = groups.carries
+    kept = charges.rope_kept
     n_layers = retained.shape[0]
     n_groups = rows.shape[0]
     best = np.zeros(4)
@@ -166,11 +186,20 @@ def walk(charges, first_exec, groups):
 
     caller_bytes = charges.caller * groups.logical.sum()
 
+    # the CP RoPE cache bound the arrays carry, less what each call's longest sequence holds
+    # (`rope_credit`): taken off where the arrays carry the bound (`rope_kept`: in retained[0]
+    # and nograd[0]; else in every layer's workspace and no-grad transient and the head's)
+    credit = np.zeros(n_groups)
+    for g in range(n_groups):
+        credit[g] = rope_credit(charges, rows[g], groups.longest[g])
+
     keep = np.zeros(n_groups)   # retained memory of a grad group not yet run
     done = np.zeros(n_groups)   # pending gradients a grad group leaves after its backward
     for g in range(n_groups):
         if grad[g]:
             keep[g] = rows[g] * (total_retained + head_ret) + pad[g] * total_pad
+            if kept:
+                keep[g] -= credit[g]
             if carries[g] and per_slot[slot[g]] == 1:
                 done[g] = suffix[slot[g], 0]
     others_all = 0.0
@@ -183,7 +212,8 @@ def walk(charges, first_exec, groups):
             # no-grad group: forward only, beside every grad group's retained memory
             ng = 0.0
             for i in range(n_layers):
-                ng = max(ng, rows[g] * nograd[i] + pad[g] * pad_point[i])
+                ng = max(ng, rows[g] * nograd[i] + pad[g] * pad_point[i]
+                         - (credit[g] if (i == 0 or not kept) else 0.0))
             _start(point, others_all, caller_bytes, first_exec)
             point[TERM_NOGRAD_TRANSIENT] = ng
             point[TERM_GDN_STATES] = segments[g] * max_state
@@ -198,10 +228,14 @@ def walk(charges, first_exec, groups):
             _start(point, others, caller_bytes, first_exec)
             point[TERM_RETAINED] = rows[g] * (cum[i] - retained[i]) + pad[g] * (cum_pad[i] - pad_ret[i])
             point[TERM_WORKSPACE] = rows[g] * nograd[i] + pad[g] * pad_point[i]
+            if kept and i > 0:
+                point[TERM_RETAINED] -= credit[g]
+            else:
+                point[TERM_WORKSPACE] -= credit[g]
             point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
             _offer(best, out, point, POINT_FORWARD, i, g)
         _start(point, others, caller_bytes, first_exec)
-        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad
+        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad - (credit[g] if kept else 0.0)
         point[TERM_HEAD] = rows[g] * head_ret + head_const
         _offer(best, out, point, POINT_HEAD_FORWARD, -1, g)
         # backward of the head
@@ -210,12 +244,20 @@ def walk(charges, first_exec, groups):
         point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
         point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if (carries[g] and shared_slot) else 0.0
         point[TERM_HEAD] = rows[g] * (head_ret + head_tr) + head_const
+        if kept:
+            point[TERM_RETAINED] -= credit[g]
+        else:
+            point[TERM_HEAD] -= credit[g]
         _offer(best, out, point, POINT_HEAD_BACKWARD, -1, g)
         # backward, layer n-1 down to 0
         for i in range(n_layers - 1, -1, -1):
             _start(point, others, caller_bytes, first_exec)
             point[TERM_RETAINED] = rows[g] * cum[i] + pad[g] * cum_pad[i]
             point[TERM_WORKSPACE] = rows[g] * workspace[i] + pad[g] * pad_point[i]
+            if kept:
+                point[TERM_RETAINED] -= credit[g]
+            else:
+                point[TERM_WORKSPACE] -= credit[g]
             point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
             if carries[g]:
                 point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if shared_slot else suffix[s, i]

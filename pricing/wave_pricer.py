@@ -36,22 +36,23 @@ from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 Adjust = Callable[[Sequence[GroupLoad], Breakdown], Breakdown]
 
 # columns of the jitted load table: one row per (child, class) forward call
-_CLASS, _PACKED, _PADDED, _LOGICAL, _SEGMENTS = range(5)
+_CLASS, _PACKED, _PADDED, _LOGICAL, _SEGMENTS, _LONGEST = range(6)
 # columns of the class table handed to `_admitted`: one row per class
 _CLASS_GRAD, _CLASS_SLOT = range(2)
 # entries of the scalar vector handed to the jitted walk
 _S_INPUT_GRAD, _S_HEAD_RET, _S_HEAD_TR, _S_HEAD_CONST, _S_CALLER, _S_FIRST_EXEC, _S_SAFETY, \
-    _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK = range(11)
+    _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK, _S_ROPE_CP, _S_ROPE_ENTRY, _S_ROPE_KEPT = range(14)
 
 
 @njit(cache=True)
 def _loads(rank, table, length_at, class_of, reqs, ptr, num_classes, multiple):
     """One row per (child, class) forward call, children in order, classes ascending (the
-    order of `WavePricer.group_loads`): class, packed, padded, logical rows, layout segments.
+    order of `WavePricer.group_loads`): class, packed, padded, logical rows, layout segments,
+    padded rows of the longest packed sequence.
     Returns (status, rows); status != 0 (an index out of range or listed twice) leaves the
     error to `layout`. O(total requests x (log + classes))."""
     n_children = ptr.shape[0] - 1
-    out = np.zeros((n_children * num_classes, 5), dtype=np.int64)
+    out = np.zeros((n_children * num_classes, 6), dtype=np.int64)
     count = 0
     members = np.empty(reqs.shape[0], dtype=np.int64)
     shared = np.bool_(True)   # typed, not Literal[bool]: _tree_counts compiles once
@@ -73,13 +74,17 @@ def _loads(rank, table, length_at, class_of, reqs, ptr, num_classes, multiple):
             if status != 0:
                 return status, out[:0]
             padded = 0
+            longest = 0
             for r in seq:
-                padded += -(-r // multiple) * multiple
+                one = -(-r // multiple) * multiple
+                padded += one
+                longest = max(longest, one)
             out[count, _CLASS] = k
             out[count, _PACKED] = packed
             out[count, _PADDED] = padded
             out[count, _LOGICAL] = logical
             out[count, _SEGMENTS] = segments
+            out[count, _LONGEST] = longest
             count += 1
     return 0, out[:count]
 
@@ -103,6 +108,7 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
     grad = np.empty(g, dtype=np.bool_)
     slot = np.empty(g, dtype=np.int64)
     carries = np.empty(g, dtype=np.bool_)
+    longest = np.empty(g)
     cp = np.int64(scal[_S_CP])
     any_grad = False
     for j in range(g):
@@ -111,6 +117,7 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
         rows[j] = padded if scal[_S_CONSERVATIVE] > 0 else -(-padded // cp)
         logical[j] = lo[j, _LOGICAL]
         segments[j] = lo[j, _SEGMENTS] + padded - lo[j, _PACKED]
+        longest[j] = lo[j, _LONGEST]
         grad[j] = classes[k, _CLASS_GRAD] != 0
         slot[j] = classes[k, _CLASS_SLOT]
         carries[j] = grad[j] and carry[slot[j]]
@@ -118,8 +125,9 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
     first_exec = scal[_S_FIRST_EXEC] if any_grad else 0.0
     charges = WalkCharges(layers[0], layers[1], layers[2], layers[3], pending,
                           scal[_S_INPUT_GRAD], scal[_S_HEAD_RET], scal[_S_HEAD_TR],
-                          scal[_S_HEAD_CONST], scal[_S_CALLER], layers[4], layers[5], scal[_S_CHUNK])
-    best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries))
+                          scal[_S_HEAD_CONST], scal[_S_CALLER], layers[4], layers[5], scal[_S_CHUNK],
+                          scal[_S_ROPE_CP], scal[_S_ROPE_ENTRY], scal[_S_ROPE_KEPT] > 0)
+    best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries, longest))
     raw = np.ceil(best[PEAK_BYTES])
     return np.int64(np.ceil(raw * scal[_S_SAFETY]))
 
@@ -198,7 +206,8 @@ class WavePricer:
                                    a["head_const"], a["caller"],
                                    0.0 if self.profiled else a["first_exec"], model.safety,
                                    model.rows_cp, 0.0,
-                                   model.parallel.row_multiple, a["chunk"]], dtype=np.float64)
+                                   model.parallel.row_multiple, a["chunk"], a["rope_cp"],
+                                   a["rope_entry"], float(a["rope_kept"])], dtype=np.float64)
                 pending = np.ascontiguousarray(a["pending"], dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))
             layers, pending, scal, n_slots = cache[self.profiled]
@@ -246,10 +255,11 @@ class WavePricer:
             for child in children:
                 layout(st, np.asarray(child, dtype=np.int64), shared=True)
         loads = []
-        for k, packed, padded, logical, segments in rows.tolist():
+        for k, packed, padded, logical, segments, longest in rows.tolist():
             loads.append(GroupLoad(
                 slot=self.class_slot[k], grad=self.class_grad[k], packed_rows=packed,
-                padded_rows=padded, logical_rows=logical, segments=segments + padded - packed))
+                padded_rows=padded, logical_rows=logical, segments=segments + padded - packed,
+                longest_rows=longest))
         return loads
 
     def price(self, children: Sequence[np.ndarray], *, first_slots: frozenset[str] = frozenset()) -> Breakdown:

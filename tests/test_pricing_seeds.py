@@ -144,7 +144,7 @@ def test_seed004_closed_form_worst_order_matches_brute_force(seed):
     zeros = np.zeros(n_layers)
     charges = WalkCharges(retained, workspace, zeros, zeros, pending, 0.0, 0.0, 0.0, 0.0, 0.0, zeros, zeros, 1.0)
     groups = WalkGroups(rows, np.zeros(n_groups), np.zeros(n_groups), np.ones(n_groups, np.bool_),
-                        slots, carries)
+                        slots, carries, rows.copy())
     best, _ = walk(charges, 0.0, groups)
     assert best[PEAK_BYTES] == pytest.approx(
         _brute_force_orders(retained, workspace, pending, rows, slots, carries))
