@@ -14,7 +14,8 @@ groups + members) is never below the exact admitted price. The bounds used:
 - pending gradients are not in the envelope: the search prices the wave that carries them;
 - the CP RoPE cache is charged at its bound (a wave's longest sequence = CP x its rank rows);
   the walk credits what each call's longest sequence does not hold (`walk.rope_credit`), so the
-  lower envelope leaves the bound out.
+  lower envelope leaves the bound out; the other calls' entries (at most their padded rows) are
+  charged per row of each class not running, and left out of the lower envelope.
 
 The per-segment coefficient is that sum of charges, coef[..., 2] = (multiple - 1) x pad + 2 x seg,
 with `pad` the price of one padding row (a row on the busiest rank plus one root segment) and
@@ -140,6 +141,11 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         s = model.safety * (1.0 - LOWER_ENVELOPE_MARGIN)
         return Envelope(const=np.zeros(row_c.shape[0]), presence=pres_c * s, coef=coef * s,
                         pending=pend * s)
+    # the other calls' RoPE cache entries (`walk`: each call keeps its longest sequence's rows,
+    # at most its padded rows = rows_cp x its rank rows)
+    others = np.ones((num_points, k_classes), dtype=bool)
+    others[cols, run] = False
+    row_c = row_c + np.where(others, a["rope_entry"] * model.rows_cp, 0.0)
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
                                                           class_grad, float(a["first_exec"]))
     multiple = model.parallel.row_multiple

@@ -477,12 +477,6 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
 
-def cp_rope_entry_per_row(ctx: LayerContext) -> float:
-    """Bytes per row of the longest sequence of one RoPE cache entry under CP
-    (`pipeline.rope_cache_per_row`; 0 at CP1, where the per-row terms price the whole entry):
-    what the walk charges a forward call's longest sequence beyond its rank rows instead of
-    the bound `cp_rope_cache_per_row` puts in the arrays (`walk.rope_credit`). O(layers)."""
-    return rope_cache_per_row(ctx.geometry, ctx.geometry.layers) if ctx.rows_cp > 1 else 0.0
 
 
 def wave_rope_cache_per_row(ctx: LayerContext) -> float:
@@ -556,7 +550,9 @@ class LayerArrays:
     (`layout_terms.cp_rope_cache_per_row`): the walk credits what a call's longest sequence
     does not hold (`walk.rope_credit`)."""
     rope_entry: float
-    """One RoPE cache entry per row of the longest sequence under CP (`cp_rope_entry_per_row`)."""
+    """One RoPE cache entry per row of a call's longest sequence (`pipeline.rope_cache_per_row`):
+    what the walk charges the other calls' entries at a call's points, and under CP the entry
+    rows beyond the rank's own instead of the bound (`walk.rope_credit`)."""
 
 
 def layer_arrays(ctx: LayerContext) -> LayerArrays:
@@ -592,6 +588,7 @@ def layer_arrays(ctx: LayerContext) -> LayerArrays:
     # wave, live from the first layer's forward on (layer 0's retained memory, and its
     # forward transient; under full recompute beside the full residual at every point)
     rope = wave_rope_cache_per_row(ctx)
+    entry = rope_cache_per_row(g, g.layers)   # one entry row (the walk's RoPE charges)
     if rope and mode == RecomputeMode.FULL:
         workspace += rope
         nograd += rope
@@ -603,5 +600,5 @@ def layer_arrays(ctx: LayerContext) -> LayerArrays:
                        nograd_plain=nograd_plain, retained_forward=retained_fwd,
                        pad_point=pad_point, pad_retained=pad_retained, gdn_chunk=gdn_chunk,
                        residual=residual, rope=rope,
-                       rope_cp=layout_terms.cp_rope_cache_per_row(cp_rope_entry_per_row(ctx), cp=ctx.rows_cp),
-                       rope_entry=cp_rope_entry_per_row(ctx))
+                       rope_cp=layout_terms.cp_rope_cache_per_row(entry, cp=ctx.rows_cp),
+                       rope_entry=entry)

@@ -75,13 +75,16 @@ def cp_rope_cache_per_row(rope_per_row: float, *, cp: int) -> float:
     row (`rope_per_row` = 4 x rotary dim, `pipeline.rope_cache_per_row`: at CP1 the longest
     sequence is at most the wave's rows); a wave of one sequence has CP x rank rows of entry.
 
-    Formula: rope_per_row x (CP - 1) per rank row (the longest sequence is at most the wave's
-    padded rows, CP x the rank's rows: the bound the pricer can state without sequence lengths);
-    0 at CP1 or without attention. Charged at every point of the wave (one entry per wave, not
-    per layer). Evidence: docs/memory-model.md#cp-rope-cache (bench/results/cp_rope_anatomy.txt,
-    TP2+SP+CP4 h1024 full, the 3072-token wave against the 2048-token one: `rotary_pos_emb cat` [2048, 64] fp32 against
-    [1024, 64], 682.7 against 512 B per rank row, the whole of the busiest rank's per-row
-    growth). O(1).
+    Formula: rope_per_row x (CP - 1) per rank row, the bound (the longest sequence is at most
+    the call's padded rows, CP x the rank's rows); 0 at CP1 or without attention. The walk takes
+    it back to the call's own longest sequence, rope_per_row x max(0, longest - rank rows)
+    (`walk.rope_credit`, `GroupLoad.longest_rows`); a call of unknown longest keeps the bound.
+    Charged at every point of the wave (one entry per call, not per layer). Evidence:
+    docs/memory-model.md#cp-rope-cache (bench/results/cp_rope_anatomy.txt, TP2+SP+CP4 h1024 full,
+    the 3072-token wave against the 2048-token one: `rotary_pos_emb cat` [2048, 64] fp32 against
+    [1024, 64], 682.7 against 512 B per rank row, the whole of the busiest rank's per-row growth;
+    across the grid the shortfall grows with the longest sequence at exactly rope_per_row x CP
+    per rank row, docs/layouts-evidence.md section 12). O(1).
     """
     return rope_per_row * (cp - 1) if cp > 1 else 0.0
 

@@ -483,7 +483,8 @@ class PricingModel:
             "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in g.layers),
             # the CP RoPE cache bound above (per rank row, where the arrays carry it) and one
             # entry row: the walk credits what a call's longest sequence does not hold
-            # (`walk.rope_credit`); none under PP > 1, whose stage walks keep the bound
+            # (`walk.rope_credit`) and charges the other calls' entries at a call's points;
+            # none under PP > 1, whose stage walks keep the bound and charge the entries apart
             "rope_cp": decoder.rope_cp if p.pp == 1 else 0.0,
             "rope_entry": decoder.rope_entry if p.pp == 1 else 0.0,
             "rope_kept": not full,

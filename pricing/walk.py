@@ -17,6 +17,10 @@ Schedule (docs/memory-model.md#schedule; the #anchors below are sections of that
   retained) (#other-groups, closed form; `brute_force_orders` in the tests checks it).
 Groups of a slot that has several gradient groups in the wave (split children) charge that
 slot's whole gradient once, in each of them, and none as "already run" (conservative).
+- The RoPE cache (#cp-rope-cache): each call keeps an entry of its longest sequence's rows; the
+  other calls' entries are charged at a call's points (`other_groups`), and under CP the arrays'
+  bound (the call as one sequence) is taken back to the call's own longest sequence
+  (`rope_credit`) where the arrays carry it.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class WalkCharges(NamedTuple):
     pad_point: np.ndarray   # float64[L] per padding row of a forward call at layer i's own points
     chunk: float            # a forward call's rows padded to a multiple of this (<= 1: none)
     rope_cp: float = 0.0    # per rank row: the CP RoPE cache bound the arrays above carry
-    rope_entry: float = 0.0  # per row of the longest sequence: one RoPE cache entry row (CP > 1)
+    rope_entry: float = 0.0  # per row of a call's longest sequence: one RoPE cache entry row
     rope_kept: bool = False  # the bound is in retained[0] and nograd[0] (else every point's
     #                          workspace, no-grad transient and head transient: full recompute)
 
@@ -206,6 +210,11 @@ def walk(charges, first_exec, groups):
     for g in range(n_groups):
         if grad[g]:
             others_all += max(keep[g], done[g])
+    # every call keeps its own RoPE cache entry (its longest sequence's rows, on every rank) to the
+    # end of the step; a call's own entry is in its per-row terms, the other calls' are not
+    entries = 0.0
+    for g in range(n_groups):
+        entries += charges.rope_entry * groups.longest[g]
 
     for g in range(n_groups):
         if not grad[g]:
@@ -214,13 +223,14 @@ def walk(charges, first_exec, groups):
             for i in range(n_layers):
                 ng = max(ng, rows[g] * nograd[i] + pad[g] * pad_point[i]
                          - (credit[g] if (i == 0 or not kept) else 0.0))
-            _start(point, others_all, caller_bytes, first_exec)
+            _start(point, others_all + entries - charges.rope_entry * groups.longest[g],
+                   caller_bytes, first_exec)
             point[TERM_NOGRAD_TRANSIENT] = ng
             point[TERM_GDN_STATES] = segments[g] * max_state
             point[TERM_HEAD] = rows[g] * head_ret + head_const
             _offer(best, out, point, POINT_NOGRAD_FORWARD, -1, g)
             continue
-        others = others_all - max(keep[g], done[g])
+        others = others_all - max(keep[g], done[g]) + entries - charges.rope_entry * groups.longest[g]
         s = slot[g]
         shared_slot = per_slot[s] > 1
         # forward: layer i runs with boundaries 0..i-1 saved and the layer's own transient

@@ -129,3 +129,41 @@ def test_a_bad_longest_sequence_names_the_field():
         GroupLoad(packed_rows=10, padded_rows=12, logical_rows=10, segments=1, longest_rows=13)
     with pytest.raises(ConfigError, match="group.longest_rows"):
         GroupLoad(packed_rows=10, padded_rows=12, logical_rows=10, segments=1, longest_rows=-1)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_each_call_keeps_its_own_entry_beside_the_others(cp):
+    """A call's own entry is in its per-row terms; the other calls' entries are charged beside it
+    (Megatron's lru_cache keeps one per distinct longest length), and the envelope bounds them."""
+    from waveplan.pricing.lora import LoraConfig, LoraSlot
+
+    model = PricingModel.build(load_preset("qwen3-8b"), parallel=ParallelLayout(tp=2, sequence_parallel=True, cp=cp),
+                               lora=LoraConfig(slots=(LoraSlot(name="a"), LoraSlot(name="b"))))
+    entry = rope_cache_per_row(model.geometry, model.geometry.layers)
+    big = GroupLoad(slot="a", packed_rows=16_384, padded_rows=16_384, logical_rows=16_384, segments=2,
+                    longest_rows=8192)
+    alone = price_groups(model, [big])
+    for longest in (64, 512, 1024):
+        small = GroupLoad(slot="b", grad=False, packed_rows=1024, padded_rows=1024, logical_rows=1024,
+                          segments=2, longest_rows=longest)
+        both = price_groups(model, [big, small])
+        assert both.binding == alone.binding
+        assert both.terms["other_groups"] - alone.terms["other_groups"] == pytest.approx(entry * longest, abs=1)
+    lengths = [700, 1300, 90, 2100, 450, 33]
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=n, slot="ab"[i % 2], grad=i % 3 != 0)
+                               for i, n in enumerate(lengths)])
+    pricer = WavePricer.build(step, model)
+    env = pricer.envelope()
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        idx = np.flatnonzero(rng.random(len(lengths)) < 0.6)
+        if idx.size == 0:
+            continue
+        present = np.zeros(pricer.num_classes, dtype=bool)
+        counts = np.zeros((pricer.num_classes, 3))
+        for load in pricer.group_loads([idx]):
+            k = [i for i in range(pricer.num_classes)
+                 if (pricer.class_slot[i], pricer.class_grad[i]) == (load.slot, load.grad)][0]
+            present[k] = True
+            counts[k] = (load.packed_rows, load.logical_rows, load.segments)
+        assert env.value(present, counts) >= pricer.admitted([idx])

@@ -10,6 +10,7 @@ from waveplan.pricing.geometry import MixerKind
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.pipeline import rope_cache_per_row
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import GroupLoad, price_groups, rank_rows
 from waveplan.pricing.terms import gdn_state_per_segment
@@ -76,7 +77,11 @@ def test_seed001_nograd_groups_run_one_after_another():
     f, h = 12288, 4096
     assert one.terms["nograd_transient"] == 8192 * (6 * f + 6 * h)
     assert two.terms["nograd_transient"] == one.terms["nograd_transient"]  # max, not sum
-    assert two.raw_bytes - one.raw_bytes == 4096 * 6144  # only the caller's per-token memory adds
+    # only the caller's per-token memory adds, and the second call's RoPE cache entry (its
+    # longest sequence, unknown: all its 4096 rows), which Megatron's lru_cache keeps beside the
+    # first call's (docs/memory-model.md#cp-rope-cache)
+    entry = rope_cache_per_row(model.geometry, model.geometry.layers)
+    assert two.raw_bytes - one.raw_bytes == 4096 * 6144 + 4096 * entry
 
 
 def test_seed002_gdn_state_per_segment():
