@@ -35,11 +35,8 @@ the package's files, not from imported modules.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.util
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -54,8 +51,6 @@ ENV_MODE = "WAVEPLAN_COLD_COMPILE"
 INTERPRETED_COMMANDS = ("plan", "price", "inspect")
 INTERPRET_MAX_BUDGET_MS = 20.0   # --time-budget-ms above this compiles first
 LOG_NAME = "background-warmup.log"
-_KERNEL_LINE = re.compile(rb"^@njit\b", re.MULTILINE)
-_PACKAGES = ("waveplan.pricing", "waveplan.search", "waveplan.planner")
 
 
 class ColdMode(str, Enum):
@@ -93,22 +88,9 @@ def mode(environ: dict | None = None) -> ColdMode:
                   f"must be one of {', '.join(m.value for m in ColdMode)}") from None
 
 
-@functools.lru_cache(maxsize=1)
 def kernel_files() -> tuple[Path, ...]:
-    """The package's kernel modules: source files with a line that starts with `@njit`
-    (how every kernel is decorated), sorted. Read from disk, not from imported modules, so it
-    works before any kernel is decorated. O(package files), once per process."""
-    out: set[Path] = set()
-    for name in _PACKAGES:
-        spec = importlib.util.find_spec(name)
-        for folder in (spec.submodule_search_locations or []) if spec else []:
-            for path in Path(folder).rglob("*.py"):
-                try:
-                    if _KERNEL_LINE.search(path.read_bytes()):
-                        out.add(path.resolve())
-                except OSError:
-                    continue
-    return tuple(sorted(out))
+    """The package's kernel modules (`jit_cache.kernel_files`)."""
+    return jit_cache.kernel_files()
 
 
 def warm_marker() -> Path:
@@ -119,13 +101,7 @@ def warm_marker() -> Path:
         numba_version = metadata.version("numba")
     except metadata.PackageNotFoundError:
         numba_version = "unknown"
-    parts = [jit_cache.waveplan_version(), numba_version]
-    for path in kernel_files():
-        try:
-            st = path.stat()
-        except OSError:
-            continue
-        parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    parts = [jit_cache.waveplan_version(), numba_version, *jit_cache.kernel_stamps()]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return jit_cache.cache_dir() / f".warm-{digest}"
 

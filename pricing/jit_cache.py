@@ -3,12 +3,16 @@ and `make`, so that each compiles a kernel once, not once per tool.
 
 The folder, first rule that applies:
 
-1. `WAVEPLAN_CACHE_DIR` (waveplan's cache root): `$WAVEPLAN_CACHE_DIR/<version>/numba`;
+1. `WAVEPLAN_CACHE_DIR` (waveplan's cache root): `$WAVEPLAN_CACHE_DIR/<key>/numba`;
 2. `NUMBA_CACHE_DIR`, when set in the environment: used as it is;
-3. `$XDG_CACHE_HOME/waveplan/<version>/numba`, by default `~/.cache/waveplan/<version>/numba`.
+3. `$XDG_CACHE_HOME/waveplan/<key>/numba`, by default `~/.cache/waveplan/<key>/numba`.
 
-`<version>` is the installed waveplan's version. numba also keys each entry by the source
-file's path and stamp, so several checkouts share the folder without mixing their kernels.
+`<key>` is the installed waveplan's version and a digest of the kernel files' paths, sizes and
+mtimes (`cache_key`). numba keys each entry by its own source file's path and stamp only, so a
+kernel that calls a kernel of another file (`wave_pricer._admitted` calls `walk.walk`) would
+otherwise be loaded stale after that other file changed (an editable install, a checkout that
+moved on): a changed kernel file starts a fresh folder. Several checkouts still share the root
+without mixing their kernels.
 
 numba picks a kernel's cache folder when `@njit(cache=True)` decorates it (the locator is made
 then, from `numba.config.CACHE_DIR`), not when numba is imported. `use()` therefore sets
@@ -21,12 +25,19 @@ any kernel module is imported; `waveplan.search` imports `waveplan.pricing` firs
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import importlib.util
 import os
+import re
 from importlib import metadata
 from pathlib import Path
 
 ENV_ROOT = "WAVEPLAN_CACHE_DIR"
 ENV_NUMBA = "NUMBA_CACHE_DIR"
+# how every kernel is decorated, and the packages that hold kernels
+_KERNEL_LINE = re.compile(rb"^@njit\b", re.MULTILINE)
+_PACKAGES = ("waveplan.pricing", "waveplan.search", "waveplan.planner")
 
 
 def waveplan_version() -> str:
@@ -37,18 +48,56 @@ def waveplan_version() -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def kernel_files() -> tuple[Path, ...]:
+    """The package's kernel modules: source files with a line that starts with `@njit`
+    (how every kernel is decorated), sorted. Read from disk, not from imported modules, so it
+    works before any kernel is decorated. O(package files), once per process."""
+    out: set[Path] = set()
+    for name in _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            for path in Path(folder).rglob("*.py"):
+                try:
+                    if _KERNEL_LINE.search(path.read_bytes()):
+                        out.add(path.resolve())
+                except OSError:
+                    continue
+    return tuple(sorted(out))
+
+
+def kernel_stamps() -> list[str]:
+    """"path:size:mtime" of every kernel file (`kernel_files`), what numba keys its entries by."""
+    parts = []
+    for path in kernel_files():
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    return parts
+
+
+@functools.lru_cache(maxsize=1)
+def cache_key() -> str:
+    """The cache folder's name under the root: waveplan's version and 12 hex digits of the
+    kernel files' stamps (`kernel_stamps`). O(package files), once per process."""
+    digest = hashlib.sha256("\n".join(kernel_stamps()).encode()).hexdigest()[:12]
+    return f"{waveplan_version()}-{digest}"
+
+
 def cache_dir(environ: os._Environ | dict | None = None) -> Path:
     """The numba cache folder the rules above give for `environ` (default: this process's
-    environment). Reads only; creates nothing. O(1)."""
+    environment). Reads only; creates nothing. O(1) once `cache_key` is known."""
     env = os.environ if environ is None else environ
     root = env.get(ENV_ROOT)
     if root:
-        return Path(root).expanduser() / waveplan_version() / "numba"
+        return Path(root).expanduser() / cache_key() / "numba"
     if env.get(ENV_NUMBA):
         return Path(env[ENV_NUMBA]).expanduser()
     xdg = env.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path("~").expanduser() / ".cache"
-    return base / "waveplan" / waveplan_version() / "numba"
+    return base / "waveplan" / cache_key() / "numba"
 
 
 def use() -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from waveplan.pricing.jit_cache import cache_dir, waveplan_version
+from waveplan.pricing.jit_cache import cache_dir, cache_key, waveplan_version
 
 # Prints numba's cache folder and the folder of every cached waveplan kernel, after `imports`.
 PROBE = """
@@ -52,7 +52,7 @@ def _clean_env(**extra: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["xdg", "waveplan", "numba"])
 def test_cli_and_library_resolve_the_same_cache_dir(tmp_path, setting):
-    version = waveplan_version()
+    version = cache_key()
     env, expected = {
         "xdg": (_clean_env(XDG_CACHE_HOME=str(tmp_path / "xdg")),
                 tmp_path / "xdg" / "waveplan" / version / "numba"),
@@ -72,14 +72,15 @@ def test_cli_and_library_resolve_the_same_cache_dir(tmp_path, setting):
 
 
 def test_rules_in_order(tmp_path):
-    version = waveplan_version()
+    version = cache_key()
     home = Path("~").expanduser()
     assert cache_dir({}) == home / ".cache" / "waveplan" / version / "numba"
     assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/waveplan") / version / "numba"
     assert cache_dir({"XDG_CACHE_HOME": "/x", "NUMBA_CACHE_DIR": "/n"}) == Path("/n")
     assert cache_dir({"WAVEPLAN_CACHE_DIR": "/w", "NUMBA_CACHE_DIR": "/n"}) == Path("/w") / version / "numba"
     assert cache_dir({"WAVEPLAN_CACHE_DIR": "", "XDG_CACHE_HOME": ""}) == home / ".cache" / "waveplan" / version / "numba"
-    assert version == metadata.version("waveplan")
+    assert version.startswith(metadata.version("waveplan") + "-") and version == cache_key()
+    assert waveplan_version() == metadata.version("waveplan")
 
 
 def test_the_compile_lock_excludes_another_process_until_released(tmp_path):
@@ -93,3 +94,25 @@ def test_the_compile_lock_excludes_another_process_until_released(tmp_path):
         held = subprocess.run([sys.executable, "-c", probe], check=False)
     free = subprocess.run([sys.executable, "-c", probe], check=False)
     assert (held.returncode, free.returncode) == (3, 0)
+
+
+
+def test_a_changed_kernel_file_moves_the_cache_folder(tmp_path, monkeypatch):
+    """numba keys a cached kernel by its own file's stamp only: `_admitted` (wave_pricer.py)
+    inlines `walk` (walk.py), so a folder kept across a change of walk.py would load a stale
+    `_admitted`. The folder's key covers every kernel file's stamp."""
+    from waveplan.pricing import jit_cache
+
+    assert {"walk.py", "wave_pricer.py", "layout.py"} <= {p.name for p in jit_cache.kernel_files()}
+    files = [tmp_path / "walk.py", tmp_path / "wave_pricer.py"]
+    for f in files:
+        f.write_text("@njit(cache=True)\ndef k():\n    return 1\n")
+    monkeypatch.setattr(jit_cache, "kernel_files", lambda: tuple(files))
+    key = jit_cache.cache_key.__wrapped__
+    before = key()
+    assert before.startswith(waveplan_version() + "-") and key() == before
+    st = files[0].stat()
+    os.utime(files[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert key() != before
+    files[0].write_text("@njit(cache=True)\ndef k():\n    return 22\n")
+    assert key() != before
