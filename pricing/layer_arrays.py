@@ -477,8 +477,6 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
 
-
-
 def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     """The RoPE cache entry of the whole longest sequence under CP (`layout_terms.cp_rope_cache_per_row`),
     per row, once per wave; with the structural GDN terms also the entry's own rows, which the
