@@ -51,6 +51,10 @@ ANATOMY_CELLS = (
     ("TP2+SP+CP4", grid.DENSE, {"tp": 2, "sequence_parallel": True, "cp": 4}, "full"),
     ("TP8+SP h1024", grid.DENSE, {"tp": 8, "sequence_parallel": True}, "none"),
     ("TP8+SP h768", grid.DENSE2, {"tp": 8, "sequence_parallel": True}, "none"),
+    # what CP adds at TP8+SP beyond the terms, per geometry (docs/layouts-evidence.md section 12)
+    ("TP8+SP h768", grid.DENSE2, {"tp": 8, "sequence_parallel": True}, "full"),
+    ("TP8+SP+CP2 h1024", grid.DENSE, {"tp": 8, "sequence_parallel": True, "cp": 2}, "full"),
+    ("TP8+SP+CP2 h768", grid.DENSE2, {"tp": 8, "sequence_parallel": True, "cp": 2}, "full"),
     ("MoE-wide TP1", grid.MOE_WIDE, {}, "full"),
     ("MoE-wide EP2", grid.MOE_WIDE, {"ep": 2}, "full"),
     ("MoE-wide EP4", grid.MOE_WIDE, {"ep": 4}, "full"),
