@@ -218,3 +218,24 @@ def test_inconsistent_aggregates_are_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="aggregates"):
         load_profiles(path)
+
+
+def test_a_load_keeps_its_longest_sequence_through_a_profile_file(tmp_path):
+    """`longest_rows` is written when known and read back; a file without it (written before it)
+    loads with it unknown, priced at the bound (docs/memory-model.md#cp-rope-cache)."""
+    sig = Signature(config="{}", mix=(("default", True),))
+    known = GroupLoad(packed_rows=1000, padded_rows=1008, logical_rows=1200, segments=3, longest_rows=512)
+    data = ProfileStore([Profile.first(sig, Observation(loads=(known,), static_raw_bytes=1000,
+                                                         peak_bytes=900))]).to_dict()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert load_profiles(path).to_dict() == data
+    (load,) = data["profiles"][0]["observations"][0]["loads"]
+    assert load["longest_rows"] == 512
+    del load["longest_rows"]
+    path.write_text(json.dumps(data))
+    assert load_profiles(path).to_dict() == data
+    load["longest_rows"] = 2000   # beyond its padded rows: one line naming the field
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="longest_rows"):
+        load_profiles(path)
