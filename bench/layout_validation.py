@@ -165,8 +165,9 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     """Largest shortfall per class and group over the fit cells (2048 tokens; of the dense
     geometries named in `shapes`, default all), the scale cells (8192 tokens) and the long cells
     (one 12288-token sequence), where traced, in units of H per row (per layer for the retained
-    group), rounded up to the next eighth H plus an eighth H (per layer for the retained group); and at least the per-row limit (`_per_row_limit`, and the long
-    cell's shortfall without its pending gradients). `points`: price with the layer-norm and SP FC2
+    group), rounded up to the next eighth H plus an eighth H (per layer for the retained group);
+    and at least the per-row limit (`_per_row_limit`, and the long cell's shortfall without its
+    pending gradients). `points`: price with the layer-norm and SP FC2
     points and the SP retained layer (False: the te-gpu fit, which has none of them).
     O(cells x layers)."""
     base = load_table("torch-cpu")

@@ -543,14 +543,10 @@ class LayerArrays:
     rope: float
     """The CP RoPE cache entry per row, once per wave (beside the head's backward under full
     recompute)."""
-    rope_cp: float
-    """The part of `rope` that bounds a wave's longest sequence by CP x its rank rows
-    (`layout_terms.cp_rope_cache_per_row`): the walk credits what a call's longest sequence
-    does not hold (`walk.rope_credit`)."""
     rope_entry: float
     """One RoPE cache entry per row of a call's longest sequence (`pipeline.rope_cache_per_row`):
     what the walk charges the other calls' entries at a call's points, and under CP the entry
-    rows beyond the rank's own instead of the bound (`walk.rope_credit`)."""
+    rows beyond the rank's own instead of the bound in `rope` (`walk.rope_credit`)."""
 
 
 def layer_arrays(ctx: LayerContext) -> LayerArrays:
@@ -597,6 +593,4 @@ def layer_arrays(ctx: LayerContext) -> LayerArrays:
     return LayerArrays(retained=retained, workspace=workspace, nograd=nograd, gdn_state=gdn_state,
                        nograd_plain=nograd_plain, retained_forward=retained_fwd,
                        pad_point=pad_point, pad_retained=pad_retained, gdn_chunk=gdn_chunk,
-                       residual=residual, rope=rope,
-                       rope_cp=layout_terms.cp_rope_cache_per_row(entry, cp=ctx.rows_cp),
-                       rope_entry=entry)
+                       residual=residual, rope=rope, rope_entry=entry)

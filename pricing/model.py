@@ -485,7 +485,8 @@ class PricingModel:
             # entry row: the walk credits what a call's longest sequence does not hold
             # (`walk.rope_credit`) and charges the other calls' entries at a call's points;
             # none under PP > 1, whose stage walks keep the bound and charge the entries apart
-            "rope_cp": decoder.rope_cp if p.pp == 1 else 0.0,
+            "rope_cp": layout_terms.cp_rope_cache_per_row(decoder.rope_entry, cp=self.rows_cp)
+            if p.pp == 1 else 0.0,
             "rope_entry": decoder.rope_entry if p.pp == 1 else 0.0,
             "rope_kept": not full,
         }

@@ -103,7 +103,7 @@ def rope_credit(charges, rows, longest):
         return 0.0
     bound = charges.rope_cp * rows
     held = charges.rope_entry * max(0.0, longest - rows)
-    return min(bound, max(0.0, bound - held))
+    return max(0.0, bound - held)
 
 
 # `_start` and `_offer` are inlined into `walk`: it passes them literal point codes, for which

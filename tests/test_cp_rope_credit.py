@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.pipeline import rope_cache_per_row
@@ -135,8 +136,6 @@ def test_a_bad_longest_sequence_names_the_field():
 def test_each_call_keeps_its_own_entry_beside_the_others(cp):
     """A call's own entry is in its per-row terms; the other calls' entries are charged beside it
     (Megatron's lru_cache keeps one per distinct longest length), and the envelope bounds them."""
-    from waveplan.pricing.lora import LoraConfig, LoraSlot
-
     model = PricingModel.build(load_preset("qwen3-8b"), parallel=ParallelLayout(tp=2, sequence_parallel=True, cp=cp),
                                lora=LoraConfig(slots=(LoraSlot(name="a"), LoraSlot(name="b"))))
     entry = rope_cache_per_row(model.geometry, model.geometry.layers)
