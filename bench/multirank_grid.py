@@ -63,6 +63,13 @@ DENSE2 = {"name": "grid-dense-h768", "hidden": 768, "ffn": 2048, "vocab": 4096, 
           "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
           "attention": {"num_heads": 8, "num_kv_groups": 8, "head_dim": 96, "output_gate": False},
           "gdn": None, "moe": None}
+# a third dense geometry, held out of every fit (`--grid dense3`, traces_multirank_dense3.jsonl):
+# shaped like Qwen3's attention (head width 128, the query projection wider than the hidden:
+# 16 x 128 = 2048 over 1536, 8 KV groups of 2 heads), FFN 2.67 H, another vocabulary
+DENSE3 = {"name": "grid-dense-h1536", "hidden": 1536, "ffn": 4096, "vocab": 6144, "dtype": "bf16",
+          "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+          "attention": {"num_heads": 16, "num_kv_groups": 8, "head_dim": 128, "output_gate": False},
+          "gdn": None, "moe": None}
 WAVES = ((1024, 640, 384), (2048, 512, 256, 256))
 WAVES2 = ((1280, 512, 256),)
 RECOMPUTES = ("full", "selective", "none")
@@ -103,6 +110,10 @@ LAYOUTS = (
 LAYOUTS2 = tuple((name, DENSE2, kwargs, "balanced", RECOMPUTES) for name, model, kwargs, _, _ in LAYOUTS
                  if model is DENSE)
 TRACES2 = RESULTS / "traces_multirank_dense2.jsonl"
+LAYOUTS3 = tuple((name, DENSE3, kwargs, "balanced", RECOMPUTES) for name, model, kwargs, _, _ in LAYOUTS
+                 if model is DENSE)
+WAVES3 = ((1024, 640, 384),)
+TRACES3 = RESULTS / "traces_multirank_dense3.jsonl"
 
 # the scale grid (`--grid scale`, traces_multirank_scale.jsonl): both dense geometries' layout
 # classes at one wave of 8192 tokens, 4x the fit wave, where the per-wave constants (adapter
@@ -119,6 +130,7 @@ TRACES_SCALE = RESULTS / "traces_multirank_scale.jsonl"
 WAVES_LONG = ((12288,),)
 TRACES_LONG = RESULTS / "traces_multirank_long.jsonl"
 GRIDS = {"main": (LAYOUTS, WAVES, TRACES), "dense2": (LAYOUTS2, WAVES2, TRACES2),
+         "dense3": (LAYOUTS3, WAVES3, TRACES3),
          "scale": (LAYOUTS_SCALE, WAVES_SCALE, TRACES_SCALE), "long": (LAYOUTS_SCALE, WAVES_LONG, TRACES_LONG)}
 
 
