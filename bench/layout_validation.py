@@ -58,6 +58,9 @@ TRACES2 = ROOT / "bench/results/traces_multirank_dense2.jsonl"
 TRACES_SCALE = ROOT / "bench/results/traces_multirank_scale.jsonl"
 # one 12288-token sequence per cell (bench/multirank_grid.py --grid long): fit cells too
 TRACES_LONG = ROOT / "bench/results/traces_multirank_long.jsonl"
+# a third dense geometry (bench/multirank_grid.py --grid dense3: hidden 1536, 16 heads of 128 in 8
+# KV groups, FFN 4096, vocabulary 6144): held out of every fit, reported on its own
+TRACES3 = ROOT / "bench/results/traces_multirank_dense3.jsonl"
 # the GDN hybrid's cells (bench/gdn_grid.py): validated here, never fitted (the residual's GDN
 # layers take the `full_bare` group fitted on the dense cells)
 TRACES_GDN = ROOT / "bench/results/traces_multirank_gdn.jsonl"
@@ -366,6 +369,7 @@ def report() -> list[str]:
             order = list(dense)
             for name in sorted(per_class, key=lambda n: (n.split(" ", 1)[0], order.index(n.split(" ", 1)[1]))):
                 lines.append(f"{name:28s} {_summary(per_class[name])}")
+    lines += held_out_geometry_lines(table)
     fitted = with_residual(table, fit())
     for key, why in HELD_BACK.items():
         lines += ["", f"Held back from evidence, {why}.", "Its cells priced with the fitted residual:",
@@ -398,6 +402,40 @@ def report() -> list[str]:
         for name, ratios in per.items():
             lines.append(f"{fit_on.removeprefix('grid-dense-') + ' -> ' + other.removeprefix('grid-dense-'):28s} "
                          f"{name:14s} {_summary(ratios)}")
+    return lines
+
+
+def held_out_geometry_lines(table: CoefficientTable) -> list[str]:
+    """The held-out dense geometry's cells (traces_multirank_dense3.jsonl), priced with `table`
+    as it is: per class and recompute mode, and per recompute mode over every class at TP > 1 or
+    CP > 1. None of its cells is read by `fit`. O(cells x layers)."""
+    records = _records(TRACES3)
+    if not records:
+        return []
+    per: dict[str, list[float]] = {}
+    mode_of: dict[str, list[float]] = {}
+    modes = ("full", "none", "selective")
+    for rec in sorted(records, key=lambda r: (r["cell"]["layout"]["cp"], r["cell"]["layout"]["sequence_parallel"],
+                                              r["cell"]["layout"]["tp"], modes.index(r["cell"]["recompute"]))):
+        cell, trace = rec["cell"], rec["trace"]
+        raw, _ = estimate(cell, table)
+        ratio = raw / trace["peak_bytes"]
+        mode = cell["recompute"]
+        per.setdefault(class_of(cell) + ("" if mode == "full" else f" {mode}"), []).append(ratio)
+        if cell["layout"]["tp"] * cell["layout"]["cp"] > 1:
+            mode_of.setdefault(mode, []).append(ratio)
+    g = records[0]["cell"]["geometry"]
+    att = g["attention"]
+    lines = ["", f"Held-out dense geometry ({g['name']}, traces_multirank_dense3.jsonl; never fitted: hidden "
+             f"{g['hidden']},", f"{att['num_heads']} heads of {att['head_dim']} in {att['num_kv_groups']} KV groups "
+             f"(the query projection wider than the hidden, as in Qwen3), FFN {g['ffn']},",
+             f"vocabulary {g['vocab']}; one wave of {records[0]['trace']['tokens']} tokens), priced with the residuals "
+             "as fitted above:", f"{'class':28s} cells under  median   worst"]
+    for name, ratios in per.items():
+        lines.append(f"{name:28s} {_summary(ratios)}")
+    lines += ["Every class at TP > 1 or CP > 1, per recompute mode:"]
+    for mode in sorted(mode_of):
+        lines.append(f"{'all layouts':28s} {_summary(mode_of[mode])}  {mode}")
     return lines
 
 

@@ -71,7 +71,8 @@ class WaveRecord:
     must fit the budget); `basis_before` is "profile" once the wave's signature has been
     observed. `static_raw`: the static model's raw price (no profile). `measured`: the
     wave's real peak. `raw_after`/`admitted_after`: the same wave re-priced after observing
-    it."""
+    it. `earlier_rope`: the RoPE cache entries of the step's earlier waves the plan charged
+    beside it (in `raw_before`; the peak is measured above them)."""
 
     step: int
     wave: int
@@ -89,6 +90,7 @@ class WaveRecord:
     admitted_after: int
     loss_sum: float
     loss_tokens: int
+    earlier_rope: int = 0
 
 
 @dataclass
@@ -196,6 +198,7 @@ def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], N
     import torch
 
     from waveplan.planner import Planner
+    from waveplan.pricing import rope_cache
     from waveplan.pricing.measure.live_geometry import geometry_from_megatron
     from waveplan.pricing.measure.megatron_shim import init_single_process
     from waveplan.pricing.measure.training_wave import run_training_wave
@@ -239,7 +242,8 @@ def _train(config: TrainConfig, result: TrainResult, rng, say: Callable[[str], N
                     raw_before=wave.raw_bytes, admitted_before=wave.admitted_bytes,
                     static_raw=wave.static_raw_bytes, measured=measured.peak_bytes,
                     raw_after=after.raw_bytes, admitted_after=after.admitted_bytes,
-                    loss_sum=measured.loss_sum, loss_tokens=measured.loss_tokens)
+                    loss_sum=measured.loss_sum, loss_tokens=measured.loss_tokens,
+                    earlier_rope=wave.breakdown.terms.get(rope_cache.TERM, 0))
                 if measured.packed_rows != record.packed_rows:
                     raise AssertionError(f"step {s} wave {wave.index}: ran {measured.packed_rows} "
                                          f"rows, planned {record.packed_rows}")

@@ -35,6 +35,7 @@ from pathlib import Path
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import Breakdown, GroupLoad
+from waveplan.pricing.rope_cache import TERM
 
 PROFILE_SCHEMA = 1
 TRUST_FACTOR = 8  # at most 8x beyond what a profile observed (docs/memory-model.md#learned-profiles)
@@ -371,7 +372,11 @@ class ProfileAdjust:
 
 
 def static_raw_without_first_exec(breakdown: Breakdown) -> int:
-    """The static raw price the profiles compare peaks against."""
+    """The static raw price the profiles compare peaks against: without the first-execution
+    allowance (or the profile's own term), and without the earlier waves' RoPE cache entries
+    (`rope_cache.TERM`: an observed peak is measured above what was allocated before the wave,
+    them included; a profile's price is charged them beside it, unscaled)."""
+    earlier = breakdown.terms.get(TERM, 0)
     if breakdown.basis == "profile":
-        return breakdown.raw_bytes - breakdown.terms.get("profile", 0)
-    return breakdown.raw_bytes - breakdown.terms.get("first_execution", 0)
+        return breakdown.raw_bytes - breakdown.terms.get("profile", 0) - earlier
+    return breakdown.raw_bytes - breakdown.terms.get("first_execution", 0) - earlier

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
+from . import rope_cache
 from .clique_bound import find_cliques, undominated_points
 from .envelope import Envelope, build_envelope
 from .layout import _tree_counts, layout
@@ -244,6 +245,16 @@ class WavePricer:
         if out < 0:   # a bad index: let the full path raise its error
             return self.price(children, first_slots=first_slots).admitted_bytes
         return out
+
+    def earlier_entries(self, waves: Sequence[Sequence[GroupLoad]]) -> list[float]:
+        """Bytes of the RoPE cache entries the waves before each wave (in run order, given by
+        their group loads) left beside it (`rope_cache.earlier_wave_entries`); 0 under PP > 1,
+        whose stage walks charge them. O(calls x log calls)."""
+        return rope_cache.earlier_wave_entries(float(self.model.arrays["rope_entry"]), waves)
+
+    def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
+        """`price` with `extra` bytes of earlier waves' entries (`rope_cache.plus_earlier_entries`)."""
+        return rope_cache.plus_earlier_entries(price, extra, self.model.safety)
 
     def group_loads(self, children: Sequence[np.ndarray]) -> list[GroupLoad]:
         """One load per (child, class): each runs as its own forward call. O(requests)."""

@@ -172,6 +172,20 @@ class LoadsPricer(Protocol):
         ...
 
 
+@runtime_checkable
+class EarlierEntriesPricer(Protocol):
+    """What prices the RoPE cache entries a plan's earlier waves leave (`pricing.rope_cache`):
+    the planner charges them after the search, `check_plan` re-checks them."""
+
+    def earlier_entries(self, waves: Sequence[Sequence[GroupLoad]]) -> list[float]:
+        """Per wave in run order (given by its group loads), the bytes the waves before it left."""
+        ...
+
+    def plus_earlier(self, price: WavePrice, extra: float) -> WavePrice:
+        """`price` with `extra` bytes of them live beside the wave."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class SearchPricer:
     """The pricer as one search sees it: the pricer, and each optional capability it offers

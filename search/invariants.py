@@ -3,7 +3,10 @@
 `check_plan` raises AssertionError naming the first broken invariant:
 - every request exactly once; children non-empty, disjoint, ascending, union = the wave;
 - every wave re-priced (children and first_slots) fits: admitted bytes <= budget, and equals
-  the price the result carries; the group loads it carries (if any) are the pricer's;
+  the price the result carries; the group loads it carries (if any) are the pricer's; where
+  the result charges the RoPE cache entries of earlier waves (a planner's plan at PP1: the
+  term `rope_cache.TERM`), every wave charges exactly the pricer's `earlier_entries` of the
+  waves before it, re-priced with them (`plus_earlier`);
 - each atomic unit inside one wave;
 - first_slots: each slot with gradient requests has exactly one first wave, which holds a
   gradient request of that slot and runs before every other wave holding one; a wave lists
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contract import LoadsPricer, Pricer, SearchStep
+from waveplan.pricing.rope_cache import TERM
+
+from .contract import EarlierEntriesPricer, LoadsPricer, Pricer, SearchStep
 from .result import Waves
 
 
@@ -28,6 +33,13 @@ def check_plan(step: SearchStep, pricer: Pricer, result: Waves, *, budget_bytes:
     class_of = np.asarray(pricer.class_of, dtype=np.int64)
     grad_slot = [pricer.class_slot[k] if pricer.class_grad[k] else None for k in class_of]
     first_wave: dict[str, list[int]] = {}
+    earlier = None
+    if any(TERM in getattr(wave.price, "terms", {}) for wave in result.waves):
+        assert isinstance(pricer, EarlierEntriesPricer), (
+            "the plan charges earlier waves' RoPE cache entries; the pricer cannot price them")
+        assert all(wave.loads is not None for wave in result.waves), (
+            "the plan charges earlier waves' RoPE cache entries without its group loads")
+        earlier = pricer.earlier_entries([wave.loads for wave in result.waves])
     for w, wave in enumerate(result.waves):
         assert len(wave.children) >= 1, f"wave {w}: no children"
         for c in wave.children:
@@ -39,6 +51,11 @@ def check_plan(step: SearchStep, pricer: Pricer, result: Waves, *, budget_bytes:
                                    f"{int(seen[dup[0]])} (or in another child)")
             seen[c] = w
         price = pricer.price(list(wave.children), first_slots=wave.first_slots)
+        if earlier is not None:
+            price = pricer.plus_earlier(price, earlier[w])
+            assert wave.price.terms.get(TERM) == price.terms[TERM], (
+                f"wave {w}: charges {wave.price.terms.get(TERM)} B of earlier waves' RoPE cache "
+                f"entries, {price.terms[TERM]} B expected")
         assert price.admitted_bytes <= budget_bytes, (
             f"wave {w}: admitted {price.admitted_bytes} > budget {budget_bytes}")
         assert price.admitted_bytes == wave.price.admitted_bytes, (

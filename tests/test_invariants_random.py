@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from waveplan.planner import Planner
+from waveplan.pricing import rope_cache
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
 from waveplan.pricing.geometry import AttentionSpec, GdnSpec, LayerSpec, ModelGeometry, MoeSpec
 from waveplan.pricing.lora import ALL_TARGETS, LoraConfig, LoraSlot
@@ -265,7 +266,8 @@ def feasible_budget(planner: Planner, step: Step) -> int:
     slot's pending gradients included; one request per wave fits). With PP > 1 the pipeline
     schedule also holds other waves' gradients and RoPE entries beside a wave, so the budget
     also covers every stage's peak of a one-request-per-wave plan (the planner's last
-    resort, `search.pipeline.pack_pipeline`)."""
+    resort, `search.pipeline.pack_pipeline`); at PP1 the RoPE cache entries earlier waves
+    leave, at the bound the planner falls back to (a full cache of the step's longest call)."""
     pricer = planner.pricer(step)
     worst = 0
     for i, r in enumerate(step.requests):
@@ -274,6 +276,11 @@ def feasible_budget(planner: Planner, step: Step) -> int:
     if planner.model.parallel.pp > 1 and len(step.requests) > 1:
         alone = planner.plan(step, PIB, num_waves=len(step.requests), deterministic=True)
         worst = max([worst] + [s["peak_bytes"] for s in alone.stages])
+    entry = float(planner.model.arrays["rope_entry"])
+    if entry > 0 and len(step.requests) > 1:
+        # PP1: the earlier waves' RoPE cache entries, at the planner's bound (Planner._with_earlier_rope)
+        longest = max(rope_cache.entry_rows(g) for g in pricer.group_loads([np.arange(len(step.requests))]))
+        worst += math.ceil(planner.model.safety * rope_cache.reserve_bound(entry, longest)) + 3
     return worst
 
 
