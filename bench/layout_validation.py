@@ -2,15 +2,17 @@
 
 Reads bench/results/traces_multirank.jsonl (three shapes, two waves, every layout class),
 bench/results/traces_multirank_gdn.jsonl (a GDN hybrid, bench/gdn_grid.py: reported, never
-fitted) and bench/results/traces_multirank_dense2.jsonl (a second dense geometry: hidden 768, 8 heads of
-96 in 8 KV groups, FFN 2048, vocabulary 4096; one wave): one record per traced cell (geometry,
+fitted), bench/results/traces_multirank_dense2.jsonl (a second dense geometry: hidden 768, 8 heads of
+96 in 8 KV groups, FFN 2048, vocabulary 4096; one wave) and traces_multirank_dense3.jsonl (a third:
+hidden 1536, 16 heads of 128 in 8 KV groups, FFN 4096, vocabulary 6144; one wave; traced as a
+held-out check first, `held_out_geometry_lines`): one record per traced cell (geometry,
 layout, recompute, sequence lengths, every rank's peak). Each cell is priced as one first
 gradient wave (torch-cpu table, head full-native, 2-byte adapter gradients, safety 1.0: the raw
 estimate of the busiest rank).
 
 `fit` prices the dense cells without residuals and takes, per layout class and recompute group,
 the largest hidden-wide shortfall per row (per layer for selective/none) over the fit cells:
-the 2048-token cells of both dense geometries and, where traced, their 8192-token scale cells
+the 2048-token cells of every dense geometry and, where traced, their 8192-token scale cells
 (bench/results/traces_multirank_scale.jsonl, `multirank_grid.py trace --grid scale`) and
 one-sequence long cells (traces_multirank_long.jsonl, `--grid long`: every per-sequence tensor
 at its largest, docs/memory-model.md#cp-long-sequence), and at
@@ -26,6 +28,8 @@ writes bench/results/layout_validation.txt: per class and recompute mode, cells,
 their trace, median and worst estimate / trace, fit and held-out cells apart (held out: the
 3072-token cells); and the cross-shape check: residuals fitted on one dense geometry alone,
 priced on the other.
+
+`fit` then raises a class's residual an eighth H at a time while a fit cell is under (`cover`).
 
 Usage: python bench/layout_validation.py [fit] ; O(cells x layers) pricing calls.
 """
@@ -311,10 +315,10 @@ def report() -> list[str]:
              "(bench/layout_validation.py; traces bench/results/traces_multirank.jsonl,",
              "traces_multirank_dense2.jsonl, traces_multirank_scale.jsonl and traces_multirank_gdn.jsonl, a GDN",
              "hybrid validated, never fitted; torch-cpu table, head full-native, safety 1.0). Residuals fitted",
-             "on the 2048-token cells of both dense geometries (h1024: hidden 1024, 16 heads in 8 KV groups,",
+             "on the 2048-token cells of the three dense geometries (h1024: hidden 1024, 16 heads in 8 KV groups,",
              "FFN 2816, vocabulary 8192; h768: hidden 768, 8 heads of 96 in 8 groups, FFN 2048, vocabulary",
-             "4096), at 8192 tokens and on one 12288-token sequence where traced (the scale and long cells,",
-             "below), covering the per-row limit too",
+             "4096; h1536: below), at 8192 tokens and on one 12288-token sequence where traced (the scale and",
+             "long cells, below), covering the per-row limit too and raised while a fit cell is under (cover)",
              "(bench/layout_validation.py _per_row_limit), checked on the 3072-token cells (held-out) and",
              "across geometries (below). Layout terms beside them:",
              "the layer-norm point (TP without SP) and the SP FC2 point (full recompute), the SP retained layer",
@@ -328,7 +332,7 @@ def report() -> list[str]:
              "with MoE MLPs too, grid-gdn-moe-h768: 8 experts, top 2, expert FFN 0.5 H, shared expert 0.25 H).",
              "Targets: no cell under, median <= 1.03, worst <= 1.10.",
              "",
-             "Per dense layout class (both geometries, both waves; TP1 is the table's own fit). 'vs TP1':",
+             "Per dense layout class (every dense geometry and wave; TP1 is the table's own fit). 'vs TP1':",
              "median and worst of the cell's ratio over the TP1 cell's of the same geometry, wave and recompute",
              "(what the layout terms add beyond the TP1 table's own error; CP classes are priced with TP1's widths).",
              f"{'class':28s} cells under  median   worst   vs TP1: median  worst"]
@@ -408,9 +412,10 @@ def report() -> list[str]:
 
 
 def held_out_geometry_lines(table: CoefficientTable) -> list[str]:
-    """The held-out dense geometry's cells (traces_multirank_dense3.jsonl), priced with `table`
-    as it is: per class and recompute mode, and per recompute mode over every class at TP > 1 or
-    CP > 1. None of its cells is read by `fit`. O(cells x layers)."""
+    """The third dense geometry's cells (traces_multirank_dense3.jsonl), priced with `table` as
+    it is: per class and recompute mode, and per recompute mode over every class at TP > 1 or
+    CP > 1 (the summary its held-out check was read from, before it became a fit geometry).
+    O(cells x layers)."""
     records = _records(TRACES3)
     if not records:
         return []
@@ -447,9 +452,10 @@ def held_out_geometry_lines(table: CoefficientTable) -> list[str]:
 def cover(residual: dict) -> dict:
     """`residual` raised, an eighth H at a time (per layer for the retained group), in each
     layout class and group where a fit cell (2048 tokens, scale and long cells) is still under
-    its trace once priced with it: the shortfall per unit need not move the estimate one for
-    one where the residual is not live at the binding point (the hidden-1536 TP8+SP retained
-    cells). O(rounds x cells x layers)."""
+    its trace once priced with it: the shortfall per unit moves the estimate one for one only
+    where the residual is wholly live at the binding point (the hidden-1536 TP8+SP retained
+    cells bind in a layer's backward, where a per-layer residual moves it 0.64 per unit).
+    O(rounds x cells x layers)."""
     residual = {group: dict(keys) for group, keys in residual.items()}
     base = load_table("torch-cpu")
     cells = [r for r in load_cells() if not mixed(r["cell"]) and r["trace"]["tokens"] == FIT_TOKENS]
