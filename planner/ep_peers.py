@@ -38,9 +38,11 @@ Torch-free: the caller gathers the peers' rows and call counts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from waveplan.pricing import rope_cache
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.pipeline import peaks_from_parts
 from waveplan.pricing.price import GroupLoad
@@ -157,8 +159,10 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
     step's pricer (`Planner.pricer(step)`): learned profiles apply as they do to the plan; it
     prices bound (a), every call raised. `routed_pricer(scale)`, when given, is the step's pricer
     of the same model with `peer_row_scale=scale` (bound (b), `routed_pricers`), asked only for
-    waves (a) does not fit; a wave fits when either bound fits, and an overflow reports the smaller. Waves whose
-    calls all reach their peers' rows keep their price. With PP > 1 (`step` required) the 1F1B
+    waves (a) does not fit; a wave fits when either bound fits, and an overflow reports the smaller. Either
+    bound carries the RoPE cache entries the earlier waves' raised calls leave (`rope_cache`),
+    where the plan charges them (PP1). Waves whose calls all reach their peers' rows, and
+    whose earlier waves' entries do not grow, keep their price. With PP > 1 (`step` required) the 1F1B
     windows of the waves raised as in (a), in the plan's order, are checked against each stage's
     budget instead (`stage_overflow`). O(waves x loads) plus one or two walks per raised wave
     (PP: one per wave and stage)."""
@@ -169,15 +173,24 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
         if step is None:
             raise ValueError("step: needed to check a pipeline plan's windows")
         return stage_overflow(model, step, plan, peer_rows)
+    raised_all = [raise_to_peer_rows(w.loads, peer_rows[i]) for i, w in enumerate(plan.waves)]
+    # the RoPE cache entries earlier waves leave on the rank (`rope_cache`), from the raised
+    # calls (a raised call's longest sequence is unknown: its rows)
+    charged = any(rope_cache.TERM in w.breakdown.terms for w in plan.waves)
+    earlier = pricer.earlier_entries(raised_all) if charged else [0.0] * plan.num_waves
     for i, wave in enumerate(plan.waves):
-        raised = raise_to_peer_rows(wave.loads, peer_rows[i])
-        if raised == tuple(wave.loads):
+        raised = raised_all[i]
+        if raised == tuple(wave.loads) and math.ceil(earlier[i]) <= wave.breakdown.terms.get(rope_cache.TERM, 0):
             continue
-        admitted = int(pricer.price_loads(raised, first_slots=wave.first_slots).admitted_bytes)
+
+        def admitted_of(price) -> int:
+            return int((pricer.plus_earlier(price, earlier[i]) if charged else price).admitted_bytes)
+
+        admitted = admitted_of(pricer.price_loads(raised, first_slots=wave.first_slots))
         if (admitted > plan.budget_bytes and routed_pricer is not None
                 and (scale := peer_row_scale(wave, peer_rows[i])) is not None):
             routed = routed_pricer(scale).price_loads(tuple(wave.loads), first_slots=wave.first_slots)
-            admitted = min(admitted, int(routed.admitted_bytes))
+            admitted = min(admitted, admitted_of(routed))
         if admitted > plan.budget_bytes:
             return PeerOverflow(wave=i, peer_rows=int(peer_rows[i]), own_rows=_own_rows(wave),
                                 admitted_bytes=admitted, budget_bytes=int(plan.budget_bytes))

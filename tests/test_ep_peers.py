@@ -105,7 +105,8 @@ def test_raising_only_the_routed_rows_is_a_tighter_bound_than_raising_every_term
         assert len(wave.loads) == 1
         scale = peer_row_scale(wave, peer[i])
         assert scale == max(1.0, peer[i] / wave.loads[0].padded_rows)
-        own = wave.breakdown.admitted_bytes
+        # the wave's own price (the plan's also carries the earlier waves' RoPE cache entries)
+        own = pricer.price(list(wave.children), first_slots=wave.first_slots).admitted_bytes
         b = routed(scale).price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes
         a = pricer.price_loads(raise_to_peer_rows(wave.loads, peer[i]), first_slots=wave.first_slots).admitted_bytes
         if scale == 1.0:
@@ -119,8 +120,13 @@ def test_raising_only_the_routed_rows_is_a_tighter_bound_than_raising_every_term
         raise_to_peer_rows(small.waves[j].loads, peer[j]), first_slots=small.waves[j].first_slots).admitted_bytes)
     wave = small.waves[i]
     only = [peer[j] if j == i else wave_call_rows(small)[j] for j in range(small.num_waves)]
-    a = pricer.price_loads(raise_to_peer_rows(wave.loads, peer[i]), first_slots=wave.first_slots).admitted_bytes
-    b = routed(peer_row_scale(wave, peer[i])).price_loads(tuple(wave.loads), first_slots=wave.first_slots).admitted_bytes
+    # both bounds carry the RoPE cache entries the earlier waves' raised calls leave
+    extra = pricer.earlier_entries([raise_to_peer_rows(w.loads, only[j]) for j, w in enumerate(small.waves)])[i]
+    a = pricer.plus_earlier(pricer.price_loads(raise_to_peer_rows(wave.loads, peer[i]), first_slots=wave.first_slots),
+                            extra).admitted_bytes
+    b = pricer.plus_earlier(routed(peer_row_scale(wave, peer[i])).price_loads(tuple(wave.loads),
+                                                                             first_slots=wave.first_slots),
+                            extra).admitted_bytes
     roomy = dataclasses.replace(small, budget_bytes=max(int((a + b) // 2), max(w.breakdown.admitted_bytes
                                                                               for w in small.waves)))
     assert peer_overflow(pricer, roomy, only).admitted_bytes == a
