@@ -3,7 +3,7 @@
     .venv/bin/python bench/layout_scatter.py    # writes bench/results/layout_scatter.png
 
 Every multi-rank CPU cell (bench/results/traces_multirank.jsonl, traces_multirank_dense2.jsonl,
-traces_multirank_scale.jsonl, traces_multirank_long.jsonl, traces_multirank_gdn.jsonl,
+traces_multirank_dense3.jsonl, traces_multirank_scale.jsonl, traces_multirank_long.jsonl, traces_multirank_gdn.jsonl,
 traces_multirank_gdn_heldout.jsonl, traces_multirank_ep.jsonl) priced
 as `bench/layout_validation.py` and `bench/moe_validation.py` price it (torch-cpu table, head full-native, safety 1.0, the raw
 estimate of the busiest rank): x = the traced peak, y = estimate / trace. One panel per model
@@ -31,7 +31,8 @@ from moe_validation import estimate as moe_estimate  # noqa: E402
 from waveplan.pricing.coefficients import load_table  # noqa: E402
 
 RESULTS = HERE / "results"
-TRACE_FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_scale.jsonl",
+TRACE_FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_dense3.jsonl",
+               "traces_multirank_scale.jsonl",
                "traces_multirank_long.jsonl",
                "traces_multirank_gdn.jsonl", "traces_multirank_gdn_heldout.jsonl",
                "traces_multirank_ep.jsonl")
