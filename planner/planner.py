@@ -415,12 +415,14 @@ class Planner:
                 longest = max(rope_cache.entry_rows(g)
                               for g in pricer.group_loads([np.arange(len(step.requests))]))
                 reserve = math.ceil(self._model.safety * rope_cache.reserve_bound(entry, longest)) + 3
+            why = (f"{reserve} bytes set aside for the RoPE cache entries the step's earlier waves "
+                   f"leave, docs/memory-model.md#rope-cache-earlier-waves")
+            if reserve >= budget:
+                raise InfeasibleError(f"budget_bytes={budget}: no room left beside {why}")
             try:
                 result = pack(step, pricer, budget_bytes=budget - reserve, options=options)
             except InfeasibleError as exc:
-                raise InfeasibleError(
-                    f"{exc} (with {reserve} bytes set aside for the RoPE cache entries the step's "
-                    f"earlier waves leave, docs/memory-model.md#rope-cache-earlier-waves)") from None
+                raise InfeasibleError(f"{exc} (with {why})") from None
             if len(result.waves) < 2:
                 return dataclasses.replace(result, lower_bound_waves=1, proven_optimal=True,
                                            stats=dict(result.stats, rope_reserve_bytes=reserve))

@@ -7,10 +7,12 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 
 from waveplan.planner import Planner
 from waveplan.pricing import rope_cache
+from waveplan.pricing.errors import InfeasibleError
 from waveplan.pricing.price import GroupLoad
 from waveplan.pricing.step import Request, Step
 from waveplan.search import check_plan
@@ -92,3 +94,21 @@ def test_same_inputs_same_plan_json():
     first = doc()
     assert rope_cache.TERM in first
     assert doc() == first
+
+
+def test_a_budget_the_reserve_leaves_no_room_for_is_refused_in_one_line():
+    # a budget that fits the largest request alone but not beside the other waves' entries
+    planner = _planner()
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=30000 + 7 * i) for i in range(12)])
+    pricer = planner.pricer(step)
+    alone = max(pricer.price([np.asarray([i])], first_slots=frozenset({"default"})).admitted_bytes
+                for i in range(len(step.requests)))
+    # twelve distinct lengths: wave k holds k - 1 entries of 15 MB, and the requests' prices
+    # differ by a few KB, so only the first wave has room
+    with pytest.raises(InfeasibleError, match="RoPE cache") as exc:
+        planner.plan(step, alone, deterministic=True)
+    assert "\n" not in str(exc.value)
+    # with the bound set aside, it plans
+    bound = rope_cache.reserve_bound(4 * 128, 30000 + 7 * 11) * planner.model.safety
+    plan = planner.plan(step, alone + int(bound) + 8, deterministic=True)
+    check_plan(step, pricer, plan, budget_bytes=plan.budget_bytes)
