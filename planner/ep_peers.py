@@ -183,18 +183,22 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
         if raised == tuple(wave.loads) and math.ceil(earlier[i]) <= wave.breakdown.terms.get(rope_cache.TERM, 0):
             continue
 
-        def admitted_of(price) -> int:
-            return int((pricer.plus_earlier(price, earlier[i]) if charged else price).admitted_bytes)
-
-        admitted = admitted_of(pricer.price_loads(raised, first_slots=wave.first_slots))
+        admitted = _with_earlier(pricer, pricer.price_loads(raised, first_slots=wave.first_slots),
+                                 earlier[i], charged)
         if (admitted > plan.budget_bytes and routed_pricer is not None
                 and (scale := peer_row_scale(wave, peer_rows[i])) is not None):
             routed = routed_pricer(scale).price_loads(tuple(wave.loads), first_slots=wave.first_slots)
-            admitted = min(admitted, admitted_of(routed))
+            admitted = min(admitted, _with_earlier(pricer, routed, earlier[i], charged))
         if admitted > plan.budget_bytes:
             return PeerOverflow(wave=i, peer_rows=int(peer_rows[i]), own_rows=_own_rows(wave),
                                 admitted_bytes=admitted, budget_bytes=int(plan.budget_bytes))
     return None
+
+
+def _with_earlier(pricer, price, extra: float, charged: bool) -> int:
+    """Admitted bytes of `price`, with `extra` bytes of earlier waves' RoPE cache entries where
+    the plan charges them (`charged`). O(terms)."""
+    return int((pricer.plus_earlier(price, extra) if charged else price).admitted_bytes)
 
 
 def stage_overflow(model: PricingModel, step: Step, plan: Plan,
