@@ -385,7 +385,7 @@ class Planner:
         not see them, so when a wave no longer fits, the step is packed again against the
         budget less a reserve: the largest admitted growth seen, raised until every wave fits
         (`ROPE_RESERVE_TRIES` packs), then the bound of a full cache of the step's longest
-        sequence (`rope_cache.reserve_bound`), which always holds: a step whose every request
+        sequence (`rope_cache.reserve_bytes`), which always holds: a step whose every request
         fits alone within the budget less that bound always gets a plan; below it, one may
         raise InfeasibleError naming the reserve.
         Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x pack)."""
@@ -410,11 +410,8 @@ class Planner:
             if attempt < ROPE_RESERVE_TRIES - 1:
                 reserve = max(reserve + 1, growth)
             else:
-                # every call's longest sequence is at most the step's as one wave (its trees
-                # whole); + 3 covers the rounding of plus_earlier
-                longest = max(rope_cache.entry_rows(g)
-                              for g in pricer.group_loads([np.arange(len(step.requests))]))
-                reserve = math.ceil(self._model.safety * rope_cache.reserve_bound(entry, longest)) + 3
+                reserve = rope_cache.reserve_bytes(
+                    entry, pricer.group_loads([np.arange(len(step.requests))]), self._model.safety)
             why = (f"{reserve} bytes set aside for the RoPE cache entries the step's earlier waves "
                    f"leave, docs/memory-model.md#rope-cache-earlier-waves")
             if reserve >= budget:

@@ -53,6 +53,16 @@ def reserve_bound(entry_per_row: float, longest_rows: int) -> float:
     return entry_per_row * CACHE_ENTRIES * float(longest_rows)
 
 
+def reserve_bytes(entry_per_row: float, step_loads: Sequence[GroupLoad], safety: float) -> int:
+    """Admitted bytes that always cover the earlier waves' entries beside any wave of a step
+    whose calls, run together as one wave, are `step_loads` (a call's longest sequence is at
+    most the step's as one wave: its trees whole): `reserve_bound` of their longest, the
+    rounding of `plus_earlier_entries` (ceil(extra) <= bound + 1) included, x `safety`,
+    rounded up. O(loads)."""
+    longest = max((entry_rows(g) for g in step_loads), default=0)
+    return math.ceil(safety * (reserve_bound(entry_per_row, longest) + 1.0))
+
+
 def plus_earlier_entries(price: Breakdown, extra: float, safety: float) -> Breakdown:
     """`price` with `extra` bytes of earlier waves' entries live beside the whole wave (so at
     its peak): raw bytes and the term `TERM` raised by ceil(extra), admitted bytes by that x

@@ -279,8 +279,8 @@ def feasible_budget(planner: Planner, step: Step) -> int:
     entry = float(planner.model.arrays["rope_entry"])
     if entry > 0 and len(step.requests) > 1:
         # PP1: the earlier waves' RoPE cache entries, at the planner's bound (Planner._with_earlier_rope)
-        longest = max(rope_cache.entry_rows(g) for g in pricer.group_loads([np.arange(len(step.requests))]))
-        worst += math.ceil(planner.model.safety * rope_cache.reserve_bound(entry, longest)) + 3
+        worst += rope_cache.reserve_bytes(entry, pricer.group_loads([np.arange(len(step.requests))]),
+                                          planner.model.safety)
     return worst
 
 

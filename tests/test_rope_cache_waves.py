@@ -96,9 +96,11 @@ def test_same_inputs_same_plan_json():
     assert doc() == first
 
 
-def test_a_budget_the_reserve_leaves_no_room_for_is_refused_in_one_line():
+@pytest.mark.parametrize("safety", [None, 3.0])
+def test_a_budget_the_reserve_leaves_no_room_for_is_refused_in_one_line(safety):
     # a budget that fits the largest request alone but not beside the other waves' entries
-    planner = _planner()
+    # (at any safety factor: the reserve covers plus_earlier's rounding x safety)
+    planner = _planner() if safety is None else _planner(safety=safety)
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=30000 + 7 * i) for i in range(12)])
     pricer = planner.pricer(step)
     alone = max(pricer.price([np.asarray([i])], first_slots=frozenset({"default"})).admitted_bytes
@@ -109,6 +111,8 @@ def test_a_budget_the_reserve_leaves_no_room_for_is_refused_in_one_line():
         planner.plan(step, alone, deterministic=True)
     assert "\n" not in str(exc.value)
     # with the bound set aside, it plans
-    bound = rope_cache.reserve_bound(4 * 128, 30000 + 7 * 11) * planner.model.safety
-    plan = planner.plan(step, alone + int(bound) + 8, deterministic=True)
+    reserve = rope_cache.reserve_bytes(4 * 128, pricer.group_loads([np.arange(len(step.requests))]),
+                                       planner.model.safety)
+    assert reserve >= planner.model.safety * rope_cache.reserve_bound(4 * 128, 30000 + 7 * 11)
+    plan = planner.plan(step, alone + reserve, deterministic=True)
     check_plan(step, pricer, plan, budget_bytes=plan.budget_bytes)
