@@ -55,6 +55,12 @@ ANATOMY_CELLS = (
     ("TP8+SP h768", grid.DENSE2, {"tp": 8, "sequence_parallel": True}, "full"),
     ("TP8+SP+CP2 h1024", grid.DENSE, {"tp": 8, "sequence_parallel": True, "cp": 2}, "full"),
     ("TP8+SP+CP2 h768", grid.DENSE2, {"tp": 8, "sequence_parallel": True, "cp": 2}, "full"),
+    # where the SP retained cells peak: the forward (docs/layouts-evidence.md section 14;
+    # `--only "TP8+SP h1536" "TP8+SP h1024" "TP2+SP h768" "TP4+SP" --recompute selective none
+    # --groups 60 --out bench/results/sp_forward_anatomy.txt`)
+    ("TP8+SP h1536", grid.DENSE3, {"tp": 8, "sequence_parallel": True}, "selective"),
+    ("TP8+SP h1024", grid.DENSE, {"tp": 8, "sequence_parallel": True}, "selective"),
+    ("TP2+SP h768", grid.DENSE2, {"tp": 2, "sequence_parallel": True}, "selective"),
     ("MoE-wide TP1", grid.MOE_WIDE, {}, "full"),
     ("MoE-wide EP2", grid.MOE_WIDE, {"ep": 2}, "full"),
     ("MoE-wide EP4", grid.MOE_WIDE, {"ep": 4}, "full"),

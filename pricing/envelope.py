@@ -75,6 +75,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     total = float(ret.sum()) if ret.size else 0.0
     keep = total + a["head_retained"]  # per row of a grad group not yet run
     ig, head_ret, head_tr, head_c = a["input_grad"], a["head_retained"], a["head_transient"], a["head_const"]
+    head_fwd = max(head_ret, a["head_forward"])   # the head's forward point (walk.WalkCharges)
     max_state = float(gdn.max()) if gdn.size else 0.0
     max_ng = float(ng.max()) if ng.size else 0.0
     # a GDN kernel's padding rows, at most chunk - 1 per forward call (gdn_terms), as presence:
@@ -90,7 +91,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     for g in range(k_classes):
         if not class_grad[g]:
             running.append(np.array([g]))
-            row_own.append(np.array([max_ng + head_ret]))
+            row_own.append(np.array([max_ng + head_fwd]))
             seg_own.append(np.array([max_state]))
             pres_own.append(np.array([head_c + most_pad * (float(pad_point.max()) if ng.size else 0.0)]))
             pend_own.append(np.zeros(1))
@@ -98,7 +99,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         n = ret.shape[0]
         running.append(np.full(2 * n + 2, g))
         row_own.append(np.concatenate([cum - ret + ng, cum + ws + ig,
-                                       [total + head_ret, total + head_ret + head_tr + ig]]))
+                                       [total + head_fwd, total + head_ret + head_tr + ig]]))
         seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
         pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point),
                                         most_pad * (cum_pad + pad_point),

@@ -353,7 +353,8 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
               sequence_parallel=True)
     sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
     sp_layer = sp_layer - less + ctx.qk_norm_per_row if sp_layer else 0.0
-    sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True, **kw)
+    sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True,
+                                                        own_entry=ctx.rows_cp <= 1, **kw)
     sp_forward = sp_forward - less + ctx.qk_norm_per_row if sp_forward else 0.0
     return max(fitted, sp_layer), sp_forward
 

@@ -5,15 +5,16 @@ The structural sharding lives in the per-rank widths (`pricing.model.layer_width
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
 by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
-real Megatron-core layers over gloo, two dense geometries). Six parts are structural terms
+real Megatron-core layers over gloo, three dense geometries). Seven parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
 when TP shards the vocabulary and not the norm; `layer_norm_point_per_row`: the recomputed layer's
 input-norm backward with replicated norms, TP without SP; `sp_fc2_point_per_row`: the MLP's
 output projection's backward with the gathered inputs, TP with SP; `sp_retained_layer_per_row`:
-what an SP layer retains gathered without full recompute; `cp_rope_cache_per_row`: the RoPE cache
-entry of the whole longest sequence on every CP rank); the rest is charged as hidden-wide bytes per
-gathered row:
+what an SP layer retains gathered without full recompute, and its forward peak;
+`sp_head_forward_per_row`: what the full-native head holds at its forward with SP;
+`cp_rope_cache_per_row`: the RoPE cache entry of the whole longest sequence on every CP rank);
+the rest is charged as hidden-wide bytes per gathered row:
 
 - `layout_residual` entry, `full`: under full recompute, bytes the busiest rank holds at every
   point beyond the sharded terms (TP without SP: the full-rows all-reduced outputs and input
@@ -156,7 +157,8 @@ SP_RETAINED = "sp_retained_layer"
 
 
 def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
-                              sequence_parallel: bool, forward: bool = False) -> float:
+                              sequence_parallel: bool, forward: bool = False,
+                              own_entry: bool = False) -> float:
     """What a layer retains under selective or no recompute with SP (dense MLP, attention), and
     its forward peak (`forward`).
 
@@ -166,12 +168,16 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
     (3 qkv + 5 core, as `layer_norm_point_per_row`), the two norms' fp32 inputs (8H / TP), the
     rotary frequencies gathered per row (2 x `rope_per_row`) and the LoRA adapters' rank-wide
     intermediates (8 x rank). Its forward peaks at the MLP's output projection, whose row-parallel
-    LoRA output is full-row before the reduce-scatter (4H per gathered row) beside the
-    reduce-scatter output and the residual sum (4H / TP).
+    LoRA output is full-row before the reduce-scatter (4H per gathered row) beside five
+    sequence-sharded bf16 tensors (10H / TP): the reduce-scatter output, the attention's residual
+    sum, the pre-MLP norm's output, the layer's input and the embedding's output; at CP1 the
+    RoPE cache entry of the call's longest sequence is live too (`own_entry`: `rope_per_row` per
+    row, a bound; under CP the arrays carry it).
 
     Formula: `gathered` (4 H) + `sharded` (8 H) / TP + `per_row` (10 F + 3 qkv + 5 core + 8 rank)
     of entry `sp_retained_layer` (torch-cpu, structural) + 2 x rope_per_row; `forward` adds
-    `forward_gathered` (4 H) + `forward_sharded` (4 H) / TP; when `sequence_parallel` and TP > 1,
+    `forward_gathered` (4 H) + `forward_sharded` (10 H) / TP (+ rope_per_row with `own_entry`);
+    when `sequence_parallel` and TP > 1,
     else 0 (and without the entry: te-gpu). The model charges the larger of this and the fitted
     retained layer (less the CP attention release under no recompute, less the selective discount
     under selective recompute). Evidence: docs/memory-model.md#sp-retained-layer (TP8+SP none at
@@ -185,8 +191,40 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
            + table.per_row(SP_RETAINED, widths) + 2.0 * rope_per_row)
     if forward:
         out += (table.per_row(SP_RETAINED, widths, key="forward_gathered")
-                + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp)
+                + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp
+                + (rope_per_row if own_entry else 0.0))
     return out
+
+
+SP_HEAD = "sp_head_forward"
+
+
+def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
+                            sequence_parallel: bool, cp: int) -> float:
+    """What the full-native head holds at its forward under TP with SP, per gathered row.
+
+    What memory: the output layer's bf16 logits (2 x vocab / TP) and the fp32 copy the loss makes
+    of them (4 x vocab / TP), both live when the loss runs; beside them the sequence-sharded
+    hidden-wide tensors: the final norm's fp32 input (4H / TP, kept for its backward) and bf16
+    output (2H / TP), and the embedding's output (2H / TP, kept to the end of the step); and
+    at CP1 the RoPE cache entry of the call's longest sequence (`rope_per_row` per row, a bound:
+    the longest sequence has at most the call's rows; under CP the arrays carry it,
+    `cp_rope_cache_per_row`). The TP1-fitted head (`terms.head_per_row`, 3.77 x vocab retained)
+    meets the forward only at the head's backward point; with SP the backward holds less than
+    the forward (the logits' gradient replaces their bf16 copy, the norm's output is released),
+    so the forward binds and is priced here. The walk charges the larger of this and the head's
+    retained bytes at the head's forward point (`walk.WalkCharges.head_forward`).
+
+    Formula: `per_row` (6 vocab) + `sharded` (8 H) / TP of entry `sp_head_forward` (torch-cpu,
+    structural) + rope_per_row at CP1, when `sequence_parallel` and TP > 1; 0 otherwise or
+    without the entry (te-gpu). Evidence: docs/memory-model.md#sp-head-forward (every TP+SP
+    cell of the three dense geometries peaks in the forward, at the head's forward at TP2/4 and
+    at TP8 where the vocabulary is wide; bench/results/sp_forward_anatomy.txt). O(1).
+    """
+    if not sequence_parallel or tp <= 1 or SP_HEAD not in table.terms:
+        return 0.0
+    return (table.per_row(SP_HEAD, widths) + table.per_row(SP_HEAD, widths, key="sharded") / tp
+            + (rope_per_row if cp <= 1 else 0.0))
 
 
 CP_ATTENTION = "cp_attention_release"

@@ -464,12 +464,18 @@ class PricingModel:
         released = self.width_tp > 1 or kind == "full-te" or ctx.structural_gdn
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + beside_head)
+        # what the full-native head holds at its forward under TP with SP (both logits copies, the
+        # final norm's tensors, the embedding's output), charged where above head_ret
+        head_fwd = (layout_terms.sp_head_forward_per_row(
+            t, widths, tp=sp_div, rope_per_row=decoder.rope_entry, sequence_parallel=sp_div > 1,
+            cp=self.rows_cp) if kind == "full-native" else 0.0)
         arrays = {
             "retained": decoder.retained, "workspace": decoder.workspace, "nograd": decoder.nograd,
             "gdn_state": decoder.gdn_state, "pending": pending, "pad_retained": decoder.pad_retained,
             "pad_point": decoder.pad_point, "chunk": float(decoder.gdn_chunk),
             "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
             "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
+            "head_forward": head_fwd,
             "head_chunk_rows": chunk,
             # the head's parts before they are combined (calibration reads them)
             "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,

@@ -172,7 +172,8 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
             float(arrays["head_transient"]) if last else 0.0,
             float(arrays["head_const"]) if last else 0.0,
             float(arrays["caller"]) if last else 0.0,
-            full["pad_retained"][lo:hi].copy(), full["pad_point"][lo:hi].copy(), float(arrays["chunk"]))
+            full["pad_retained"][lo:hi].copy(), full["pad_point"][lo:hi].copy(), float(arrays["chunk"]),
+            head_forward=float(arrays["head_forward"]) if last else 0.0)
         out.append(StageCharges(
             stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
             retained_per_row=float(retained.sum()) + charges.head_retained,

@@ -3,8 +3,9 @@ retained-activation) forward and backward, jitted with numba. The peak is their 
 
 Schedule (docs/memory-model.md#schedule; the #anchors below are sections of that file):
 - every gradient group runs its forward, saving per layer its retained rows (boundaries under
-  full recompute) and, after the head, what the loss keeps; no-grad groups run forward only,
-  one after another (#nograd-transient);
+  full recompute) and, after the head, what the loss keeps; the head's forward point holds the
+  larger of that and what the head holds at its forward (`head_forward`, #sp-head-forward);
+  no-grad groups run forward only, one after another (#nograd-transient);
 - then the gradient groups run their backward one after another (#other-groups): the head, then
   layer L-1 down to 0, where the recomputed layer holds its stage workspace, one input
   gradient, the GDN states of its segments (#gdn-states), the boundaries of layers 0..i and
@@ -68,6 +69,8 @@ class WalkCharges(NamedTuple):
     rope_entry: float = 0.0  # per row of a call's longest sequence: one RoPE cache entry row
     rope_kept: bool = False  # the bound is in retained[0] and nograd[0] (else every point's
     #                          workspace, no-grad transient and head transient: full recompute)
+    head_forward: float = 0.0  # per row, what the head holds at its forward when more than
+    #                            head_retained (`layout_terms.sp_head_forward_per_row`; 0: none)
 
 
 class WalkGroups(NamedTuple):
@@ -152,6 +155,7 @@ def walk(charges, first_exec, groups):
     head_ret = charges.head_retained
     head_tr = charges.head_transient
     head_const = charges.head_const
+    head_fwd = max(head_ret, charges.head_forward)   # the head's forward point (#sp-head-forward)
     pad_ret = charges.pad_retained
     pad_point = charges.pad_point
     chunk = charges.chunk
@@ -230,7 +234,7 @@ def walk(charges, first_exec, groups):
                    caller_bytes, first_exec)
             point[TERM_NOGRAD_TRANSIENT] = ng
             point[TERM_GDN_STATES] = segments[g] * max_state
-            point[TERM_HEAD] = rows[g] * head_ret + head_const
+            point[TERM_HEAD] = rows[g] * head_fwd + head_const
             _offer(best, out, point, POINT_NOGRAD_FORWARD, -1, g)
             continue
         others = others_all - max(keep[g], done[g]) + entries - charges.rope_entry * groups.longest[g]
@@ -249,7 +253,7 @@ def walk(charges, first_exec, groups):
             _offer(best, out, point, POINT_FORWARD, i, g)
         _start(point, others, caller_bytes, first_exec)
         point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad - (credit[g] if kept else 0.0)
-        point[TERM_HEAD] = rows[g] * head_ret + head_const
+        point[TERM_HEAD] = rows[g] * head_fwd + head_const
         _offer(best, out, point, POINT_HEAD_FORWARD, -1, g)
         # backward of the head
         _start(point, others, caller_bytes, first_exec)

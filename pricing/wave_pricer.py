@@ -42,7 +42,8 @@ _CLASS, _PACKED, _PADDED, _LOGICAL, _SEGMENTS, _LONGEST = range(6)
 _CLASS_GRAD, _CLASS_SLOT = range(2)
 # entries of the scalar vector handed to the jitted walk
 _S_INPUT_GRAD, _S_HEAD_RET, _S_HEAD_TR, _S_HEAD_CONST, _S_CALLER, _S_FIRST_EXEC, _S_SAFETY, \
-    _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK, _S_ROPE_CP, _S_ROPE_ENTRY, _S_ROPE_KEPT = range(14)
+    _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK, _S_ROPE_CP, _S_ROPE_ENTRY, _S_ROPE_KEPT, \
+    _S_HEAD_FWD = range(15)
 
 
 @njit(cache=True)
@@ -127,7 +128,8 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
     charges = WalkCharges(layers[0], layers[1], layers[2], layers[3], pending,
                           scal[_S_INPUT_GRAD], scal[_S_HEAD_RET], scal[_S_HEAD_TR],
                           scal[_S_HEAD_CONST], scal[_S_CALLER], layers[4], layers[5], scal[_S_CHUNK],
-                          scal[_S_ROPE_CP], scal[_S_ROPE_ENTRY], scal[_S_ROPE_KEPT] > 0)
+                          scal[_S_ROPE_CP], scal[_S_ROPE_ENTRY], scal[_S_ROPE_KEPT] > 0,
+                          scal[_S_HEAD_FWD])
     best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries, longest))
     raw = np.ceil(best[PEAK_BYTES])
     return np.int64(np.ceil(raw * scal[_S_SAFETY]))
@@ -208,7 +210,8 @@ class WavePricer:
                                    0.0 if self.profiled else a["first_exec"], model.safety,
                                    model.rows_cp, 0.0,
                                    model.parallel.row_multiple, a["chunk"], a["rope_cp"],
-                                   a["rope_entry"], float(a["rope_kept"])], dtype=np.float64)
+                                   a["rope_entry"], float(a["rope_kept"]), a["head_forward"]],
+                                  dtype=np.float64)
                 pending = np.ascontiguousarray(a["pending"], dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))
             layers, pending, scal, n_slots = cache[self.profiled]

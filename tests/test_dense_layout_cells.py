@@ -13,8 +13,8 @@ from waveplan.pricing.coefficients import load_table
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 RESULTS = BENCH / "results"
-FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_scale.jsonl",
-         "traces_multirank_long.jsonl")
+FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_dense3.jsonl",
+         "traces_multirank_scale.jsonl", "traces_multirank_long.jsonl")
 
 
 def _layout_validation():
@@ -52,7 +52,8 @@ def test_every_dense_layout_cell_is_on_evidence_and_at_or_over_its_trace():
         assert raw >= trace["peak_bytes"], (cell["geometry"]["name"], cell["layout"], cell["recompute"],
                                             trace["tokens"], raw / trace["peak_bytes"])
         seen.add((cell["geometry"]["name"], trace["tokens"]))
-    # both geometries, the fit wave, the held-out wave (h1024), the scale wave and one long sequence
+    # the three geometries, the fit wave, the held-out wave (h1024), the scale wave and one long sequence
     assert {("grid-dense-h1024", 2048), ("grid-dense-h1024", 3072), ("grid-dense-h768", 2048),
+            ("grid-dense-h1536", 2048),
             ("grid-dense-h1024", 8192), ("grid-dense-h768", 8192), ("grid-dense-h1024", 12288),
             ("grid-dense-h768", 12288)} <= seen

@@ -341,7 +341,7 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
     points = [rows * (cum - ret + fwd["nograd"]) + segments * gdn,
               rows * (cum - ret + fwd["retained_forward"]) + segments * gdn,
               rows * (cum + ws + ig) + suffix + segments * gdn,
-              [rows * (total + head_ret) + const,
+              [rows * (total + max(head_ret, a["head_forward"])) + const,
                rows * (total + late + head_ret + parts["logits_transient"]) + const,
                # the final norm's backward, with the logits still charged at TP1
                # (`layout_terms.head_point_transient`)

@@ -1,0 +1,119 @@
+"""Where a TP+SP wave without full recompute peaks: the forward (docs/memory-model.md#sp-head-forward).
+
+The head's forward point holds the larger of the head's retained bytes and what the full-native
+head holds at its forward under SP (`layout_terms.sp_head_forward_per_row`); a retained SP
+layer's forward form holds the full-row LoRA output and five sequence-sharded tensors. With the
+layout residual set to 0 these structural points alone cover every dense TP+SP CP1 cell under
+selective and no recompute (they fell 2-14% under before the forward was priced)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waveplan.pricing import layout_terms
+from waveplan.pricing.coefficients import load_table
+from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.walk import (
+    PEAK_BYTES,
+    PEAK_POINT,
+    POINT_HEAD_FORWARD,
+    WalkCharges,
+    WalkGroups,
+    walk,
+)
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+RESULTS = BENCH / "results"
+DENSE_FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_dense3.jsonl")
+
+
+def _layout_validation():
+    spec = importlib.util.spec_from_file_location("layout_validation", BENCH / "layout_validation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _widths(tp: int) -> dict:
+    from waveplan.pricing.model import layer_widths
+
+    g = ModelGeometry.from_dict(json.loads((RESULTS / "traces_multirank_dense3.jsonl").read_text()
+                                           .splitlines()[0])["cell"]["geometry"])
+    return g, layer_widths(g, tp=tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sp_head_forward_is_both_logits_copies_and_the_sharded_hidden_tensors(tp):
+    table = load_table("torch-cpu")
+    g, widths = _widths(tp)
+    rope = 4.0 * 128   # one fp32 RoPE cache entry row at rotary dim 128
+    got = layout_terms.sp_head_forward_per_row(table, widths, tp=tp, rope_per_row=rope,
+                                               sequence_parallel=True, cp=1)
+    assert got == pytest.approx(6 * math.ceil(g.vocab / tp) + 8 * g.hidden / tp + rope)
+    # under CP the arrays carry the RoPE entry (cp_rope_cache_per_row): not charged twice
+    under_cp = layout_terms.sp_head_forward_per_row(table, widths, tp=tp, rope_per_row=rope,
+                                                    sequence_parallel=True, cp=2)
+    assert under_cp == pytest.approx(got - rope)
+    # none without SP, at TP1, or on a table without the structural entry (te-gpu)
+    assert layout_terms.sp_head_forward_per_row(table, widths, tp=tp, rope_per_row=rope,
+                                                sequence_parallel=False, cp=1) == 0.0
+    assert layout_terms.sp_head_forward_per_row(load_table("te-gpu"), widths, tp=tp, rope_per_row=rope,
+                                                sequence_parallel=True, cp=1) == 0.0
+
+
+def _one_group_walk(head_retained: float, head_forward: float) -> tuple[float, int]:
+    retained = np.array([10.0, 10.0])
+    zeros = np.zeros(2)
+    charges = WalkCharges(retained, zeros, zeros, zeros, np.zeros((1, 2)), 0.0, head_retained, 0.0, 0.0, 0.0,
+                          zeros, zeros, 1.0, head_forward=head_forward)
+    groups = WalkGroups(np.array([100.0]), np.array([100.0]), np.array([1.0]), np.array([True]),
+                        np.array([0]), np.array([False]), np.array([100.0]))
+    best, _ = walk(charges, 0.0, groups)
+    return best[PEAK_BYTES], int(best[PEAK_POINT])
+
+
+def test_walk_charges_the_larger_of_head_retained_and_head_forward_at_the_head_forward_point():
+    peak, point = _one_group_walk(head_retained=5.0, head_forward=30.0)
+    assert point == POINT_HEAD_FORWARD
+    assert peak == pytest.approx(100.0 * (20.0 + 30.0))
+    # below the head's retained bytes the forward adds nothing
+    assert _one_group_walk(head_retained=5.0, head_forward=1.0) == _one_group_walk(5.0, 0.0)
+
+
+def _sp_retained_cells() -> list[dict]:
+    out = []
+    for name in DENSE_FILES:
+        for line in (RESULTS / name).read_text().splitlines():
+            rec = json.loads(line)
+            cell, lay = rec["cell"], rec["cell"]["layout"]
+            dense = not cell["geometry"]["moe"] and not cell["geometry"].get("gdn")
+            if (dense and lay["sequence_parallel"] and lay["cp"] == 1 and cell["recompute"] != "full"
+                    and rec["trace"]["tokens"] == 2048):
+                out.append(rec)
+    return out
+
+
+def test_sp_retained_cells_peak_in_the_forward_and_the_structural_points_cover_them():
+    lv = _layout_validation()
+    base = load_table("torch-cpu")
+    cells = _sp_retained_cells()
+    assert {c["cell"]["geometry"]["name"] for c in cells} == {
+        "grid-dense-h1024", "grid-dense-h768", "grid-dense-h1536"}
+    for rec in cells:
+        cell, trace = rec["cell"], rec["trace"]
+        busiest = trace["ranks"][trace["busiest_rank"]]
+        assert busiest["peak_forward_bytes"] >= busiest["peak_backward_bytes"]
+        lay = cell["layout"]
+        key = layout_terms.layout_key(lay["tp"], True, 1)
+        bare = dataclasses.replace(base, terms=dict(base.terms, **{
+            layout_terms.ENTRY: {"full": {key: 0.0}, "retained": {key: 0.0}, "source": "test"}}))
+        raw, _ = lv.estimate(cell, bare)
+        ratio = raw / trace["peak_bytes"]
+        assert 0.999 <= ratio <= 1.02, (cell["geometry"]["name"], key, cell["recompute"], ratio)
