@@ -4,7 +4,7 @@ CP leave unsharded, fitted per traced layout class (docs/memory-model.md#layout-
 The structural sharding lives in the per-rank widths (`pricing.model.layer_widths`: F, qkv,
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
-by multi-rank CPU traces (bench/results/traces_multirank.jsonl and traces_multirank_dense2.jsonl:
+by multi-rank CPU traces (bench/results/traces_multirank.jsonl, _dense2.jsonl and _dense3.jsonl:
 real Megatron-core layers over gloo, three dense geometries). Seven parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
