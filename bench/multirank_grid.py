@@ -115,12 +115,13 @@ LAYOUTS3 = tuple((name, DENSE3, kwargs, "balanced", RECOMPUTES) for name, model,
 WAVES3 = ((1024, 640, 384),)
 TRACES3 = RESULTS / "traces_multirank_dense3.jsonl"
 
-# the scale grid (`--grid scale`, traces_multirank_scale.jsonl): both dense geometries' layout
-# classes at one wave of 8192 tokens, 4x the fit wave, where the per-wave constants (adapter
+# the scale grid (`--grid scale`, traces_multirank_scale.jsonl): the dense geometries' layout
+# classes at one wave of 8192 tokens (the third geometry where its fit cell alone set a residual:
+# `--only TP8+SP+CP4 --recompute full`), 4x the fit wave, where the per-wave constants (adapter
 # gradients, the head's workspace) weigh a quarter of what they weigh at 2048: the per-row
 # limit of the layout residuals' fit (bench/layout_validation.py) is taken here
 WAVES_SCALE = ((4096, 2048, 1024, 512, 512),)
-LAYOUTS_SCALE = tuple((name, shape, kwargs, "balanced", RECOMPUTES) for shape in (DENSE, DENSE2)
+LAYOUTS_SCALE = tuple((name, shape, kwargs, "balanced", RECOMPUTES) for shape in (DENSE, DENSE2, DENSE3)
                       for name, model, kwargs, _, _ in LAYOUTS if model is DENSE)
 TRACES_SCALE = RESULTS / "traces_multirank_scale.jsonl"
 # the long grid (`--grid long`, traces_multirank_long.jsonl): one sequence of 12288 tokens, 6x

@@ -353,8 +353,7 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
               sequence_parallel=True)
     sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
     sp_layer = sp_layer - less + ctx.qk_norm_per_row if sp_layer else 0.0
-    sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True,
-                                                        own_entry=ctx.rows_cp <= 1, **kw)
+    sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True, **kw)
     sp_forward = sp_forward - less + ctx.qk_norm_per_row if sp_forward else 0.0
     return max(fitted, sp_layer), sp_forward
 
@@ -480,13 +479,21 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
 
 def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     """The RoPE cache entry of the whole longest sequence under CP (`layout_terms.cp_rope_cache_per_row`),
-    per row, once per wave; with the structural GDN terms also the entry's own rows, which the
-    fitted layer the GDN term replaces absorbed (`gdn_terms.rope_cache_entry_per_row`)."""
+    per row, once per wave; with the structural GDN terms, or the SP structural terms under TP
+    with SP (without full recompute, or with it in a model without MoE or GDN layers, whose
+    structural full-recompute points carry the entry), also the entry's own rows, which the
+    fitted layers those terms replace absorbed (`gdn_terms.rope_cache_entry_per_row`,
+    `layout_terms.sp_rope_entry_per_row`)."""
     entry = rope_cache_per_row(ctx.geometry, ctx.geometry.layers)
     rope = layout_terms.cp_rope_cache_per_row(entry, cp=ctx.rows_cp)
     if ctx.structural_gdn:
         # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
         rope += gdn_terms.rope_cache_entry_per_row(entry)
+    elif ctx.mode != RecomputeMode.FULL or (ctx.geometry.moe is None and ctx.geometry.gdn is None):
+        # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
+        # GDN layers' structural points carry the entry's rows themselves)
+        rope += layout_terms.sp_rope_entry_per_row(ctx.table, rope_per_row=entry, tp=ctx.tp,
+                                                   sequence_parallel=ctx.sp_div > 1)
     return rope
 
 

@@ -5,7 +5,7 @@ The structural sharding lives in the per-rank widths (`pricing.model.layer_width
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
 by multi-rank CPU traces (bench/results/traces_multirank.jsonl, _dense2.jsonl and _dense3.jsonl:
-real Megatron-core layers over gloo, three dense geometries). Seven parts are structural terms
+real Megatron-core layers over gloo, three dense geometries). Eight parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
 when TP shards the vocabulary and not the norm; `layer_norm_point_per_row`: the recomputed layer's
@@ -13,6 +13,7 @@ input-norm backward with replicated norms, TP without SP; `sp_fc2_point_per_row`
 output projection's backward with the gathered inputs, TP with SP; `sp_retained_layer_per_row`:
 what an SP layer retains gathered without full recompute, and its forward peak;
 `sp_head_forward_per_row`: what the full-native head holds at its forward with SP;
+`sp_rope_entry_per_row`: the RoPE cache entry's own rows beside the SP structural terms;
 `cp_rope_cache_per_row`: the RoPE cache entry of the whole longest sequence on every CP rank);
 the rest is charged as hidden-wide bytes per gathered row:
 
@@ -157,8 +158,7 @@ SP_RETAINED = "sp_retained_layer"
 
 
 def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
-                              sequence_parallel: bool, forward: bool = False,
-                              own_entry: bool = False) -> float:
+                              sequence_parallel: bool, forward: bool = False) -> float:
     """What a layer retains under selective or no recompute with SP (dense MLP, attention), and
     its forward peak (`forward`).
 
@@ -170,13 +170,12 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
     intermediates (8 x rank). Its forward peaks at the MLP's output projection, whose row-parallel
     LoRA output is full-row before the reduce-scatter (4H per gathered row) beside five
     sequence-sharded bf16 tensors (10H / TP): the reduce-scatter output, the attention's residual
-    sum, the pre-MLP norm's output, the layer's input and the embedding's output; at CP1 the
-    RoPE cache entry of the call's longest sequence is live too (`own_entry`: `rope_per_row` per
-    row, a bound; under CP the arrays carry it).
+    sum, the pre-MLP norm's output, the layer's input and the embedding's output (the RoPE cache
+    entry beside them is the wave's, `sp_rope_entry_per_row`).
 
     Formula: `gathered` (4 H) + `sharded` (8 H) / TP + `per_row` (10 F + 3 qkv + 5 core + 8 rank)
     of entry `sp_retained_layer` (torch-cpu, structural) + 2 x rope_per_row; `forward` adds
-    `forward_gathered` (4 H) + `forward_sharded` (10 H) / TP (+ rope_per_row with `own_entry`);
+    `forward_gathered` (4 H) + `forward_sharded` (10 H) / TP;
     when `sequence_parallel` and TP > 1,
     else 0 (and without the entry: te-gpu). The model charges the larger of this and the fitted
     retained layer (less the CP attention release under no recompute, less the selective discount
@@ -191,40 +190,63 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
            + table.per_row(SP_RETAINED, widths) + 2.0 * rope_per_row)
     if forward:
         out += (table.per_row(SP_RETAINED, widths, key="forward_gathered")
-                + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp
-                + (rope_per_row if own_entry else 0.0))
+                + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp)
     return out
 
 
 SP_HEAD = "sp_head_forward"
 
 
-def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
-                            sequence_parallel: bool, cp: int) -> float:
+def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int,
+                            sequence_parallel: bool) -> float:
     """What the full-native head holds at its forward under TP with SP, per gathered row.
 
     What memory: the output layer's bf16 logits (2 x vocab / TP) and the fp32 copy the loss makes
     of them (4 x vocab / TP), both live when the loss runs; beside them the sequence-sharded
     hidden-wide tensors: the final norm's fp32 input (4H / TP, kept for its backward) and bf16
-    output (2H / TP), and the embedding's output (2H / TP, kept to the end of the step); and
-    at CP1 the RoPE cache entry of the call's longest sequence (`rope_per_row` per row, a bound:
-    the longest sequence has at most the call's rows; under CP the arrays carry it,
-    `cp_rope_cache_per_row`). The TP1-fitted head (`terms.head_per_row`, 3.77 x vocab retained)
+    output (2H / TP), and the embedding's output (2H / TP, kept to the end of the step); the
+    RoPE cache entry beside them is the wave's (`sp_rope_entry_per_row`). The TP1-fitted head (`terms.head_per_row`, 3.77 x vocab retained)
     meets the forward only at the head's backward point; with SP the backward holds less than
     the forward (the logits' gradient replaces their bf16 copy, the norm's output is released),
     so the forward binds and is priced here. The walk charges the larger of this and the head's
     retained bytes at the head's forward point (`walk.WalkCharges.head_forward`).
 
     Formula: `per_row` (6 vocab) + `sharded` (8 H) / TP of entry `sp_head_forward` (torch-cpu,
-    structural) + rope_per_row at CP1, when `sequence_parallel` and TP > 1; 0 otherwise or
+    structural), when `sequence_parallel` and TP > 1; 0 otherwise or
     without the entry (te-gpu). Evidence: docs/memory-model.md#sp-head-forward (every TP+SP
     cell of the three dense geometries peaks in the forward, at the head's forward at TP2/4 and
     at TP8 where the vocabulary is wide; bench/results/sp_forward_anatomy.txt). O(1).
     """
     if not sequence_parallel or tp <= 1 or SP_HEAD not in table.terms:
         return 0.0
-    return (table.per_row(SP_HEAD, widths) + table.per_row(SP_HEAD, widths, key="sharded") / tp
-            + (rope_per_row if cp <= 1 else 0.0))
+    return table.per_row(SP_HEAD, widths) + table.per_row(SP_HEAD, widths, key="sharded") / tp
+
+
+def sp_rope_entry_per_row(table: CoefficientTable, *, rope_per_row: float, tp: int,
+                          sequence_parallel: bool) -> float:
+    """The RoPE cache entry's rows on the rank, once per wave, where the SP structural terms price
+    the layers.
+
+    What memory: Megatron's `RotaryEmbedding.forward` keeps the frequencies of the call's longest
+    packed sequence, [max_seqlen, rotary dim] fp32 (`rope_per_row` = 4 x rotary dim bytes per row,
+    `pipeline.rope_cache_per_row`), live from the first layer's forward to the end of the step.
+    The SP structural terms (`sp_fc2_point_per_row`, `sp_retained_layer_per_row`,
+    `sp_head_forward_per_row`) hold the gathered bf16 copies of the frequencies per layer, not the
+    fp32 entry; the TP1-fitted layer terms they replace absorbed it, and
+    `cp_rope_cache_per_row` charges only the rows CP adds beyond the rank's own.
+
+    Formula: rope_per_row per rank row (at CP1 a bound: the longest sequence has at most the
+    call's rows), when `sequence_parallel`, TP > 1 and the table has the structural entries
+    (torch-cpu); else 0. Under full recompute for a model of dense attention layers only: the
+    MoE TP+SP and GDN structural full-recompute points carry the entry's rows themselves. Charged as the CP RoPE cache is (`layer_arrays.wave_rope_cache_per_row`:
+    layer 0's retained memory and forward without full recompute, every point under it).
+    Evidence: docs/memory-model.md#sp-head-forward (`rotary_pos_emb cat` fp32, live at the
+    forward and backward peaks of every TP+SP cell, bench/results/sp_forward_anatomy.txt and
+    cp_tp8_anatomy.txt; the full-recompute TP+SP+CP residuals it had stood for). O(1).
+    """
+    if not sequence_parallel or tp <= 1 or SP_POINT not in table.terms:
+        return 0.0
+    return rope_per_row
 
 
 CP_ATTENTION = "cp_attention_release"

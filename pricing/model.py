@@ -465,10 +465,12 @@ class PricingModel:
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + beside_head)
         # what the full-native head holds at its forward under TP with SP (both logits copies, the
-        # final norm's tensors, the embedding's output), charged where above head_ret
-        head_fwd = (layout_terms.sp_head_forward_per_row(
-            t, widths, tp=sp_div, rope_per_row=decoder.rope_entry, sequence_parallel=sp_div > 1,
-            cp=self.rows_cp) if kind == "full-native" else 0.0)
+        # final norm's tensors, the embedding's output), charged where above head_ret; beside the
+        # wave's RoPE cache charge (in the retained layers without full recompute, here with it)
+        head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1)
+                    if kind == "full-native" else 0.0)
+        if head_fwd and full:
+            head_fwd += decoder.rope
         arrays = {
             "retained": decoder.retained, "workspace": decoder.workspace, "nograd": decoder.nograd,
             "gdn_state": decoder.gdn_state, "pending": pending, "pad_retained": decoder.pad_retained,

@@ -53,19 +53,39 @@ def _widths(tp: int) -> dict:
 def test_sp_head_forward_is_both_logits_copies_and_the_sharded_hidden_tensors(tp):
     table = load_table("torch-cpu")
     g, widths = _widths(tp)
-    rope = 4.0 * 128   # one fp32 RoPE cache entry row at rotary dim 128
-    got = layout_terms.sp_head_forward_per_row(table, widths, tp=tp, rope_per_row=rope,
-                                               sequence_parallel=True, cp=1)
-    assert got == pytest.approx(6 * math.ceil(g.vocab / tp) + 8 * g.hidden / tp + rope)
-    # under CP the arrays carry the RoPE entry (cp_rope_cache_per_row): not charged twice
-    under_cp = layout_terms.sp_head_forward_per_row(table, widths, tp=tp, rope_per_row=rope,
-                                                    sequence_parallel=True, cp=2)
-    assert under_cp == pytest.approx(got - rope)
-    # none without SP, at TP1, or on a table without the structural entry (te-gpu)
-    assert layout_terms.sp_head_forward_per_row(table, widths, tp=tp, rope_per_row=rope,
-                                                sequence_parallel=False, cp=1) == 0.0
-    assert layout_terms.sp_head_forward_per_row(load_table("te-gpu"), widths, tp=tp, rope_per_row=rope,
-                                                sequence_parallel=True, cp=1) == 0.0
+    got = layout_terms.sp_head_forward_per_row(table, widths, tp=tp, sequence_parallel=True)
+    assert got == pytest.approx(6 * math.ceil(g.vocab / tp) + 8 * g.hidden / tp)
+    # none without SP, or on a table without the structural entry (te-gpu)
+    assert layout_terms.sp_head_forward_per_row(table, widths, tp=tp, sequence_parallel=False) == 0.0
+    assert layout_terms.sp_head_forward_per_row(load_table("te-gpu"), widths, tp=tp,
+                                                sequence_parallel=True) == 0.0
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_sp_layers_charge_the_rope_entrys_own_rows_once_per_wave(cp):
+    """Beside the dense SP structural terms the wave carries one fp32 RoPE entry row per rank row,
+    and under CP the rows CP adds beyond them (`cp_rope_cache_per_row`)."""
+    from waveplan.pricing.layer_arrays import layer_context, wave_rope_cache_per_row
+    from waveplan.pricing.lora import LoraConfig, LoraSlot
+    from waveplan.pricing.model import PricingModel, layer_widths
+    from waveplan.pricing.parallel import ParallelLayout, Recompute
+    from waveplan.pricing.pipeline import rope_cache_per_row
+
+    g, _ = _widths(1)
+    entry = rope_cache_per_row(g, g.layers)
+    assert entry == 4 * 128   # fp32 x rotary dim 128
+
+    def rope(table: str, sp: bool) -> float:
+        m = PricingModel(geometry=g, parallel=ParallelLayout(tp=4, sequence_parallel=sp, cp=cp),
+                         recompute=Recompute(mode="selective"), table=load_table(table), head="full-native",
+                         lora=LoraConfig(slots=(LoraSlot(rank=16),)))
+        return wave_rope_cache_per_row(layer_context(m, layer_widths(g, tp=4), qk_norm=False))
+
+    beyond = layout_terms.cp_rope_cache_per_row(entry, cp=cp)
+    assert rope("torch-cpu", True) == pytest.approx(entry + beyond)
+    if cp == 1:
+        assert rope("torch-cpu", False) == 0.0   # without SP the fitted layers absorb it
+    assert rope("te-gpu", True) == pytest.approx(beyond)
 
 
 def _one_group_walk(head_retained: float, head_forward: float) -> tuple[float, int]:
