@@ -158,6 +158,19 @@ def breakdown(cell: dict, table: CoefficientTable) -> tuple[Breakdown, PricingMo
     return b, model
 
 
+def key_and_group(cell: dict) -> tuple[str, str]:
+    """A cell's layout key (`layout_terms.layout_key`) and residual group ("full" under full
+    recompute, else "retained"). O(1)."""
+    lay = cell["layout"]
+    return (layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"]),
+            "full" if cell["recompute"] == "full" else "retained")
+
+
+def load_fit_cells() -> list[dict]:
+    """The dense 2048-token cells of every dense geometry: the residual fit's own wave."""
+    return [r for r in load_cells() if not mixed(r["cell"]) and r["trace"]["tokens"] == FIT_TOKENS]
+
+
 def _shortfall(cell: dict, trace: dict, bare: CoefficientTable, key: str, group: str) -> tuple[float, float, float]:
     """A cell's shortfall (trace - estimate, bytes) priced with the layout covered but no
     residual, the pending adapter gradients priced at the estimate's peak, and the residual's
@@ -185,8 +198,7 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
     residual = {"full": {}, "retained": {}}
     scale_cells = _shortfalls(load_scale_cells(), bare, shapes)
     long_cells = _shortfalls(load_long_cells(), bare, shapes)
-    fit_cells = _shortfalls([r for r in load_cells() if not mixed(r["cell"]) and r["trace"]["tokens"] == FIT_TOKENS],
-                            bare, shapes)
+    fit_cells = _shortfalls(load_fit_cells(), bare, shapes)
     for (shape, key, recompute), (short, pending, unit) in fit_cells.items():
         group = "full" if recompute == "full" else "retained"
         # next eighth H plus an eighth H (per layer for the retained group): the fit cells are
@@ -216,9 +228,7 @@ def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[s
     out = {}
     for rec in records:
         cell, trace = rec["cell"], rec["trace"]
-        lay = cell["layout"]
-        key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
-        group = "full" if cell["recompute"] == "full" else "retained"
+        key, group = key_and_group(cell)
         if key == layout_terms.layout_key(1, False, 1) or (shapes is not None and cell["geometry"]["name"] not in shapes):
             continue
         out[(cell["geometry"]["name"], key, cell["recompute"])] = _shortfall(cell, trace, bare, key, group)
@@ -387,8 +397,7 @@ def report() -> list[str]:
         held_back: dict[tuple[str, str], list[tuple[str, float]]] = {}
         for rec in cells:
             cell, trace = rec["cell"], rec["trace"]
-            lay = cell["layout"]
-            if mixed(cell) or layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"]) != key:
+            if mixed(cell) or key_and_group(cell)[0] != key:
                 continue
             raw, _ = estimate(cell, fitted)
             half = "fit" if trace["tokens"] == FIT_TOKENS else "held-out"
@@ -462,16 +471,13 @@ def cover(residual: dict) -> dict:
     O(rounds x cells x layers)."""
     residual = {group: dict(keys) for group, keys in residual.items()}
     base = load_table("torch-cpu")
-    cells = [r for r in load_cells() if not mixed(r["cell"]) and r["trace"]["tokens"] == FIT_TOKENS]
-    cells += load_scale_cells() + load_long_cells()
+    cells = load_fit_cells() + load_scale_cells() + load_long_cells()
     for _ in range(32):
         table = with_residual(base, residual)
         raised = set()
         for rec in cells:
             cell, trace = rec["cell"], rec["trace"]
-            lay = cell["layout"]
-            key = layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"])
-            group = "full" if cell["recompute"] == "full" else "retained"
+            key, group = key_and_group(cell)
             if key not in residual[group] or (group, key) in raised:
                 continue
             if estimate(cell, table)[0] < trace["peak_bytes"]:

@@ -1,29 +1,19 @@
 """The layout residuals as shipped (`layout_residual` in torch-cpu.json, fitted by
-bench/layout_validation.py): every dense multi-rank CPU cell at TP > 1 or CP > 1 of both dense
-geometries (2048 and 3072 tokens; 8192 tokens in the scale grid; one 12288-token sequence in the
-long grid) is priced on evidence and never under its busiest rank (docs/memory-model.md#layout-residuals)."""
+bench/layout_validation.py): every dense multi-rank CPU cell at TP > 1 or CP > 1 of the three
+dense geometries (2048 tokens, and 3072 at hidden 1024; 8192 tokens in the scale grid; one
+12288-token sequence in the long grid) is priced on evidence and never under its busiest rank (docs/memory-model.md#layout-residuals)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+
+from bench_modules import BENCH, bench_module
 
 from waveplan.pricing.coefficients import load_table
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 RESULTS = BENCH / "results"
 FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_dense3.jsonl",
          "traces_multirank_scale.jsonl", "traces_multirank_long.jsonl")
-
-
-def _layout_validation():
-    """bench/layout_validation.py, whose `estimate` prices a cell as its report does (one first
-    gradient wave, head full-native, 2-byte adapter gradients, safety 1.0)."""
-    spec = importlib.util.spec_from_file_location("layout_validation", BENCH / "layout_validation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _dense_cells() -> list[dict]:
@@ -43,7 +33,7 @@ def _dense_cells() -> list[dict]:
 
 def test_every_dense_layout_cell_is_on_evidence_and_at_or_over_its_trace():
     table = load_table("torch-cpu")
-    estimate = _layout_validation().estimate
+    estimate = bench_module("layout_validation").estimate
     seen = set()
     for rec in _dense_cells():
         cell, trace = rec["cell"], rec["trace"]

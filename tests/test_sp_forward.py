@@ -9,13 +9,12 @@ selective and no recompute (they fell 2-14% under before the forward was priced)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_modules import BENCH, bench_module
 
 from waveplan.pricing import layout_terms
 from waveplan.pricing.coefficients import load_table
@@ -29,16 +28,8 @@ from waveplan.pricing.walk import (
     walk,
 )
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 RESULTS = BENCH / "results"
 DENSE_FILES = ("traces_multirank.jsonl", "traces_multirank_dense2.jsonl", "traces_multirank_dense3.jsonl")
-
-
-def _layout_validation():
-    spec = importlib.util.spec_from_file_location("layout_validation", BENCH / "layout_validation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _widths(tp: int) -> dict:
@@ -121,7 +112,7 @@ def _sp_retained_cells() -> list[dict]:
 
 
 def test_sp_retained_cells_peak_in_the_forward_and_the_structural_points_cover_them():
-    lv = _layout_validation()
+    lv = bench_module("layout_validation")
     base = load_table("torch-cpu")
     cells = _sp_retained_cells()
     assert {c["cell"]["geometry"]["name"] for c in cells} == {
@@ -130,8 +121,7 @@ def test_sp_retained_cells_peak_in_the_forward_and_the_structural_points_cover_t
         cell, trace = rec["cell"], rec["trace"]
         busiest = trace["ranks"][trace["busiest_rank"]]
         assert busiest["peak_forward_bytes"] >= busiest["peak_backward_bytes"]
-        lay = cell["layout"]
-        key = layout_terms.layout_key(lay["tp"], True, 1)
+        key, _ = lv.key_and_group(cell)
         bare = dataclasses.replace(base, terms=dict(base.terms, **{
             layout_terms.ENTRY: {"full": {key: 0.0}, "retained": {key: 0.0}, "source": "test"}}))
         raw, _ = lv.estimate(cell, bare)
