@@ -49,6 +49,7 @@ from waveplan.pricing.atomic_io import write_text_atomic
 from waveplan.pricing.coefficients import CoefficientTable, load_table
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.lora import LoraConfig, LoraSlot
+from waveplan.pricing.measure import calibrate
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.price import Breakdown
@@ -74,6 +75,9 @@ TRACES_GDN = ROOT / "bench/results/traces_multirank_gdn.jsonl"
 TRACES_GDN_HELDOUT = ROOT / "bench/results/traces_multirank_gdn_heldout.jsonl"
 GDN_HELDOUT_SHAPE = "grid-gdn-h768"
 OUT = ROOT / "bench/results/layout_validation.txt"
+# the cpu-fake calibration cells at real widths (and three small dense models): the TP1
+# structural layer's residual covers them too (`tp1_calibration_shortfalls`)
+CALIBRATION = ROOT / "bench/results/traces_cpu_fake.jsonl"
 TABLES = [ROOT / "pricing/data/coefficients/torch-cpu.json", ROOT / "pricing/data/coefficients/te-gpu.json"]
 FIT_TOKENS = 2048
 # te-gpu keeps TP4+SP full recompute without the CPU residual (docs/memory-model.md#layout-residuals)
@@ -196,9 +200,9 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
                                                          layout_terms.SP_RETAINED, layout_terms.SP_HEAD})
     bare = dataclasses.replace(base, terms={k: v for k, v in base.terms.items() if k not in drop})
     residual = {"full": {}, "retained": {}}
-    scale_cells = _shortfalls(load_scale_cells(), bare, shapes)
-    long_cells = _shortfalls(load_long_cells(), bare, shapes)
-    fit_cells = _shortfalls(load_fit_cells(), bare, shapes)
+    scale_cells = _shortfalls(load_scale_cells(), bare, shapes, tp1=points)
+    long_cells = _shortfalls(load_long_cells(), bare, shapes, tp1=points)
+    fit_cells = _shortfalls(load_fit_cells(), bare, shapes, tp1=points)
     for (shape, key, recompute), (short, pending, unit) in fit_cells.items():
         group = "full" if recompute == "full" else "retained"
         # next eighth H plus an eighth H (per layer for the retained group): the fit cells are
@@ -219,17 +223,61 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
         c = max(c, np.ceil(limit * step) / step if limit > 0 else 0.0)
         residual[group].setdefault(key, 0.0)
         residual[group][key] = max(residual[group][key], c)
+    if points:
+        # the TP1 structural layer's residual covers the real-width calibration cells too (their
+        # own geometries, in the cross-shape fit as well)
+        tp1 = layout_terms.layout_key(1, False, 1)
+        for short in tp1_calibration_shortfalls(bare):
+            c = max(0.0, np.ceil(short * 8) / 8 + 1 / 8)
+            residual["retained"][tp1] = max(residual["retained"].get(tp1, 0.0), c)
+        # ... and TP1 under CP, whose layers are the same TP1 structural layers (the small
+        # widths' per-row constants do not shrink with CP)
+        for key in residual["retained"]:
+            if key.startswith("tp1-"):
+                residual["retained"][key] = max(residual["retained"][key], residual["retained"][tp1])
     return residual
 
 
-def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[str] | None) -> dict:
+def tp1_calibration_cells() -> list[dict]:
+    """The real-width and small cpu-fake calibration cells (bench/results/traces_cpu_fake.jsonl)
+    the TP1 structural layer prices (`layout_terms.structural_at_tp1`: selective or no recompute,
+    plain dense attention layers). O(cells)."""
+    out = []
+    for line in CALIBRATION.read_text().splitlines():
+        rec = json.loads(line)
+        g = calibrate.cell_geometry(rec["cell"])
+        plain = (g.attention is not None and not g.attention.output_gate and g.attention.mla is None)
+        if rec["cell"]["recompute"] != "full" and g.moe is None and g.gdn is None and plain:
+            out.append(rec)
+    return out
+
+
+def tp1_calibration_shortfalls(bare: CoefficientTable) -> list[float]:
+    """Each TP1 calibration cell's shortfall (trace - raw estimate) per layer and row, in H, priced
+    on `bare` with the TP1 residual at 0. O(cells x layers)."""
+    table = dataclasses.replace(bare, terms=dict(bare.terms, **{layout_terms.ENTRY: {
+        "full": {}, "retained": {layout_terms.layout_key(1, False, 1): 0.0}, "source": "fit"}}))
+    out = []
+    for rec in tp1_calibration_cells():
+        g = calibrate.cell_geometry(rec["cell"])
+        rows = sum(rec["cell"]["seq_lens"])
+        out.append((rec["trace"]["peak_bytes"] - calibrate.estimate(table, rec)["peak"])
+                   / (rows * g.num_layers * g.hidden))
+    return out
+
+
+def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[str] | None,
+                *, tp1: bool = False) -> dict:
     """`_shortfall` of each cell of `records` at TP > 1 or CP > 1 (of the geometries named in
-    `shapes`, default all), keyed by (geometry, layout key, recompute): one cell per key."""
+    `shapes`, default all), and with `tp1` the retained TP1 cells (the TP1 structural layer's
+    residual), keyed by (geometry, layout key, recompute): one cell per key."""
     out = {}
     for rec in records:
         cell, trace = rec["cell"], rec["trace"]
         key, group = key_and_group(cell)
-        if key == layout_terms.layout_key(1, False, 1) or (shapes is not None and cell["geometry"]["name"] not in shapes):
+        at_tp1 = key == layout_terms.layout_key(1, False, 1)
+        if (at_tp1 and not (tp1 and group == "retained")) or (
+                shapes is not None and cell["geometry"]["name"] not in shapes):
             continue
         out[(cell["geometry"]["name"], key, cell["recompute"])] = _shortfall(cell, trace, bare, key, group)
     return out
@@ -472,9 +520,14 @@ def cover(residual: dict) -> dict:
     residual = {group: dict(keys) for group, keys in residual.items()}
     base = load_table("torch-cpu")
     cells = load_fit_cells() + load_scale_cells() + load_long_cells()
+    tp1 = layout_terms.layout_key(1, False, 1)
     for _ in range(32):
         table = with_residual(base, residual)
         raised = set()
+        if tp1 in residual["retained"] and any(calibrate.estimate(table, rec)["peak"] < rec["trace"]["peak_bytes"]
+                                               for rec in tp1_calibration_cells()):
+            residual["retained"][tp1] += 0.125
+            raised.add(("retained", tp1))
         for rec in cells:
             cell, trace = rec["cell"], rec["trace"]
             key, group = key_and_group(cell)

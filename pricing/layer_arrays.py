@@ -61,6 +61,9 @@ class LayerContext:
     """Experts per EP rank (1: dense)."""
     qk_norm_per_row: float
     """An attention layer's q/k norms, bytes per row (0 without them: `model.has_qk_norm`)."""
+    qk_structural_per_row: float
+    """The q/k norms beside the structural layer terms (`layout_terms.structural_qk_norm_per_row`;
+    0 without them)."""
     cp_release_per_row: float
     """The projection output ring attention (CP > 1) releases, bytes per row (0 unless plain
     attention)."""
@@ -75,6 +78,9 @@ class LayerContext:
     """Retained GDN layers under SP without the structural terms (te-gpu): charged unsharded."""
     unsharded_hybrid: bool
     """`unsharded_gdn` in a GDN hybrid with MoE MLPs: its attention layers charged unsharded too."""
+    structural_tp1: bool
+    """Retained layers at a credited TP1 (CP too) priced by the SP structural terms at TP = 1
+    (`layout_terms.structural_at_tp1`: torch-cpu, a plain dense model)."""
 
     @property
     def mode(self) -> RecomputeMode:
@@ -110,6 +116,7 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     layers = g.layers
     widths_r = dict(widths, rank=max((s.rank for s in model.lora.slots), default=0))
     qk = terms.qk_norm_per_row(t, widths) if qk_norm else 0.0
+    qk_structural = layout_terms.structural_qk_norm_per_row(widths) if qk_norm else 0.0
     # ring attention (CP > 1) releases the projection output the attention would keep;
     # traced for plain attention only (an output gate is a view of that output and keeps it)
     plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
@@ -135,12 +142,19 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # alone: what every SP layer keeps gathered is then inside the unsharded fitted hidden-wide
     # part, docs/memory-model.md#gdn-moe-sp-retained)
     unsharded_hybrid = unsharded_gdn and g.gdn is not None and g.moe is not None
+    # a plain dense model's retained layers at a credited TP1 priced by the SP structural terms
+    # at TP = 1 (layout_terms.structural_at_tp1), where the table carries them (torch-cpu)
+    plain_dense = (plain and g.gdn is None and g.moe is None
+                   and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.DENSE for layer in layers))
+    structural_tp1 = width_tp == 1 and layout_terms.structural_at_tp1(
+        t, retained=mode != RecomputeMode.FULL, plain_dense=plain_dense)
     return LayerContext(
         geometry=g, table=t, recompute=model.recompute, credit=model.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=model.width_etp, sp_div=sp_div,
         rows_cp=rows_cp, ep_skew=ep_skew, routed_extra=routed_extra, local_experts=local_experts,
-        qk_norm_per_row=qk, cp_release_per_row=cp_release, hybrid_tp=hybrid_tp, structural_gdn=structural_gdn,
-        full_gdn=full_gdn, unsharded_gdn=unsharded_gdn, unsharded_hybrid=unsharded_hybrid)
+        qk_norm_per_row=qk, qk_structural_per_row=qk_structural, cp_release_per_row=cp_release,
+        hybrid_tp=hybrid_tp, structural_gdn=structural_gdn, full_gdn=full_gdn, unsharded_gdn=unsharded_gdn,
+        unsharded_hybrid=unsharded_hybrid, structural_tp1=structural_tp1)
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:
@@ -323,9 +337,9 @@ def sp_moe_retained_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, 
     kw = dict(tp=ctx.tp, etp=ctx.etp, routed=g.moe.top_k * ctx.ep_skew,
               rope_per_row=rope_cache_per_row(g, [layer]), first=index == 0)
     kept = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, **kw)
-            - less + ctx.qk_norm_per_row + extra)
+            - less + ctx.qk_structural_per_row + extra)
     forward = (moe_terms.sp_retained_moe_layer_per_row(ctx.widths_r, forward=True, **kw)
-               - less + ctx.qk_norm_per_row + extra + moe_extra)
+               - less + ctx.qk_structural_per_row + extra + moe_extra)
     return kept, forward
 
 
@@ -345,16 +359,18 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
                               fitted: float) -> tuple[float, float]:
     """A retained attention layer with a dense MLP under TP with SP: what it keeps gathered
     (`layout_terms.sp_retained_layer_per_row`) against the TP1-fitted layer (`fitted`): its
-    retained activations (the larger) and its forward peak per row (0 without the entry)."""
+    retained activations (the larger) and its forward peak per row (0 without the entry).
+    At a credited TP1 with `ctx.structural_tp1` (the TP1 structural layer) the structural term
+    at TP = 1 replaces the fitted layer (`fitted` then carries only the features' extra)."""
     g, t = ctx.geometry, ctx.table
     # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
     less = sp_layer_release_per_row(ctx, layer)
     kw = dict(tp=ctx.tp, rope_per_row=rope_cache_per_row(g, [layer]),
-              sequence_parallel=True)
+              sequence_parallel=ctx.sp_div > 1, at_tp1=ctx.structural_tp1)
     sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
-    sp_layer = sp_layer - less + ctx.qk_norm_per_row if sp_layer else 0.0
+    sp_layer = sp_layer - less + ctx.qk_structural_per_row if sp_layer else 0.0
     sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True, **kw)
-    sp_forward = sp_forward - less + ctx.qk_norm_per_row if sp_forward else 0.0
+    sp_forward = sp_forward - less + ctx.qk_structural_per_row if sp_forward else 0.0
     return max(fitted, sp_layer), sp_forward
 
 
@@ -375,6 +391,10 @@ def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, e
         return sp_moe_retained_per_row(ctx, index, layer, extra=extra, moe_extra=moe_extra)
     if retains and layer.mlp == MlpKind.DENSE:
         return sp_dense_retained_per_row(ctx, layer, fitted=layer_retained)
+    if ctx.structural_tp1:
+        # the TP1 structural layer in place of the TP1-fitted one (layout_terms.structural_at_tp1)
+        kept, forward = sp_dense_retained_per_row(ctx, layer, fitted=0.0)
+        return kept + extra, forward + extra
     return layer_retained, 0.0
 
 
@@ -455,6 +475,9 @@ def covered_by_structural_terms(ctx: LayerContext, layer: LayerSpec) -> bool:
     by what it holds (`ctx.hybrid_tp`, `gdn_terms`) with a dense MLP, or a MoE MLP under SP."""
     moe_point = ctx.sp_div > 1 and (ctx.mode == RecomputeMode.FULL
                                     or layout_terms.SP_RETAINED in ctx.table.terms)
+    if ctx.tp == 1 and ctx.mode != RecomputeMode.FULL:
+        # a retained layer at TP1 takes the TP1 residual only beside the TP1 structural layer
+        return ctx.structural_tp1
     if layer.mixer == MixerKind.ATTENTION:
         return layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)
     return (layer.mixer == MixerKind.GDN and ctx.hybrid_tp
@@ -481,7 +504,8 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     """The RoPE cache entry of the whole longest sequence under CP (`layout_terms.cp_rope_cache_per_row`),
     per row, once per wave; with the structural GDN terms, or the SP structural terms under TP
     with SP (without full recompute, or with it in a model without MoE or GDN layers, whose
-    structural full-recompute points carry the entry), also the entry's own rows, which the
+    structural full-recompute points carry the entry) or at TP1 (`ctx.structural_tp1`), also
+    the entry's own rows, which the
     fitted layers those terms replace absorbed (`gdn_terms.rope_cache_entry_per_row`,
     `layout_terms.sp_rope_entry_per_row`)."""
     entry = rope_cache_per_row(ctx.geometry, ctx.geometry.layers)
@@ -493,7 +517,8 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
         rope += layout_terms.sp_rope_entry_per_row(ctx.table, rope_per_row=entry, tp=ctx.tp,
-                                                   sequence_parallel=ctx.sp_div > 1)
+                                                   sequence_parallel=ctx.sp_div > 1,
+                                                   at_tp1=ctx.structural_tp1)
     return rope
 
 

@@ -13,7 +13,9 @@ input-norm backward with replicated norms, TP without SP; `sp_fc2_point_per_row`
 output projection's backward with the gathered inputs, TP with SP; `sp_retained_layer_per_row`:
 what an SP layer retains gathered without full recompute, and its forward peak;
 `sp_head_forward_per_row`: what the full-native head holds at its forward with SP;
-`sp_rope_entry_per_row`: the RoPE cache entry's own rows beside the SP structural terms;
+`sp_rope_entry_per_row`: the RoPE cache entry's own rows beside the SP structural terms; the
+three at TP = 1 for a plain dense model's retained TP1 layers, `structural_at_tp1`, with the q/k
+norms whole, `structural_qk_norm_per_row`;
 `cp_rope_cache_per_row`: the RoPE cache entry of the whole longest sequence on every CP rank);
 the rest is charged as hidden-wide bytes per gathered row:
 
@@ -25,7 +27,8 @@ the rest is charged as hidden-wide bytes per gathered row:
   limit too (bench/layout_validation.py: the pending adapter gradients, a constant per wave, are
   not leaned on).
 - `retained`: under selective or no recompute, the same per layer (hidden-wide tensors each
-  retained layer keeps gathered), charged per layer.
+  retained layer keeps gathered), charged per layer; its `tp1-*` keys the TP1 structural layer's
+  margin over the calibration cells' per-row constants (docs/memory-model.md#tp1-structural).
 
 Only positive residuals are charged (a traced layout priced over its trace keeps that margin:
 never under, see bench/layout_validation.py). A layout class with no entry is not covered:
@@ -55,7 +58,8 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
     """Hidden-wide bytes per gathered row the layout leaves unsharded beyond the structural terms.
 
     c x H, c from entry `layout_residual` (group `retained` for selective/no recompute, charged
-    per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 and for a table
+    per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 (but for the
+    retained key `tp1-cp1`, the TP1 structural layer's margin, #tp1-structural) and for a table
     without the entry. `bare`: for a layer the structural points do not cover (GDN mixer, MoE
     MLP), the group fitted without them (`full_bare` / `retained_bare`, when the table has it). Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
     bench/layout_validation.py on the 2048-token cells of both dense geometries, checked on the
@@ -158,7 +162,7 @@ SP_RETAINED = "sp_retained_layer"
 
 
 def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope_per_row: float,
-                              sequence_parallel: bool, forward: bool = False) -> float:
+                              sequence_parallel: bool, forward: bool = False, at_tp1: bool = False) -> float:
     """What a layer retains under selective or no recompute with SP (dense MLP, attention), and
     its forward peak (`forward`).
 
@@ -176,14 +180,16 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
     Formula: `gathered` (4 H) + `sharded` (8 H) / TP + `per_row` (10 F + 3 qkv + 5 core + 8 rank)
     of entry `sp_retained_layer` (torch-cpu, structural) + 2 x rope_per_row; `forward` adds
     `forward_gathered` (4 H) + `forward_sharded` (10 H) / TP;
-    when `sequence_parallel` and TP > 1,
-    else 0 (and without the entry: te-gpu). The model charges the larger of this and the fitted
-    retained layer (less the CP attention release under no recompute, less the selective discount
-    under selective recompute). Evidence: docs/memory-model.md#sp-retained-layer (TP8+SP none at
-    both geometries: 10,688 B per layer per row at h1024, 8,640 at h768, every storage of the
-    formula live at the peak). O(1).
+    when `sequence_parallel` and TP > 1, or `at_tp1` and TP = 1 (the TP1 structural layer, where
+    the gathered and the sharded rows are both the rank's own: `structural_at_tp1`),
+    else 0 (and without the entry: te-gpu). Under SP the model charges the larger of this and the
+    fitted retained layer, at TP1 this in its place (less the CP attention release under no
+    recompute, less the selective discount under selective recompute). Evidence:
+    docs/memory-model.md#sp-retained-layer (TP8+SP none at both geometries: 10,688 B per layer per
+    row at h1024, 8,640 at h768, every storage of the formula live at the peak) and
+    #tp1-structural. O(1).
     """
-    if not sequence_parallel or tp <= 1 or SP_RETAINED not in table.terms:
+    if not structural_at(tp, sequence_parallel, at_tp1) or SP_RETAINED not in table.terms:
         return 0.0
     out = (table.per_row(SP_RETAINED, widths, key="gathered")
            + table.per_row(SP_RETAINED, widths, key="sharded") / tp
@@ -198,7 +204,7 @@ SP_HEAD = "sp_head_forward"
 
 
 def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int,
-                            sequence_parallel: bool) -> float:
+                            sequence_parallel: bool, at_tp1: bool = False) -> float:
     """What the full-native head holds at its forward under TP with SP, per gathered row.
 
     What memory: the output layer's bf16 logits (2 x vocab / TP) and the fp32 copy the loss makes
@@ -212,18 +218,19 @@ def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int,
     retained bytes at the head's forward point (`walk.WalkCharges.head_forward`).
 
     Formula: `per_row` (6 vocab) + `sharded` (8 H) / TP of entry `sp_head_forward` (torch-cpu,
-    structural), when `sequence_parallel` and TP > 1; 0 otherwise or
+    structural), when `sequence_parallel` and TP > 1, or `at_tp1` and TP = 1 (beside the TP1
+    structural layer, `structural_at_tp1`); 0 otherwise or
     without the entry (te-gpu). Evidence: docs/memory-model.md#sp-head-forward (every TP+SP
     cell of the three dense geometries peaks in the forward, at the head's forward at TP2/4 and
-    at TP8 where the vocabulary is wide; bench/results/sp_forward_anatomy.txt). O(1).
+    at TP8 where the vocabulary is wide; bench/results/sp_forward_anatomy.txt) and #tp1-structural. O(1).
     """
-    if not sequence_parallel or tp <= 1 or SP_HEAD not in table.terms:
+    if not structural_at(tp, sequence_parallel, at_tp1) or SP_HEAD not in table.terms:
         return 0.0
     return table.per_row(SP_HEAD, widths) + table.per_row(SP_HEAD, widths, key="sharded") / tp
 
 
 def sp_rope_entry_per_row(table: CoefficientTable, *, rope_per_row: float, tp: int,
-                          sequence_parallel: bool) -> float:
+                          sequence_parallel: bool, at_tp1: bool = False) -> float:
     """The RoPE cache entry's rows on the rank, once per wave, where the SP structural terms price
     the layers.
 
@@ -236,17 +243,63 @@ def sp_rope_entry_per_row(table: CoefficientTable, *, rope_per_row: float, tp: i
     `cp_rope_cache_per_row` charges only the rows CP adds beyond the rank's own.
 
     Formula: rope_per_row per rank row (at CP1 a bound: the longest sequence has at most the
-    call's rows), when `sequence_parallel`, TP > 1 and the table has the structural entries
-    (torch-cpu); else 0. Under full recompute for a model of dense attention layers only: the
+    call's rows), when `sequence_parallel` and TP > 1, or `at_tp1` and TP = 1 (beside the TP1
+    structural layer), and the table has the structural entries (torch-cpu); else 0. Under full recompute for a model of dense attention layers only: the
     MoE TP+SP and GDN structural full-recompute points carry the entry's rows themselves. Charged as the CP RoPE cache is (`layer_arrays.wave_rope_cache_per_row`:
     layer 0's retained memory and forward without full recompute, every point under it).
     Evidence: docs/memory-model.md#sp-head-forward (`rotary_pos_emb cat` fp32, live at the
     forward and backward peaks of every TP+SP cell, bench/results/sp_forward_anatomy.txt and
     cp_tp8_anatomy.txt; the full-recompute TP+SP+CP residuals it had stood for). O(1).
     """
-    if not sequence_parallel or tp <= 1 or SP_POINT not in table.terms:
+    if not structural_at(tp, sequence_parallel, at_tp1) or SP_POINT not in table.terms:
         return 0.0
     return rope_per_row
+
+
+def structural_at(tp: int, sequence_parallel: bool, at_tp1: bool) -> bool:
+    """Whether the SP structural terms apply at this TP: under TP > 1 with SP, and at TP = 1 where
+    the caller prices the TP1 structural layer (`at_tp1`, `structural_at_tp1`). O(1)."""
+    return (sequence_parallel and tp > 1) or (at_tp1 and tp == 1)
+
+
+def structural_at_tp1(table: CoefficientTable, *, retained: bool, plain_dense: bool) -> bool:
+    """Whether a TP1 rank's retained layers are priced by the SP structural terms at TP = 1 (the
+    TP1 structural layer) rather than by the TP1-fitted layer.
+
+    What memory: at TP1 every tensor the SP structural terms name gathered or sequence-sharded
+    is the rank's own rows, so `sp_retained_layer_per_row` (its forward too),
+    `sp_head_forward_per_row` and `sp_rope_entry_per_row` at TP = 1 price what a retained TP1
+    layer, the head's forward and the RoPE entry hold. The fitted layer (`terms.retained_layer_per_row`,
+    fitted on real widths with the head beside it) over-prices small shapes by 3-13%; the
+    structural layer prices the same cells within 2-3%, with `structural_qk_norm_per_row` for
+    query/key norms and the TP1 residual (`layout_residual` key tp1-cp1, group `retained`) over
+    the calibration cells' per-row constants.
+
+    Formula: True when `retained` (selective or no recompute), `plain_dense` (every layer plain
+    attention, no output gate or MLA, with a dense MLP: the layers the SP retained term was traced
+    on) and the table has the structural entries (torch-cpu); te-gpu keeps its fitted layer.
+    Evidence: docs/memory-model.md#tp1-structural (bench/results/tp1_structural.txt: the grid's
+    TP1 and TP1+CP cells and the real-width calibration cells). O(1).
+    """
+    return retained and plain_dense and SP_RETAINED in table.terms and SP_HEAD in table.terms
+
+
+def structural_qk_norm_per_row(widths: dict) -> float:
+    """What an attention layer's query/key norms keep, beside the structural layer terms.
+
+    What memory: a plain torch RMSNorm keeps its input upcast to fp32 for its backward: 4 bytes x
+    (query + key widths) per row at per-TP-rank widths = 2 x qkv + 2 x core (queries are `core`
+    wide, keys (qkv - core) / 2). The TP1-fitted `qk_norm` entry scales this by its fit (0.88 on
+    torch-cpu), the rest absorbed by the fitted layer it sits beside; the structural terms absorb
+    nothing, so they take the whole.
+
+    Formula: 2 x qkv + 2 x core bytes per row. Evidence: docs/memory-model.md#tp1-structural
+    (the q_layernorm and k_layernorm fp32 copies of qwen3-8b, bench/results/validation_anatomy.txt;
+    with the fitted 0.88 the TP1 structural layer fell 0.47-0.57 H per layer under qwen3-8b's
+    selective and none calibration cells, 0.9948-0.9974; with the whole, 0.01-0.15 H over,
+    1.0001-1.0009 before the TP1 residual, bench/results/tp1_structural.txt). O(1).
+    """
+    return 2.0 * widths["qkv"] + 2.0 * widths["core"]
 
 
 CP_ATTENTION = "cp_attention_release"

@@ -467,7 +467,8 @@ class PricingModel:
         # what the full-native head holds at its forward under TP with SP (both logits copies, the
         # final norm's tensors, the embedding's output), charged where above head_ret; beside the
         # wave's RoPE cache charge (in the retained layers without full recompute, here with it)
-        head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1)
+        head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
+                                                         at_tp1=ctx.structural_tp1)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from waveplan.pricing import terms
+from waveplan.pricing import layout_terms, terms
 from waveplan.pricing.coefficients import OPTIONAL_TERMS, load_table
 from waveplan.pricing.geometry import MixerKind
 from waveplan.pricing.model import PricingModel, has_qk_norm, layer_widths
@@ -32,14 +32,21 @@ def test_qk_norm_follows_the_geometry():
     assert has_qk_norm(dataclasses.replace(llama, extra={"qk_layernorm": True}))
     cpu = load_table("torch-cpu")
     for geometry, charged in ((qwen, True), (llama, False)):
-        model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode="none"))
         widths = layer_widths(geometry, tp=1)
         qk = terms.qk_norm_per_row(cpu, widths)
         assert qk > 0
         plain = dataclasses.replace(geometry, extra={"qk_layernorm": False})
-        without = PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode="none"))
-        diff = model.arrays["retained"] - without.arrays["retained"]
-        assert np.allclose(diff, qk if charged else 0.0)
+        # the fitted layer's workspace (full recompute) takes the fitted q/k norms; the retained
+        # TP1 structural layer (torch-cpu, plain dense) takes them whole
+        # (layout_terms.structural_qk_norm_per_row, docs/memory-model.md#tp1-structural)
+        for mode, key, each in (("full", "workspace", qk),
+                                ("none", "retained", layout_terms.structural_qk_norm_per_row(widths))):
+            model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode=mode))
+            without = PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode))
+            diff = model.arrays[key] - without.arrays[key]
+            assert np.allclose(diff, each if charged else 0.0), mode
+    assert layout_terms.structural_qk_norm_per_row(layer_widths(qwen, tp=1)) > terms.qk_norm_per_row(
+        cpu, layer_widths(qwen, tp=1))
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.8-27b"])
@@ -70,9 +77,10 @@ def test_retained_layers_use_their_own_forward_and_backward_terms(preset):
         assert np.all(a["workspace"] < full["workspace"])
         fwd = a["forward_parts"]
         # layer 0's forward point also holds the wave's RoPE cache entry where the structural GDN
-        # terms price a hybrid's layers (gdn_terms.rope_cache_entry_per_row, torch-cpu at TP1)
+        # terms price a hybrid's layers (gdn_terms.rope_cache_entry_per_row, torch-cpu at TP1) and
+        # beside the TP1 structural layer of a plain dense model (layout_terms.structural_at_tp1)
         rope = np.zeros(len(a["nograd"]))
-        if geometry.gdn is not None:
+        if geometry.gdn is not None or geometry.moe is None:
             rope[0] = rope_cache_per_row(geometry, geometry.layers)
         assert np.allclose(a["nograd"], np.maximum(fwd["nograd"], fwd["retained_forward"]) + rope)
         assert np.all(fwd["retained_forward"] >= load_table("torch-cpu").scalar("retained_forward")
