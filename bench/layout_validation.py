@@ -227,42 +227,45 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
         # the TP1 structural layer's residual covers the real-width calibration cells too (their
         # own geometries, in the cross-shape fit as well)
         tp1 = layout_terms.layout_key(1, False, 1)
-        for short in tp1_calibration_shortfalls(bare):
+        for group, short in tp1_calibration_shortfalls(bare):
             c = max(0.0, np.ceil(short * 8) / 8 + 1 / 8)
-            residual["retained"][tp1] = max(residual["retained"].get(tp1, 0.0), c)
+            residual[group][tp1] = max(residual[group].get(tp1, 0.0), c)
         # ... and TP1 under CP, whose layers are the same TP1 structural layers (the small
         # widths' per-row constants do not shrink with CP)
-        for key in residual["retained"]:
-            if key.startswith("tp1-"):
-                residual["retained"][key] = max(residual["retained"][key], residual["retained"][tp1])
+        for group in ("full", "retained"):
+            for key in residual[group]:
+                if key.startswith("tp1-"):
+                    residual[group][key] = max(residual[group][key], residual[group].get(tp1, 0.0))
     return residual
 
 
 def tp1_calibration_cells() -> list[dict]:
     """The real-width and small cpu-fake calibration cells (bench/results/traces_cpu_fake.jsonl)
-    the TP1 structural layer prices (`layout_terms.structural_at_tp1`: selective or no recompute,
-    plain dense attention layers). O(cells)."""
+    the TP1 structural layer and point price (`layout_terms.structural_at_tp1`: plain dense
+    attention layers, every recompute mode). O(cells)."""
     out = []
     for line in CALIBRATION.read_text().splitlines():
         rec = json.loads(line)
         g = calibrate.cell_geometry(rec["cell"])
         plain = (g.attention is not None and not g.attention.output_gate and g.attention.mla is None)
-        if rec["cell"]["recompute"] != "full" and g.moe is None and g.gdn is None and plain:
+        if g.moe is None and g.gdn is None and plain:
             out.append(rec)
     return out
 
 
-def tp1_calibration_shortfalls(bare: CoefficientTable) -> list[float]:
-    """Each TP1 calibration cell's shortfall (trace - raw estimate) per layer and row, in H, priced
-    on `bare` with the TP1 residual at 0. O(cells x layers)."""
+def tp1_calibration_shortfalls(bare: CoefficientTable) -> list[tuple[str, float]]:
+    """Each TP1 calibration cell's residual group and shortfall (trace - raw estimate) per row
+    (per layer and row for the retained group), in H, priced on `bare` with the TP1 residual at 0.
+    O(cells x layers)."""
+    tp1 = layout_terms.layout_key(1, False, 1)
     table = dataclasses.replace(bare, terms=dict(bare.terms, **{layout_terms.ENTRY: {
-        "full": {}, "retained": {layout_terms.layout_key(1, False, 1): 0.0}, "source": "fit"}}))
+        "full": {tp1: 0.0}, "retained": {tp1: 0.0}, "source": "fit"}}))
     out = []
     for rec in tp1_calibration_cells():
         g = calibrate.cell_geometry(rec["cell"])
-        rows = sum(rec["cell"]["seq_lens"])
-        out.append((rec["trace"]["peak_bytes"] - calibrate.estimate(table, rec)["peak"])
-                   / (rows * g.num_layers * g.hidden))
+        group = "full" if rec["cell"]["recompute"] == "full" else "retained"
+        unit = sum(rec["cell"]["seq_lens"]) * g.hidden * (g.num_layers if group == "retained" else 1)
+        out.append((group, (rec["trace"]["peak_bytes"] - calibrate.estimate(table, rec)["peak"]) / unit))
     return out
 
 
@@ -276,7 +279,7 @@ def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[s
         cell, trace = rec["cell"], rec["trace"]
         key, group = key_and_group(cell)
         at_tp1 = key == layout_terms.layout_key(1, False, 1)
-        if (at_tp1 and not (tp1 and group == "retained")) or (
+        if (at_tp1 and not tp1) or (
                 shapes is not None and cell["geometry"]["name"] not in shapes):
             continue
         out[(cell["geometry"]["name"], key, cell["recompute"])] = _shortfall(cell, trace, bare, key, group)
@@ -524,10 +527,12 @@ def cover(residual: dict) -> dict:
     for _ in range(32):
         table = with_residual(base, residual)
         raised = set()
-        if tp1 in residual["retained"] and any(calibrate.estimate(table, rec)["peak"] < rec["trace"]["peak_bytes"]
-                                               for rec in tp1_calibration_cells()):
-            residual["retained"][tp1] += 0.125
-            raised.add(("retained", tp1))
+        for rec in tp1_calibration_cells():
+            group = "full" if rec["cell"]["recompute"] == "full" else "retained"
+            if (tp1 in residual[group] and (group, tp1) not in raised
+                    and calibrate.estimate(table, rec)["peak"] < rec["trace"]["peak_bytes"]):
+                residual[group][tp1] += 0.125
+                raised.add((group, tp1))
         for rec in cells:
             cell, trace = rec["cell"], rec["trace"]
             key, group = key_and_group(cell)

@@ -79,8 +79,9 @@ class LayerContext:
     unsharded_hybrid: bool
     """`unsharded_gdn` in a GDN hybrid with MoE MLPs: its attention layers charged unsharded too."""
     structural_tp1: bool
-    """Retained layers at a credited TP1 (CP too) priced by the SP structural terms at TP = 1
-    (`layout_terms.structural_at_tp1`: torch-cpu, a plain dense model)."""
+    """A plain dense model's layers at a credited TP1 (CP too) priced by what they hold
+    (`layout_terms.structural_at_tp1`, torch-cpu): retained by the SP structural terms at TP = 1,
+    recomputed at their FC1 backward (`layout_terms.tp1_fc1_point_per_row`)."""
 
     @property
     def mode(self) -> RecomputeMode:
@@ -210,6 +211,11 @@ def attention_points_per_row(ctx: LayerContext, layer: LayerSpec, *, stage: floa
     points = max(norm_point, fc2_point)
     if points:
         stage = max(stage, points - ctx.cp_release_per_row)
+    if ctx.structural_tp1 and layer.mlp == MlpKind.DENSE:
+        # a plain dense model's TP1 layer at its FC1 backward, in place of the fitted stage
+        # (layout_terms.tp1_fc1_point_per_row)
+        stage = (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True)
+                 + ctx.qk_structural_per_row - ctx.cp_release_per_row)
     if layer.mlp == MlpKind.MOE and ctx.sp_div > 1 and layout_terms.SP_POINT in t.terms:
         # a MoE layer under TP with SP at its MoE backward point (moe_terms), in place of
         # the TP1-fitted stage sum; the attention's own backward (mixer, norms) comes after
@@ -391,7 +397,7 @@ def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, e
         return sp_moe_retained_per_row(ctx, index, layer, extra=extra, moe_extra=moe_extra)
     if retains and layer.mlp == MlpKind.DENSE:
         return sp_dense_retained_per_row(ctx, layer, fitted=layer_retained)
-    if ctx.structural_tp1:
+    if ctx.structural_tp1 and not ctx.full:
         # the TP1 structural layer in place of the TP1-fitted one (layout_terms.structural_at_tp1)
         kept, forward = sp_dense_retained_per_row(ctx, layer, fitted=0.0)
         return kept + extra, forward + extra
@@ -475,8 +481,8 @@ def covered_by_structural_terms(ctx: LayerContext, layer: LayerSpec) -> bool:
     by what it holds (`ctx.hybrid_tp`, `gdn_terms`) with a dense MLP, or a MoE MLP under SP."""
     moe_point = ctx.sp_div > 1 and (ctx.mode == RecomputeMode.FULL
                                     or layout_terms.SP_RETAINED in ctx.table.terms)
-    if ctx.tp == 1 and ctx.mode != RecomputeMode.FULL:
-        # a retained layer at TP1 takes the TP1 residual only beside the TP1 structural layer
+    if ctx.tp == 1:
+        # a layer at TP1 takes the TP1 residual only beside the TP1 structural layer or point
         return ctx.structural_tp1
     if layer.mixer == MixerKind.ATTENTION:
         return layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)

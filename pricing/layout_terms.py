@@ -263,8 +263,9 @@ def structural_at(tp: int, sequence_parallel: bool, at_tp1: bool) -> bool:
 
 
 def structural_at_tp1(table: CoefficientTable, *, retained: bool, plain_dense: bool) -> bool:
-    """Whether a TP1 rank's retained layers are priced by the SP structural terms at TP = 1 (the
-    TP1 structural layer) rather than by the TP1-fitted layer.
+    """Whether a TP1 rank's layers are priced by what they hold: retained layers by the SP
+    structural terms at TP = 1 (the TP1 structural layer), recomputed layers at their FC1
+    backward (`tp1_fc1_point_per_row`), rather than by the TP1-fitted layer and stage.
 
     What memory: at TP1 every tensor the SP structural terms name gathered or sequence-sharded
     is the rank's own rows, so `sp_retained_layer_per_row` (its forward too),
@@ -275,13 +276,42 @@ def structural_at_tp1(table: CoefficientTable, *, retained: bool, plain_dense: b
     query/key norms and the TP1 residual (`layout_residual` key tp1-cp1, group `retained`) over
     the calibration cells' per-row constants.
 
-    Formula: True when `retained` (selective or no recompute), `plain_dense` (every layer plain
-    attention, no output gate or MLA, with a dense MLP: the layers the SP retained term was traced
-    on) and the table has the structural entries (torch-cpu); te-gpu keeps its fitted layer.
-    Evidence: docs/memory-model.md#tp1-structural (bench/results/tp1_structural.txt: the grid's
-    TP1 and TP1+CP cells and the real-width calibration cells). O(1).
+    Formula: True when `plain_dense` (every layer plain attention, no output gate or MLA, with a
+    dense MLP: the layers the structural terms were traced on) and the table has the structural
+    entries (torch-cpu: `sp_retained_layer` and `sp_head_forward` when `retained` (selective or
+    no recompute), `tp1_fc1_point` and `sp_head_forward` under full recompute); te-gpu keeps its
+    fitted layer. Evidence: docs/memory-model.md#tp1-structural (bench/results/tp1_structural.txt:
+    the grid's TP1 and TP1+CP cells and the real-width calibration cells). O(1).
     """
-    return retained and plain_dense and SP_RETAINED in table.terms and SP_HEAD in table.terms
+    entry = SP_RETAINED if retained else TP1_POINT
+    return plain_dense and entry in table.terms and SP_HEAD in table.terms
+
+
+TP1_POINT = "tp1_fc1_point"
+
+
+def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row: float,
+                          at_tp1: bool) -> float:
+    """The recomputed TP1 layer's workspace at its MLP's FC1 backward (full recompute).
+
+    What memory: under full recompute a TP1 layer's backward peaks in its MLP, at FC1's backward:
+    the FC1 output with its LoRA sum and its gradient (4F each), the SwiGLU's gate activation,
+    product and the product's gradient (2F each): 14F; both norms' fp32 inputs (8H), their bf16
+    outputs and the attention's residual sum (6H): 14H; the attention's saved tensors (3 qkv +
+    5 core, as `layer_norm_point_per_row`) and the rotary frequencies' bf16 copies (2 x
+    `rope_per_row`). The walk charges the boundaries, the input gradient and the RoPE entry
+    (`sp_rope_entry_per_row` at TP1) beside it.
+
+    Formula: `per_row` of entry `tp1_fc1_point` (torch-cpu, structural: 14 F + 14 H + 3 qkv +
+    5 core) + 2 x rope_per_row, when `at_tp1` (`structural_at_tp1` under full recompute); 0
+    otherwise or without the entry (te-gpu). The model charges it in place of the fitted stage
+    (with the q/k norms whole, `structural_qk_norm_per_row`, less the CP attention release).
+    Evidence: docs/memory-model.md#tp1-structural (bench/results/layouts_anatomy.txt, TP1 full
+    h1024: 72,060 B per row at L1's FC1 backward, every storage of the formula live). O(1).
+    """
+    if not at_tp1 or TP1_POINT not in table.terms:
+        return 0.0
+    return table.per_row(TP1_POINT, widths) + 2.0 * rope_per_row
 
 
 def structural_qk_norm_per_row(widths: dict) -> float:

@@ -36,17 +36,24 @@ def test_qk_norm_follows_the_geometry():
         qk = terms.qk_norm_per_row(cpu, widths)
         assert qk > 0
         plain = dataclasses.replace(geometry, extra={"qk_layernorm": False})
-        # the fitted layer's workspace (full recompute) takes the fitted q/k norms; the retained
-        # TP1 structural layer (torch-cpu, plain dense) takes them whole
+        # the TP1 structural layer and point (torch-cpu, plain dense) take them whole
         # (layout_terms.structural_qk_norm_per_row, docs/memory-model.md#tp1-structural)
-        for mode, key, each in (("full", "workspace", qk),
-                                ("none", "retained", layout_terms.structural_qk_norm_per_row(widths))):
+        whole = layout_terms.structural_qk_norm_per_row(widths)
+        for mode, key, each in (("full", "workspace", whole), ("none", "retained", whole)):
             model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode=mode))
             without = PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode))
             diff = model.arrays[key] - without.arrays[key]
             assert np.allclose(diff, each if charged else 0.0), mode
     assert layout_terms.structural_qk_norm_per_row(layer_widths(qwen, tp=1)) > terms.qk_norm_per_row(
         cpu, layer_widths(qwen, tp=1))
+    # beside the fitted layer (a MoE model at TP1) the fitted q/k norms
+    moe = load_preset("qwen3-30b-a3b")
+    assert has_qk_norm(moe)
+    plain = dataclasses.replace(moe, extra={"qk_layernorm": False})
+    for mode, key in (("full", "workspace"), ("none", "retained")):
+        diff = (PricingModel.build(moe, backend="torch-cpu", recompute=Recompute(mode=mode)).arrays[key]
+                - PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode)).arrays[key])
+        assert np.allclose(diff, terms.qk_norm_per_row(cpu, layer_widths(moe, tp=1))), mode
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.8-27b"])
@@ -60,10 +67,18 @@ def test_head_points_carry_the_final_norm(preset):
     assert saved > 0 and backward > 0
     assert a["head_retained"] == pytest.approx(logits_ret + saved)
     # the final norm's backward runs after the logits are released: the larger, not the sum
-    assert a["head_transient"] == pytest.approx(max(logits_tr, backward))
+    # beside it, under full recompute: the TP1 residual and the RoPE entry where the TP1 structural
+    # point prices a plain dense model's layers (docs/memory-model.md#tp1-structural), else nothing
+    beside = a["head_parts"]["layout_residual"]
+    plain = geometry.moe is None and geometry.gdn is None
+    assert (beside > 0) == plain
+    if plain:
+        assert beside == pytest.approx(
+            t.terms["layout_residual"]["full"]["tp1-cp1"] * geometry.hidden + rope_cache_per_row(geometry, geometry.layers))
+    assert a["head_transient"] == pytest.approx(max(logits_tr, backward) + beside)
     chunked = PricingModel.build(geometry, backend="torch-cpu", head="chunked:512").arrays
     assert chunked["head_retained"] == pytest.approx(saved)
-    assert chunked["head_transient"] == pytest.approx(backward)
+    assert chunked["head_transient"] == pytest.approx(backward + beside)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.6-35b-a3b"])

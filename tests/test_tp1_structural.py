@@ -1,7 +1,7 @@
-"""The TP1 structural layer (docs/memory-model.md#tp1-structural): a plain dense model's retained
-layers at TP1 (CP too) on torch-cpu are priced by the SP structural terms at TP = 1
-(`layout_terms.structural_at_tp1`), with the q/k norms whole and the TP1 residual; every other
-case keeps the TP1-fitted layer."""
+"""The TP1 structural layer and point (docs/memory-model.md#tp1-structural): a plain dense model's
+layers at TP1 (CP too) on torch-cpu are priced by what they hold (`layout_terms.structural_at_tp1`):
+retained by the SP structural terms at TP = 1, recomputed at their FC1 backward, with the q/k norms
+whole and the TP1 residual; te-gpu and every other model keep the TP1-fitted layer and stage."""
 
 from __future__ import annotations
 
@@ -49,16 +49,17 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
 
 
 def test_the_fitted_layer_stays_elsewhere():
-    """Full recompute, te-gpu, and models that are not plain dense attention keep the TP1-fitted
-    layer, no head-forward charge and no TP1 residual."""
-    for preset, backend, mode in (("llama-3.1-8b", "torch-cpu", "full"), ("llama-3.1-8b", "te-gpu", "none"),
+    """te-gpu, and models that are not plain dense attention, keep the TP1-fitted layer, no
+    head-forward charge and no TP1 residual."""
+    for preset, backend, mode in (("llama-3.1-8b", "te-gpu", "full"), ("llama-3.1-8b", "te-gpu", "none"),
                                   ("qwen3-30b-a3b", "torch-cpu", "none"), ("deepseek-v2-lite", "torch-cpu", "none"),
                                   ("qwen3.8-27b", "torch-cpu", "selective")):
         g = load_preset(preset)
         model = PricingModel.build(g, backend=backend, recompute=Recompute(mode=mode), head="full-native")
         assert model.arrays["head_forward"] == 0.0, (preset, backend, mode)
     t = load_table("torch-cpu")
-    assert not layout_terms.structural_at_tp1(t, retained=False, plain_dense=True)
+    assert layout_terms.structural_at_tp1(t, retained=False, plain_dense=True)
+    assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=False, plain_dense=True)
     assert not layout_terms.structural_at_tp1(t, retained=True, plain_dense=False)
     assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=True, plain_dense=True)
     assert layout_terms.structural_at_tp1(t, retained=True, plain_dense=True)
@@ -131,3 +132,47 @@ def test_tp1_cp_takes_the_tp1_margin():
     residual = layout_terms.layout_residual_per_row(cp2.table, layer_widths(g, tp=1), tp=1,
                                                     sequence_parallel=False, cp=2, retained=True)
     assert residual == pytest.approx(retained["tp1-cp2"] * g.hidden)
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-8b"])
+def test_recomputed_tp1_layer_is_priced_at_its_fc1_backward(preset):
+    """Full recompute at TP1 on torch-cpu: a plain dense layer's stage is the FC1-backward point
+    (`layout_terms.tp1_fc1_point_per_row`) with the q/k norms whole; te-gpu keeps its fitted stage."""
+    g = load_preset(preset)
+    model = PricingModel.build(g, backend="torch-cpu", recompute=Recompute(mode="full"), head="full-native")
+    t = model.table
+    widths = layer_widths(g, tp=1)
+    point = layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_cache_per_row(g, [g.layers[1]]),
+                                               at_tp1=True)
+    assert point > 0
+    qk = layout_terms.structural_qk_norm_per_row(widths) if preset == "qwen3-8b" else 0.0
+    residual = layout_terms.layout_residual_per_row(t, widths, tp=1, sequence_parallel=False, cp=1,
+                                                    retained=False)
+    assert residual == pytest.approx(t.terms[layout_terms.ENTRY]["full"]["tp1-cp1"] * g.hidden)
+    rope = rope_cache_per_row(g, g.layers)   # the RoPE entry, at every point under full recompute
+    assert model.arrays["workspace"][1] == pytest.approx(point + qk + residual + rope)
+    assert model.arrays["head_forward"] > 0
+    assert layout_terms.tp1_fc1_point_per_row(load_table("te-gpu"), widths, rope_per_row=1.0, at_tp1=True) == 0.0
+    assert layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=1.0, at_tp1=False) == 0.0
+
+
+def test_tp1_full_grid_and_calibration_cells_covered():
+    """Every TP1 and TP1+CP full-recompute grid cell and every plain dense full calibration cell is
+    at or over its trace with the shipped table; the grid classes' medians within 3%."""
+    lv = bench_module("layout_validation")
+    table = load_table("torch-cpu")
+    ratios: dict[str, list[float]] = {}
+    for rec in lv.load_cells() + lv.load_scale_cells() + lv.load_long_cells():
+        cell = rec["cell"]
+        if lv.mixed(cell) or cell["layout"]["tp"] != 1 or cell["recompute"] != "full":
+            continue
+        ratios.setdefault(f"cp{cell['layout']['cp']}", []).append(lv.estimate(cell, table)[0] / rec["trace"]["peak_bytes"])
+    assert set(ratios) == {"cp1", "cp2", "cp4"}
+    for key, r in ratios.items():
+        assert min(r) >= 1.0 and np.median(r) <= 1.03, (key, min(r), np.median(r))
+    full = [rec for rec in lv.tp1_calibration_cells() if rec["cell"]["recompute"] == "full"]
+    assert len(full) >= 20
+    for rec in full:
+        est = calibrate.estimate(table, rec)
+        assert est["peak"] >= rec["trace"]["peak_bytes"]
+        assert est["decoder"] >= rec["trace"]["decoder_peak_bytes"]

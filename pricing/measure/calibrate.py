@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import layout_terms
 from ..atomic_io import write_text_atomic
 from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from ..errors import ConfigError, bad
@@ -303,8 +304,14 @@ def _price(table: CoefficientTable, record: dict) -> int:
 
 def decoder_table(table: CoefficientTable) -> CoefficientTable:
     """The same table with the head's logits terms zeroed (prices the decoder-only peak: the
-    decoder's own final norm stays)."""
-    return _scaled(table, {g: 0.0 for g in LOGITS_GROUPS}, note=None)
+    decoder's own final norm stays), the logits of the structural head-forward term too
+    (`layout_terms.sp_head_forward_per_row`: its hidden-wide part stays)."""
+    out = _scaled(table, {g: 0.0 for g in LOGITS_GROUPS}, note=None)
+    forward = out.terms.get(layout_terms.SP_HEAD)
+    if forward is not None:
+        forward = dict(forward, per_row={w: 0.0 if w == "vocab" else c for w, c in forward["per_row"].items()})
+        out = dataclasses.replace(out, terms=dict(out.terms, **{layout_terms.SP_HEAD: forward}))
+    return out
 
 
 def estimate(table: CoefficientTable, record: dict) -> dict:
