@@ -143,8 +143,9 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # alone: what every SP layer keeps gathered is then inside the unsharded fitted hidden-wide
     # part, docs/memory-model.md#gdn-moe-sp-retained)
     unsharded_hybrid = unsharded_gdn and g.gdn is not None and g.moe is not None
-    # a plain dense model's retained layers at a credited TP1 priced by the SP structural terms
-    # at TP = 1 (layout_terms.structural_at_tp1), where the table carries them (torch-cpu)
+    # a plain dense model's layers at a credited TP1 priced by what they hold, where the table
+    # carries the structural terms (torch-cpu): retained by the SP structural terms at TP = 1,
+    # recomputed at their FC1 backward (layout_terms.structural_at_tp1)
     plain_dense = (plain and g.gdn is None and g.moe is None
                    and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.DENSE for layer in layers))
     structural_tp1 = width_tp == 1 and layout_terms.structural_at_tp1(
