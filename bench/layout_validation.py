@@ -162,12 +162,21 @@ def breakdown(cell: dict, table: CoefficientTable) -> tuple[Breakdown, PricingMo
     return b, model
 
 
+def group_of(cell: dict) -> str:
+    """A cell's residual group: "full" under full recompute, else "retained". O(1)."""
+    return "full" if cell["recompute"] == "full" else "retained"
+
+
 def key_and_group(cell: dict) -> tuple[str, str]:
-    """A cell's layout key (`layout_terms.layout_key`) and residual group ("full" under full
-    recompute, else "retained"). O(1)."""
+    """A cell's layout key (`layout_terms.layout_key`) and residual group (`group_of`). O(1)."""
     lay = cell["layout"]
-    return (layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"]),
-            "full" if cell["recompute"] == "full" else "retained")
+    return layout_terms.layout_key(lay["tp"], lay["sequence_parallel"], lay["cp"]), group_of(cell)
+
+
+def _eighths(shortfall: float) -> float:
+    """A residual covering `shortfall` (H per unit): the next eighth H plus an eighth's margin,
+    never below 0 (a cell over its trace by less than an eighth keeps the eighth). O(1)."""
+    return max(0.0, np.ceil(shortfall * 8) / 8 + 1 / 8)
 
 
 def load_fit_cells() -> list[dict]:
@@ -216,7 +225,7 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
         # a fit cell over its trace by less than an eighth H per unit keeps the eighth's margin
         # (the held-out cells differ from the fit cells by a few bytes per row: 3072-token
         # TP2+SP and TP4+SP retained cells fell 5-42 B per row under with no margin)
-        c = max(max(0.0, np.ceil(p * step) / step + 1 / step) for p in per)
+        c = max(_eighths(p) for p in per)
         limit = _per_row_limit((short, pending, unit), scaled)
         if long_:   # the one-sequence wave: its shortfall without its pending gradients
             limit = max(limit, (long_[0] + long_[1]) / long_[2])
@@ -228,8 +237,7 @@ def fit(shapes: frozenset[str] | None = None, *, points: bool = True) -> dict:
         # own geometries, in the cross-shape fit as well)
         tp1 = layout_terms.layout_key(1, False, 1)
         for group, short in tp1_calibration_shortfalls(bare):
-            c = max(0.0, np.ceil(short * 8) / 8 + 1 / 8)
-            residual[group][tp1] = max(residual[group].get(tp1, 0.0), c)
+            residual[group][tp1] = max(residual[group].get(tp1, 0.0), _eighths(short))
         # ... and TP1 under CP, whose layers are the same TP1 structural layers (the small
         # widths' per-row constants do not shrink with CP)
         for group in ("full", "retained"):
@@ -246,9 +254,7 @@ def tp1_calibration_cells() -> list[dict]:
     out = []
     for line in CALIBRATION.read_text().splitlines():
         rec = json.loads(line)
-        g = calibrate.cell_geometry(rec["cell"])
-        plain = (g.attention is not None and not g.attention.output_gate and g.attention.mla is None)
-        if g.moe is None and g.gdn is None and plain:
+        if calibrate.cell_geometry(rec["cell"]).plain_dense:
             out.append(rec)
     return out
 
@@ -263,7 +269,7 @@ def tp1_calibration_shortfalls(bare: CoefficientTable) -> list[tuple[str, float]
     out = []
     for rec in tp1_calibration_cells():
         g = calibrate.cell_geometry(rec["cell"])
-        group = "full" if rec["cell"]["recompute"] == "full" else "retained"
+        group = group_of(rec["cell"])
         unit = sum(rec["cell"]["seq_lens"]) * g.hidden * (g.num_layers if group == "retained" else 1)
         out.append((group, (rec["trace"]["peak_bytes"] - calibrate.estimate(table, rec)["peak"]) / unit))
     return out
@@ -272,7 +278,7 @@ def tp1_calibration_shortfalls(bare: CoefficientTable) -> list[tuple[str, float]
 def _shortfalls(records: list[dict], bare: CoefficientTable, shapes: frozenset[str] | None,
                 *, tp1: bool = False) -> dict:
     """`_shortfall` of each cell of `records` at TP > 1 or CP > 1 (of the geometries named in
-    `shapes`, default all), and with `tp1` the retained TP1 cells (the TP1 structural layer's
+    `shapes`, default all), and with `tp1` the TP1 cells (the TP1 structural layer's and point's
     residual), keyed by (geometry, layout key, recompute): one cell per key."""
     out = {}
     for rec in records:
@@ -523,12 +529,12 @@ def cover(residual: dict) -> dict:
     residual = {group: dict(keys) for group, keys in residual.items()}
     base = load_table("torch-cpu")
     cells = load_fit_cells() + load_scale_cells() + load_long_cells()
-    tp1 = layout_terms.layout_key(1, False, 1)
+    tp1, calibration = layout_terms.layout_key(1, False, 1), tp1_calibration_cells()
     for _ in range(32):
         table = with_residual(base, residual)
         raised = set()
-        for rec in tp1_calibration_cells():
-            group = "full" if rec["cell"]["recompute"] == "full" else "retained"
+        for rec in calibration:
+            group = group_of(rec["cell"])
             if (tp1 in residual[group] and (group, tp1) not in raised
                     and calibrate.estimate(table, rec)["peak"] < rec["trace"]["peak_bytes"]):
                 residual[group][tp1] += 0.125

@@ -68,14 +68,15 @@ def ratios(table: CoefficientTable) -> dict:
 
 
 def main() -> int:
-    got = {name: ratios(t) for name, t in tables().items()}
+    priced = tables()
+    got = {name: ratios(t) for name, t in priced.items()}
     head = "  ".join(f"{name:>22s}" for name in got)
     lines = ["TP1 dense layers: the TP1-fitted layer and stage, the structural layer and FC1-backward point",
              "at TP = 1 without and with the TP1 residual (bench/tp1_structural.py; torch-cpu, head full-native, safety 1.0;",
              "estimate / trace: min / median / max; 'grid': the multi-rank grid's dense TP1 cells, three",
              "geometries, every wave; 'calibration': the real-width and small cpu-fake cells of",
              "traces_cpu_fake.jsonl). TP1 residual (H per layer retained, per wave full): " + json.dumps(
-                 {g: {k: v for k, v in load_table("torch-cpu").terms[layout_terms.ENTRY][g].items()
+                 {g: {k: v for k, v in priced["shipped"].terms[layout_terms.ENTRY][g].items()
                       if k.startswith("tp1-")} for g in ("full", "retained")}), "",
              f"{'suite and class':38s} {'recompute':9s} {'cells':>5s}  {head}"]
     for key in sorted(got["shipped"]):

@@ -360,6 +360,16 @@ class ModelGeometry:
     def count(self, mixer: MixerKind) -> int:
         return sum(1 for layer in self.layers if layer.mixer == mixer)
 
+    @property
+    def plain_dense(self) -> bool:
+        """Whether every layer is plain attention (no output gate, no multi-latent attention)
+        with a dense MLP, and the model has no GDN or MoE spec: the layers the structural TP1
+        terms were traced on (`pricing.layout_terms.structural_at_tp1`). O(layers)."""
+        att = self.attention
+        return (att is not None and not att.output_gate and att.mla is None and self.gdn is None
+                and self.moe is None and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.DENSE
+                                             for layer in self.layers))
+
     def to_dict(self) -> dict:
         """Plain-JSON form (stable key order) used by reports and `inspect --json`."""
         out: dict = {

@@ -146,10 +146,8 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     # a plain dense model's layers at a credited TP1 priced by what they hold, where the table
     # carries the structural terms (torch-cpu): retained by the SP structural terms at TP = 1,
     # recomputed at their FC1 backward (layout_terms.structural_at_tp1)
-    plain_dense = (plain and g.gdn is None and g.moe is None
-                   and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.DENSE for layer in layers))
     structural_tp1 = width_tp == 1 and layout_terms.structural_at_tp1(
-        t, retained=mode != RecomputeMode.FULL, plain_dense=plain_dense)
+        t, retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
     return LayerContext(
         geometry=g, table=t, recompute=model.recompute, credit=model.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=model.width_etp, sp_div=sp_div,
@@ -385,11 +383,16 @@ def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, e
                            moe_extra: float) -> tuple[float, float]:
     """The layer's retained activations per row (`base_retained_per_row`, replaced or raised
     under TP with SP without full recompute by `sp_moe_retained_per_row`,
-    `sp_gdn_moe_retained_per_row` or `sp_dense_retained_per_row`), and its SP forward peak per
-    row (0 without one)."""
+    `sp_gdn_moe_retained_per_row` or `sp_dense_retained_per_row`, and at TP1 replaced by the
+    TP1 structural layer, `ctx.structural_tp1`), and its structural forward peak per row (0
+    without one)."""
     if (ctx.hybrid_tp and ctx.sp_div > 1 and layer.mixer == MixerKind.GDN
             and layer.mlp == MlpKind.MOE):
         return sp_gdn_moe_retained_per_row(ctx, extra=extra, moe_extra=moe_extra)
+    if ctx.structural_tp1 and not ctx.full:
+        # the TP1 structural layer in place of the TP1-fitted one (layout_terms.structural_at_tp1)
+        kept, forward = sp_dense_retained_per_row(ctx, layer, fitted=0.0)
+        return kept + extra, forward + extra
     layer_retained = base_retained_per_row(ctx, layer, extra=extra)
     retains = ctx.mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION and ctx.sp_div > 1
     moe_sp = (retains and layer.mlp == MlpKind.MOE
@@ -398,10 +401,6 @@ def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, e
         return sp_moe_retained_per_row(ctx, index, layer, extra=extra, moe_extra=moe_extra)
     if retains and layer.mlp == MlpKind.DENSE:
         return sp_dense_retained_per_row(ctx, layer, fitted=layer_retained)
-    if ctx.structural_tp1 and not ctx.full:
-        # the TP1 structural layer in place of the TP1-fitted one (layout_terms.structural_at_tp1)
-        kept, forward = sp_dense_retained_per_row(ctx, layer, fitted=0.0)
-        return kept + extra, forward + extra
     return layer_retained, 0.0
 
 

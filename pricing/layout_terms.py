@@ -5,7 +5,7 @@ The structural sharding lives in the per-rank widths (`pricing.model.layer_width
 core, vocab divided by TP), the sequence-parallel divisor of hidden-wide terms (`sp_div`) and
 the busiest CP rank's rows (`pricing.price.rank_rows`). What that structure misses is measured
 by multi-rank CPU traces (bench/results/traces_multirank.jsonl, _dense2.jsonl and _dense3.jsonl:
-real Megatron-core layers over gloo, three dense geometries). Eight parts are structural terms
+real Megatron-core layers over gloo, three dense geometries). Nine parts are structural terms
 (`cp_attention_release_per_row`: what ring attention no longer keeps under CP;
 `head_point_transient`: the final norm's backward runs after the logits are released, which binds
 when TP shards the vocabulary and not the norm; `layer_norm_point_per_row`: the recomputed layer's
@@ -15,7 +15,8 @@ what an SP layer retains gathered without full recompute, and its forward peak;
 `sp_head_forward_per_row`: what the full-native head holds at its forward with SP;
 `sp_rope_entry_per_row`: the RoPE cache entry's own rows beside the SP structural terms; the
 three at TP = 1 for a plain dense model's retained TP1 layers, `structural_at_tp1`, with the q/k
-norms whole, `structural_qk_norm_per_row`;
+norms whole, `structural_qk_norm_per_row`; `tp1_fc1_point_per_row`: such a model's recomputed TP1
+layer at its FC1 backward;
 `cp_rope_cache_per_row`: the RoPE cache entry of the whole longest sequence on every CP rank);
 the rest is charged as hidden-wide bytes per gathered row:
 
@@ -27,8 +28,8 @@ the rest is charged as hidden-wide bytes per gathered row:
   limit too (bench/layout_validation.py: the pending adapter gradients, a constant per wave, are
   not leaned on).
 - `retained`: under selective or no recompute, the same per layer (hidden-wide tensors each
-  retained layer keeps gathered), charged per layer; its `tp1-*` keys the TP1 structural layer's
-  margin over the calibration cells' per-row constants (docs/memory-model.md#tp1-structural).
+  retained layer keeps gathered), charged per layer. In both groups the `tp1-*` keys are the TP1
+  structural layer's and point's margin over the calibration cells (docs/memory-model.md#tp1-structural).
 
 Only positive residuals are charged (a traced layout priced over its trace keeps that margin:
 never under, see bench/layout_validation.py). A layout class with no entry is not covered:
@@ -59,7 +60,7 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
 
     c x H, c from entry `layout_residual` (group `retained` for selective/no recompute, charged
     per layer; `full` for full recompute, charged once per wave); 0 at TP1 CP1 (but for the
-    retained key `tp1-cp1`, the TP1 structural layer's margin, #tp1-structural) and for a table
+    `tp1-cp1` keys, the TP1 structural layer's and point's margin, #tp1-structural) and for a table
     without the entry. `bare`: for a layer the structural points do not cover (GDN mixer, MoE
     MLP), the group fitted without them (`full_bare` / `retained_bare`, when the table has it). Evidence: the busiest-rank peaks of the multi-rank CPU traces, fitted by
     bench/layout_validation.py on the 2048-token cells of both dense geometries, checked on the

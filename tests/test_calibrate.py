@@ -89,9 +89,7 @@ def _structural_tp1(rec: dict) -> bool:
     backward, the head's forward and the RoPE entry are structural at TP1
     (`layout_terms.structural_at_tp1`, docs/memory-model.md#tp1-structural), not the fit's, so
     its peaks are held to their trace, not to the fit's margin."""
-    g = calibrate.cell_geometry(rec["cell"])
-    return (g.gdn is None and g.moe is None and g.attention is not None and g.attention.mla is None
-            and not g.attention.output_gate)
+    return calibrate.cell_geometry(rec["cell"]).plain_dense
 
 
 def test_shipped_table_covers_every_committed_trace():
