@@ -9,6 +9,7 @@ GitHub slug or an explicit `<a id="...">`.
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from pathlib import Path
@@ -22,7 +23,7 @@ DOCS = ROOT / "docs"
 MAX_SECTION_LINES = 300
 SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "node_modules", "__pycache__",
              ".pytest_cache", ".ruff_cache", ".hypothesis", ".benchmarks"}
-SCANNED = {".py", ".md", ".txt", ".json", ".jsonl", ".toml"}
+SCANNED = {".py", ".md", ".txt", ".json"}
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -89,12 +90,9 @@ def sections(path: Path) -> list[tuple[str, int]]:
 
 def _scanned_files() -> list[Path]:
     out = []
-    for path in sorted(ROOT.rglob("*")):
-        rel = path.relative_to(ROOT)
-        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts[:-1]):
-            continue
-        if path.is_file() and path.suffix in SCANNED:
-            out.append(path)
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        out.extend(Path(folder) / f for f in sorted(files) if Path(f).suffix in SCANNED)
     return out
 
 
