@@ -214,7 +214,7 @@ class MissLog:
                 line = json.dumps(miss_record(model, wave, obs), sort_keys=True, separators=(",", ":"))
                 append_line_atomic(self.path, line)
                 obs = dataclasses.replace(obs, record=self.path)
-            except OSError as exc:
+            except (OSError, TypeError, ValueError) as exc:   # a miss never stops training
                 failed = f"could not append it to {self.path}: {exc}"
         key = (wave.signature, obs.kind)
         if failed is None and key in self._warned:
