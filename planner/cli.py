@@ -16,7 +16,7 @@ from waveplan.pricing.errors import WaveplanError
 from . import cold_start
 
 # Subcommand modules, each exposing `register(subparsers)` that sets `func` on its parser.
-_COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate", "warmup")
+_COMMANDS = ("inspect", "price", "plan", "replay", "study", "trace", "calibrate", "warmup", "misses")
 
 
 class _Formatter(argparse.HelpFormatter):

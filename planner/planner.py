@@ -44,6 +44,7 @@ from waveplan.search import (
     pack,
 )
 
+from .misses import MissLog, WaveObservation, default_misses_path
 from .plan import Plan, PlanWave
 from .profiles import (
     ProfileAdjust,
@@ -198,12 +199,13 @@ class Planner:
     def __init__(self, *, geometry: ModelGeometry, parallel: ParallelLayout | None = None,
                  recompute: Recompute | str | None = None, lora: LoraConfig | None = None,
                  backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
-                 profiles_path: str | os.PathLike | None = None, moe_load: float | None = None) -> None:
+                 profiles_path: str | os.PathLike | None = None, moe_load: float | None = None,
+                 misses_path: str | os.PathLike | None = None) -> None:
         if isinstance(recompute, str):
             recompute = Recompute(mode=recompute)
         model = PricingModel.build(geometry, parallel=parallel, recompute=recompute, lora=lora,
                                    backend=backend, head=head, safety=safety, moe_load=moe_load)
-        self._setup(model, None, profiles_path)
+        self._setup(model, None, profiles_path, misses_path)
 
     @classmethod
     def from_preset(cls, name: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
@@ -211,7 +213,7 @@ class Planner:
                     lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
                     head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                     profiles_path: str | os.PathLike | None = None,
-                    moe_load: float | None = None) -> Planner:
+                    moe_load: float | None = None, misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given. `moe_load` (opt-in): the busiest EP rank's routed
         rows over rows x top_k that the caller guarantees (`pricing.moe_terms.busiest_rank_load`;
@@ -222,7 +224,7 @@ class Planner:
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
-                   moe_load=moe_load)
+                   moe_load=moe_load, misses_path=misses_path)
 
     @classmethod
     def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
@@ -231,7 +233,8 @@ class Planner:
                        backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                        safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
-                       name: str | None = None, moe_load: float | None = None) -> Planner:
+                       name: str | None = None, moe_load: float | None = None,
+                       misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
         or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
         arguments as `from_preset`."""
@@ -240,12 +243,13 @@ class Planner:
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
-                   moe_load=moe_load)
+                   moe_load=moe_load, misses_path=misses_path)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                       safety: float = DEFAULT_SAFETY,
-                      profiles_path: str | os.PathLike | None = None) -> Planner:
+                      profiles_path: str | os.PathLike | None = None,
+                      misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a live Megatron-core model (a `GPTModel`, its decoder, or a wrapper of
         either; a `meta`-device build costs no memory): geometry, parallel layout, recompute and
         LoRA adapters are read from its `TransformerConfig` and modules
@@ -259,21 +263,27 @@ class Planner:
 
         geometry, parallel, recompute, lora = geometry_from_megatron(model)
         return cls(geometry=geometry, parallel=parallel, recompute=recompute, lora=lora,
-                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path,
+                   misses_path=misses_path)
 
     @classmethod
     def from_model(cls, model: PricingModel, *, profiles: ProfileStore | None = None,
-                   profiles_path: str | os.PathLike | None = None) -> Planner:
+                   profiles_path: str | os.PathLike | None = None,
+                   misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for an already built pricing model (replay uses this)."""
         self = cls.__new__(cls)
-        self._setup(model, profiles, profiles_path)
+        self._setup(model, profiles, profiles_path, misses_path)
         return self
 
     def _setup(self, model: PricingModel, profiles: ProfileStore | None,
-               profiles_path: str | os.PathLike | None) -> None:
+               profiles_path: str | os.PathLike | None,
+               misses_path: str | os.PathLike | None = None) -> None:
         self._model = model
         self._config = config_key(model)
         self._profiles_path = None if profiles_path is None else Path(profiles_path)
+        # misses (`misses.MissLog`): `misses_path`, else beside the profiles file
+        self._misses = MissLog(Path(misses_path) if misses_path is not None
+                               else default_misses_path(self._profiles_path))
         if profiles is None:
             profiles = self._open_profiles()
         self._store = profiles
@@ -304,6 +314,11 @@ class Planner:
     @property
     def profiles_path(self) -> Path | None:
         return self._profiles_path
+
+    @property
+    def misses_path(self) -> Path | None:
+        """Where misses are appended (`misses.miss_record`); None: they are only warned about."""
+        return self._misses.path
 
     # --- planning -----------------------------------------------------------------------
 
@@ -433,9 +448,10 @@ class Planner:
         for i, w in enumerate(result.waves):
             if w.loads is None:   # the planner's pricers always give them
                 raise AssertionError("internal: a packed wave without its group loads")
-            waves.append(PlanWave.of(i, w, ids, budget_bytes=budget,
-                                     signature=signer.signature(w.loads),
-                                     static_raw_bytes=static_raw_without_first_exec(w.price)))
+            signature = signer.signature(w.loads)
+            waves.append(PlanWave.of(i, w, ids, budget_bytes=budget, signature=signature,
+                                     static_raw_bytes=static_raw_without_first_exec(w.price),
+                                     profile=self._store.get(signature)))
         return tuple(waves)
 
     @staticmethod
@@ -448,15 +464,20 @@ class Planner:
 
     # --- learning -----------------------------------------------------------------------
 
-    def observe(self, wave: PlanWave, *, peak_bytes) -> None:
+    def observe(self, wave: PlanWave, *, peak_bytes) -> WaveObservation:
         """Learn from a wave's observed peak (bytes; a number or one per rank, the largest
-        binds). The next plans of the same signature are priced with it."""
+        binds). The next plans of the same signature are priced with it. Returns the
+        observation: the wave's estimate, the peak and the kind of miss; a miss is warned
+        about on the `waveplan` logger (once per signature and kind) and appended to
+        `misses_path` (`waveplan.planner.misses`, docs/faq.md#a-wave-missed-its-estimate)."""
         if not isinstance(wave, PlanWave):
             raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
         if wave.signature.config != self._config:
             raise bad(ConfigError, "wave", wave.index, "was planned for another model configuration")
+        peak = _peak(peak_bytes)
         self._store.observe(wave.signature, wave.loads, static_raw_bytes=wave.static_raw_bytes,
-                            peak_bytes=_peak(peak_bytes))
+                            peak_bytes=peak)
+        return self._misses.observe(self._model, wave, peak)
 
     def save_profiles(self, path: str | os.PathLike | None = None) -> Path:
         """Write the profiles atomically (to `profiles_path` when `path` is None)."""

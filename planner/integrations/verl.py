@@ -22,6 +22,12 @@ as the maximum over `dp_group`.
 version; `max_token_len` is then ignored). See docs/integration.md for the plugin module and
 the veRL configuration.
 
+Peaks: measure each micro-batch's peak as it runs (e.g. `torch.cuda.max_memory_allocated()`
+above `memory_allocated()` at its start) and pass them, in the plan's order, to
+`observe_micro_batches(planner, plan, peaks)` or `handle.observe(peaks)`: the planner learns
+from them, and a micro-batch whose peak went above its estimate is warned about and recorded
+(`Planner.observe`, docs/faq.md#a-wave-missed-its-estimate).
+
 torch and veRL are imported when called.
 """
 
@@ -36,6 +42,7 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.step import Step
 
+from ..misses import WaveObservation, misses, observe_waves
 from ..plan import Plan
 from ..planner import Planner
 
@@ -130,6 +137,15 @@ def plan_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=None,
     return plan
 
 
+def observe_micro_batches(planner: Planner, plan: Plan, peak_bytes) -> tuple[WaveObservation | None, ...]:
+    """Feed each micro-batch's measured peak (bytes, in the plan's order; a number or one per
+    rank; None or 0: not measured, skipped) to `planner.observe`. Returns the observations
+    (`misses.misses` filters the misses, each already warned about and recorded). O(waves)."""
+    if not isinstance(plan, Plan):
+        raise bad(ConfigError, "plan", type(plan).__name__, "must be the Plan the micro-batches came from")
+    return observe_waves(planner, plan.waves, peak_bytes)
+
+
 def _dist_ready() -> bool:
     import torch.distributed as dist
 
@@ -177,15 +193,23 @@ _PATCHED = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
 @dataclass
 class Installed:
     """What `install` put in place: the planner and budget every call uses, the last plan
-    made (for `Planner.observe` or logging) and how many calls were planned. `restore()`
-    puts veRL's token-budget function back."""
+    made, how many calls were planned and what `observe` returned for the last plan's
+    micro-batches. `restore()` puts veRL's token-budget function back."""
 
     planner: Planner
     free_bytes: object
     options: dict
     last_plan: Plan | None = None
     calls: int = 0
+    last_observations: tuple[WaveObservation | None, ...] = ()
     _original: Callable | None = field(default=None, repr=False)
+
+    def observe(self, peak_bytes) -> tuple[WaveObservation, ...]:
+        """The last plan's micro-batch peaks (`observe_micro_batches`); returns the misses."""
+        if self.last_plan is None:
+            raise bad(ConfigError, "last_plan", None, "no micro-batches were planned yet")
+        self.last_observations = observe_micro_batches(self.planner, self.last_plan, peak_bytes)
+        return misses(self.last_observations)
 
     def rearrange(self, batch, max_token_len=None, dp_group=None, num_batches_divided_by=None,
                   same_micro_num_in_dp=True, min_num_micro_batch=None,
