@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    if code == 0:
+        for note in getattr(args, "notes", ()):   # e.g. the default model a command priced
+            print(note, file=sys.stderr)
     if code == 0 and (note := cold_start.finish()):
         print(note, file=sys.stderr)
     return code

@@ -68,15 +68,16 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
 
 
 def model_spec(args: argparse.Namespace) -> str:
-    """`--model`, or the command's default model with a note on stderr naming it (never a
-    silent guess)."""
+    """`--model`, or the command's default model with a note naming it, which `cli.main`
+    prints on stderr once the command succeeded (never a silent guess)."""
     if args.model is None:
         default = getattr(args, "default_model", None)
         if default is None:
             raise bad(ConfigError, "--model", None,
                       f"give a preset ({', '.join(list_presets())}) or a config.json")
-        print(f"waveplan: note: no --model given, pricing the default {default}; "
-              "pass --model PRESET or --model config.json", file=sys.stderr)
+        args.notes = [*getattr(args, "notes", ()),
+                      f"waveplan: note: no --model given, priced the default {default}; "
+                      "pass --model PRESET or --model config.json"]
         args.model = default
     return args.model
 
