@@ -34,6 +34,10 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                       f"when left out: {default_model}, said on stderr")
     parser.add_argument("--model", default=None, metavar="PRESET|config.json", help=model_help)
     parser.set_defaults(default_model=default_model)
+    parser.add_argument("--as-family", metavar="FAMILY", default=None,
+                        help="opt-in: price a config.json whose model_type no family supports as "
+                             "FAMILY (e.g. llama, for a decoder with the standard fields); basis "
+                             "conservative, the assumption as its reason")
     parser.add_argument("--tp", type=int, default=default_tp, help="tensor parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -84,7 +88,7 @@ def model_spec(args: argparse.Namespace) -> str:
 
 def model_from_args(args: argparse.Namespace) -> PricingModel:
     check_schedule(getattr(args, "virtual_stages", 1), args.pp)
-    geometry = load_model(model_spec(args))
+    geometry = load_model(model_spec(args), as_family=getattr(args, "as_family", None))
     if args.ep != 1 and geometry.moe is None:
         raise bad(ConfigError, "--ep", args.ep,
                   f"{geometry.name} is a dense model (no experts); expert parallelism needs an MoE model")

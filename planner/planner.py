@@ -231,11 +231,13 @@ class Planner:
                        backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                        safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
-                       name: str | None = None, moe_load: float | None = None) -> Planner:
+                       name: str | None = None, moe_load: float | None = None,
+                       as_family: str | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
-        or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
-        arguments as `from_preset`."""
-        return cls(geometry=load_hf_config(config, name=name),
+        or a `transformers` config object (`pricing.hf_config.load_hf_config`; `as_family`
+        opts an unsupported model_type into a supported family's reading, conservatively);
+        the other arguments as `from_preset`."""
+        return cls(geometry=load_hf_config(config, name=name, as_family=as_family),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
