@@ -120,7 +120,7 @@ def shared_expert_gate_per_row(widths: dict) -> float:
     """Qwen2-MoE's gated shared expert (sigmoid(gate(x)) x shared_expert(x)): the shared
     expert's output, kept for the product's backward, and the gated product, bf16 [rows, H]
     each, full width (before the TP reduction), and the fp32 gate logit and sigmoid per row:
-    2 x bf16 x H + 2 x fp32. Conservative: no trace."""
+    2 x bf16 x H + 2 x fp32. Conservative (docs/support-matrix.md#model-families)."""
     return 2 * BF16 * widths["H"] + 2 * FP32
 
 
@@ -241,9 +241,11 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
     if f.post_norms:
         gaps.append("post-norms (no trace: charged as two extra sandwich norms per layer)")
     if f.shared_expert_gate and geometry.moe is not None and geometry.moe.shared_expert_ffn:
-        gaps.append("gated shared expert (no trace: its output and the gated product charged)")
+        gaps.append("gated shared expert (its output and the gated product charged; cpu-fake "
+                    "traced above the 3% decoder target; no GPU trace)")
     if f.nope_layers:
-        gaps.append(f"{f.nope_layers} NoPE layers priced as RoPE layers (an upper bound; no trace)")
+        gaps.append(f"{f.nope_layers} NoPE layers priced as RoPE layers (an upper bound; traced "
+                    "with RoPE on every layer only)")
     if f.read_as:
         gaps.append(f"model_type {f.read_as!r} read as another family by explicit opt-in "
                     "(--as-family): only that family's fields are read")
