@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = int(args.func(args) or 0)
     except WaveplanError as exc:
-        print(f"waveplan: error: {exc}", file=sys.stderr)
+        default = getattr(args, "defaulted_model", None)   # priced without --model: say which
+        said = f" (no --model given: priced the default {default})" if default else ""
+        print(f"waveplan: error: {exc}{said}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

@@ -73,7 +73,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
 
 def model_spec(args: argparse.Namespace) -> str:
     """`--model`, or the command's default model with a note naming it, which `cli.main`
-    prints on stderr once the command succeeded (never a silent guess)."""
+    prints on stderr once the command succeeded, or appends to its error line (never a
+    silent guess)."""
     if args.model is None:
         default = getattr(args, "default_model", None)
         if default is None:
@@ -82,7 +83,7 @@ def model_spec(args: argparse.Namespace) -> str:
         args.notes = [*getattr(args, "notes", ()),
                       f"waveplan: note: no --model given, priced the default {default}; "
                       "pass --model PRESET or --model config.json"]
-        args.model = default
+        args.model = args.defaulted_model = default
     return args.model
 
 

@@ -205,6 +205,9 @@ def test_no_model_says_which_it_priced(capsys):
     code, out, err = _plan(capsys, "sft-64", "--packer", "greedy")
     assert code == 0 and "no --model given" in err and "qwen3.8-27b" in err
     assert out.startswith("model qwen3.8-27b")
+    code, _, err = _plan(capsys, "sft-64", "--packer", "greedy", "--free-gib", "0.5")
+    line = _one_error_line(err)
+    assert code == 2 and line.endswith("(no --model given: priced the default qwen3.8-27b)")
 
 
 def test_help_lists_presets_and_bundled_steps():
