@@ -1,4 +1,4 @@
-"""The basis each layout x recompute mode x model kind gets (README matrix).
+"""The basis each layout x recompute mode x model kind gets (docs/support-matrix.md).
 
     .venv/bin/python bench/basis_matrix.py
 

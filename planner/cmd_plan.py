@@ -31,12 +31,40 @@ from .report import PlanOptions, write_report
 DEFAULT_STEP = "grpo-8x8"
 DEFAULT_FREE_GIB = "40"  # typical room left per H200 rank after a 27B model's TP4 shard and optimizer
 log = logging.getLogger("waveplan.plan")
+SHOWN_IDS = 5   # ids named in the does-not-fit error, largest first
 
-LEGEND = ("columns: requests = requests in the wave; packed / logical = token rows with / without "
-          "shared prompt prefixes run once; admitted = estimated peak x safety, <= budget; "
-          "binding = the point of the pass where the peak sits (phase:layer:mixer/mlp) and the "
-          "basis of its price (evidence, conservative, assumed, profile); first:SLOTS = the wave is the "
-          "first of these LoRA slots and also holds their adapter gradients")
+LEGEND = (
+    "wave         run order; holds #I-J: its requests by position in the step (0-based; ids in --json)",
+    "requests     requests in the wave",
+    "packed       token rows run, a shared prompt prefix once; logical: the rows without sharing",
+    "admitted     estimated peak x safety, <= budget (GiB per rank)",
+    "binding      the point of the pass where the peak sits (phase:layer:mixer/mlp), then the basis",
+    "             of its price: evidence (a traced layout), conservative (no trace covers it:",
+    "             priced high, reason shown), assumed (--moe-load), profile (learned from peaks)",
+    "first:S      the wave is the first of LoRA slots S and also holds their adapter gradients",
+    "lower bound  no plan of this step fits in fewer waves; proven optimal: the plan meets it",
+)
+
+
+def legend(*, fixed_count: bool = False) -> str:
+    """The table's legend, one column per line; under --num-waves without the lower-bound line
+    (the count was asked for, its optimality is not the question)."""
+    return "\n".join(LEGEND[:-1] if fixed_count else LEGEND)
+
+
+def ranges(indices) -> str:
+    """Sorted positions as compact ranges: `#0-7,12,40-44`."""
+    parts: list[str] = []
+    values = sorted(int(i) for i in indices)
+    start = prev = values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if v is not None:
+            start = prev = v
+    return "#" + ",".join(parts)
 
 
 def register(sub) -> None:
@@ -136,7 +164,7 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
         first = f"  first:{','.join(sorted(w.first_slots))}" if w.first_slots else ""
         print(f"{w.index:>4} {len(w.request_ids):>8} {size.packed_rows:>9} {size.logical_rows:>9} "
               f"{gib(w.admitted_bytes):>12} {gib(w.budget_bytes):>10}  {w.breakdown.binding} "
-              f"({_basis(w.breakdown)}){first}{note}")
+              f"({_basis(w.breakdown)}){first}{note}  holds {ranges(w.request_indices)}")
     for st in plan.stages:
         lo, hi = st["layers"]
         first, last = st["window"]
@@ -155,32 +183,35 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
     if plan.compile_ms > 0:
         print(f"compiled kernels first: {plan.compile_ms / 1e3:.2f} s (once per machine; "
               "`waveplan warmup` pays it ahead)")
-    print(LEGEND)
+    print(legend(fixed_count=num_waves is not None))
 
 
 def infeasible_error(planner: Planner, step: Step, budget: int, exc: InfeasibleError) -> ConfigError:
-    """One line for a step with requests that fit under no split: every request that does not
-    fit alone (priced alone, without pending adapter gradients, then with its slot's), the
-    largest price in GiB, and what to do. Falls back to the search's message when every
-    request fits alone (the pending gradients of a slot are what does not fit). O(n) pricings."""
+    """One line for a step with requests that fit under no split: how many requests do not fit
+    alone (priced alone, without pending adapter gradients, then with its slot's), the largest
+    one's price in GiB, what to do, then the first few ids, largest first. Falls back to the
+    search's message when every request fits alone (the pending gradients of a slot are what
+    does not fit). O(n) pricings."""
     pricer = planner.pricer(step)
-    over: list[str] = []
-    worst = 0.0
+    over: list[tuple[int, str]] = []
     for pending in (False, True):
         for i, req in enumerate(step.requests):
             slots = frozenset({req.slot}) if pending and req.grad else frozenset()
             admitted = pricer.price([np.array([i], dtype=np.int64)], first_slots=slots).admitted_bytes
             if admitted > budget:
-                over.append(req.id)
-                worst = max(worst, admitted)
+                over.append((-int(admitted), req.id))
         if over:
             break
     if not over:
         if "num_waves" in str(exc):  # a count below the bound: the message says what to do
             return ConfigError(str(exc))
         return ConfigError(f"{exc}; raise --free-gib, raise --tp or --cp, or truncate the requests")
-    noun = "request does" if len(over) == 1 else f"{len(over)} requests do"
+    over.sort()
+    shown = [rid for _, rid in over[:SHOWN_IDS]]
+    more = f" (+{len(over) - len(shown)} more)" if len(over) > len(shown) else ""
+    noun = "1 request does" if len(over) == 1 else f"{len(over)} requests do"
     grads = " with its slot's adapter gradients" if pending else ""
     return ConfigError(
-        f"{noun} not fit in {gib(budget)} GiB free per rank even alone{grads} (up to {gib(worst)} GiB "
-        f"admitted): {', '.join(over)}; raise --free-gib, raise --tp or --cp, or truncate them")
+        f"{noun} not fit in {gib(budget)} GiB free per rank even alone{grads}; the largest needs "
+        f"{gib(-over[0][0])} GiB admitted; raise --free-gib, raise --tp or --cp, or truncate them: "
+        f"{', '.join(shown)}{more}")

@@ -1,7 +1,7 @@
 """Cold start of the command line: plan at once, compile the kernels in the background.
 
 On a machine whose cache folder holds no compiled kernels yet, compiling every kernel a plan
-can need costs 20-30 s of wall time on 2 cores (numba's type inference and lowering, not
+can need costs minutes (docs/usage.md#compile-cost; numba's type inference and lowering, not
 LLVM's optimiser: `NUMBA_OPT=0` compiles no faster). A one-shot command does not wait for
 that. When the cache folder's warm marker (`warm_marker`) is missing, `plan`, `price` and
 `inspect` run waveplan's kernels as plain Python (numba's `DISABLE_JIT`, set before any kernel

@@ -60,6 +60,11 @@ class PlanWave:
         return self.wave.price
 
     @property
+    def basis(self) -> str:
+        """The price's basis (evidence, conservative, assumed, profile), as the JSON's `basis`."""
+        return self.wave.price.basis
+
+    @property
     def price(self) -> Breakdown:
         """The breakdown, by the name `PackedWave` gives it (so `check_plan` reads a plan)."""
         return self.wave.price

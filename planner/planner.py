@@ -234,11 +234,13 @@ class Planner:
                        safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
                        name: str | None = None, moe_load: float | None = None,
-                       misses_path: str | os.PathLike | None = None) -> Planner:
+                       misses_path: str | os.PathLike | None = None,
+                       as_family: str | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
-        or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
-        arguments as `from_preset`."""
-        return cls(geometry=load_hf_config(config, name=name),
+        or a `transformers` config object (`pricing.hf_config.load_hf_config`; `as_family`
+        opts an unsupported model_type into a supported family's reading, conservatively);
+        the other arguments as `from_preset`."""
+        return cls(geometry=load_hf_config(config, name=name, as_family=as_family),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),

@@ -444,7 +444,7 @@ class PricingModel:
         kind, chunk = parse_head(self.head)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
-        if g.features.final_softcap:
+        if feature_terms.scales_logits(g.features):
             if kind == "chunked":
                 head_const += chunk * feature_terms.final_softcap_chunk_per_row(widths)
             else:
