@@ -47,7 +47,9 @@ class SearchOptions:
     with a baseline packer); `deterministic`: never read the clock, the iteration caps implied
     by `time_budget_ms` decide (see `budget`); `stage_budgets`: a pipeline's (PP > 1) budget
     per stage, against which each stage's in-flight windows are checked (None: the search's
-    budget for every stage). O(total atomic unit size) to validate."""
+    budget for every stage); `earlier_entries`: charge each wave what the waves run before it
+    leave, where the pricer prices it (`contract.EarlierEntriesPricer`, the search's
+    `earlier`; the planner's plans do). O(total atomic unit size) to validate."""
 
     packer: PackerKind = DEFAULT_PACKER
     time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
@@ -56,6 +58,7 @@ class SearchOptions:
     seed: int = DEFAULT_SEED
     deterministic: bool = False
     stage_budgets: tuple[int, ...] | None = None
+    earlier_entries: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -85,6 +88,10 @@ class SearchOptions:
         if not isinstance(self.deterministic, bool | np.bool_):
             raise bad(ConfigError, "deterministic", self.deterministic, "must be True or False")
         set_(self, "deterministic", bool(self.deterministic))
+        if not isinstance(self.earlier_entries, bool | np.bool_):
+            raise bad(ConfigError, "earlier_entries", self.earlier_entries,
+                      "must be True or False")
+        set_(self, "earlier_entries", bool(self.earlier_entries))
         if self.stage_budgets is not None:
             try:
                 budgets = tuple(self.stage_budgets)
