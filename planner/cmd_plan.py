@@ -12,6 +12,7 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError
 from waveplan.pricing.step import Step, list_bundled_steps
 from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind
+from waveplan.search.options import DEFAULT_MS_PER_REQUEST
 
 from . import cold_start
 from .cli_common import (
@@ -36,7 +37,14 @@ LEGEND = ("columns: requests = requests in the wave; packed / logical = token ro
           "shared prompt prefixes run once; admitted = estimated peak x safety, <= budget; "
           "binding = the point of the pass where the peak sits (phase:layer:mixer/mlp) and the "
           "basis of its price (evidence, conservative, assumed, profile); first:SLOTS = the wave is the "
-          "first of these LoRA slots and also holds their adapter gradients")
+          "first of these LoRA slots and also holds their adapter gradients; lower bound = no plan "
+          "within the budget packed against has fewer waves; proven optimal = the plan meets it "
+          "(docs/faq.md#lower-bound)")
+NOT_PROVEN = {   # why a plan above its bound is not proven (search.packers.not_proven_why)
+    "time": "the time budget ran out first: try a larger --time-budget-ms or --packer exact",
+    "model size": "too large for the exact packer's model: a larger --time-budget-ms may still help",
+    "bound": "no envelope plan has fewer waves: the bound under exact prices may be loose",
+}
 
 
 def register(sub) -> None:
@@ -54,8 +62,10 @@ def register(sub) -> None:
                         help=f"free GiB per rank (default {DEFAULT_FREE_GIB})")
     parser.add_argument("--packer", default=DEFAULT_PACKER.value, choices=[k.value for k in PackerKind],
                         help=f"packer (default {DEFAULT_PACKER.value})")
-    parser.add_argument("--time-budget-ms", type=float, default=DEFAULT_TIME_BUDGET_MS, metavar="T",
-                        help=f"planning time budget in ms (default {DEFAULT_TIME_BUDGET_MS:g})")
+    parser.add_argument("--time-budget-ms", type=float, default=None, metavar="T",
+                        help=f"planning time budget in ms (default: {DEFAULT_TIME_BUDGET_MS:g}, or "
+                             f"{DEFAULT_MS_PER_REQUEST:g} per request on steps of more than "
+                             f"{DEFAULT_TIME_BUDGET_MS / DEFAULT_MS_PER_REQUEST:.0f}; docs/faq.md)")
     parser.add_argument("--num-waves", type=int, default=None, metavar="N",
                         help="exactly N waves (all data-parallel ranks run the same count)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the randomised search")
@@ -147,9 +157,13 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
     if num_waves is not None:  # a fixed count: optimality of the count is not the question
         verdict = f"{waves} as asked (--num-waves); lower bound {plan.lower_bound_waves}"
     else:
+        why = NOT_PROVEN.get(plan.stats.get("not_proven", ""), "")
         verdict = (f"{waves}; lower bound {plan.lower_bound_waves}: "
-                   f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}")
-    print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms)")
+                   f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}"
+                   f"{f' ({why})' if why and not plan.proven_optimal else ''}")
+    reserve = plan.stats.get("rope_reserve_bytes", 0)
+    print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms"
+          f"{f'; bound of the budget less {gib(reserve)} GiB set aside for the RoPE cache' if reserve else ''})")
     if (ep_note := single_rank_note(m)) is not None:
         print(ep_note)
     if plan.compile_ms > 0:

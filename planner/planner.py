@@ -37,7 +37,6 @@ from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import (
     DEFAULT_PACKER,
     DEFAULT_SEED,
-    DEFAULT_TIME_BUDGET_MS,
     PackerKind,
     SearchOptions,
     pack,
@@ -323,7 +322,7 @@ class Planner:
 
     def plan(self, step: Step | Sequence[Request] | str | os.PathLike, free_bytes, *,
              packer: PackerKind | str = DEFAULT_PACKER,
-             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
+             time_budget_ms: float | None = None,
              atomic_units: Sequence[Sequence[int]] = (), num_waves: int | None = None,
              seed: int = DEFAULT_SEED, deterministic: bool = False,
              stage_free_bytes: Sequence | None = None) -> Plan:
@@ -334,7 +333,9 @@ class Planner:
         iteration cap implied by `time_budget_ms` alone decides). `stage_free_bytes` (PP > 1
         only): the free bytes of each pipeline stage (a number or one per rank of the stage);
         each stage's in-flight windows are checked against its own budget, each wave against
-        the smallest of them and `free_bytes`'s."""
+        the smallest of them and `free_bytes`'s. `time_budget_ms` None: the default rule
+        (`search.default_time_budget_ms`, 5 ms up to 200 requests, 0.025 ms a request above;
+        docs/faq.md#time-budget)."""
         budget = budget_from_free_bytes(free_bytes)
         stage_budgets = None
         if stage_free_bytes is not None:

@@ -96,9 +96,9 @@ from .options import (
     BASELINE_KINDS,
     DEFAULT_PACKER,
     DEFAULT_SEED,
-    DEFAULT_TIME_BUDGET_MS,
     PackerKind,
     SearchOptions,
+    default_time_budget_ms,
     packer_kind,
 )
 from .order import assign_first_slots, dissolve_after_order
@@ -145,7 +145,7 @@ class Packer:
     kind: PackerKind
 
     def pack(self, step: SearchStep, pricer: Pricer, *, budget_bytes: int,
-             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, atomic_units=(),
+             time_budget_ms: float | None = None, atomic_units=(),
              num_waves: int | None = None, seed: int = DEFAULT_SEED,
              deterministic: bool = False) -> SearchResult:
         options = SearchOptions(packer=self.kind, time_budget_ms=time_budget_ms,
@@ -160,7 +160,7 @@ def make_packer(kind: PackerKind | str) -> Packer:
 
 def pack(step: SearchStep, pricer: Pricer, *, budget_bytes: int,
          options: SearchOptions | None = None, packer: PackerKind | str = DEFAULT_PACKER,
-         time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, atomic_units=(),
+         time_budget_ms: float | None = None, atomic_units=(),
          num_waves: int | None = None, seed: int = DEFAULT_SEED,
          deterministic: bool = False) -> SearchResult:
     """Cut the step's requests into waves that fit `budget_bytes` (admitted bytes per rank),
@@ -184,6 +184,9 @@ def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) 
     At PP1 the earlier waves' entries are charged when asked (`earlier`), and in clock mode the plan of
     the deterministic search at the same budget is improved while the clock allows
     (`_spend_the_rest`), so it is never worse."""
+    if options.time_budget_ms is None:
+        options = dataclasses.replace(
+            options, time_budget_ms=default_time_budget_ms(len(step.requests)))
     model = pipeline_model(pricer)
     if model is not None:
         return pack_pipeline(step, SearchPricer.of(pricer), budget, options, _search, model)
@@ -598,6 +601,8 @@ def _finish(s: _Search, drafts: list[Draft], keep: list | None = None) -> Search
                                  f"{s.budget}")
         waves.append(wave)
     s.stats["lower_bound_envelope"] = s.lower + s.num_fixed
+    if len(waves) > s.bound:
+        s.stats["not_proven"] = not_proven_why(s.stats["exact_status"])
     now = time.perf_counter()
     s.stats["time_ms"] = (now - s.t0) * 1e3
     if s.assign is not None:
@@ -662,6 +667,17 @@ def _spend_the_rest(s: _Search, result: SearchResult, deadline: float) -> Search
         return dataclasses.replace(better, stats=dict(better.stats, **{
             k: v for k, v in stats.items() if k.startswith("clock_") or k == "rope_reserve_bytes"}))
     return dataclasses.replace(result, stats=stats)
+
+
+def not_proven_why(exact_status: str) -> str:
+    """Why a plan above its bound is not proven optimal, from CP-SAT's status: "model size"
+    (the instance breaks its size rule), "bound" (no envelope plan has fewer waves: the
+    bound under exact prices may be loose), else "time" (the budget ran out first)."""
+    if exact_status == "too-large":
+        return "model size"
+    if exact_status == "optimal":
+        return "bound"
+    return "time"
 
 
 def _reserve(result: SearchResult) -> int:
