@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from bench_search import bench_case  # noqa: E402
+from search_fakes import real_model  # noqa: E402
 
 from waveplan.planner.planner import Planner  # noqa: E402
 from waveplan.planner.study import grpo_step  # noqa: E402
@@ -38,9 +39,7 @@ def _cases(seeds: int):
         for seed in range(seeds):
             step = grpo_step(prompts=prompts, completions=completions, seed=seed)
             yield f"grpo-{prompts}x{completions}-s{seed}", qwen, step, 40 * GIB
-    from search_fakes import real_model
-    from waveplan.planner.planner import Planner as P
-    big = P.from_model(real_model())
+    big = Planner.from_model(real_model())
     for n in LARGE:
         for seed in range(seeds):
             step, _make, budget = bench_case(n, seed)

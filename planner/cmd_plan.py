@@ -162,7 +162,9 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
                    f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}"
                    f"{f' ({why})' if why and not plan.proven_optimal else ''}")
     reserve = plan.stats.get("rope_reserve_bytes", 0)
+    budget_ms = plan.stats.get("time_budget_ms")
     print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms"
+          f"{f' of a {budget_ms:g} ms budget' if budget_ms else ''}"
           f"{f'; bound of the budget less {gib(reserve)} GiB set aside for the RoPE cache' if reserve else ''})")
     if (ep_note := single_rank_note(m)) is not None:
         print(ep_note)

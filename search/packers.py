@@ -189,7 +189,8 @@ def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) 
             options, time_budget_ms=default_time_budget_ms(len(step.requests)))
     model = pipeline_model(pricer)
     if model is not None:
-        return pack_pipeline(step, SearchPricer.of(pricer), budget, options, _search, model)
+        return _with_budget(pack_pipeline(step, SearchPricer.of(pricer), budget, options,
+                                          _search, model), options)
     t0 = time.perf_counter() if not options.deterministic else 0.0
     sp = SearchPricer.of(pricer)
     states: list[_Search] = []
@@ -202,9 +203,15 @@ def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) 
         result, _ = with_earlier_entries(search, sp, budget)
     else:
         result = search(budget)
-    if options.deterministic or not states:
-        return result
-    return _spend_the_rest(states[-1], result, t0 + options.time_budget_ms / 1e3)
+    if not (options.deterministic or not states):
+        result = _spend_the_rest(states[-1], result, t0 + options.time_budget_ms / 1e3)
+    return _with_budget(result, options)
+
+
+def _with_budget(result: SearchResult, options: SearchOptions) -> SearchResult:
+    """The result with the time budget it was given in its stats (`time_budget_ms`)."""
+    return dataclasses.replace(result, stats={**result.stats,
+                                              "time_budget_ms": options.time_budget_ms})
 
 
 # --- one search, in stages ---------------------------------------------------------------------
