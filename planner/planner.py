@@ -328,9 +328,10 @@ class Planner:
              stage_free_bytes: Sequence | None = None) -> Plan:
         """Cut `step` into waves that fit `free_bytes` (bytes free per rank: a number or one per
         rank; the minimum binds). `atomic_units` are lists of request indices that must share
-        a wave; `num_waves` asks for exactly that many waves. Same inputs, same plan, unless the
-        time budget cuts the search short; `deterministic=True` never reads the clock (the
-        iteration cap implied by `time_budget_ms` alone decides). `stage_free_bytes` (PP > 1
+        a wave; `num_waves` asks for exactly that many waves. `deterministic=True` never reads
+        the clock (the work `time_budget_ms` buys by estimate decides: same inputs, same plan);
+        without it, the clock left of the budget after that work improves the plan further
+        (never more waves than the deterministic plan). `stage_free_bytes` (PP > 1
         only): the free bytes of each pipeline stage (a number or one per rank of the stage);
         each stage's in-flight windows are checked against its own budget, each wave against
         the smallest of them and `free_bytes`'s. `time_budget_ms` None: the default rule

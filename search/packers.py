@@ -50,11 +50,14 @@ first sets aside one greedy run's estimate for `fill` (when the budget holds two
 up to EJECT_SHARE of it (at most what one greedy run and the fill leave): ANNEAL_SHARE of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
 ejection chains (placements), each counted by estimate in both modes (`budget`).
 
-Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
-cut the greedy orders or the multistart short (the result may then depend on the machine); with
-`deterministic=True` the clock is never read and estimated run costs decide how many greedy
-runs and multistart iterations the budget buys. CP-SAT runs with one worker, a fixed seed and
-a deterministic time limit.
+Determinism and the clock: the stages above run the work the budget buys by estimated cost
+(greedy runs, multistart iterations, evaluations, placements, exact prices), in both modes,
+so the same input gives the same plan on any machine. `deterministic=True` stops there and
+never reads the clock. In clock mode (the default) the wall time left of the budget after it
+improves the envelope plan further (`_spend_the_rest`: annealing or the multistart in rounds),
+and the better plan is kept: never more waves than the deterministic plan of the same budget,
+but the extra may depend on the machine. CP-SAT runs with one worker, a fixed seed and a
+deterministic time limit. No `time_budget_ms`: `options.default_time_budget_ms` of the step.
 
 Complexity: dominated by the greedy, O(runs x atoms x waves x points), and by one exact price
 per wave (plus the merge and repair tries, bounded per wave).
@@ -374,8 +377,7 @@ def _pack(s: _Search) -> list[Draft]:
 
 def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     """Group-aware greedy runs (`greedy`) against the envelope, stopping at its bound, within
-    the time budget (or the run count it buys when deterministic). Returns (assign, waves,
-    runs)."""
+    the run count the time budget buys (`budget.runs_within`). Returns (assign, waves, runs)."""
     max_runs = max(1, runs_within(s.left_us, len(s.active), s.lower, s.num_points))
     assign, nw, runs = pack_greedy(s.items, blocks, s.lower, max_runs=max_runs,
                                    peak_first=len(s.active) >= EJECT_MIN_ATOMS,
