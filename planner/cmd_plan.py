@@ -37,9 +37,9 @@ LEGEND = ("columns: requests = requests in the wave; packed / logical = token ro
           "shared prompt prefixes run once; admitted = estimated peak x safety, <= budget; "
           "binding = the point of the pass where the peak sits (phase:layer:mixer/mlp) and the "
           "basis of its price (evidence, conservative, assumed, profile); first:SLOTS = the wave is the "
-          "first of these LoRA slots and also holds their adapter gradients; lower bound = no plan "
-          "within the budget packed against has fewer waves; proven optimal = the plan meets it "
-          "(docs/faq.md#lower-bound)")
+          "first of these LoRA slots and also holds their adapter gradients")
+BOUND_LEGEND = ("lower bound = no plan within the budget packed against has fewer waves; proven "
+                "optimal = the plan meets it (docs/faq.md#lower-bound)")
 NOT_PROVEN = {   # why a plan above its bound is not proven (search.packers.not_proven_why)
     "time": "the time budget ran out first: try a larger --time-budget-ms or --packer exact",
     "model size": "too large for the exact packer's model: a larger --time-budget-ms may still help",
@@ -171,6 +171,8 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
     if plan.compile_ms > 0:
         print(f"compiled kernels first: {plan.compile_ms / 1e3:.2f} s (once per machine; "
               "`waveplan warmup` pays it ahead)")
+    if num_waves is None:
+        print(BOUND_LEGEND)
     print(LEGEND)
 
 
