@@ -469,8 +469,9 @@ def _exact(s: _Search, assign: np.ndarray, nw: int, exact_fits: bool) -> tuple[n
     so the valid bound of a pricer without its own). Returns (assign, waves)."""
     if not (nw > s.lower and s.exact_ok):
         return assign, nw
-    if not exact_fits:
-        s.stats["exact_status"] = "too-large"
+    if not exact_fits:   # too large for the model, or for building it within its share
+        big = not fits_size_rule(len(s.active), nw - 1, s.num_points)
+        s.stats["exact_status"] = "too-large" if big else "no-time"
         return assign, nw
     assign, nw, s.lower, st = solve_waves(s.items, s.active, best_assign=assign, best_nw=nw,
                                           lower=s.lower, budget_s=s.solver_s,
@@ -680,8 +681,9 @@ def _spend_the_rest(s: _Search, result: SearchResult, deadline: float) -> Search
 
 def not_proven_why(exact_status: str) -> str:
     """Why a plan above its bound is not proven optimal, from CP-SAT's status: "model size"
-    (the instance breaks its size rule), "bound" (no envelope plan has fewer waves: the
-    bound under exact prices may be loose), else "time" (the budget ran out first)."""
+    (the instance breaks its size rule at any budget), "bound" (no envelope plan has fewer
+    waves: the bound under exact prices may be loose), else "time" (the budget ran out
+    first, or could not build the model: "no-time", "unknown", "not-run")."""
     if exact_status == "too-large":
         return "model size"
     if exact_status == "optimal":
