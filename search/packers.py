@@ -197,17 +197,27 @@ def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) 
     t0 = time.perf_counter() if not options.deterministic else 0.0
     sp = SearchPricer.of(pricer)
     states: list[_Search] = []
+    spent = [0, 0.0]   # searches run, and their wall ms (stats: what the planner adds beside)
 
     def search(packed_budget: int) -> SearchResult:
         states.clear()
-        return _search(step, sp, packed_budget, options, keep=states)
+        start = time.perf_counter()
+        try:
+            return _search(step, sp, packed_budget, options, keep=states)
+        finally:
+            spent[0] += 1
+            spent[1] += (time.perf_counter() - start) * 1e3
 
     if options.earlier_entries:
         result, _ = with_earlier_entries(search, sp, budget)
     else:
         result = search(budget)
     if not (options.deterministic or not states):
+        start = time.perf_counter()
         result = _spend_the_rest(states[-1], result, t0 + options.time_budget_ms / 1e3)
+        spent[1] += (time.perf_counter() - start) * 1e3
+    result = dataclasses.replace(result, stats={**result.stats, "searches": spent[0],
+                                                "searches_ms": spent[1]})
     return _with_budget(result, options)
 
 
