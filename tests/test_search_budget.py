@@ -105,3 +105,32 @@ def test_a_plan_not_proven_says_why():
     assert not_proven_why("optimal") == "bound"
     assert not_proven_why("unknown") == not_proven_why("not-run") == "time"
     assert not_proven_why("no-time") == "time"
+
+
+@pytest.mark.parametrize("n,seed", [(128, 1), (512, 0)])   # the multistart's rounds; annealing's
+def test_the_clock_left_improves_the_deterministic_plan_and_keeps_it_valid(n, seed):
+    """`_spend_the_rest` with a fixed 0.3 s of clock after the deterministic plan of a
+    real-priced step it leaves above its bound: rounds run (however fast the machine), the
+    plan is never worse and passes every invariant."""
+    import time
+
+    from waveplan.search import packers
+    from waveplan.search.contract import SearchPricer
+    from waveplan.search.options import SearchOptions
+
+    if real_model() is None:
+        pytest.skip("needs waveplan.pricing's real model")
+    step, pricer = real_pricer(grpo_step(seed, n))
+    budget = _budget(step, pricer, 4.0)
+    states = []
+    det = packers._search(step, SearchPricer.of(pricer), budget,
+                          SearchOptions(time_budget_ms=5.0), keep=states)
+    s = states[-1]
+    assert len(det.waves) > det.lower_bound_waves and s.nw > s.lower   # something to improve
+    s.tail_s = 0.0
+    end = time.perf_counter() + 0.3
+    res = packers._spend_the_rest(s, det, lambda: end)
+    check_plan(step, pricer, res, budget_bytes=budget)
+    assert len(res.waves) <= len(det.waves)
+    assert res.stats["clock_rounds"] >= 1
+    assert (res.stats["clock_multistart_iterations"] > 0) == (n < packers.EJECT_MIN_ATOMS)
