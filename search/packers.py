@@ -128,7 +128,9 @@ EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of 
 EJECT_SHARE = 0.9             # ... giving them up to this share of the greedy's time, and at
                               # most what one greedy run leaves of it
 CLOCK_ROUND_MS = 2.0          # clock mode: the improvement after the deterministic plan runs
-                              # in rounds of about this long (`_spend_the_rest`)
+                              # in rounds, the first this long (`_spend_the_rest`) ...
+CLOCK_MIN_SLOWDOWN = 0.25     # ... each sized by the pace the last one measured, within
+CLOCK_MAX_SLOWDOWN = 20.0     # these bounds of the estimates' (`budget`)
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
@@ -642,9 +644,12 @@ def _spend_the_rest(s: _Search, result: SearchResult,
     """Clock mode: `result` is the deterministic plan at this budget (its earlier waves'
     entries charged); the clock left before `deadline()` (less the time the last search took
     from its envelope plan to its result, which a better envelope plan must pay again) goes
-    to improving that envelope plan, in rounds of about CLOCK_ROUND_MS: `anneal` on steps of
-    >= EJECT_MIN_ATOMS atoms, the multistart (chunks the deterministic search did not run)
-    below. An envelope plan with fewer waves is finished as the search finishes its own and
+    to improving that envelope plan, in rounds: `anneal` (a new seed each round, from the
+    best plan so far) on steps of >= EJECT_MIN_ATOMS atoms, the multistart (chunks the
+    deterministic search did not run) below. The first round is CLOCK_ROUND_MS long, each
+    next one as long as all before it (longer chains empty more waves), sized by the pace
+    the rounds before measured (`budget`'s estimates x that slowdown), so the clock is
+    overrun by one round's misestimate at most. An envelope plan with fewer waves is finished as the search finishes its own and
     kept when it has fewer waves than `result` and still fits with the entries; so the plan
     is never worse than the deterministic one. O(rounds x round + one finish)."""
     if not (s.kind == PackerKind.AUTO and s.options.num_waves is None and s.assign is not None
@@ -654,11 +659,14 @@ def _spend_the_rest(s: _Search, result: SearchResult,
     assign, nw = s.assign.copy(), s.nw
     rounds, evals, iters = 0, 0, 0
     blocks, chunk = None, 0
+    slow = 1.0                      # measured wall time over the estimate, last round
+    began = time.perf_counter()
     while nw > s.lower:
-        left_s = deadline() - time.perf_counter() - s.tail_s
+        now = time.perf_counter()
+        left_s = deadline() - now - s.tail_s
         if left_s <= CLOCK_ROUND_MS / 2e3:
             break
-        round_us = min(left_s, CLOCK_ROUND_MS / 1e3) * 1e6
+        round_us = min(left_s, max(CLOCK_ROUND_MS / 1e3, now - began)) * 1e6 / slow
         rounds += 1
         if A >= EJECT_MIN_ATOMS:
             n_evals = max(1, int(round_us / ANNEAL_US_PER_EVAL))
@@ -666,6 +674,7 @@ def _spend_the_rest(s: _Search, result: SearchResult,
                               s.options.seed + rounds, *atom_args(s.items), LIMIT,
                               n_evals >= ANNEAL_AIMED_MIN_EVALS)
             evals += int(done)
+            est_us = max(int(done), 1) * ANNEAL_US_PER_EVAL
         else:
             if blocks is None:
                 blocks = blocks_for(s.items, s.active)
@@ -676,8 +685,11 @@ def _spend_the_rest(s: _Search, result: SearchResult,
                                           deadline=None, max_iters=cap, first_chunk=chunk)
             chunk += -(-it // MULTISTART_CHUNK)
             iters += it
+            est_us = max(it, 1) * run_cost_us(A, nw, P)
             if got is not None:
                 assign, nw = got, gnw
+        slow = min(max((time.perf_counter() - now) * 1e6 / est_us, CLOCK_MIN_SLOWDOWN),
+                   CLOCK_MAX_SLOWDOWN)
     stats = dict(result.stats, clock_rounds=rounds, clock_anneal_evals=evals,
                  clock_multistart_iterations=iters)
     if nw >= s.nw:
