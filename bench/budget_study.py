@@ -8,6 +8,10 @@ of 4x the largest single-request price) at 512 and 2048 requests. For each step,
 deterministic plan at the same budget, and the 200 ms clock plan; waves, bound, planning_ms.
 
     .venv/bin/python bench/budget_study.py [--seeds 5] [--out bench/results/budget_study.txt]
+    .venv/bin/python bench/budget_study.py --scan [--out bench/results/budget_scan.txt]
+
+`--scan`: the deterministic plans of the large cases at 5-400 ms (waves never rise with the
+budget there, `docs/faq.md#time-budget`).
 """
 
 from __future__ import annotations
@@ -57,8 +61,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="clock plans: repeats (median ms)")
     ap.add_argument("--long-ms", type=float, default=200.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--scan", action="store_true", help="deterministic waves at 5-400 ms")
     args = ap.parse_args(argv)
     Planner.warmup()
+    if args.scan:
+        return _scan(args)
     lines = [f"{'case':<18} {'n':>5} | {'default':>16} {'ms':>7} | {'deterministic':>16} "
              f"{'ms':>7} | {f'{args.long_ms:g} ms':>16} {'ms':>7}"]
     worse = far = 0
@@ -82,6 +89,30 @@ def main(argv=None) -> int:
         print(lines[-1], flush=True)
     lines.append(f"default plans worse than deterministic: {worse}; more than one wave over "
                  f"the {args.long_ms:g} ms plan: {far}")
+    print(lines[-1])
+    if args.out:
+        write_text_atomic(Path(args.out), "\n".join(lines) + "\n")
+    return 0
+
+
+SCAN_MS = (5, 10, 20, 50, 100, 200, 400)
+
+
+def _scan(args) -> int:
+    lines = [f"{'case':<18} " + " ".join(f"{f'{ms} ms':>8}" for ms in SCAN_MS)
+             + "   (deterministic waves / planning_ms)"]
+    rising = 0
+    for name, planner, step, budget in _cases(args.seeds):
+        if len(step.requests) < LARGE[0]:
+            continue
+        plans = [planner.plan(step, free_bytes=budget, deterministic=True, time_budget_ms=ms)
+                 for ms in SCAN_MS]
+        waves = [p.num_waves for p in plans]
+        rising += any(b > a for a, b in zip(waves, waves[1:]))
+        lines.append(f"{name:<18} " + " ".join(f"{w:>8}" for w in waves) + "   "
+                     + " ".join(f"{p.planning_ms:.0f}" for p in plans))
+        print(lines[-1], flush=True)
+    lines.append(f"cases where a larger deterministic budget gave more waves: {rising}")
     print(lines[-1])
     if args.out:
         write_text_atomic(Path(args.out), "\n".join(lines) + "\n")
