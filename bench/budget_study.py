@@ -108,7 +108,7 @@ def _scan(args) -> int:
         plans = [planner.plan(step, free_bytes=budget, deterministic=True, time_budget_ms=ms)
                  for ms in SCAN_MS]
         waves = [p.num_waves for p in plans]
-        rising += any(b > a for a, b in zip(waves, waves[1:]))
+        rising += any(b > a for a, b in zip(waves, waves[1:], strict=False))
         lines.append(f"{name:<18} " + " ".join(f"{w:>8}" for w in waves) + "   "
                      + " ".join(f"{p.planning_ms:.0f}" for p in plans))
         print(lines[-1], flush=True)

@@ -13,7 +13,6 @@ from waveplan.planner import Planner, Request, Step
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import (
     DEFAULT_PACKER,
-    DEFAULT_TIME_BUDGET_MS,
     AdmittedPricer,
     BoundedPricer,
     LoadsPricer,
