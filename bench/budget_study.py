@@ -33,6 +33,10 @@ from waveplan.planner.study import grpo_step  # noqa: E402
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 
 GIB = 2**30
+HEADER = ("waves (lower bound, proven) and planning_ms of Planner.plan: the default plan (clock mode, "
+          "default budget; the\nlargest of --repeats plans, their median ms), the deterministic "
+          "plan at the same budget, and the clock\nplan at --long-ms; one warm process. Timings "
+          "depend on the machine's load (see budget_overhead.txt).")
 SMALL = ((4, 8), (8, 8), (16, 8), (32, 8), (48, 8))   # prompts x completions: 32-384 requests
 LARGE = (512, 2048)
 
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     Planner.warmup()
     if args.scan:
         return _scan(args)
-    lines = [f"{'case':<18} {'n':>5} | {'default':>16} {'ms':>7} | {'deterministic':>16} "
+    lines = [HEADER, f"{'case':<18} {'n':>5} | {'default':>16} {'ms':>7} | {'deterministic':>16} "
              f"{'ms':>7} | {f'{args.long_ms:g} ms':>16} {'ms':>7}"]
     worse = far = 0
     for name, planner, step, budget in _cases(args.seeds):
