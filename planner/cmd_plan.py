@@ -12,6 +12,7 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError
 from waveplan.pricing.step import Step, list_bundled_steps
 from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind
+from waveplan.search.options import DEFAULT_MS_PER_REQUEST
 
 from . import cold_start
 from .cli_common import (
@@ -42,14 +43,21 @@ LEGEND = (
     "             of its price: evidence (a traced layout), conservative (no trace covers it:",
     "             priced high, reason shown), assumed (--moe-load), profile (learned from peaks)",
     "first:S      the wave is the first of LoRA slots S and also holds their adapter gradients",
-    "lower bound  no plan of this step fits in fewer waves; proven optimal: the plan meets it",
+    "lower bound  no plan within the budget packed against has fewer waves; proven optimal: the",
+    "             plan meets it; not proven: see the line above and docs/faq.md#lower-bound",
 )
+
+NOT_PROVEN = {   # why a plan above its bound is not proven (search.packers.not_proven_why)
+    "time": "the time budget ran out first: try a larger --time-budget-ms or --packer exact",
+    "model size": "too large for the exact packer's model: a larger --time-budget-ms may still help",
+    "bound": "no envelope plan has fewer waves: the bound under exact prices may be loose",
+}
 
 
 def legend(*, fixed_count: bool = False) -> str:
     """The table's legend, one column per line; under --num-waves without the lower-bound line
     (the count was asked for, its optimality is not the question)."""
-    return "\n".join(LEGEND[:-1] if fixed_count else LEGEND)
+    return "\n".join(LEGEND[:-2] if fixed_count else LEGEND)
 
 
 def ranges(indices) -> str:
@@ -82,8 +90,10 @@ def register(sub) -> None:
                         help=f"free GiB per rank (default {DEFAULT_FREE_GIB})")
     parser.add_argument("--packer", default=DEFAULT_PACKER.value, choices=[k.value for k in PackerKind],
                         help=f"packer (default {DEFAULT_PACKER.value})")
-    parser.add_argument("--time-budget-ms", type=float, default=DEFAULT_TIME_BUDGET_MS, metavar="T",
-                        help=f"planning time budget in ms (default {DEFAULT_TIME_BUDGET_MS:g})")
+    parser.add_argument("--time-budget-ms", type=float, default=None, metavar="T",
+                        help=f"planning time budget in ms (default: {DEFAULT_TIME_BUDGET_MS:g}, or "
+                             f"{DEFAULT_MS_PER_REQUEST:g} per request on steps of more than "
+                             f"{DEFAULT_TIME_BUDGET_MS / DEFAULT_MS_PER_REQUEST:.0f}; docs/faq.md)")
     parser.add_argument("--num-waves", type=int, default=None, metavar="N",
                         help="exactly N waves (all data-parallel ranks run the same count)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the randomised search")
@@ -175,9 +185,15 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
     if num_waves is not None:  # a fixed count: optimality of the count is not the question
         verdict = f"{waves} as asked (--num-waves); lower bound {plan.lower_bound_waves}"
     else:
+        why = NOT_PROVEN.get(plan.stats.get("not_proven", ""), "")
         verdict = (f"{waves}; lower bound {plan.lower_bound_waves}: "
-                   f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}")
-    print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms)")
+                   f"{'proven optimal' if plan.proven_optimal else 'not proven optimal'}"
+                   f"{f' ({why})' if why and not plan.proven_optimal else ''}")
+    reserve = plan.stats.get("rope_reserve_bytes", 0)
+    budget_ms = plan.stats.get("time_budget_ms")
+    print(f"{verdict}  ({plan.packer}, {plan.planning_ms:.2f} ms"
+          f"{f' of a {budget_ms:g} ms budget' if budget_ms else ''}"
+          f"{f'; bound of the budget less {gib(reserve)} GiB set aside for the RoPE cache' if reserve else ''})")
     if (ep_note := single_rank_note(m)) is not None:
         print(ep_note)
     if plan.compile_ms > 0:

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from waveplan.pricing import rope_cache
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.compile_clock import CompileClock
 from waveplan.pricing.envelope import Envelope
-from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
+from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.lora import LoraConfig, LoraSlot
@@ -38,7 +37,6 @@ from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import (
     DEFAULT_PACKER,
     DEFAULT_SEED,
-    DEFAULT_TIME_BUDGET_MS,
     PackerKind,
     SearchOptions,
     pack,
@@ -55,19 +53,7 @@ from .profiles import (
 )
 from .warmup import ensure_warm, warmup
 
-ROPE_RESERVE_TRIES = 3    # packs against a growing reserve before the bound (`_with_earlier_rope`)
 MAX_BUDGET_BYTES = 2**50  # 1 PiB: anything above is a unit mistake, not a GPU
-
-
-def roomiest_last(waves: Sequence) -> tuple:
-    """The waves in a run order where the entries earlier waves leave (which only grow along
-    the order) meet the most room: the waves up to the last that carries pending gradients
-    keep their places (each slot's first gradient wave runs before its others); the rest run
-    fullest first (admitted bytes descending, then smallest request index). O(W log W)."""
-    waves = tuple(waves)
-    fixed = max((i + 1 for i, w in enumerate(waves) if w.first_slots), default=0)
-    rest = sorted(waves[fixed:], key=lambda w: (-w.price.admitted_bytes, int(w.requests[0])))
-    return waves[:fixed] + tuple(rest)
 
 
 class _ProfiledPricer:
@@ -125,6 +111,9 @@ class _ProfiledPricer:
 
     def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
         return self._pricer.plus_earlier(price, extra)
+
+    def earlier_reserve_bytes(self) -> int:
+        return self._pricer.earlier_reserve_bytes()
 
     def pending_bytes(self, slot: str) -> float:
         return self._pricer.pending_bytes(slot)
@@ -350,18 +339,21 @@ class Planner:
 
     def plan(self, step: Step | Sequence[Request] | str | os.PathLike, free_bytes, *,
              packer: PackerKind | str = DEFAULT_PACKER,
-             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
+             time_budget_ms: float | None = None,
              atomic_units: Sequence[Sequence[int]] = (), num_waves: int | None = None,
              seed: int = DEFAULT_SEED, deterministic: bool = False,
              stage_free_bytes: Sequence | None = None) -> Plan:
         """Cut `step` into waves that fit `free_bytes` (bytes free per rank: a number or one per
         rank; the minimum binds). `atomic_units` are lists of request indices that must share
-        a wave; `num_waves` asks for exactly that many waves. Same inputs, same plan, unless the
-        time budget cuts the search short; `deterministic=True` never reads the clock (the
-        iteration cap implied by `time_budget_ms` alone decides). `stage_free_bytes` (PP > 1
+        a wave; `num_waves` asks for exactly that many waves. `deterministic=True` never reads
+        the clock (the work `time_budget_ms` buys by estimate decides: same inputs, same plan);
+        without it, the clock left of the budget after that work improves the plan further
+        (never more waves than the deterministic plan). `stage_free_bytes` (PP > 1
         only): the free bytes of each pipeline stage (a number or one per rank of the stage);
         each stage's in-flight windows are checked against its own budget, each wave against
-        the smallest of them and `free_bytes`'s."""
+        the smallest of them and `free_bytes`'s. `time_budget_ms` None: the default rule
+        (`search.default_time_budget_ms`, 5 ms up to 200 requests, 0.025 ms a request above;
+        docs/faq.md#time-budget)."""
         budget = budget_from_free_bytes(free_bytes)
         stage_budgets = None
         if stage_free_bytes is not None:
@@ -369,7 +361,8 @@ class Planner:
             budget = min(budget, *stage_budgets)
         options = SearchOptions(packer=packer, time_budget_ms=time_budget_ms,
                                 atomic_units=atomic_units, num_waves=num_waves, seed=seed,
-                                deterministic=deterministic, stage_budgets=stage_budgets)
+                                deterministic=deterministic, stage_budgets=stage_budgets,
+                                earlier_entries=True)
         step = _as_step(step)
         with CompileClock() as warm_clock:
             # the first plan of a process compiles (or loads) every kernel, in parallel
@@ -379,8 +372,9 @@ class Planner:
         t0 = time.perf_counter()
         with CompileClock() as clock:
             pricer = self.pricer(step)
+            # the search charges the earlier waves' RoPE cache entries (the pricer's
+            # `earlier_entries`, search.earlier) and reports the bound it packed against
             result = pack(step, pricer, budget_bytes=budget, options=options)
-            result = self._with_earlier_rope(step, pricer, result, budget, options)
             waves = self._waves(step, result, budget)
         # planning only: the warm-up and the time inside numba's compiler (compiling, or
         # loading from the cache) are reported apart, as compile_ms (compiling) and
@@ -394,53 +388,6 @@ class Planner:
                     lower_bound_waves=int(result.lower_bound_waves),
                     proven_optimal=bool(result.proven_optimal), budget_bytes=budget,
                     stats=stats, compile_ms=compile_s * 1e3)
-
-    def _with_earlier_rope(self, step: Step, pricer, result, budget: int, options: SearchOptions):
-        """The search's result with each wave charged the RoPE cache entries the waves before
-        it left (PP1; a pipeline's stage walks charge them): a term `rope_cache_earlier_waves`
-        (`rope_cache.TERM`) in each wave's breakdown, raw and admitted bytes raised by it. Waves priced alone do
-        not see them, so when a wave no longer fits, the step is packed again against the
-        budget less a reserve: the largest admitted growth seen, raised until every wave fits
-        (`ROPE_RESERVE_TRIES` packs), then the bound of a full cache of the step's longest
-        sequence (`rope_cache.reserve_bytes`), which always holds: a step whose every request
-        fits alone within the budget less that bound always gets a plan; below it, one may
-        raise InfeasibleError naming the reserve.
-        Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x pack)."""
-        entry = float(self._model.arrays["rope_entry"])
-        if entry <= 0.0 or len(result.waves) < 2:
-            return result
-        plus = pricer.plus_earlier
-        reserve = 0
-        # the entries only add: the bound on the wave count at the whole budget still holds
-        lower = result.lower_bound_waves
-        for attempt in range(ROPE_RESERVE_TRIES + 1):
-            result = dataclasses.replace(result, waves=roomiest_last(result.waves))
-            extra = pricer.earlier_entries([w.loads for w in result.waves])
-            waves = [dataclasses.replace(w, price=plus(w.price, e))
-                     for w, e in zip(result.waves, extra, strict=True)]
-            growth = max(w.price.admitted_bytes - old.price.admitted_bytes
-                         for w, old in zip(waves, result.waves, strict=True))
-            if all(w.price.admitted_bytes <= budget for w in waves):
-                stats = dict(result.stats, rope_reserve_bytes=reserve)
-                return dataclasses.replace(result, waves=tuple(waves), lower_bound_waves=lower,
-                                           proven_optimal=len(waves) <= lower, stats=stats)
-            if attempt < ROPE_RESERVE_TRIES - 1:
-                reserve = max(reserve + 1, growth)
-            else:
-                reserve = rope_cache.reserve_bytes(
-                    entry, pricer.group_loads([np.arange(len(step.requests))]), self._model.safety)
-            why = (f"{reserve} bytes set aside for the RoPE cache entries the step's earlier waves "
-                   f"leave, docs/memory-model.md#rope-cache-earlier-waves")
-            if reserve >= budget:
-                raise InfeasibleError(f"budget_bytes={budget}: no room left beside {why}")
-            try:
-                result = pack(step, pricer, budget_bytes=budget - reserve, options=options)
-            except InfeasibleError as exc:
-                raise InfeasibleError(f"{exc} (with {why})") from None
-            if len(result.waves) < 2:
-                return dataclasses.replace(result, lower_bound_waves=1, proven_optimal=True,
-                                           stats=dict(result.stats, rope_reserve_bytes=reserve))
-        raise AssertionError("internal: the RoPE cache reserve did not hold")
 
     def _waves(self, step: Step, result, budget: int) -> tuple[PlanWave, ...]:
         """The plan's waves from the search result. O(waves x groups)."""

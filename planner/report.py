@@ -23,7 +23,7 @@ from waveplan.pricing.lora import LoraConfig
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.step import Request, Step, step_from_tree_form
-from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS
+from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED
 
 from .plan import Plan
 from .planner import Planner
@@ -39,7 +39,7 @@ class PlanOptions:
     """The `plan()` arguments a report records."""
 
     packer: str = DEFAULT_PACKER.value
-    time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
+    time_budget_ms: float | None = None   # None: the default rule (search.default_time_budget_ms)
     num_waves: int | None = None
     atomic_units: tuple[tuple[int, ...], ...] = ()
     seed: int = DEFAULT_SEED
@@ -169,7 +169,7 @@ def _options(data: object) -> PlanOptions:
     if not isinstance(units, list) or not all(isinstance(u, list) for u in units):
         raise bad(ConfigError, "options.atomic_units", units, "must be a list of lists")
     return PlanOptions(packer=data.get("packer", DEFAULT_PACKER.value),
-                       time_budget_ms=data.get("time_budget_ms", DEFAULT_TIME_BUDGET_MS),
+                       time_budget_ms=data.get("time_budget_ms"),
                        num_waves=data.get("num_waves"), atomic_units=tuple(tuple(u) for u in units),
                        seed=data.get("seed", DEFAULT_SEED), deterministic=bool(data.get("deterministic", False)))
 

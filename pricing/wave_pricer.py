@@ -255,6 +255,16 @@ class WavePricer:
         whose stage walks charge them. O(calls x log calls)."""
         return rope_cache.earlier_wave_entries(float(self.model.arrays["rope_entry"]), waves)
 
+    def earlier_reserve_bytes(self) -> int:
+        """Admitted bytes that always cover them beside any wave of the step
+        (`rope_cache.reserve_bytes` of the step's calls as one wave); 0 under PP > 1 or
+        without rotary entries. O(requests)."""
+        entry = float(self.model.arrays["rope_entry"])
+        if entry <= 0.0:
+            return 0
+        every = np.arange(len(self.class_of), dtype=np.int64)
+        return rope_cache.reserve_bytes(entry, self.group_loads([every]), self.model.safety)
+
     def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
         """`price` with `extra` bytes of earlier waves' entries (`rope_cache.plus_earlier_entries`)."""
         return rope_cache.plus_earlier_entries(price, extra, self.model.safety)

@@ -17,6 +17,9 @@ pricer class):
   holds only for plans packed against the envelope).
 - `LoadsPricer`: a wave's group loads (`group_loads`) and its full price from them
   (`price_loads`): the waves leaving the search carry their loads, computed once.
+- `EarlierEntriesPricer`: a plan-level charge, what the waves run before a wave leave beside
+  it (Megatron's RoPE cache); the search orders the waves, charges it and packs against a
+  reserve while a wave does not fit (`earlier`).
 `waveplan.pricing.wave_pricer.WavePricer` offers every capability. The required protocols are
 runtime-checkable as well, so that a test can hold a double against them; the search never
 dispatches on them.
@@ -175,7 +178,12 @@ class LoadsPricer(Protocol):
 @runtime_checkable
 class EarlierEntriesPricer(Protocol):
     """What prices the RoPE cache entries a plan's earlier waves leave (`pricing.rope_cache`):
-    the planner charges them after the search, `check_plan` re-checks them."""
+    the search charges them in run order (`earlier`), `check_plan` re-checks them."""
+
+    def earlier_reserve_bytes(self) -> int:
+        """Admitted bytes that always cover the entries beside any wave of the step (0: its
+        waves leave none, nothing to charge)."""
+        ...
 
     def earlier_entries(self, waves: Sequence[Sequence[GroupLoad]]) -> list[float]:
         """Per wave in run order (given by its group loads), the bytes the waves before it left."""
@@ -197,17 +205,19 @@ class SearchPricer:
     pending: PendingPricer | None = None
     bounded: BoundedPricer | None = None
     loads: LoadsPricer | None = None
+    earlier: EarlierEntriesPricer | None = None
 
     @classmethod
     def of(cls, pricer: Pricer | SearchPricer) -> SearchPricer:
         """The pricer with the capabilities its class offers. O(1) after a class's first."""
         if isinstance(pricer, SearchPricer):
             return pricer
-        fast, pending, bounded, loads = _capabilities(type(pricer))
+        fast, pending, bounded, loads, earlier = _capabilities(type(pricer))
         return cls(pricer, fast=cast(AdmittedPricer, pricer) if fast else None,
                    pending=cast(PendingPricer, pricer) if pending else None,
                    bounded=cast(BoundedPricer, pricer) if bounded else None,
-                   loads=cast(LoadsPricer, pricer) if loads else None)
+                   loads=cast(LoadsPricer, pricer) if loads else None,
+                   earlier=cast(EarlierEntriesPricer, pricer) if earlier and loads else None)
 
     def full_prices_only(self) -> SearchPricer:
         """The same pricer seen without its fast admitted path (every exact price is full)."""
@@ -238,7 +248,9 @@ class SearchPricer:
 
 
 @cache
-def _capabilities(cls: type) -> tuple[bool, bool, bool, bool]:
-    """Which optional capabilities a pricer class offers: (admitted, pending, bounded, loads)."""
+def _capabilities(cls: type) -> tuple[bool, bool, bool, bool, bool]:
+    """Which optional capabilities a pricer class offers: (admitted, pending, bounded, loads,
+    earlier)."""
     return (issubclass(cls, AdmittedPricer), issubclass(cls, PendingPricer),
-            issubclass(cls, BoundedPricer), issubclass(cls, LoadsPricer))
+            issubclass(cls, BoundedPricer), issubclass(cls, LoadsPricer),
+            issubclass(cls, EarlierEntriesPricer))

@@ -13,7 +13,6 @@ from waveplan.planner import Planner, Request, Step
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import (
     DEFAULT_PACKER,
-    DEFAULT_TIME_BUDGET_MS,
     AdmittedPricer,
     BoundedPricer,
     LoadsPricer,
@@ -93,7 +92,7 @@ def test_the_planner_offers_the_fast_path_only_without_profiles():
 def test_options_have_their_defaults_once_and_normalise():
     o = SearchOptions()
     assert (o.packer, o.time_budget_ms, o.atomic_units, o.num_waves, o.seed,
-            o.deterministic) == (DEFAULT_PACKER, DEFAULT_TIME_BUDGET_MS, (), None, 0, False)
+            o.deterministic) == (DEFAULT_PACKER, None, (), None, 0, False)
     o = SearchOptions(packer="exact", time_budget_ms=20, atomic_units=[[0, 1], np.arange(2, 4)],
                       num_waves=np.int64(3), seed=np.int64(7), deterministic=np.bool_(True))
     assert o.packer is PackerKind.EXACT and type(o.time_budget_ms) is float

@@ -93,7 +93,7 @@ def plan_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=None,
                        model_parallel_group=None, group=None, num_batches_divided_by=None,
                        same_micro_num_in_dp: bool = True, min_num_micro_batch=None,
                        force_group_size: int = 1, grad: bool = True,
-                       time_budget_ms: float = 5.0) -> Plan:
+                       time_budget_ms: float | None = None) -> Plan:
     """The plan behind `rearrange_micro_batches`: the batch's sequences, unshared, cut into
     waves that fit `free_bytes` (bytes per rank; a number, one per rank, or a callable
     returning either, called once).
@@ -163,7 +163,7 @@ def rearrange_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=Non
                             num_batches_divided_by=None, same_micro_num_in_dp: bool = True,
                             min_num_micro_batch=None, use_dynamic_bsz_balance: bool = True,
                             force_group_size: int = 1, model_parallel_group=None, group=None,
-                            grad: bool = True, time_budget_ms: float = 5.0):
+                            grad: bool = True, time_budget_ms: float | None = None):
     """Split a veRL batch (a TensorDict with `input_ids`, nested or padded with an
     `attention_mask`) into memory-priced micro-batches.
 
@@ -238,7 +238,7 @@ class Installed:
 
 def install(planner: Planner, free_bytes: object | Callable[[], object], *,
             model_parallel_group=None, group=None, grad: bool = True,
-            time_budget_ms: float = 5.0) -> Installed:
+            time_budget_ms: float | None = None) -> Installed:
     """Make veRL's engine plan its dynamic micro-batches with `planner`: replaces
     `rearrange_micro_batches` in `verl.utils.seqlen_balancing` (used by
     `prepare_dynamic_batch`) and in `verl.workers.engine.utils` (used by the engine's
