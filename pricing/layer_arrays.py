@@ -12,18 +12,16 @@ gradients are priced by `PricingModel._build_arrays` (`pricing.model`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
 from .coefficients import CoefficientTable
+from .coverage import Coverage
 from .geometry import LayerSpec, MixerKind, MlpKind, ModelGeometry
 from .parallel import ParallelLayout, Recompute, RecomputeMode
 from .pipeline import rope_cache_per_row
-
-if TYPE_CHECKING:
-    from .model import PricingModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +36,7 @@ class LayerContext:
     recompute: Recompute
     """The recompute schedule (a multi-layer chunk's size and method)."""
     credit: ParallelLayout
-    """The layout whose sharding the rank is credited with (`model.credit_layout`): the class
+    """The layout whose sharding the rank is credited with (`coverage.credit_layout`): the class
     whose layout residual the layers get."""
     widths: dict
     """Per-rank widths at the credited TP and expert TP (`model.layer_widths`)."""
@@ -94,28 +92,32 @@ class LayerContext:
         return self.mode == RecomputeMode.FULL
 
 
-def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerContext:
-    """The context of `model`'s layers: `widths` its credited widths (`model.layer_widths` at
-    `width_tp` and `width_etp`), `qk_norm` whether its attention layers normalise queries and
-    keys (`model.has_qk_norm`). O(layers)."""
-    g, p, t = model.geometry, model.parallel, model.table
-    mode = model.recompute.mode
-    sp_div = model.sp_div
-    width_tp, rows_cp = model.width_tp, model.rows_cp
+def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: CoefficientTable,
+                  recompute: Recompute, widths: dict, qk_norm: bool, max_rank: int,
+                  moe_load: float | None = None, peer_row_scale: float = 1.0) -> LayerContext:
+    """The context of a configuration's layers under its `coverage` (the credited layout and
+    divisors, `coverage.assess`): `widths` its credited widths (`model.layer_widths`),
+    `qk_norm` whether its attention layers normalise queries and keys, `max_rank` the largest
+    LoRA slot's rank, `moe_load` the opt-in MoE load, `peer_row_scale` the EP peers' row scale
+    (`planner.ep_peers`). O(layers)."""
+    g, p, t = geometry, coverage.parallel, table
+    mode = recompute.mode
+    sp_div = coverage.sp_div
+    width_tp, rows_cp = coverage.width_tp, coverage.rows_cp
     # the busiest EP rank's routed rows over rows x top_k (moe_terms), and what the
     # all-to-all dispatcher adds per wave row on that rank (its top-k copies and receive buffer)
     # and the share of the gathered routed rows one expert-TP group runs (ETP / TP: with an
     # expert TP below TP each rank's experts see its own sequence shard's routed rows)
-    ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, model.moe_load) if g.moe is not None else 1.0
-    ep_skew *= model.expert_row_share
+    ep_skew = moe_terms.busiest_rank_load(g.moe, p.ep, moe_load) if g.moe is not None else 1.0
+    ep_skew *= coverage.expert_row_share
     # a wave checked against larger concurrent calls of its EP peers (planner.ep_peers): the routed
     # rows the busiest rank receives grow with the peers' calls, the rest stays this rank's own
-    ep_skew *= model.peer_row_scale
+    ep_skew *= peer_row_scale
     routed_extra = (moe_terms.routed_extra_per_row(t, widths, ep=p.ep, tp=p.expert_tp, load=ep_skew)
                     if g.moe is not None else 0.0)
     local_experts = g.moe.num_experts // p.ep if g.moe is not None else 1
     layers = g.layers
-    widths_r = dict(widths, rank=max((s.rank for s in model.lora.slots), default=0))
+    widths_r = dict(widths, rank=max_rank)
     qk = terms.qk_norm_per_row(t, widths) if qk_norm else 0.0
     qk_structural = layout_terms.structural_qk_norm_per_row(widths) if qk_norm else 0.0
     # ring attention (CP > 1) releases the projection output the attention would keep;
@@ -149,8 +151,8 @@ def layer_context(model: PricingModel, widths: dict, *, qk_norm: bool) -> LayerC
     structural_tp1 = width_tp == 1 and layout_terms.structural_at_tp1(
         t, retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
     return LayerContext(
-        geometry=g, table=t, recompute=model.recompute, credit=model.credit,
-        widths=widths, widths_r=widths_r, tp=width_tp, etp=model.width_etp, sp_div=sp_div,
+        geometry=g, table=t, recompute=recompute, credit=coverage.credit,
+        widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
         rows_cp=rows_cp, ep_skew=ep_skew, routed_extra=routed_extra, local_experts=local_experts,
         qk_norm_per_row=qk, qk_structural_per_row=qk_structural, cp_release_per_row=cp_release,
         hybrid_tp=hybrid_tp, structural_gdn=structural_gdn, full_gdn=full_gdn, unsharded_gdn=unsharded_gdn,

@@ -33,7 +33,7 @@ the rest is charged as hidden-wide bytes per gathered row:
 
 Only positive residuals are charged (a traced layout priced over its trace keeps that margin:
 never under, see bench/layout_validation.py). A layout class with no entry is not covered:
-`pricing.model.layout_gaps` names it and the model falls back to the conservative basis.
+`pricing.coverage.layout_gaps` names it and the model falls back to the conservative basis.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Retained MoE layers (selective and no recompute) under TP with sequence parallelism
-(`moe_terms.sp_retained_moe_layer_per_row`, the credit `model.credit_layout` gives them): never
+(`moe_terms.sp_retained_moe_layer_per_row`, the credit `coverage.credit_layout` gives them): never
 under the traced busiest ranks, far below the uncredited price, basis still conservative."""
 
 from __future__ import annotations
