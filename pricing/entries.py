@@ -116,3 +116,18 @@ def has(table, name: str) -> bool:
 def missing_required(terms: dict) -> list[str]:
     """The required entries `terms` lacks, in registry order."""
     return [name for name in REQUIRED if name not in terms]
+
+
+def entry(table, name: str, default=None):
+    """Entry `name` of `table`, or `default` where the table lacks it."""
+    return table.terms[name] if has(table, name) else default
+
+
+def optional_per_row(table, name: str, widths: dict, key: str = "per_row") -> float:
+    """Bytes per row of optional entry `name` (`table.per_row`); 0 where the table lacks it."""
+    return table.per_row(name, widths, key) if has(table, name) else 0.0
+
+
+def optional_scalar(table, name: str, default: float = 0.0, key: str = "value") -> float:
+    """Scalar `key` of optional entry `name`; `default` where the table lacks it."""
+    return table.scalar(name, key) if has(table, name) else default

@@ -18,10 +18,30 @@ import numpy as np
 
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
 from .coefficients import CoefficientTable
+from .compat import StrEnum
 from .coverage import Coverage
 from .geometry import LayerSpec, MixerKind, MlpKind, ModelGeometry
+from .kernel_set import KernelSet
 from .parallel import ParallelLayout, Recompute, RecomputeMode
 from .pipeline import rope_cache_per_row
+
+
+class RetainedBy(StrEnum):
+    """How a configuration's retained layers (selective or no recompute) are priced."""
+
+    RECOMPUTED = "recomputed"
+    """Full recompute: layers keep only their boundary activation."""
+    FITTED = "fitted"
+    """The TP1-fitted retained terms, sharded by the credited layout."""
+    STRUCTURAL = "structural"
+    """By what they hold (the structural kernel set, at a credited TP > 1 or at TP1 CP1):
+    GDN layers by `gdn_terms`, docs/memory-model.md#gdn-sp-retained."""
+    GDN_UNSHARDED = "gdn-unsharded"
+    """The fitted terms under SP without the structural ones: a GDN layer's charged unsharded
+    (it keeps its column-parallel inputs gathered)."""
+    ALL_UNSHARDED = "all-unsharded"
+    """`GDN_UNSHARDED` in a GDN hybrid with MoE MLPs: its attention layers' too
+    (docs/memory-model.md#gdn-moe-sp-retained)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,21 +85,20 @@ class LayerContext:
     cp_release_per_row: float
     """The projection output ring attention (CP > 1) releases, bytes per row (0 unless plain
     attention)."""
-    hybrid_tp: bool
-    """Retained GDN-hybrid layers priced by what they hold (`gdn_terms`): torch-cpu's SP terms."""
-    structural_gdn: bool
-    """`hybrid_tp` with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1 and
-    under TP with SP)."""
-    full_gdn: bool
-    """Recomputed GDN layers (full recompute, CP1) priced at their backward peak (`gdn_terms`)."""
-    unsharded_gdn: bool
-    """Retained GDN layers under SP without the structural terms (te-gpu): charged unsharded."""
-    unsharded_hybrid: bool
-    """`unsharded_gdn` in a GDN hybrid with MoE MLPs: its attention layers charged unsharded too."""
-    structural_tp1: bool
-    """A plain dense model's layers at a credited TP1 (CP too) priced by what they hold
-    (`layout_terms.structural_at_tp1`, torch-cpu): retained by the SP structural terms at TP = 1,
-    recomputed at their FC1 backward (`layout_terms.tp1_fc1_point_per_row`)."""
+    kernels: KernelSet
+    """The table's kernel set (`CoefficientTable.kernels`): which structural terms apply."""
+    retained_by: RetainedBy
+    """How retained layers are priced (`RetainedBy`; `RECOMPUTED` under full recompute)."""
+    gdn_retained_structural: bool
+    """`retained_by` is `STRUCTURAL` and a GDN layer is so priced (a dense MLP at any such TP,
+    a MoE MLP at TP1 and under TP with SP): the final norm's backward and the RoPE entry's own
+    rows are charged beside it (`gdn_terms`)."""
+    gdn_backward_point: bool
+    """Recomputed GDN layers (full recompute, CP1) priced at their backward peak by what they
+    hold (`gdn_terms`; the structural kernel set, docs/memory-model.md#gdn-full-point)."""
+    tp1_structural: bool
+    """A plain dense model's layers at a credited TP1 priced by what they hold
+    (`KernelSet.structural_at_tp1`, docs/memory-model.md#tp1-structural)."""
 
     @property
     def mode(self) -> RecomputeMode:
@@ -124,46 +143,36 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     # traced for plain attention only (an output gate is a view of that output and keeps it)
     plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
     cp_release = layout_terms.cp_attention_release_per_row(t, widths, cp=rows_cp) if plain else 0.0
-    # a GDN hybrid's layers retained (selective or no recompute) where the table carries the
-    # SP structural terms (torch-cpu): priced by what they hold (gdn_terms), at a credited
-    # TP > 1 and at TP1 CP1 (a GDN layer under CP has no CPU trace: the fitted layer stays)
-    hybrid_tp = (mode != RecomputeMode.FULL and layout_terms.SP_RETAINED in t.terms
-                 and (width_tp > 1 or rows_cp == 1))
-    # ... and a hybrid with a GDN layer so priced (a dense MLP at any such TP, a MoE MLP at TP1
-    # and under TP with SP)
-    structural_gdn = hybrid_tp and any(layer.mixer == MixerKind.GDN and (
-        layer.mlp == MlpKind.DENSE or width_tp == 1 or sp_div > 1) for layer in layers)
-    # a GDN layer recomputed under full recompute at CP1, where the table carries the structural
-    # terms (torch-cpu): priced at its backward peak by what it holds (gdn_terms), at any TP
-    full_gdn = (mode == RecomputeMode.FULL and rows_cp == 1 and layout_terms.SP_RETAINED in t.terms)
-    # a GDN layer retained under SP on a table without the structural GDN terms (te-gpu): its
-    # fitted hidden-wide part charged unsharded (the layer keeps its column-parallel inputs
-    # gathered, gdn_terms), a bound on the gathered inputs plus the sharded rest
-    unsharded_gdn = (mode != RecomputeMode.FULL and sp_div > 1
-                     and layout_terms.SP_RETAINED not in t.terms)
-    # ... and, in a GDN hybrid with MoE MLPs, its attention layers' too (credited by CPU traces
-    # alone: what every SP layer keeps gathered is then inside the unsharded fitted hidden-wide
-    # part, docs/memory-model.md#gdn-moe-sp-retained)
-    unsharded_hybrid = unsharded_gdn and g.gdn is not None and g.moe is not None
-    # a plain dense model's layers at a credited TP1 priced by what they hold, where the table
-    # carries the structural terms (torch-cpu): retained by the SP structural terms at TP = 1,
-    # recomputed at their FC1 backward (layout_terms.structural_at_tp1)
-    structural_tp1 = width_tp == 1 and layout_terms.structural_at_tp1(
-        t, retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
+    kernels = t.kernels
+    if mode == RecomputeMode.FULL:
+        retained_by = RetainedBy.RECOMPUTED
+    elif kernels.structural and (width_tp > 1 or rows_cp == 1):
+        # priced by what they hold (gdn_terms), at a credited TP > 1 and at TP1 CP1 (a GDN
+        # layer under CP has no CPU trace: the fitted layer stays)
+        retained_by = RetainedBy.STRUCTURAL
+    elif sp_div > 1 and not kernels.structural:
+        retained_by = (RetainedBy.ALL_UNSHARDED if g.gdn is not None and g.moe is not None
+                       else RetainedBy.GDN_UNSHARDED)
+    else:
+        retained_by = RetainedBy.FITTED
+    gdn_retained_structural = retained_by == RetainedBy.STRUCTURAL and any(
+        layer.mixer == MixerKind.GDN and (layer.mlp == MlpKind.DENSE or width_tp == 1 or sp_div > 1)
+        for layer in layers)
+    gdn_backward_point = mode == RecomputeMode.FULL and rows_cp == 1 and kernels.structural
+    tp1_structural = width_tp == 1 and kernels.structural_at_tp1(
+        retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
         rows_cp=rows_cp, ep_skew=ep_skew, routed_extra=routed_extra, local_experts=local_experts,
         qk_norm_per_row=qk, qk_structural_per_row=qk_structural, cp_release_per_row=cp_release,
-        hybrid_tp=hybrid_tp, structural_gdn=structural_gdn, full_gdn=full_gdn, unsharded_gdn=unsharded_gdn,
-        unsharded_hybrid=unsharded_hybrid, structural_tp1=structural_tp1)
+        kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
+        gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural)
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:
     """The selective core-attention recompute's discount of a retained attention layer
     (`selective_core_attn_discount`; 0 without the entry)."""
-    if "selective_core_attn_discount" not in table.terms:
-        return 0.0
     return table.per_row("selective_core_attn_discount", widths)
 
 
@@ -212,12 +221,12 @@ def attention_points_per_row(ctx: LayerContext, layer: LayerSpec, *, stage: floa
     points = max(norm_point, fc2_point)
     if points:
         stage = max(stage, points - ctx.cp_release_per_row)
-    if ctx.structural_tp1 and layer.mlp == MlpKind.DENSE:
+    if ctx.tp1_structural and layer.mlp == MlpKind.DENSE:
         # a plain dense model's TP1 layer at its FC1 backward, in place of the fitted stage
         # (layout_terms.tp1_fc1_point_per_row)
         stage = (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True)
                  + ctx.qk_structural_per_row - ctx.cp_release_per_row)
-    if layer.mlp == MlpKind.MOE and ctx.sp_div > 1 and layout_terms.SP_POINT in t.terms:
+    if layer.mlp == MlpKind.MOE and ctx.sp_div > 1 and ctx.kernels.sp_point:
         # a MoE layer under TP with SP at its MoE backward point (moe_terms), in place of
         # the TP1-fitted stage sum; the attention's own backward (mixer, norms) comes after
         point = (moe_terms.sp_layer_point_per_row(ctx.widths_r, tp=ctx.tp, rope_per_row=rope_rows,
@@ -231,13 +240,13 @@ def attention_points_per_row(ctx: LayerContext, layer: LayerSpec, *, stage: floa
 
 
 def full_gdn_point_per_row(ctx: LayerContext, layer: LayerSpec) -> float | None:
-    """Full recompute at CP1 on a table with the structural terms (`ctx.full_gdn`): a
+    """Full recompute at CP1 on a table with the structural terms (`ctx.gdn_backward_point`): a
     recomputed GDN layer's workspace per row at its backward peak, by what it holds
     (`gdn_terms`); None where the layer is not so priced (a MoE MLP needs TP1 or SP, and
     the table's SP point)."""
     g, t, widths, sp_div = ctx.geometry, ctx.table, ctx.widths, ctx.sp_div
-    if not (ctx.full_gdn and layer.mixer == MixerKind.GDN and (layer.mlp == MlpKind.DENSE or (
-            (sp_div > 1 or ctx.tp == 1) and layout_terms.SP_POINT in t.terms))):
+    if not (ctx.gdn_backward_point and layer.mixer == MixerKind.GDN and (layer.mlp == MlpKind.DENSE or (
+            (sp_div > 1 or ctx.tp == 1) and ctx.kernels.sp_point))):
         return None
     # a recomputed GDN layer at its backward peak, by what it holds (gdn_terms), in
     # place of the TP1-fitted stage sum and the layout residual fitted without it
@@ -281,9 +290,10 @@ def keeps_core(ctx: LayerContext, layer: LayerSpec) -> bool:
 
 def charged_unsharded(ctx: LayerContext, layer: LayerSpec) -> bool:
     """Whether the layer's fitted retained terms are charged unsharded under SP (a table without
-    the structural GDN terms): a GDN layer (`ctx.unsharded_gdn`), and every layer of a GDN hybrid
-    with MoE MLPs (`ctx.unsharded_hybrid`)."""
-    return ctx.unsharded_hybrid or (ctx.unsharded_gdn and layer.mixer == MixerKind.GDN)
+    the structural GDN terms): a GDN layer (`RetainedBy.GDN_UNSHARDED`), and every layer of a GDN
+    hybrid with MoE MLPs (`RetainedBy.ALL_UNSHARDED`)."""
+    return ctx.retained_by == RetainedBy.ALL_UNSHARDED or (
+        ctx.retained_by == RetainedBy.GDN_UNSHARDED and layer.mixer == MixerKind.GDN)
 
 
 def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) -> float:
@@ -291,8 +301,8 @@ def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) 
     `retained_layer_per_row`: the TP1-fitted layer (`terms`) with its q/k norms, less what ring
     attention releases without recompute, plus the gated attention's undiscounted core; for a
     GDN layer, in place of the fitted layer, the structural `gdn_terms` replacements under
-    `ctx.hybrid_tp` (with a dense MLP, or a MoE MLP at TP1), or the fitted layer unsharded under
-    `ctx.unsharded_gdn` (every layer of a GDN hybrid with MoE MLPs under `ctx.unsharded_hybrid`);
+    `ctx.retained_by == RetainedBy.STRUCTURAL` (with a dense MLP, or a MoE MLP at TP1), or the fitted layer unsharded under
+    `RetainedBy.GDN_UNSHARDED` (every layer of a GDN hybrid with MoE MLPs under `ALL_UNSHARDED`);
     plus the features' `extra`. Under full recompute this is what a multi-layer chunk
     re-materialises per layer."""
     g, t, widths, widths_r, mode = ctx.geometry, ctx.table, ctx.widths, ctx.widths_r, ctx.mode
@@ -304,11 +314,11 @@ def base_retained_per_row(ctx: LayerContext, layer: LayerSpec, *, extra: float) 
     if keeps_core(ctx, layer) and mode == RecomputeMode.SELECTIVE:
         # selective recompute frees nothing of a gated attention layer (`keeps_core`)
         layer_retained += table_discount(t, widths)
-    if ctx.hybrid_tp and layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE:
+    if ctx.retained_by == RetainedBy.STRUCTURAL and layer.mixer == MixerKind.GDN and layer.mlp == MlpKind.DENSE:
         # in place of the TP1-fitted layer, whose hidden-wide part is mostly per-head memory
         layer_retained = gdn_terms.tp_retained_gdn_layer_per_row(widths_r, g.gdn, tp=ctx.tp,
                                                                  sp_div=ctx.sp_div)
-    elif ctx.hybrid_tp and layer.mixer == MixerKind.GDN and ctx.tp == 1:
+    elif ctx.retained_by == RetainedBy.STRUCTURAL and layer.mixer == MixerKind.GDN and ctx.tp == 1:
         # a GDN layer with a MoE MLP at TP1, by what it holds (gdn_terms)
         layer_retained = gdn_terms.retained_gdn_moe_layer_per_row(widths_r, g.gdn,
                                                                   routed=g.moe.top_k * ctx.ep_skew)
@@ -326,7 +336,7 @@ def sp_layer_release_per_row(ctx: LayerContext, layer: LayerSpec) -> float:
     attention layer also keeps (`gdn_terms.output_gate_per_row`, docs/memory-model.md#gdn-sp-retained)."""
     less = (ctx.cp_release_per_row if ctx.mode == RecomputeMode.NONE else
             0.0 if keeps_core(ctx, layer) else table_discount(ctx.table, ctx.widths))
-    if ctx.hybrid_tp and keeps_core(ctx, layer):
+    if ctx.retained_by == RetainedBy.STRUCTURAL and keeps_core(ctx, layer):
         less -= gdn_terms.output_gate_per_row(ctx.widths)
     return less
 
@@ -367,13 +377,13 @@ def sp_dense_retained_per_row(ctx: LayerContext, layer: LayerSpec, *,
     """A retained attention layer with a dense MLP under TP with SP: what it keeps gathered
     (`layout_terms.sp_retained_layer_per_row`) against the TP1-fitted layer (`fitted`): its
     retained activations (the larger) and its forward peak per row (0 without the entry).
-    At a credited TP1 with `ctx.structural_tp1` (the TP1 structural layer) the structural term
+    At a credited TP1 with `ctx.tp1_structural` (the TP1 structural layer) the structural term
     at TP = 1 replaces the fitted layer (`fitted` then carries only the features' extra)."""
     g, t = ctx.geometry, ctx.table
     # what an SP layer keeps gathered (layout_terms), against the TP1-fitted layer
     less = sp_layer_release_per_row(ctx, layer)
     kw = dict(tp=ctx.tp, rope_per_row=rope_cache_per_row(g, [layer]),
-              sequence_parallel=ctx.sp_div > 1, at_tp1=ctx.structural_tp1)
+              sequence_parallel=ctx.sp_div > 1, at_tp1=ctx.tp1_structural)
     sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
     sp_layer = sp_layer - less + ctx.qk_structural_per_row if sp_layer else 0.0
     sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True, **kw)
@@ -386,19 +396,19 @@ def retained_layer_per_row(ctx: LayerContext, index: int, layer: LayerSpec, *, e
     """The layer's retained activations per row (`base_retained_per_row`, replaced or raised
     under TP with SP without full recompute by `sp_moe_retained_per_row`,
     `sp_gdn_moe_retained_per_row` or `sp_dense_retained_per_row`, and at TP1 replaced by the
-    TP1 structural layer, `ctx.structural_tp1`), and its structural forward peak per row (0
+    TP1 structural layer, `ctx.tp1_structural`), and its structural forward peak per row (0
     without one)."""
-    if (ctx.hybrid_tp and ctx.sp_div > 1 and layer.mixer == MixerKind.GDN
+    if (ctx.retained_by == RetainedBy.STRUCTURAL and ctx.sp_div > 1 and layer.mixer == MixerKind.GDN
             and layer.mlp == MlpKind.MOE):
         return sp_gdn_moe_retained_per_row(ctx, extra=extra, moe_extra=moe_extra)
-    if ctx.structural_tp1 and not ctx.full:
+    if ctx.tp1_structural and not ctx.full:
         # the TP1 structural layer in place of the TP1-fitted one (layout_terms.structural_at_tp1)
         kept, forward = sp_dense_retained_per_row(ctx, layer, fitted=0.0)
         return kept + extra, forward + extra
     layer_retained = base_retained_per_row(ctx, layer, extra=extra)
     retains = ctx.mode != RecomputeMode.FULL and layer.mixer == MixerKind.ATTENTION and ctx.sp_div > 1
     moe_sp = (retains and layer.mlp == MlpKind.MOE
-              and layout_terms.SP_RETAINED in ctx.table.terms)
+              and ctx.kernels.structural)
     if moe_sp:
         return sp_moe_retained_per_row(ctx, index, layer, extra=extra, moe_extra=moe_extra)
     if retains and layer.mlp == MlpKind.DENSE:
@@ -457,13 +467,13 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     own = max(terms.retained_forward_per_row(t, widths, layer.mlp, ep_skew=ctx.ep_skew,
                                              layer_retained=layer_retained) + moe_extra,
               sp_forward)
-    if ctx.structural_gdn:
+    if ctx.gdn_retained_structural:
         # the layer's residual input and the embedding's output beside it (gdn_terms)
         own += gdn_terms.forward_inputs_per_row(widths, sp_div=ctx.sp_div)
     stage = workspace
     workspace = terms.retained_backward_per_row(t, ctx.widths_r, layer.mlp, ep_skew=ctx.ep_skew,
                                                 stage=stage)
-    if "retained_backward" in t.terms:
+    if ctx.kernels.retained_backward:
         # the backward's all-to-all and un-sort copies of the routed gradients
         workspace += moe_extra
     return LayerRow(retained=layer_retained, workspace=workspace, nograd=max(nograd, own),
@@ -480,15 +490,15 @@ def covered_by_structural_terms(ctx: LayerContext, layer: LayerSpec) -> bool:
     with a dense MLP, or with a MoE MLP under TP with SP (under full recompute its TP+SP point
     `moe_terms.tp_backward_point_per_routed_row`; retaining its activations on a table with the
     SP structural terms, `moe_terms.sp_retained_moe_layer_per_row`); a retained GDN layer priced
-    by what it holds (`ctx.hybrid_tp`, `gdn_terms`) with a dense MLP, or a MoE MLP under SP."""
+    by what it holds (`ctx.retained_by == RetainedBy.STRUCTURAL`, `gdn_terms`) with a dense MLP, or a MoE MLP under SP."""
     moe_point = ctx.sp_div > 1 and (ctx.mode == RecomputeMode.FULL
-                                    or layout_terms.SP_RETAINED in ctx.table.terms)
+                                    or ctx.kernels.structural)
     if ctx.tp == 1:
         # a layer at TP1 takes the TP1 residual only beside the TP1 structural layer or point
-        return ctx.structural_tp1
+        return ctx.tp1_structural
     if layer.mixer == MixerKind.ATTENTION:
         return layer.mlp == MlpKind.DENSE or (layer.mlp == MlpKind.MOE and moe_point)
-    return (layer.mixer == MixerKind.GDN and ctx.hybrid_tp
+    return (layer.mixer == MixerKind.GDN and ctx.retained_by == RetainedBy.STRUCTURAL
             and (layer.mlp == MlpKind.DENSE or ctx.sp_div > 1))
 
 
@@ -498,8 +508,8 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     for the layers they cover (`covered_by_structural_terms`), the one fitted without them
     (`bare`) for the others."""
     g, t, mode, c = ctx.geometry, ctx.table, ctx.mode, ctx.credit
-    # a GDN layer charged unsharded under SP (`LayerContext.unsharded_gdn`; every layer of a GDN
-    # hybrid with MoE MLPs, `unsharded_hybrid`) holds no more than without SP: it takes the
+    # a GDN layer charged unsharded under SP (`RetainedBy.GDN_UNSHARDED`; every layer of a GDN
+    # hybrid with MoE MLPs, `ALL_UNSHARDED`) holds no more than without SP: it takes the
     # residual of the class without SP
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
@@ -512,13 +522,13 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     """The RoPE cache entry of the whole longest sequence under CP (`layout_terms.cp_rope_cache_per_row`),
     per row, once per wave; with the structural GDN terms, or the SP structural terms under TP
     with SP (without full recompute, or with it in a model without MoE or GDN layers, whose
-    structural full-recompute points carry the entry) or at TP1 (`ctx.structural_tp1`), also
+    structural full-recompute points carry the entry) or at TP1 (`ctx.tp1_structural`), also
     the entry's own rows, which the
     fitted layers those terms replace absorbed (`gdn_terms.rope_cache_entry_per_row`,
     `layout_terms.sp_rope_entry_per_row`)."""
     entry = rope_cache_per_row(ctx.geometry, ctx.geometry.layers)
     rope = layout_terms.cp_rope_cache_per_row(entry, cp=ctx.rows_cp)
-    if ctx.structural_gdn:
+    if ctx.gdn_retained_structural:
         # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
         rope += gdn_terms.rope_cache_entry_per_row(entry)
     elif ctx.mode != RecomputeMode.FULL or (ctx.geometry.moe is None and ctx.geometry.gdn is None):
@@ -526,7 +536,7 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
         # GDN layers' structural points carry the entry's rows themselves)
         rope += layout_terms.sp_rope_entry_per_row(ctx.table, rope_per_row=entry, tp=ctx.tp,
                                                    sequence_parallel=ctx.sp_div > 1,
-                                                   at_tp1=ctx.structural_tp1)
+                                                   at_tp1=ctx.tp1_structural)
     return rope
 
 

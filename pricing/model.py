@@ -239,7 +239,7 @@ class PricingModel:
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
-        if norm_bwd and ctx.structural_gdn:
+        if norm_bwd and ctx.gdn_retained_structural:
             # what the norm's backward allocates, beside the structural layer terms (gdn_terms)
             norm_bwd = max(norm_bwd, gdn_terms.final_norm_backward_per_row(widths, sp_div=sp_div))
         head_ret = logits_ret + norm_saved
@@ -247,14 +247,14 @@ class PricingModel:
         # vocabulary, for TE's head at any TP (its terms are structural, not calibrate-fitted), and
         # beside the structural GDN layer terms at TP1 too (gdn_terms: the TP1 fit's logits at the
         # norm covered what its fitted layers fall short of; these layers are charged what they hold)
-        released = self.width_tp > 1 or kind == "full-te" or ctx.structural_gdn
+        released = self.width_tp > 1 or kind == "full-te" or ctx.gdn_retained_structural
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + beside_head)
         # what the full-native head holds at its forward under TP with SP (both logits copies, the
         # final norm's tensors, the embedding's output), charged where above head_ret; beside the
         # wave's RoPE cache charge (in the retained layers without full recompute, here with it)
         head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-                                                         at_tp1=ctx.structural_tp1)
+                                                         at_tp1=ctx.tp1_structural)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope

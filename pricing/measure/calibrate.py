@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import layout_terms
+from .. import entries, layout_terms
 from ..atomic_io import write_text_atomic
 from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from ..errors import ConfigError, bad
@@ -280,7 +280,7 @@ def traced_dispatcher_table(table: CoefficientTable) -> CoefficientTable:
     (te-gpu). O(terms), cached per table."""
     from ..moe_terms import PERMUTATION
 
-    if PERMUTATION not in table.terms:
+    if not table.kernels.permutation:
         return table
     key = id(table)
     hit = _STAND_IN_CACHE.get(key)
@@ -307,7 +307,7 @@ def decoder_table(table: CoefficientTable) -> CoefficientTable:
     decoder's own final norm stays), the logits of the structural head-forward term too
     (`layout_terms.sp_head_forward_per_row`: its hidden-wide part stays)."""
     out = _scaled(table, {g: 0.0 for g in LOGITS_GROUPS}, note=None)
-    forward = out.terms.get(layout_terms.SP_HEAD)
+    forward = entries.entry(out, layout_terms.SP_HEAD)
     if forward is not None:
         forward = dict(forward, per_row={w: 0.0 if w == "vocab" else c for w, c in forward["per_row"].items()})
         out = dataclasses.replace(out, terms=dict(out.terms, **{layout_terms.SP_HEAD: forward}))
