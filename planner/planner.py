@@ -131,6 +131,9 @@ class _ProfiledPricer:
     def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
         return self._pricer.lower_bound_waves(budget_bytes, requests)
 
+    def stages(self):
+        return self._pricer.stages()
+
 
 def _check_bytes(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):

@@ -28,6 +28,7 @@ from .envelope import Envelope, build_envelope
 from .layout import _tree_counts, layout
 from .model import PricingModel
 from .price import Breakdown, GroupLoad, price_groups
+from .stage_price import StagePricer
 from .step import Step
 from .tolerances import CEIL_SLACK, PENDING_ROUNDING_BYTES
 from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
@@ -318,6 +319,15 @@ class WavePricer:
         if requests is None:
             self._class_totals = totals
         return totals
+
+    def stages(self) -> StagePricer | None:
+        """The model's stages for the pipeline search (PP > 1), None at PP1."""
+        if self.model.parallel.pp == 1:
+            return None
+        totals = self.class_totals()
+        grad = np.asarray(self.class_grad, dtype=bool)
+        rows = float(totals[grad, 0].sum()) if grad.any() else 0.0
+        return StagePricer(self.model, rows / self.model.rows_cp)
 
     def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
         """A wave count no plan of flat waves within the budget can go below, for the whole

@@ -99,7 +99,7 @@ from .options import (
     packer_kind,
 )
 from .order import assign_first_slots, dissolve_after_order
-from .pipeline import pack_pipeline, pipeline_model
+from .pipeline import pack_pipeline
 from .reprice import (
     Draft,
     dissolve_lightest,
@@ -178,10 +178,11 @@ def pack(step: SearchStep, pricer: Pricer, *, budget_bytes: int,
 
 def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) -> SearchResult:
     """One search; a pipeline (PP > 1) is packed against its in-flight window (`pipeline`)."""
-    model = pipeline_model(pricer)
-    if model is not None:
-        return pack_pipeline(step, SearchPricer.of(pricer), budget, options, _search, model)
-    return _search(step, SearchPricer.of(pricer), budget, options)
+    sp = SearchPricer.of(pricer)
+    stages = sp.stages()
+    if stages is not None:
+        return pack_pipeline(step, sp, budget, options, _search, stages)
+    return _search(step, sp, budget, options)
 
 
 # --- one search, in stages ---------------------------------------------------------------------

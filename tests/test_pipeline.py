@@ -18,7 +18,6 @@ from waveplan.pricing.pipeline import (
 from waveplan.pricing.stage_price import price_stages
 from waveplan.pricing.step import bundled_step, load_step
 from waveplan.search.invariants import check_plan
-from waveplan.search.pipeline import longest_sequence, window_bound
 
 GIB = 2**30
 
@@ -79,14 +78,14 @@ def test_pipeline_plan_fits_every_window(pp):
     pricer = planner.pricer(step)
     check_plan(step, pricer, plan, budget_bytes=budget)
     peaks = price_stages(planner.model, [(w.loads, w.first_slots) for w in plan.waves],
-                         [budget] * pp, max_len=longest_sequence(step, planner.model))
+                         [budget] * pp, max_len=pricer.stages().longest_sequence(step))
     assert [p.to_dict() for p in peaks] == plan.stages
     assert len(plan.stages) == pp and all(p.fits for p in peaks)
     assert plan.to_dict()["stages"] == plan.stages
     assert 1 <= plan.lower_bound_waves <= plan.num_waves
     # the bound holds at the tightest budgets this plan fits: each stage's own peak
     tight = [p.peak_bytes for p in peaks]
-    assert window_bound(planner.model, pricer, tight) <= plan.num_waves
+    assert pricer.stages().window_bound(tight) <= plan.num_waves
 
 
 def test_window_is_an_upper_bound_of_every_1f1b_point():
