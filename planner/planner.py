@@ -392,7 +392,7 @@ class Planner:
         fits alone within the budget less that bound always gets a plan; below it, one may
         raise InfeasibleError naming the reserve.
         Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x pack)."""
-        entry = float(self._model.arrays["rope_entry"])
+        entry = float(self._model.charges.walk.rope_entry)
         if entry <= 0.0 or len(result.waves) < 2:
             return result
         plus = pricer.plus_earlier

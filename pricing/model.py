@@ -1,9 +1,9 @@
 """The memory model of one rank: geometry, layout, recompute, LoRA and coefficients, reduced to
-the per-layer arrays the jitted schedule walk reads.
+the charges the jitted schedule walk reads (`charges.Charges`).
 
 Fail closed (docs/memory-model.md#basis): an unmeasured configuration gets a conservative bound
 (rows not divided by CP, widths not divided by TP) and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
-With PP > 1 each stage is priced under the 1F1B schedule (`pipeline`): the arrays hold every
+With PP > 1 each stage is priced under the 1F1B schedule (`pipeline`): the charges hold every
 stage's charges and, for the per-wave walk, their fold; the basis stays "conservative".
 """
 
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
+from .charges import Charges, ForwardParts, HeadParts
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .coverage import Coverage, assess
 from .errors import ConfigError, bad
-from .geometry import MlpKind, ModelGeometry
+from .geometry import ModelGeometry
 from .layer_arrays import LayerContext, layer_arrays, layer_context
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute
@@ -29,6 +30,7 @@ from .pipeline import (
     stage_bounds,
     stage_charges,
 )
+from .walk import WalkCharges
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
@@ -112,7 +114,10 @@ class PricingModel:
     layout_gaps: tuple[str, ...] = field(init=False)
     credit: ParallelLayout = field(init=False)
     slot_names: tuple[str, ...] = field(init=False)
-    arrays: dict = field(init=False, repr=False, compare=False)
+    charges: Charges = field(init=False, repr=False, compare=False)
+    memo: dict = field(init=False, repr=False, compare=False)
+    """The pricers' derived objects shared across steps (envelopes, the fast walk's arrays,
+    clique points), keyed by what they depend on; never charges."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.safety, int | float) and math.isfinite(self.safety) and self.safety >= 1.0):
@@ -130,7 +135,8 @@ class PricingModel:
         object.__setattr__(self, "basis", "conservative" if coverage.gaps else
                            "assumed" if self.assumptions else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
-        object.__setattr__(self, "arrays", self._build_arrays())
+        object.__setattr__(self, "charges", self._build_charges())
+        object.__setattr__(self, "memo", {})
 
     @classmethod
     def build(cls, geometry: ModelGeometry, *, parallel: ParallelLayout | None = None,
@@ -204,12 +210,12 @@ class PricingModel:
                              max_rank=max((s.rank for s in self.lora.slots), default=0),
                              moe_load=self.moe_load, peer_row_scale=self.peer_row_scale)
 
-    def _build_arrays(self) -> dict:
-        """The arrays the jitted walk reads (`self.arrays`): the decoder layers' per-layer arrays
+    def _build_charges(self) -> Charges:
+        """The model's charges (`Charges`), built once: the decoder layers' per-layer arrays
         (`layer_arrays`: retained, workspace, no-grad, GDN state and chunk padding, with the
         layout residual and the CP RoPE cache), each LoRA slot's pending gradients per layer, the
-        head's and the final norm's charges (`head_*`, with their parts for calibration), the
-        input gradient, the caller's and first execution's bytes; under PP > 1 also each stage's
+        head's and the final norm's charges (with their parts for calibration), the input
+        gradient, the caller's and first execution's bytes; under PP > 1 also each stage's
         charges (`stage_charges`) and their folded per-wave proxy (`fold_stages`).
         O(layers x slots)."""
         g, p, t = self.geometry, self.parallel, self.table
@@ -258,47 +264,40 @@ class PricingModel:
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope
-        arrays = {
-            "retained": decoder.retained, "workspace": decoder.workspace, "nograd": decoder.nograd,
-            "gdn_state": decoder.gdn_state, "pending": pending, "pad_retained": decoder.pad_retained,
-            "pad_point": decoder.pad_point, "chunk": float(decoder.gdn_chunk),
-            "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
-            "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
-            "head_forward": head_fwd,
-            "head_chunk_rows": chunk,
-            # the head's parts before they are combined (calibration reads them)
-            "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
-                           "norm_saved": norm_saved, "norm_backward": norm_bwd,
-                           "layout_residual": beside_head,
-                           "logits_at_norm": 0.0 if released else logits_ret},
-            "forward_parts": {"nograd": decoder.nograd_plain,
-                              "retained_forward": decoder.retained_forward},
-            "caller": terms.caller_per_logical_token(t),
-            "first_exec": terms.first_execution_bytes(t),
-            "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in g.layers),
+        walk = WalkCharges(
+            retained=decoder.retained, workspace=decoder.workspace, nograd=decoder.nograd,
+            gdn_state=decoder.gdn_state, pending=pending,
+            input_grad=terms.input_gradient_per_row(t, widths, sp_div=sp_div),
+            head_retained=head_ret, head_transient=head_tr, head_const=head_const,
+            caller=terms.caller_per_logical_token(t), pad_retained=decoder.pad_retained,
+            pad_point=decoder.pad_point, chunk=float(decoder.gdn_chunk),
             # the CP RoPE cache bound above (per rank row, where the arrays carry it) and one
             # entry row: the walk credits what a call's longest sequence does not hold
             # (`walk.rope_credit`) and charges the other calls' entries at a call's points;
             # none under PP > 1, whose stage walks keep the bound and charge the entries apart
-            "rope_cp": layout_terms.cp_rope_cache_per_row(decoder.rope_entry, cp=self.rows_cp)
+            rope_cp=layout_terms.cp_rope_cache_per_row(decoder.rope_entry, cp=self.rows_cp)
             if p.pp == 1 else 0.0,
-            "rope_entry": decoder.rope_entry if p.pp == 1 else 0.0,
-            "rope_kept": not full,
-        }
-        if p.pp > 1:
-            # the per-layer arrays, each stage's charges, and the folded per-wave proxy
-            arrays["layers"] = {name: arrays[name] for name in
-                                ("retained", "workspace", "nograd", "gdn_state", "pending",
-                                 "pad_retained", "pad_point")}
-            boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
-            stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
-            stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,
-                                   received_per_row=received_activation_per_row(
-                                       boundary, full_recompute=full),
-                                   rope_per_row=stage_rope, rows_cp=self.rows_cp)
-            arrays["stages"] = stages
-            arrays.update(fold_stages(stages))
-        return arrays
+            rope_entry=decoder.rope_entry if p.pp == 1 else 0.0,
+            rope_kept=not full, head_forward=head_fwd)
+        parts = dict(
+            head=HeadParts(logits_retained=logits_ret, logits_transient=logits_tr,
+                           norm_saved=norm_saved, norm_backward=norm_bwd,
+                           layout_residual=beside_head,
+                           logits_at_norm=0.0 if released else logits_ret),
+            forward=ForwardParts(nograd=decoder.nograd_plain,
+                                 retained_forward=decoder.retained_forward),
+            first_exec=terms.first_execution_bytes(t))
+        if p.pp == 1:
+            return Charges(walk=walk, **parts)
+        # each stage's charges from every layer's, and their folded per-wave proxy
+        boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
+        stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
+        stages = stage_charges(walk, pp=p.pp, boundary_per_row=boundary,
+                               received_per_row=received_activation_per_row(
+                                   boundary, full_recompute=full),
+                               rope_per_row=stage_rope, rows_cp=self.rows_cp)
+        return Charges(walk=walk._replace(**fold_stages(stages)), layers=walk, stages=stages,
+                       **parts)
 
     def slot_index(self, name: str) -> int:
         try:

@@ -47,7 +47,7 @@ def price_parts(model: PricingModel, waves: Sequence[tuple[Sequence[GroupLoad], 
 
 
 def _stages(model: PricingModel):
-    stages = model.arrays.get("stages")
+    stages = model.charges.stages
     if stages is None:
         raise bad(ConfigError, "parallel.pp", model.parallel.pp, "stage prices need pp > 1")
     return stages
@@ -58,7 +58,7 @@ def _walk_groups(model, waves, profiled):
     for loads, first_slots in waves:
         g = _group_arrays(model, loads, frozenset(first_slots))
         groups.append(g)
-        first_exec.append(0.0 if profiled or not g.grad.any() else float(model.arrays["first_exec"]))
+        first_exec.append(0.0 if profiled or not g.grad.any() else float(model.charges.first_exec))
     return groups, first_exec
 
 

@@ -49,14 +49,14 @@ def test_pipeline_model_keeps_tp_credit_and_says_conservative():
     assert pp1.basis == "evidence"
     assert pp4.basis == "conservative" and not pp4.conservative
     assert any("validated on CPU pipeline traces only" in g for g in pp4.gaps)
-    stages = pp4.arrays["stages"]
+    stages = pp4.charges.stages
     assert [(s.lo, s.hi, s.window) for s in stages] == [(0, 16, 4), (16, 32, 3), (32, 48, 2),
                                                         (48, 64, 1)]
     # the stages' layers together are PP1's: under full recompute the received activation is
     # the stage's first layer's checkpointed input, already its boundary
-    boundary = pp1.arrays["retained"][1]
+    boundary = pp1.charges.walk.retained[1]
     total = sum(s.charges.retained.sum() for s in stages)
-    assert total == pytest.approx(pp1.arrays["retained"].sum())
+    assert total == pytest.approx(pp1.charges.walk.retained.sum())
     assert [s.charges.head_const > 0 for s in stages] == [False, False, False, True]
     # the schedule's gradients: received on every stage but the last, sent on every but the first
     assert [s.grad_in_per_row / boundary for s in stages] == [1, 1, 1, 0]
@@ -64,8 +64,8 @@ def test_pipeline_model_keeps_tp_credit_and_says_conservative():
     assert [s.held_backward_per_row / boundary for s in stages] == [0, 1, 1, 1]
     selective = Planner.from_preset("qwen3-32b", tp=4, pp=4, sequence_parallel=True,
                                     recompute="selective").model
-    got = [s.charges.retained[0] - selective.arrays["layers"]["retained"][s.lo]
-           for s in selective.arrays["stages"]]
+    got = [s.charges.retained[0] - selective.charges.layers.retained[s.lo]
+           for s in selective.charges.stages]
     assert got == pytest.approx([0.0] + [boundary] * 3)
 
 

@@ -335,26 +335,26 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
     rows, segments = _wave(record)
     model = _model(table, record["cell"])
     rows = rank_rows(model, rows)   # the busiest CP rank's rows (all of them at CP1)
-    a = model.arrays
-    ret, ws, gdn = a["retained"], a["workspace"], a["gdn_state"]
+    a, c = model.charges.walk, model.charges
+    ret, ws, gdn = a.retained, a.workspace, a.gdn_state
     cum = np.cumsum(ret)
     total = float(ret.sum())
-    suffix = np.cumsum(a["pending"][0][::-1])[::-1] if a["pending"].size else np.zeros(len(ret))
-    parts, ig, const = a["head_parts"], a["input_grad"], a["head_const"]
-    head_ret = parts["logits_retained"] + parts["norm_saved"]
-    late = ig + parts["layout_residual"]   # beside the head's backward (the residual: full recompute)
-    fwd = a["forward_parts"]
+    suffix = np.cumsum(a.pending[0][::-1])[::-1] if a.pending.size else np.zeros(len(ret))
+    parts, ig, const = c.head, a.input_grad, a.head_const
+    head_ret = parts.logits_retained + parts.norm_saved
+    late = ig + parts.layout_residual   # beside the head's backward (the residual: full recompute)
+    fwd = c.forward
     # in this order (`point_phases` says which pass each runs in)
-    points = [rows * (cum - ret + fwd["nograd"]) + segments * gdn,
-              rows * (cum - ret + fwd["retained_forward"]) + segments * gdn,
+    points = [rows * (cum - ret + fwd.nograd) + segments * gdn,
+              rows * (cum - ret + fwd.retained_forward) + segments * gdn,
               rows * (cum + ws + ig) + suffix + segments * gdn,
-              [rows * (total + max(head_ret, a["head_forward"])) + const,
-               rows * (total + late + head_ret + parts["logits_transient"]) + const,
+              [rows * (total + max(head_ret, a.head_forward)) + const,
+               rows * (total + late + head_ret + parts.logits_transient) + const,
                # the final norm's backward, with the logits still charged at TP1
                # (`layout_terms.head_point_transient`)
-               rows * (total + late + parts["norm_saved"] + parts["logits_at_norm"]
-                       + parts["norm_backward"]) + const]]
-    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a["caller"] * rows
+               rows * (total + late + parts.norm_saved + parts.logits_at_norm
+                       + parts.norm_backward) + const]]
+    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a.caller * rows
 
 
 # --- scaling a table ------------------------------------------------------------------------
