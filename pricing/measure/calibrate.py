@@ -327,14 +327,23 @@ def point_phases(num_layers: int) -> np.ndarray:
 
 
 def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
-    """Every walk point of the record's one-group wave, in bytes (`pricing.walk`'s schedule;
-    the head's backward split in its logits and final-norm moments). Its maximum is the
-    wave's raw price (tests check it against `price_groups`). O(layers)."""
+    """Every walk point of the record's one-group wave, in bytes (`model_points` of the
+    record's model and wave). Its maximum is the wave's raw price. O(layers)."""
     from ..price import rank_rows
 
     rows, segments = _wave(record)
     model = _model(table, record["cell"])
-    rows = rank_rows(model, rows)   # the busiest CP rank's rows (all of them at CP1)
+    # the busiest CP rank's rows (all of them at CP1)
+    return model_points(model, rank_rows(model, rows), segments)
+
+
+def model_points(model, rows: float, segments: float) -> np.ndarray:
+    """Every walk point of a one-group gradient wave of `rows` rank rows (logical rows alike,
+    no chunk padding, its longest sequence unknown) and `segments` that carries its slot's
+    pending gradients, in raw bytes without the first execution: `pricing.walk`'s schedule in
+    numpy, the head's backward split in its logits and final-norm moments (calibration fits
+    against these). Its maximum is `price_groups`' raw price (tests/test_schedule_forms.py).
+    O(layers)."""
     a, c = model.charges.walk, model.charges
     ret, ws, gdn = a.retained, a.workspace, a.gdn_state
     cum = np.cumsum(ret)
