@@ -20,7 +20,8 @@ from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
 from .coverage import Coverage, assess
 from .errors import ConfigError, bad
 from .geometry import ModelGeometry
-from .layer_arrays import LayerContext, layer_arrays, layer_context
+from .layer_arrays import layer_arrays
+from .layers.context import LayerContext, layer_context
 from .lora import LoraConfig, adapter_param_counts
 from .parallel import ParallelLayout, Recompute
 from .pipeline import (
