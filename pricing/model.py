@@ -1,10 +1,9 @@
 """The memory model of one rank: geometry, layout, recompute, LoRA and coefficients, reduced to
-the charges the jitted schedule walk reads (`charges.Charges`).
+the charges the jitted schedule walk reads (`charges.Charges`), once per configuration.
 
-Fail closed (docs/memory-model.md#basis): an unmeasured configuration gets a conservative bound
-(rows not divided by CP, widths not divided by TP) and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
-With PP > 1 each stage is priced under the 1F1B schedule (`pipeline`): the charges hold every
-stage's charges and, for the per-wave walk, their fold; the basis stays "conservative".
+The configuration's coverage (`coverage.assess`) sets the credited layout and the basis: an
+unmeasured configuration is priced as a conservative bound with its reasons, no term dropped
+(docs/memory-model.md#basis). PP > 1: every stage under 1F1B (docs/memory-model.md#pipeline).
 """
 
 from __future__ import annotations
@@ -62,15 +61,11 @@ def has_qk_norm(geometry: ModelGeometry) -> bool:
 
 
 def layer_widths(geometry: ModelGeometry, *, tp: int, etp: int | None = None) -> dict[str, float]:
-    """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths.
+    """Per-rank widths the coefficient table multiplies; `tp=1` gives the unsharded widths.
 
-    `etp`: the experts' TP size (Megatron's `expert_tensor_parallel_size`; None: `tp`, its
-    default): each rank holds expert_ffn / etp of every local expert's FFN (Megatron-core's
-    experts `divide` FC1's output and FC2's input by it), so every per-routed-row expert term
-    (the FC1 output and activation, the expert backward, the features' activation copies) is
-    that wide. Evidence: the TP4+SP MoE trace's expert tensors (`linear_fc1` [rows, 2F/4],
-    activations [rows, F/4]; bench/results/moe_tp_sp_findings.txt). The shared expert is a
-    plain TP-sharded MLP (`shared_ffn` / tp). O(1)."""
+    F, qkv, core, the GDN widths and vocab / TP; the experts' FFN / `etp` (Megatron's
+    `expert_tensor_parallel_size`, None: `tp`), the shared expert's FFN / TP
+    (docs/memory-model.md#moe-tp-point). O(1)."""
     att, gdn, moe = geometry.attention, geometry.gdn, geometry.moe
     etp = tp if etp is None else etp
     return {
