@@ -13,11 +13,11 @@ and one worker process per core compile disjoint shares into the cache folder), 
 the plans, which load them. The planner class is passed in (`Planner.plan` calls
 `ensure_warm(Planner)`): this module sits below the planner and imports nothing of it.
 
-`ensure_warm()` does it once per process; `Planner.plan` calls it before its first plan, so
+`ensure_warm(Planner)` does it once per process; `Planner.plan` calls it before its first plan, so
 after the first plan of a process no kernel compiles. A warm-up that completes leaves a marker
 in the cache folder, keyed by waveplan's and numba's versions and the stamps of the kernel
 modules' files (the same things numba keys its cache entries by); while it is there,
-`ensure_warm()` skips the tiny plans: every kernel is on disk, and a plan loads what it needs
+`ensure_warm(Planner)` skips the tiny plans: every kernel is on disk, and a plan loads what it needs
 (milliseconds) instead of loading everything up front. `warmup()` always runs them. Cost: one
 pass over the tiny steps (~0.2 s once loaded); cold, the compile of every kernel.
 """

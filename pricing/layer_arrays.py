@@ -97,7 +97,7 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
 def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     """What the layout leaves unsharded (`layout_terms.layout_residual_per_row`), per layer and
     row, at the credited layout's class: the residual fitted with the structural layout terms
-    for the layers they cover (`covered_by_structural_terms`), the one fitted without them
+    for the layers they cover (their kind's `residual_covered`), the one fitted without them
     (`bare`) for the others."""
     g, t, mode, c = ctx.geometry, ctx.table, ctx.mode, ctx.credit
     # a GDN layer charged unsharded under SP (`RetainedBy.GDN_UNSHARDED`; every layer of a GDN
