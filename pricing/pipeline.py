@@ -164,15 +164,19 @@ def stage_charges(layers: WalkCharges, *, pp: int, received_per_row: float,
         if s > 0:
             retained[0] += received_per_row
         last = s == pp - 1
-        charges = WalkCharges(
-            retained, full.workspace[lo:hi].copy(), full.nograd[lo:hi].copy(),
-            full.gdn_state[lo:hi].copy(), np.ascontiguousarray(full.pending[:, lo:hi]),
-            float(full.input_grad),
-            float(full.head_retained) if last else 0.0,
-            float(full.head_transient) if last else 0.0,
-            float(full.head_const) if last else 0.0,
-            float(full.caller) if last else 0.0,
-            full.pad_retained[lo:hi].copy(), full.pad_point[lo:hi].copy(), float(full.chunk),
+        # the stage's layers; the head on the last stage; the RoPE entries charged apart
+        # (`StageCharges.rope_per_row`), so none in the walk's own charges
+        charges = full._replace(
+            retained=retained, workspace=full.workspace[lo:hi].copy(),
+            nograd=full.nograd[lo:hi].copy(), gdn_state=full.gdn_state[lo:hi].copy(),
+            pending=np.ascontiguousarray(full.pending[:, lo:hi]),
+            input_grad=float(full.input_grad),
+            head_retained=float(full.head_retained) if last else 0.0,
+            head_transient=float(full.head_transient) if last else 0.0,
+            head_const=float(full.head_const) if last else 0.0,
+            caller=float(full.caller) if last else 0.0,
+            pad_retained=full.pad_retained[lo:hi].copy(), pad_point=full.pad_point[lo:hi].copy(),
+            chunk=float(full.chunk), rope_cp=0.0, rope_entry=0.0, rope_kept=False,
             head_forward=float(full.head_forward) if last else 0.0)
         out.append(StageCharges(
             stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
