@@ -5,7 +5,7 @@
 Prints a Markdown table: per layout class and recompute mode, for a dense model (qwen3-8b), an
 MoE model (qwen3-30b-a3b), a GDN hybrid (qwen3.8-27b) and a GDN hybrid with MoE MLPs
 (qwen3.6-35b-a3b), on the default te-gpu table: "evidence", or "conservative" with
-the traced layout whose sharding it is credited (`pricing.model.credit_layout`), or "invalid"
+the traced layout whose sharding it is credited (`pricing.coverage.credit_layout`), or "invalid"
 when the model cannot take the layout (heads not divisible by TP).
 """
 

@@ -121,6 +121,9 @@ class _ProfiledPricer:
     def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
         return self._pricer.lower_bound_waves(budget_bytes, requests)
 
+    def stages(self):
+        return self._pricer.stages()
+
 
 def _check_bytes(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
@@ -367,7 +370,7 @@ class Planner:
         with CompileClock() as warm_clock:
             # the first plan of a process compiles (or loads) every kernel, in parallel
             # worker processes when cold (their compile time: `wait_s`)
-            warm = ensure_warm()
+            warm = ensure_warm(Planner)
         wait_s = warm.wait_s if warm is not None else 0.0
         t0 = time.perf_counter()
         with CompileClock() as clock:
@@ -409,7 +412,7 @@ class Planner:
         the first plan: for trainers that pay it at start-up. Once per process unless `force`;
         returns a `WarmupReport`, or None when the process was warm already (or numba's JIT
         is disabled: nothing to compile). See `waveplan.planner.warmup`."""
-        return warmup(force=force)
+        return warmup(Planner, force=force)
 
     # --- learning -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ does not fall under what the feature adds. A feature whose family's traced cells
 targets (none under its trace, median within 3 % over, whole step and decoder only) needs
 no gap; `feature_gaps` names the others (untraced, or traced but missing the targets), and a
 model with any of them has basis "conservative" with those reasons
-(`pricing.model.evidence_gaps`). They keep their TP and sequence-parallel credit: the extra
+(`pricing.coverage.assess`). They keep their TP and sequence-parallel credit: the extra
 tensors shard like the tensors they come from.
 
 Features that add no memory, and why (no term, no gap):

@@ -14,6 +14,8 @@ from .contract import (
     SearchEnvelope,
     SearchPricer,
     SearchStep,
+    StagedPricer,
+    StageView,
     WavePrice,
 )
 from .invariants import check_plan
@@ -31,5 +33,5 @@ from .result import PackedWave, SearchResult
 __all__ = ["DEFAULT_PACKER", "DEFAULT_SEED", "DEFAULT_TIME_BUDGET_MS", "AdmittedPricer",
            "BoundedPricer", "LoadsPricer", "Packer", "PackerKind", "PackedWave",
            "PendingPricer", "Pricer", "SearchEnvelope", "SearchOptions", "SearchPricer",
-           "SearchResult", "SearchStep", "WavePrice", "check_plan", "default_time_budget_ms",
-           "make_packer", "pack"]
+           "SearchResult", "SearchStep", "StageView", "StagedPricer", "WavePrice", "check_plan",
+           "default_time_budget_ms", "make_packer", "pack"]

@@ -107,7 +107,7 @@ from .options import (
     packer_kind,
 )
 from .order import assign_first_slots, dissolve_after_order
-from .pipeline import pack_pipeline, pipeline_model
+from .pipeline import pack_pipeline
 from .reprice import (
     Draft,
     dissolve_lightest,
@@ -194,12 +194,11 @@ def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) 
     if options.time_budget_ms is None:
         options = dataclasses.replace(
             options, time_budget_ms=default_time_budget_ms(len(step.requests)))
-    model = pipeline_model(pricer)
-    if model is not None:
-        return _with_budget(pack_pipeline(step, SearchPricer.of(pricer), budget, options,
-                                          _search, model), options)
-    t0 = time.perf_counter() if not options.deterministic else 0.0
     sp = SearchPricer.of(pricer)
+    stages = sp.stages()
+    if stages is not None:
+        return _with_budget(pack_pipeline(step, sp, budget, options, _search, stages), options)
+    t0 = time.perf_counter() if not options.deterministic else 0.0
     states: list[_Search] = []
     spent = [0, 0.0]   # searches run, and their wall ms (stats: what the planner adds beside)
 

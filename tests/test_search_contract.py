@@ -23,12 +23,13 @@ from waveplan.search import (
     SearchOptions,
     SearchPricer,
     SearchStep,
+    StagedPricer,
     check_plan,
     pack,
 )
 
 GIB = 2**30
-CAPABILITIES = (AdmittedPricer, PendingPricer, BoundedPricer, LoadsPricer)
+CAPABILITIES = (AdmittedPricer, PendingPricer, BoundedPricer, LoadsPricer, StagedPricer)
 
 
 # --- the pricer contract ---------------------------------------------------------------------
@@ -43,7 +44,8 @@ def test_the_fakes_meet_the_required_contract_and_offer_no_capability(make):
     assert isinstance(pricer.envelope(), SearchEnvelope)
     assert not any(isinstance(pricer, cap) for cap in CAPABILITIES)
     seen = SearchPricer.of(pricer)
-    assert (seen.fast, seen.pending, seen.bounded, seen.loads) == (None, None, None, None)
+    assert (seen.fast, seen.pending, seen.bounded, seen.loads, seen.staged) == (None,) * 5
+    assert seen.stages() is None
     assert isinstance(seen, Pricer) and SearchPricer.of(seen) is seen
 
 
@@ -52,7 +54,8 @@ def test_the_wave_pricer_offers_every_capability():
     assert isinstance(step, SearchStep) and isinstance(pricer, Pricer)
     assert all(isinstance(pricer, cap) for cap in CAPABILITIES)
     seen = SearchPricer.of(pricer)
-    assert seen.fast is seen.pending is seen.bounded is seen.loads is pricer
+    assert seen.fast is seen.pending is seen.bounded is seen.loads is seen.staged is pricer
+    assert seen.stages() is None   # PP1: no stages for the pipeline search
     full = seen.full_prices_only()
     assert full.fast is None and full.pending is full.bounded is full.loads is pricer
 
