@@ -170,7 +170,7 @@ def miss_record(model: PricingModel, wave: PlanWave, obs: WaveObservation) -> di
                          "shipped": shipped_table(model.table), "sha256": table_digest(model.table)},
         "loads": [_load_to_dict(g) for g in wave.loads],
         "first_slots": sorted(wave.first_slots),
-        "earlier_bytes": int(terms[rope_cache.TERM]) if rope_cache.TERM in terms else None,
+        "earlier_bytes": None if (earlier := terms.get(rope_cache.TERM)) is None else int(earlier),
         "profile": None if wave.profile is None else wave.profile.to_dict(),
         "estimate": {**wave.breakdown.to_dict(), "terms": {k: int(v) for k, v in terms.items()}},
         "versions": versions(),
@@ -399,11 +399,9 @@ def reprice(record: MissRecord, *, backend: str | None = None) -> Repriced:
     backend (when the record's came shipped), else the recorded table. Then the recorded
     profile and earlier waves' RoPE cache entries, as the planner priced it. ConfigError
     names the field of a record that cannot be priced. O(model + loads)."""
-    from .report import model_from_dict  # report imports the planner, which imports this module
-
     data = record.data
     try:
-        model = model_from_dict(data["model"])
+        model = PricingModel.from_dict(data["model"])
     except WaveplanError as exc:
         raise ConfigError(f"model: {exc}") from None
     except (KeyError, TypeError, AttributeError, ValueError) as exc:

@@ -1,6 +1,6 @@
 """The warm-up's process entry points, above the planner: the detached background warm-up
 `cold_start` starts (`python -m waveplan.planner.warm_jobs`) and the kernel manifest's
-recorder (`python -m waveplan.planner.warm_jobs --record`, docs/architecture.md#planner).
+recorder (`python -m waveplan.planner.warm_jobs --record`, docs/architecture.md#rooms).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class Entry:
 
     @property
     def docs(self) -> str:
-        """The docs link: `docs/memory-model.md#anchor`."""
+        """The docs link: the memory model page and this entry's anchor."""
         return f"{DOCS}#{self.anchor}"
 
 

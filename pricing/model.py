@@ -15,7 +15,7 @@ import numpy as np
 
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
 from .charges import Charges, ForwardParts, HeadParts
-from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
+from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from .coverage import Coverage, assess
 from .errors import ConfigError, bad
 from .geometry import ModelGeometry
@@ -311,4 +311,17 @@ class PricingModel:
         if self.peer_row_scale != 1.0:
             doc["peer_row_scale"] = self.peer_row_scale
         return doc
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PricingModel:
+        """Inverse of `to_dict` (no preset or coefficient file needed; reports, misses files)."""
+        if not isinstance(data, dict):
+            raise bad(ConfigError, "model", type(data).__name__, "must be an object")
+        recompute = dict(data["recompute"])
+        recompute["modules"] = tuple(recompute.get("modules", ()))
+        return cls(geometry=ModelGeometry.from_dict(data["geometry"]),
+                   parallel=ParallelLayout(**data["parallel"]),
+                   recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
+                   table=table_from_dict(data["coefficients"]), head=data["head"],
+                   safety=data["safety"], moe_load=data.get("moe_load"))
 
