@@ -34,16 +34,19 @@ class PlanWave:
     budget_bytes: int
     signature: Signature = field(repr=False)
     static_raw_bytes: int = field(repr=False)
+    # (packed rows, causal attention pairs): what `Planner.observe(seconds=...)` learns from
+    work: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, index: int, wave: PackedWave, ids: tuple[str, ...], *, budget_bytes: int,
-           signature: Signature, static_raw_bytes: int) -> PlanWave:
+           signature: Signature, static_raw_bytes: int,
+           work: tuple[int, int] | None = None) -> PlanWave:
         """The plan wave around `wave`; `ids` are the step's request ids. O(requests)."""
         return cls(index=index, wave=wave,
                    request_ids=tuple(ids[j] for j in wave.requests),
                    child_ids=tuple(tuple(ids[j] for j in c) for c in wave.children),
                    budget_bytes=budget_bytes, signature=signature,
-                   static_raw_bytes=static_raw_bytes)
+                   static_raw_bytes=static_raw_bytes, work=work)
 
     @property
     def children(self) -> tuple[np.ndarray, ...]:

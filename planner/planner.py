@@ -34,6 +34,7 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.step import Request, Step, load_step
+from waveplan.pricing.time_model import WaveTimeModel, wave_work
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import (
     DEFAULT_PACKER,
@@ -305,6 +306,20 @@ class Planner:
     def profiles_path(self) -> Path | None:
         return self._profiles_path
 
+    @property
+    def time_model(self) -> WaveTimeModel:
+        """Predicted seconds of a wave (`pricing.time_model`), its scale learned by
+        `observe(wave, seconds=...)`; docs/faq.md#time-model."""
+        if getattr(self, "_time_model", None) is None:
+            self._time_model = WaveTimeModel.from_model(self._model)
+        return self._time_model
+
+    @time_model.setter
+    def time_model(self, value: WaveTimeModel) -> None:
+        if not isinstance(value, WaveTimeModel):
+            raise bad(ConfigError, "time_model", type(value).__name__, "must be a WaveTimeModel")
+        self._time_model = value
+
     # --- planning -----------------------------------------------------------------------
 
     def pricer(self, step: Step, *, model: PricingModel | None = None) -> WavePricer | _ProfiledPricer:
@@ -435,7 +450,8 @@ class Planner:
                 raise AssertionError("internal: a packed wave without its group loads")
             waves.append(PlanWave.of(i, w, ids, budget_bytes=budget,
                                      signature=signer.signature(w.loads),
-                                     static_raw_bytes=static_raw_without_first_exec(w.price)))
+                                     static_raw_bytes=static_raw_without_first_exec(w.price),
+                                     work=wave_work(step, w.children)))
         return tuple(waves)
 
     @staticmethod
@@ -448,15 +464,25 @@ class Planner:
 
     # --- learning -----------------------------------------------------------------------
 
-    def observe(self, wave: PlanWave, *, peak_bytes) -> None:
+    def observe(self, wave: PlanWave, *, peak_bytes=None, seconds=None) -> None:
         """Learn from a wave's observed peak (bytes; a number or one per rank, the largest
-        binds). The next plans of the same signature are priced with it."""
+        binds). The next plans of the same signature are priced with it. `seconds`: the wave's
+        measured time, which rescales `time_model` (alone, or with `peak_bytes`)."""
+        if seconds is not None:
+            self._observe_seconds(wave, seconds)
+            if peak_bytes is None:
+                return None
         if not isinstance(wave, PlanWave):
             raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
         if wave.signature.config != self._config:
             raise bad(ConfigError, "wave", wave.index, "was planned for another model configuration")
         self._store.observe(wave.signature, wave.loads, static_raw_bytes=wave.static_raw_bytes,
                             peak_bytes=_peak(peak_bytes))
+
+    def _observe_seconds(self, wave: PlanWave, seconds) -> None:
+        if not isinstance(wave, PlanWave) or wave.work is None:
+            raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
+        self.time_model = self.time_model.observed(*wave.work, seconds)
 
     def save_profiles(self, path: str | os.PathLike | None = None) -> Path:
         """Write the profiles atomically (to `profiles_path` when `path` is None)."""
