@@ -381,7 +381,7 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
         slow = max(range(dp), key=lambda r: (exact.secs[r], -r))
         done = False
         for u, b, into in _moves(exact, slow, sizes, costs, equal_counts,
-                                 gap=lambda b: exact.secs[slow] - exact.secs[b]):
+                                 gap=lambda b, s=slow: exact.secs[s] - exact.secs[b]):
             if budget_left <= 0:
                 break
             budget_left -= 1
