@@ -336,11 +336,11 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
                 baselines[name] = {"waves": int(exact.max_waves), "seconds": max(exact.secs)}
             # groups kept whole win ties (their prompt is run once)
             starts.append(((exact.max_waves, not by_group, max(exact.secs), len(starts)),
-                           name, by_group, free))
+                           name, by_group, free, exact))
     if not starts:
         raise InfeasibleError(f"dp={dp}: no balance of the step gives every rank the same number "
                               f"of waves (a rank holds fewer requests than another rank's waves)")
-    _, start, by_group, chosen = min(starts, key=lambda s: s[0])
+    _, start, by_group, chosen, chosen_exact = min(starts, key=lambda s: s[0])
     units = chosen.units
     state = _State(search, units, [list(a) for a in chosen.assign])   # plans come from the cache
     sizes = [len(u) for u in units]
@@ -349,7 +349,7 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
     stats = {"wave_moves": 0, "time_moves": 0, "trials": 0}
 
     # 3. waves: empty the ranks at the maximum count
-    budget_left = rounds
+    budget_left = rounds - rounds // 2   # the wave phase's share; the rest goes to time
     while budget_left > 0 and state.max_waves > lower:
         w = state.max_waves
         heavy = max((r for r in range(dp) if state.waves[r] == w), key=lambda r: (state.secs[r], -r))
@@ -372,10 +372,12 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
             break
     target = int(state.max_waves)
     exact = state.at(target)
-    if any(p is None for p in exact.plans):   # a rank short of requests for the count
-        exact = chosen.at(int(chosen.max_waves))
-        target = int(exact.max_waves)
+    if target == chosen_exact.max_waves or any(p is None for p in exact.plans):
+        # no wave saved (or a rank short of requests for the count): the moves only cost time
+        exact, target = chosen_exact, int(chosen_exact.max_waves)
+        exact = _State(search, units, [list(a) for a in exact.assign], exact=target)
 
+    budget_left += rounds // 2
     # 4. time: move units off the slowest rank while the slower of the pair gets faster
     while budget_left > 0:
         slow = max(range(dp), key=lambda r: (exact.secs[r], -r))
@@ -408,32 +410,42 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
 
 def _moves(state: _State, a: int, sizes: list[int], costs: list[float], equal_counts: bool, gap):
     """Trial moves off rank `a`: (unit, receiving rank, units coming back). Receivers: the
-    lightest ranks (fewest waves, then least seconds). Without `gap`: `a`'s heaviest units
-    first; with it (the seconds between `a` and the receiver), units whose cost is nearest half
-    the gap. With `equal_counts` a unit is swapped for the receiver's lightest unit of the
-    same size; a rank never gives its last unit away."""
+    lightest ranks (fewest waves, then least seconds). Without `gap` (the wave phase): `a`'s
+    heaviest units, moved, then swapped for the receiver's lightest unit. With `gap` (the
+    seconds between `a` and the receiver): the moves and swaps whose predicted shift of
+    seconds is nearest half the gap (and below the gap). With `equal_counts` only swaps of
+    units of the same size; a rank never gives its last unit away."""
     dp = len(state.assign)
     receivers = sorted((r for r in range(dp) if r != a),
                        key=lambda r: (state.waves[r], state.secs[r], r))[:_TRIAL_RANKS]
     mine = state.assign[a]
-    if len(mine) < 2 and not equal_counts:
-        return
     for b in receivers:
+        theirs = state.assign[b]
         if gap is None:
-            order = sorted(mine, key=lambda u: (-costs[u], u))
+            moves = [] if equal_counts or len(mine) < 2 else \
+                [(u, None) for u in sorted(mine, key=lambda u: (-costs[u], u))[:_TRIAL_UNITS]]
+            swaps = []
+            for u in sorted(mine, key=lambda u: (-costs[u], u))[:_TRIAL_UNITS]:
+                same = [v for v in theirs if costs[v] < costs[u]
+                        and (not equal_counts or sizes[v] == sizes[u])]
+                if same:
+                    swaps.append((u, min(same, key=lambda v: (costs[v], v))))
+            trials = moves + swaps
         else:
             half = gap(b) / 2
             if half <= 0:
                 continue
-            order = sorted((u for u in mine if costs[u] < 2 * half),
-                           key=lambda u: (abs(costs[u] - half), u))
-        for u in order[:_TRIAL_UNITS]:
-            if not equal_counts:
-                yield u, b, []
-                continue
-            same = [v for v in state.assign[b] if sizes[v] == sizes[u] and costs[v] < costs[u]]
-            if same:
-                yield u, b, [min(same, key=lambda v: (costs[v], v))]
+            shifts = [] if equal_counts or len(mine) < 2 else \
+                [(abs(costs[u] - half), u, None) for u in mine if costs[u] < 2 * half]
+            for u in sorted(mine, key=lambda u: (-costs[u], u))[:2 * _TRIAL_UNITS]:
+                for v in theirs:
+                    d = costs[u] - costs[v]
+                    if 0 < d < 2 * half and (not equal_counts or sizes[v] == sizes[u]):
+                        shifts.append((abs(d - half), u, v))
+            trials = [(u, v) for _, u, v in sorted(shifts, key=lambda x: (x[0], x[1], -1 if x[2] is None else x[2]))]
+            trials = trials[:_TRIAL_UNITS]
+        for u, v in trials:
+            yield u, b, [] if v is None else [v]
 
 
 def _lower_bound(planner: Planner, step: Step, units: list[np.ndarray], budget: int, dp: int) -> int:
