@@ -23,6 +23,9 @@ Every method is priced by the same memory model and timed by the same wave time 
   groups whole on one rank unless splitting one saves a wave; beside it the best of veRL's
   balance (by sequence, by whole prompt group) then each share planned on the same step.
 
+* **uneven**: the same on the unshared sequences with the odd ranks at 28 GiB free (veRL's
+  one token budget must fit the smallest; each waveplan share is planned at its rank's budget).
+
 Writes dp_group_study.txt (table), .csv and .png (waves and predicted step seconds).
 """
 
@@ -50,6 +53,7 @@ from waveplan.pricing.time_model import wave_work  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
 FREE_GIB = 40
+UNEVEN_GIB = 28   # the odd ranks' free memory in the uneven runs
 DPS = (4, 8)
 PER_RANK = (32, 64, 128, 256)
 COMPLETIONS = 8
@@ -120,16 +124,16 @@ def verl_micro_batches(lengths: list[list[int]], token_budget: int) -> list[list
         count = max(counts)
 
 
-def verl_way(p: Planner, step: Step, dp: int, budget: int):
+def verl_way(p: Planner, step: Step, dp: int, budgets: list[int]):
     """(waves, predicted step seconds, token budget) of veRL's way at the largest token
-    budget that fits memory on every rank."""
+    budget (one for every rank, as veRL has) that fits memory on every rank."""
     shares = verl_balance(step, dp)
     pricer = p.pricer(step)
     lengths = [[int(step.lengths[i]) for i in s] for s in shares]
 
     def fits(token_budget: int):
         parts = verl_micro_batches(lengths, token_budget)
-        for share, mbs in zip(shares, parts, strict=True):
+        for share, mbs, budget in zip(shares, parts, budgets, strict=True):
             for k, mb in enumerate(mbs):
                 idx = np.sort(np.asarray([share[j] for j in mb], np.int64))
                 first = frozenset({"default"}) if k == 0 else frozenset()
@@ -156,13 +160,14 @@ def verl_way(p: Planner, step: Step, dp: int, budget: int):
     return waves, secs, token_budget
 
 
-def balance_then_plan(p: Planner, step: Step, dp: int, budget: int):
-    """veRL's balance, each share planned by waveplan, MAX count, re-planned at it."""
+def balance_then_plan(p: Planner, step: Step, dp: int, budgets: list[int]):
+    """veRL's balance, each share planned by waveplan at its rank's budget, MAX count,
+    re-planned at it (what `plan_distributed` does)."""
     shares = [sorted(s) for s in verl_balance(step, dp)]
     subs = [Step.from_requests([step.requests[i] for i in s]) for s in shares]
-    count = max(p.plan(s, budget, deterministic=True).num_waves for s in subs)
+    count = max(p.plan(s, b, deterministic=True).num_waves for s, b in zip(subs, budgets, strict=True))
     secs = 0.0
-    for share, sub in zip(shares, subs, strict=True):
+    for share, sub, budget in zip(shares, subs, budgets, strict=True):
         plan = p.plan(sub, budget, deterministic=True, num_waves=count)
         idx = np.asarray(share)
         secs = max(secs, sum(p.time_model.seconds(*wave_work(step, [idx[c] for c in w.children]))
@@ -174,7 +179,9 @@ def balance_then_plan(p: Planner, step: Step, dp: int, budget: int):
 
 COLUMNS = ("dp", "per_rank", "seed", "verl_waves", "verl_s", "verl_token_budget", "bp_waves", "bp_s",
            "group_waves", "group_s", "group_bound", "prefix_waves", "prefix_s", "prefix_bound",
-           "prefix_baseline_waves", "prefix_baseline_s", "group_ms", "prefix_ms")
+           "prefix_baseline_waves", "prefix_baseline_s", "group_ms", "prefix_ms",
+           "uneven_verl_waves", "uneven_verl_s", "uneven_bp_waves", "uneven_bp_s",
+           "uneven_group_waves", "uneven_group_s", "uneven_group_bound")
 
 
 def run(seeds: int) -> list[dict]:
@@ -187,8 +194,9 @@ def run(seeds: int) -> list[dict]:
                 shared = long_tail_grpo(prompts=dp * per // COMPLETIONS, completions=COMPLETIONS,
                                    seed=1000 * dp + 10 * per + seed)
                 step = unshared(shared)
-                vw, vs, vt = verl_way(p, step, dp, budget)
-                bw, bs = balance_then_plan(p, step, dp, budget)
+                even = [budget] * dp
+                vw, vs, vt = verl_way(p, step, dp, even)
+                bw, bs = balance_then_plan(p, step, dp, even)
                 t0 = time.perf_counter()
                 g = plan_group(p, step, dp, budget)
                 gms = (time.perf_counter() - t0) * 1e3
@@ -196,16 +204,25 @@ def run(seeds: int) -> list[dict]:
                 h = plan_group(p, shared, dp, budget)
                 hms = (time.perf_counter() - t0) * 1e3
                 best = min(h.baselines.values(), key=lambda b: (b["waves"], b["seconds"]))
+                uneven = [budget if r % 2 == 0 else UNEVEN_GIB * GIB for r in range(dp)]
+                uvw, uvs, _ = verl_way(p, step, dp, uneven)
+                ubw, ubs = balance_then_plan(p, step, dp, uneven)
+                u = plan_group(p, step, dp, uneven)
                 rows.append(dict(dp=dp, per_rank=per, seed=seed, verl_waves=vw, verl_s=vs,
                                  verl_token_budget=vt, bp_waves=bw, bp_s=bs,
                                  group_waves=g.num_waves, group_s=g.step_seconds,
                                  group_bound=g.lower_bound_waves, prefix_waves=h.num_waves,
                                  prefix_s=h.step_seconds, prefix_bound=h.lower_bound_waves,
                                  prefix_baseline_waves=best["waves"], prefix_baseline_s=best["seconds"],
-                                 group_ms=gms, prefix_ms=hms))
+                                 group_ms=gms, prefix_ms=hms, uneven_verl_waves=uvw,
+                                 uneven_verl_s=uvs, uneven_bp_waves=ubw, uneven_bp_s=ubs,
+                                 uneven_group_waves=u.num_waves, uneven_group_s=u.step_seconds,
+                                 uneven_group_bound=u.lower_bound_waves))
                 print(f"dp{dp} {per}/rank seed {seed}: veRL {vw} ({vs:.1f} s), balance+waveplan "
                       f"{bw} ({bs:.1f} s), group {g.num_waves} ({g.step_seconds:.1f} s), "
-                      f"group+prefix {h.num_waves} ({h.step_seconds:.1f} s)", file=sys.stderr)
+                      f"group+prefix {h.num_waves} ({h.step_seconds:.1f} s); uneven: veRL {uvw} "
+                      f"({uvs:.1f} s), balance+waveplan {ubw} ({ubs:.1f} s), group {u.num_waves} "
+                      f"({u.step_seconds:.1f} s)", file=sys.stderr)
     return rows
 
 
@@ -231,6 +248,21 @@ def table(rows: list[dict], seeds: int) -> str:
                       f"{m('prefix_s'):>7.1f} {m('prefix_bound'):>5.2f} "
                       f"{m('prefix_baseline_waves'):>5.2f} {m('prefix_baseline_s'):>7.1f} | "
                       f"{m('group_ms'):>6.0f}\n")
+    out.write(f"\nuneven free memory: even ranks {FREE_GIB} GiB, odd ranks {UNEVEN_GIB} GiB "
+              f"(sequences unshared)\n\n")
+    head2 = (f"{'dp':>3} {'req/rank':>8} | {'veRL':>6} {'s':>7} | {'bal+wp':>6} {'s':>7} | "
+             f"{'group':>6} {'s':>7} {'bound':>5}")
+    out.write(head2 + "\n" + "-" * len(head2) + "\n")
+    for dp in DPS:
+        for per in PER_RANK:
+            cell = [r for r in rows if r["dp"] == dp and r["per_rank"] == per]
+
+            def m(k, c=cell):
+                return float(np.mean([r[k] for r in c]))
+            out.write(f"{dp:>3} {per:>8} | {m('uneven_verl_waves'):>6.2f} {m('uneven_verl_s'):>7.1f} | "
+                      f"{m('uneven_bp_waves'):>6.2f} {m('uneven_bp_s'):>7.1f} | "
+                      f"{m('uneven_group_waves'):>6.2f} {m('uneven_group_s'):>7.1f} "
+                      f"{m('uneven_group_bound'):>5.2f}\n")
     n = len(rows)
     worse = sum(r["group_waves"] > r["bp_waves"] for r in rows)
     worse_p = sum(r["prefix_waves"] > r["prefix_baseline_waves"] for r in rows)
@@ -243,6 +275,12 @@ def table(rows: list[dict], seeds: int) -> str:
               f"balance+waveplan: more waves in {worse}, median step time {t_b:.3f}x. "
               f"group+prefix vs the best balance then plan on the same step: more waves in "
               f"{worse_p}.\n")
+    u_worse = sum(r["uneven_group_waves"] > r["uneven_bp_waves"] for r in rows)
+    u_fewer = sum(r["uneven_group_waves"] < r["uneven_bp_waves"] for r in rows)
+    u_v = sum(r["uneven_verl_waves"] for r in rows) / sum(r["uneven_group_waves"] for r in rows)
+    u_t = np.median([r["uneven_group_s"] / r["uneven_bp_s"] for r in rows])
+    out.write(f"uneven: group vs balance+waveplan: fewer waves in {u_fewer}, more in {u_worse}, "
+              f"median step time {u_t:.3f}x; veRL needs {u_v:.2f}x the group's waves in all.\n")
     out.write("columns: veRL = veRL's balance (24576 s + s^2, equal counts) then its token-budget "
               "micro-batches at the largest token budget that fits memory, MAX count; bal+wp = the "
               "same balance then waveplan per rank, MAX count; group = plan_group; +prefix = "
@@ -258,7 +296,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(DPS), figsize=(10, 7), sharex=True)
+    fig, axes = plt.subplots(3, len(DPS), figsize=(10, 10), sharex=True, squeeze=False)
     series = (("verl", "veRL (token budget)"), ("bp", "veRL balance + waveplan"),
               ("group", "group plan"), ("prefix", "group plan, prefix trees"))
     for j, dp in enumerate(DPS):
@@ -269,16 +307,22 @@ def plot(rows: list[dict], path: Path) -> None:
                  for per in PER_RANK]
             axes[0, j].plot(PER_RANK, w, marker="o", label=label)
             axes[1, j].plot(PER_RANK, s, marker="o", label=label)
+        for key, label in series[:3]:
+            w = [np.mean([r[f"uneven_{key}_waves"] for r in rows
+                          if r["dp"] == dp and r["per_rank"] == per]) for per in PER_RANK]
+            axes[2, j].plot(PER_RANK, w, marker="o", label=label)
+        axes[2, j].set_ylabel(f"waves, odd ranks {UNEVEN_GIB} GiB free")
         axes[0, j].set_title(f"{dp} data-parallel ranks")
         axes[0, j].set_ylabel("waves (max over ranks)")
         axes[1, j].set_ylabel("predicted step seconds (slowest rank)")
-        axes[1, j].set_xlabel("requests per rank")
+        axes[2, j].set_xlabel("requests per rank")
         for ax in axes[:, j]:
             ax.set_xscale("log", base=2)
             ax.set_xticks(PER_RANK, [str(x) for x in PER_RANK])
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle("Long-tailed GRPO, qwen3.8-27b TP4 SP, 40 GiB free per rank")
+    fig.suptitle(f"Long-tailed GRPO, qwen3.8-27b TP4 SP, {FREE_GIB} GiB free per rank "
+                 f"(bottom: odd ranks {UNEVEN_GIB} GiB)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

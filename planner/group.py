@@ -8,7 +8,7 @@ assigns the requests to ranks and to waves together:
    sequences;
 2. *starts*: veRL's balance (Karmarkar-Karp on 24576 x s + s^2 with equal counts, by sequence
    and by whole prompt group; `dp_balance`) and the longest-first balance of the predicted
-   time, each share planned by the planner; the start with the fewest waves (the maximum over
+   time (with uneven budgets also in proportion to them), each share planned by the planner; the start with the fewest waves (the maximum over
    ranks), then the least predicted time of the slowest rank, is kept, so the group plan never
    needs more waves than balancing first and planning each share;
 3. *waves*: units moved (or, with `equal_counts`, swapped for equal-sized ones) from a rank
@@ -251,9 +251,12 @@ def _kk(units: list[np.ndarray], lengths: np.ndarray, dp: int) -> list[list[int]
     return karmarkar_karp(work, dp, equal_size=len(units) % dp == 0)
 
 
-def _lpt(costs: list[float], sizes: list[int], dp: int, cap: int | None) -> list[list[int]] | None:
-    """Longest first onto the least loaded rank (with `cap`: only ranks with room for the
-    unit's requests); None when a unit finds no room."""
+def _lpt(costs: list[float], sizes: list[int], dp: int, cap: int | None,
+         weights: Sequence[float] | None = None) -> list[list[int]] | None:
+    """Longest first onto the least loaded rank (load over its `weight`, e.g. its budget;
+    with `cap`: only ranks with room for the unit's requests); None when a unit finds no
+    room."""
+    weights = weights or [1.0] * dp
     loads = [0.0] * dp
     room = [cap if cap is not None else math.inf] * dp
     assign: list[list[int]] = [[] for _ in range(dp)]
@@ -261,7 +264,7 @@ def _lpt(costs: list[float], sizes: list[int], dp: int, cap: int | None) -> list
         fits = [r for r in range(dp) if room[r] >= sizes[u]]
         if not fits:
             return None
-        r = min(fits, key=lambda r: (loads[r], r))
+        r = min(fits, key=lambda r: (loads[r] / weights[r], r))
         assign[r].append(u)
         loads[r] += costs[u]
         room[r] -= sizes[u]
@@ -323,6 +326,9 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
         cap = n // dp if equal_counts else None
         named = [(BY_GROUP if by_group and grouped else BY_SEQUENCE, _kk(units, step.lengths, dp)),
                  (f"time-{'group' if by_group else 'sequence'}", _lpt(costs, sizes, dp, cap))]
+        if len(set(budgets)) > 1:   # uneven memory: the time balanced in proportion to the budgets
+            named.append((f"budget-{'group' if by_group else 'sequence'}",
+                          _lpt(costs, sizes, dp, cap, [float(b) for b in budgets])))
         for name, assign in named:
             if assign is None or any(not a for a in assign):
                 continue
