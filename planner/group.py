@@ -23,7 +23,7 @@ Every share is planned with `deterministic=True`, and every choice is ordered by
 indices, never by the clock or a hash seed: every rank that computes it gets the same plan.
 The lower bound: the whole step's bound at the largest budget over the ranks (the ranks'
 waves together are a plan of the step), and each unit's own bound (it runs on one rank).
-docs/integration.md#one-plan-for-the-data-parallel-group.
+docs/integration.md#5-one-plan-for-the-data-parallel-group.
 """
 
 from __future__ import annotations
