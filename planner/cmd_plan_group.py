@@ -43,7 +43,8 @@ def print_group(group: GroupPlan) -> None:
         print(f"rank {r}: {len(group.shares[r])} requests, {plan.num_waves} waves, "
               f"predicted {group.rank_seconds[r]:.2f} s")
     verdict = "proven optimal" if group.proven_optimal else "not proven optimal"
-    print(f"{group.dp} ranks x {group.num_waves} waves; lower bound {group.lower_bound_waves}: "
+    print(f"{group.dp} rank{'' if group.dp == 1 else 's'} x {group.num_waves} "
+          f"wave{'' if group.num_waves == 1 else 's'}; lower bound {group.lower_bound_waves}: "
           f"{verdict}; predicted step {group.step_seconds:.2f} s (slowest rank); "
           f"prompt groups {'whole' if group.keep_groups else 'split by sequence'}; "
           f"start {group.start}  ({group.planning_ms:.0f} ms)")
