@@ -72,6 +72,8 @@ class GroupPlan:
     """The start the improvement began from (a baseline's name or a time balance)."""
     keep_groups: bool = True
     """Whether every prompt group sits whole on one rank."""
+    objective: str = "waves"
+    """What was minimised first: "waves" or "time" (`plan_group`)."""
     planning_ms: float = field(default=0.0, compare=False)
     """Wall time of the group search (timing; dropped where plans are compared)."""
     stats: dict = field(default_factory=dict, compare=False)
@@ -99,6 +101,7 @@ class GroupPlan:
                 "lower_bound_waves": int(self.lower_bound_waves),
                 "proven_optimal": bool(self.proven_optimal),
                 "keep_groups": bool(self.keep_groups), "start": self.start,
+                "objective": self.objective,
                 "predicted_seconds": [round(float(t), 6) for t in self.rank_seconds],
                 "step_seconds": round(float(self.step_seconds), 6),
                 "baselines": {k: {"waves": int(v["waves"]), "seconds": round(float(v["seconds"]), 6)}
@@ -279,7 +282,7 @@ def _equal(assign: list[list[int]], sizes: list[int]) -> bool:
 
 
 def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool | None = None,
-               equal_counts: bool = False, rounds: int = DEFAULT_ROUNDS,
+               equal_counts: bool = False, objective: str = "waves", rounds: int = DEFAULT_ROUNDS,
                time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, packer=DEFAULT_PACKER,
                seed: int = DEFAULT_SEED) -> GroupPlan:
     """Plan the whole `step` over `dp` data-parallel ranks: every rank the same number of
@@ -289,7 +292,9 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
 
     `keep_groups`: True keeps every prompt group whole on one rank; False balances single
     sequences; None (default) tries both and keeps groups whole unless splitting one saves a
-    wave. `equal_counts`: every rank gets the same number of requests (veRL's dispatch cuts the
+    wave. `objective`: "waves" (the fewest waves, then the least predicted seconds) or "time"
+    (the least predicted seconds of the slowest rank, never above veRL's balance then plan;
+    the waves are then not minimised). `equal_counts`: every rank gets the same number of requests (veRL's dispatch cuts the
     batch into equal chunks). `rounds`: trial moves the improvement may price. Shares are
     planned with `deterministic=True` (`time_budget_ms`, `packer`, `seed` as `Planner.plan`).
     Raises ConfigError when the step has fewer units than ranks, InfeasibleError when no start
@@ -299,6 +304,8 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
     step = _as_step(step)
     if keep_groups not in (True, False, None):
         raise bad(ConfigError, "keep_groups", keep_groups, "must be true, false or none")
+    if objective not in ("waves", "time"):
+        raise bad(ConfigError, "objective", objective, "must be 'waves' or 'time'")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise bad(ConfigError, "rounds", rounds, "must be an integer >= 0")
     budgets = rank_budgets(free_bytes, dp)
@@ -346,7 +353,9 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
     if not starts:
         raise InfeasibleError(f"dp={dp}: no balance of the step gives every rank the same number "
                               f"of waves (a rank holds fewer requests than another rank's waves)")
-    _, start, by_group, chosen, chosen_exact = min(starts, key=lambda s: s[0])
+    rank_by = (lambda s: s[0]) if objective == "waves" else \
+        (lambda s: (s[0][2], s[0][0], s[0][1], s[0][3]))
+    _, start, by_group, chosen, chosen_exact = min(starts, key=rank_by)
     units = chosen.units
     state = _State(search, units, [list(a) for a in chosen.assign])   # plans come from the cache
     sizes = [len(u) for u in units]
@@ -356,7 +365,7 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
 
     # 3. waves: empty the ranks at the maximum count
     budget_left = rounds - rounds // 2   # the wave phase's share; the rest goes to time
-    while budget_left > 0 and state.max_waves > lower:
+    while objective == "waves" and budget_left > 0 and state.max_waves > lower:
         w = state.max_waves
         heavy = max((r for r in range(dp) if state.waves[r] == w), key=lambda r: (state.secs[r], -r))
         at_max = sum(1 for x in state.waves if x == w)
@@ -410,7 +419,7 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
     stats["shares_planned"] = search.planned
     return GroupPlan(ranks=plans, shares=shares, lower_bound_waves=min(lower, target),
                      rank_seconds=tuple(exact.secs), baselines=baselines, start=start,
-                     keep_groups=bool(by_group or not grouped),
+                     keep_groups=bool(by_group or not grouped), objective=objective,
                      planning_ms=(time.perf_counter() - t0) * 1e3, stats=stats)
 
 

@@ -128,6 +128,11 @@ def test_equal_counts_and_bad_input(planner):
     group = plan_group(planner, step, 4, 16 * GIB, equal_counts=True)
     check_group(planner, step, group, (16 * GIB,) * 4)
     assert {len(s) for s in group.shares} == {8}
+    fast = plan_group(planner, step, 4, [16 * GIB, 12 * GIB] * 2, objective="time")
+    check_group(planner, step, fast, (16 * GIB, 12 * GIB) * 2)
+    assert fast.step_seconds <= min(b["seconds"] for b in fast.baselines.values())
+    with pytest.raises(ConfigError, match="objective"):
+        plan_group(planner, step, 2, 16 * GIB, objective="speed")
     with pytest.raises(ConfigError, match="dp=0"):
         plan_group(planner, step, 0, 16 * GIB)
     with pytest.raises(ConfigError, match="equal counts"):
