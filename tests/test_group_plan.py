@@ -123,6 +123,19 @@ def test_group_plan_invariants_and_determinism(planner):
     assert group.step_seconds == max(group.rank_seconds) > 0
 
 
+def test_token_form_and_sequence_units(planner):
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(1, 1000, int(rng.integers(200, 900))) for _ in range(4)]
+    seqs = [np.concatenate([p, rng.integers(1, 1000, int(rng.integers(50, 4000)))])
+            for p in prompts for _ in range(3)]
+    step = Step.from_token_ids(seqs)
+    budget = alone_budget(planner, step, 1.3)
+    for keep in (True, False):
+        group = plan_group(planner, step, 2, budget, keep_groups=keep)
+        check_group(planner, step, group, (budget, budget))
+        assert group.keep_groups == keep
+
+
 def test_equal_counts_and_bad_input(planner):
     step = grpo(8, 4, seed=2)
     group = plan_group(planner, step, 4, 16 * GIB, equal_counts=True)
