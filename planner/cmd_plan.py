@@ -64,8 +64,8 @@ def register(sub) -> None:
                              "alone decides, so the same inputs give the same plan byte for byte")
     parser.add_argument("--dp", type=int, default=None, metavar="N",
                         help="plan the batch of N data-parallel ranks at once: equal wave counts, "
-                             "each rank's waves fit --free-gib, balanced predicted time; --json "
-                             "gives 'ranks', one plan per rank")
+                             "each rank's waves fit --free-gib (one number, or N comma-separated), "
+                             "balanced predicted time; --json gives 'ranks', one plan per rank")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--report", metavar="FILE", help="write a replayable report (JSON)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the plan")
@@ -80,10 +80,11 @@ def resolve_step(spec: str) -> Step:
 
 
 def run(args: argparse.Namespace) -> int:
-    budget = int(parse_gib(args.free_gib, "free_gib") * 2**30)
     if getattr(args, "dp", None) is not None:
         from .cmd_plan_group import check_args
-        check_args(args)
+        budget = check_args(args)   # one budget, or one per data-parallel rank
+    else:
+        budget = int(parse_gib(args.free_gib, "free_gib") * 2**30)
     check_output(args.report, "--report")
     check_output(args.plot, "--plot", needs_matplotlib=True)
     planner = Planner.from_model(model_from_args(args), profiles_path=args.profiles)

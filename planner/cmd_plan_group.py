@@ -7,23 +7,32 @@ import argparse
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.step import Step
 
-from .cli_common import gib
+from .cli_common import gib, parse_gib
 from .group import GroupPlan, plan_group
 from .planner import Planner
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """The flags `--dp` plans with; one ConfigError line for the others."""
+def check_args(args: argparse.Namespace) -> int | list[int]:
+    """The flags `--dp` plans with (one ConfigError line for the others) and the budget:
+    `--free-gib` one number for every rank, or `--dp` comma-separated numbers, one per rank."""
     if isinstance(args.dp, bool) or not isinstance(args.dp, int) or args.dp < 1:
         raise bad(ConfigError, "--dp", args.dp, "must be an integer >= 1 (the data-parallel size)")
     for flag, value in (("--num-waves", args.num_waves), ("--report", args.report),
                         ("--plot", args.plot)):
         if value is not None:
             raise bad(ConfigError, flag, value, "is not available with --dp (each rank's plan is in --json)")
+    parts = str(args.free_gib).split(",")
+    if len(parts) == 1:
+        return int(parse_gib(parts[0], "free_gib") * 2**30)
+    if len(parts) != args.dp:
+        raise bad(ConfigError, "--free-gib", args.free_gib,
+                  f"needs one number, or {args.dp} comma-separated numbers (one per rank of --dp)")
+    return [int(parse_gib(p.strip(), "free_gib") * 2**30) for p in parts]
 
 
-def run_group(args: argparse.Namespace, planner: Planner, step: Step, budget: int) -> int:
-    """Plan `step` over `args.dp` ranks of `budget` bytes each; print the table or the JSON."""
+def run_group(args: argparse.Namespace, planner: Planner, step: Step, budget) -> int:
+    """Plan `step` over `args.dp` ranks (`budget`: bytes for each, or one per rank); print the
+    table or the JSON."""
     group = plan_group(planner, step, args.dp, budget, packer=args.packer,
                        time_budget_ms=args.time_budget_ms, seed=args.seed)
     if args.json:

@@ -34,7 +34,7 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.step import Request, Step, load_step
-from waveplan.pricing.time_model import WaveTimeModel, wave_work
+from waveplan.pricing.time_model import WaveTimeModel, check_seconds, wave_work
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import (
     DEFAULT_PACKER,
@@ -480,8 +480,14 @@ class Planner:
                             peak_bytes=_peak(peak_bytes))
 
     def _observe_seconds(self, wave: PlanWave, seconds) -> None:
+        """A wave's measured seconds (a number, or one per rank: the slowest binds)."""
         if not isinstance(wave, PlanWave) or wave.work is None:
             raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
+        if isinstance(seconds, Sequence | np.ndarray) and not isinstance(seconds, str | bytes):
+            values = list(seconds)
+            if not values:
+                raise bad(ConfigError, "seconds", values, "needs at least one rank")
+            seconds = max(check_seconds(f"seconds[{i}]", v) for i, v in enumerate(values))
         self.time_model = self.time_model.observed(*wave.work, seconds)
 
     def save_profiles(self, path: str | os.PathLike | None = None) -> Path:

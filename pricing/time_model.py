@@ -38,6 +38,11 @@ def _positive_float(field: str, value: object, *, zero: bool = False) -> float:
     return v
 
 
+def check_seconds(field: str, value: object) -> float:
+    """A measured time: a finite number of seconds > 0 (one ConfigError line otherwise)."""
+    return _positive_float(field, value)
+
+
 def linear_params_per_row(geometry: ModelGeometry) -> float:
     """Weights one row passes through (a MoE layer: its top-k experts, shared expert and
     router), the output head included."""
@@ -144,7 +149,7 @@ class WaveTimeModel:
     def observed(self, rows: float, pairs: float, seconds: float) -> WaveTimeModel:
         """The model after a wave of `rows` and `pairs` took `seconds`: `scale` becomes the
         mean of observed over unscaled predicted seconds."""
-        s = _positive_float("seconds", seconds)
+        s = check_seconds("seconds", seconds)
         ratio = s / self.unscaled(rows, pairs)
         n = self.observations
         return replace(self, scale=(self.scale * n + ratio) / (n + 1) if n else ratio,

@@ -235,6 +235,10 @@ def test_time_model_from_geometry_and_observe(planner):
     assert planner.time_model.scale == pytest.approx(3.0)
     with pytest.raises(ConfigError, match="seconds"):
         planner.observe(wave, seconds=-1.0)
+    with pytest.raises(ConfigError, match=r"seconds\[1\]=nan"):
+        planner.observe(wave, seconds=[1.0, float("nan")])
+    planner.observe(wave, seconds=[before, 3 * before])   # the slowest rank binds: ratios 2, 4, 3
+    assert planner.time_model.scale == pytest.approx(3.0) and planner.time_model.observations == 3
     with pytest.raises(ConfigError, match="time_model.overhead_s"):
         WaveTimeModel(row_flops=1.0, pair_flops=0.0, overhead_s=float("nan"))
     planner.time_model = tm
@@ -255,10 +259,15 @@ def test_cli_dp_json(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 ranks x" in out and "baseline balance-by-group" in out
+    uneven = ["plan", "grpo-8x8", "--model", "qwen3-8b", "--free-gib", "20,14", "--dp", "2", "--json"]
+    assert main(uneven) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["waves"][0]["budget_bytes"] for p in data["ranks"]] == [20 * GIB, 14 * GIB]
 
 
 @pytest.mark.parametrize("extra, field", [(["--dp", "0"], "--dp=0"),
-                                          (["--dp", "2", "--num-waves", "3"], "--num-waves=3")])
+                                          (["--dp", "2", "--num-waves", "3"], "--num-waves=3"),
+                                          (["--dp", "3", "--free-gib", "20,14"], "--free-gib='20,14'")])
 def test_cli_dp_bad_input(capsys, extra, field):
     assert main(["plan", "grpo-8x8", "--model", "qwen3-8b"] + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
