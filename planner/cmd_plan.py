@@ -100,6 +100,10 @@ def register(sub) -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="never read the clock: the iteration cap implied by --time-budget-ms "
                              "alone decides, so the same inputs give the same plan byte for byte")
+    parser.add_argument("--dp", type=int, default=None, metavar="N",
+                        help="plan the batch of N data-parallel ranks at once: equal wave counts, "
+                             "each rank's waves fit --free-gib (one number, or N comma-separated), "
+                             "balanced predicted time; --json gives 'ranks', one plan per rank")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--report", metavar="FILE", help="write a replayable report (JSON)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the plan")
@@ -114,7 +118,11 @@ def resolve_step(spec: str) -> Step:
 
 
 def run(args: argparse.Namespace) -> int:
-    budget = int(parse_gib(args.free_gib, "free_gib") * 2**30)
+    if getattr(args, "dp", None) is not None:
+        from .cmd_plan_group import check_args
+        budget = check_args(args)   # one budget, or one per data-parallel rank
+    else:
+        budget = int(parse_gib(args.free_gib, "free_gib") * 2**30)
     check_output(args.report, "--report")
     check_output(args.plot, "--plot", needs_matplotlib=True)
     planner = Planner.from_model(model_from_args(args), profiles_path=args.profiles)
@@ -122,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if cold_start.current().interpreted:   # interpreted kernels: the clock would buy ~1% of the work
         args.deterministic = True
     log.info("step %s: %d requests, %d logical rows", args.step, step.num_requests, step.num_logical_rows)
+    if getattr(args, "dp", None) is not None:
+        from .cmd_plan_group import run_group
+        return run_group(args, planner, step, budget)
     options = PlanOptions(packer=args.packer, time_budget_ms=args.time_budget_ms,
                           num_waves=args.num_waves, seed=args.seed, deterministic=args.deterministic)
     start = time.perf_counter()

@@ -36,16 +36,19 @@ class PlanWave:
     signature: Signature = field(repr=False)
     static_raw_bytes: int = field(repr=False)
     profile: Profile | None = field(default=None, repr=False, compare=False)
+    # (packed rows, causal attention pairs): what `Planner.observe(seconds=...)` learns from
+    work: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, index: int, wave: PackedWave, ids: tuple[str, ...], *, budget_bytes: int,
-           signature: Signature, static_raw_bytes: int, profile: Profile | None = None) -> PlanWave:
+           signature: Signature, static_raw_bytes: int, profile: Profile | None = None,
+           work: tuple[int, int] | None = None) -> PlanWave:
         """The plan wave around `wave`; `ids` are the step's request ids. O(requests)."""
         return cls(index=index, wave=wave,
                    request_ids=tuple(ids[j] for j in wave.requests),
                    child_ids=tuple(tuple(ids[j] for j in c) for c in wave.children),
                    budget_bytes=budget_bytes, signature=signature,
-                   static_raw_bytes=static_raw_bytes, profile=profile)
+                   static_raw_bytes=static_raw_bytes, profile=profile, work=work)
 
     @property
     def children(self) -> tuple[np.ndarray, ...]:

@@ -33,6 +33,7 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.step import Request, Step, load_step
+from waveplan.pricing.time_model import WaveTimeModel, check_seconds, wave_work
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import (
     DEFAULT_PACKER,
@@ -314,6 +315,20 @@ class Planner:
         """Where misses are appended (`misses.miss_record`); None: they are only warned about."""
         return self._misses.path
 
+    @property
+    def time_model(self) -> WaveTimeModel:
+        """Predicted seconds of a wave (`pricing.time_model`), its scale learned by
+        `observe(wave, seconds=...)`; docs/faq.md#time-model."""
+        if getattr(self, "_time_model", None) is None:
+            self._time_model = WaveTimeModel.from_model(self._model)
+        return self._time_model
+
+    @time_model.setter
+    def time_model(self, value: WaveTimeModel) -> None:
+        if not isinstance(value, WaveTimeModel):
+            raise bad(ConfigError, "time_model", type(value).__name__, "must be a WaveTimeModel")
+        self._time_model = value
+
     # --- planning -----------------------------------------------------------------------
 
     def pricer(self, step: Step, *, model: PricingModel | None = None) -> WavePricer | _ProfiledPricer:
@@ -403,7 +418,8 @@ class Planner:
             signature = signer.signature(w.loads)
             waves.append(PlanWave.of(i, w, ids, budget_bytes=budget, signature=signature,
                                      static_raw_bytes=static_raw_without_first_exec(w.price),
-                                     profile=self._store.get(signature)))
+                                     profile=self._store.get(signature),
+                                     work=wave_work(step, w.children)))
         return tuple(waves)
 
     @staticmethod
@@ -416,12 +432,18 @@ class Planner:
 
     # --- learning -----------------------------------------------------------------------
 
-    def observe(self, wave: PlanWave, *, peak_bytes) -> WaveObservation:
+    def observe(self, wave: PlanWave, *, peak_bytes=None, seconds=None) -> WaveObservation | None:
         """Learn from a wave's observed peak (bytes; a number or one per rank, the largest
         binds). The next plans of the same signature are priced with it. Returns the
         observation: the wave's estimate, the peak and the kind of miss; a miss is warned
         about on the `waveplan` logger (once per signature and kind) and appended to
-        `misses_path` (`waveplan.planner.misses`, docs/faq.md#a-wave-missed-its-estimate)."""
+        `misses_path` (`waveplan.planner.misses`, docs/faq.md#a-wave-missed-its-estimate).
+        `seconds`: the wave's measured time, which rescales `time_model` (alone, or with
+        `peak_bytes`; alone, None is returned)."""
+        if seconds is not None:
+            self._observe_seconds(wave, seconds)
+            if peak_bytes is None:
+                return None
         if not isinstance(wave, PlanWave):
             raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
         if wave.signature.config != self._config:
@@ -430,6 +452,17 @@ class Planner:
         self._store.observe(wave.signature, wave.loads, static_raw_bytes=wave.static_raw_bytes,
                             peak_bytes=peak)
         return self._misses.observe(self._model, wave, peak)
+
+    def _observe_seconds(self, wave: PlanWave, seconds) -> None:
+        """A wave's measured seconds (a number, or one per rank: the slowest binds)."""
+        if not isinstance(wave, PlanWave) or wave.work is None:
+            raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
+        if isinstance(seconds, Sequence | np.ndarray) and not isinstance(seconds, str | bytes):
+            values = list(seconds)
+            if not values:
+                raise bad(ConfigError, "seconds", values, "needs at least one rank")
+            seconds = max(check_seconds(f"seconds[{i}]", v) for i, v in enumerate(values))
+        self.time_model = self.time_model.observed(*wave.work, seconds)
 
     def save_profiles(self, path: str | os.PathLike | None = None) -> Path:
         """Write the profiles atomically (to `profiles_path` when `path` is None)."""
