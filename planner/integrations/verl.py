@@ -48,8 +48,8 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.step import Step
 
-from ..misses import WaveObservation, misses, observe_waves
 from ..group import GroupPlan, plan_group
+from ..misses import WaveObservation, misses, observe_waves
 from ..plan import Plan
 from ..planner import Planner
 
