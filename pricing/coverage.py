@@ -42,6 +42,8 @@ class GapKind(StrEnum):
     """An expert TP no trace covers."""
     FEATURE = "feature"
     """A model-family feature no trace covers (`feature_terms.feature_gaps`)."""
+    DTYPE = "dtype"
+    """Activations wider than bf16/fp16 (fp32): every traced term is a bf16 model's, scaled."""
 
 
 LAYOUT_GAP_KINDS = frozenset({
@@ -184,6 +186,21 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[Gap]:
     return []
 
 
+def dtype_scale(geometry: ModelGeometry) -> float:
+    """What every charge is multiplied by: dtype bytes / 2 (fp32: 2; bf16 and fp16: 1). The
+    traces are of bf16 models; an fp32 model at most doubles each tensor they hold, so the
+    scaled price is an upper bound (docs/memory-model.md#basis)."""
+    return max(1.0, geometry.dtype_bytes / 2)
+
+
+def dtype_gaps(geometry: ModelGeometry) -> list[Gap]:
+    """An fp32 model: no trace of its own dtype (`dtype_scale`)."""
+    if dtype_scale(geometry) > 1.0:
+        return [Gap(GapKind.DTYPE, f"dtype {geometry.dtype} (traced models are bf16: every charge "
+                    f"x{dtype_scale(geometry):g}, an upper bound)")]
+    return []
+
+
 def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, gaps: list[Gap],
                   table: CoefficientTable) -> ParallelLayout:
     """The layout an uncovered layout (`gaps`, its layout gaps) is credited with.
@@ -233,7 +250,7 @@ class Coverage:
     """The layout whose sharding the rank is credited with (`credit_layout`; `parallel` when
     it has no layout gap)."""
     gaps: tuple[Gap, ...]
-    """Every gap: layout and recompute first, then pipeline, expert TP, features."""
+    """Every gap: layout and recompute first, then pipeline, expert TP, features, dtype."""
 
     @property
     def layout_gaps(self) -> tuple[Gap, ...]:
@@ -289,6 +306,7 @@ def assess(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompu
     """The configuration's `Coverage`, assessed once. O(divisors)."""
     lgaps = layout_gaps(geometry, parallel, recompute, table)
     gaps = (lgaps + pipeline_gaps(parallel) + expert_tp_gaps(geometry, parallel)
-            + [Gap(GapKind.FEATURE, g) for g in feature_terms.feature_gaps(geometry)])
+            + [Gap(GapKind.FEATURE, g) for g in feature_terms.feature_gaps(geometry)]
+            + dtype_gaps(geometry))
     credit = credit_layout(geometry, parallel, lgaps, table) if lgaps else parallel
     return Coverage(parallel=parallel, credit=credit, gaps=tuple(gaps))

@@ -16,7 +16,7 @@ import numpy as np
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
 from .charges import Charges, ForwardParts, HeadParts
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
-from .coverage import Coverage, assess
+from .coverage import Coverage, assess, dtype_scale
 from .errors import ConfigError, bad
 from .geometry import ModelGeometry
 from .layer_arrays import layer_arrays
@@ -34,6 +34,18 @@ from .walk import WalkCharges
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
+
+
+_UNSCALED = frozenset({"chunk", "rope_kept", "rope_cp", "rope_entry"})
+"""WalkCharges fields that are not bf16 tensors' bytes: the GDN chunk, a flag, the fp32 RoPE
+cache (the same bytes at any model dtype)."""
+
+
+def _scaled_walk(walk: WalkCharges, factor: float) -> WalkCharges:
+    """`walk` with every byte charge but `_UNSCALED` times `factor` (itself at 1). O(layers)."""
+    if factor == 1.0:
+        return walk
+    return walk._replace(**{k: v * factor for k, v in walk._asdict().items() if k not in _UNSCALED})
 
 
 def parse_head(head: str) -> tuple[str, int]:
@@ -275,18 +287,21 @@ class PricingModel:
             if p.pp == 1 else 0.0,
             rope_entry=decoder.rope_entry if p.pp == 1 else 0.0,
             rope_kept=not full, head_forward=head_fwd)
+        # an fp32 model: every charge of the bf16 traces scaled (`coverage.dtype_scale`)
+        f = dtype_scale(g)
+        walk = _scaled_walk(walk, f)
         parts = dict(
-            head=HeadParts(logits_retained=logits_ret, logits_transient=logits_tr,
-                           norm_saved=norm_saved, norm_backward=norm_bwd,
-                           layout_residual=beside_head,
-                           logits_at_norm=0.0 if released else logits_ret),
-            forward=ForwardParts(nograd=decoder.nograd_plain,
-                                 retained_forward=decoder.retained_forward),
-            first_exec=terms.first_execution_bytes(t))
+            head=HeadParts(logits_retained=f * logits_ret, logits_transient=f * logits_tr,
+                           norm_saved=f * norm_saved, norm_backward=f * norm_bwd,
+                           layout_residual=f * beside_head,
+                           logits_at_norm=0.0 if released else f * logits_ret),
+            forward=ForwardParts(nograd=f * decoder.nograd_plain,
+                                 retained_forward=f * decoder.retained_forward),
+            first_exec=f * terms.first_execution_bytes(t))
         if p.pp == 1:
             return Charges(walk=walk, **parts)
         # each stage's charges from every layer's, and their folded per-wave proxy
-        boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
+        boundary = f * terms.boundary_per_row(t, widths, sp_div=sp_div)
         stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
         stages = stage_charges(walk, pp=p.pp, boundary_per_row=boundary,
                                received_per_row=received_activation_per_row(

@@ -92,6 +92,7 @@ def test_planned_step_equals_one_sequence_per_micro_batch(setup, share):
     run, loss, tokens, grads = _run(model, plan, data, mod.loss_func, planner=planner)
     assert len(run.logged) == len(run.peaks) == plan.num_waves  # one micro-batch per wave
     assert all(p > 0 for p in run.peaks)  # every wave's peak fed to observe:
+    assert not run.misses, [(o.ratio, o.kind) for o in run.misses]  # fp32 priced x2: no miss
     assert sum(p.count for p in planner.profiles) == observed + plan.num_waves
     alone = planner.plan(data.step, 2**40, num_waves=len(seqs))  # every sequence on its own
     assert all(len(w.request_ids) == 1 for w in alone.waves)
