@@ -119,13 +119,20 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     a = model.arrays
     walk_groups = _group_arrays(model, groups, first_slots)
     first_exec = 0.0 if profiled or not walk_groups.grad.any() else a["first_exec"]
-    best, values = walk(walk_charges(a), first_exec, walk_groups)
+    # constant bytes every point holds (FSDP2's gathered parameters, `fsdp.model`), carried by
+    # the walk beside the first-execution allowance and reported under their own name
+    resident = float(a.get("resident", 0.0)) if walk_groups.rows.size else 0.0
+    best, values = walk(walk_charges(a), first_exec + resident, walk_groups)
     raw = int(math.ceil(best[PEAK_BYTES]))
     code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
+    terms = {name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)}
+    if resident:
+        terms["first_execution"] = int(math.ceil(values[TERM_NAMES.index("first_execution")] - resident))
+        terms["gathered_parameters"] = int(math.ceil(resident))
     return Breakdown(
         raw_bytes=raw,
         admitted_bytes=int(math.ceil(raw * model.safety)),
-        terms={name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)},
+        terms=terms,
         binding=_binding_name(model, code, layer),
         basis=model.basis,
         reasons=model.reasons,
