@@ -130,11 +130,14 @@ class FsdpPricingModel(PricingModel):
         scale = self.bound_scale
         held, kept_q, point_q = terms.attention_quadratic(w, attn=lay.attn, checkpointing=ckpt)
         s = float(self.attn_rows)
-        retained = np.full(n, scale * terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk)
+        retained = np.full(n, scale * terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
+                                                                   attn=lay.attn)
                            + kept_q * s)
-        nograd = np.full(n, scale * terms.layer_forward_per_row(w, qk_norm=qk) + point_q * s)
-        workspace = np.full(n, scale * terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk,
-                                                                    attn=lay.attn) + point_q * s)
+        # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
+        f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
+        b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
+        nograd = np.full(n, max(scale * f_mlp, scale * f_att + point_q * s))
+        workspace = np.full(n, max(scale * b_mlp, scale * b_att + point_q * s))
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = terms.rotary_per_row(w) + held * s
@@ -153,22 +156,28 @@ class FsdpPricingModel(PricingModel):
             pending[k] = [terms.shard(c, lay.fsdp) * self.lora.grad_bytes for c in counts]
         adapters = lora_counts * max(ranks)
         layer_gathered = terms.BF16 * (base_counts + adapters)
-        resident = terms.BF16 * terms.root_param_count(g)
-        if lay.reshard_after_forward:
-            resident += 2 * float(layer_gathered.max())     # the running layer and the prefetched one
-        else:
-            resident += float(layer_gathered.sum())
-        # one layer's unsharded bf16 LoRA gradients, and two layers' reduce-scatter buffers
-        # (fp32 input, fp32 output shard) FSDP2 keeps until the next reduce-scatter
         top = float(adapters.max())
-        resident += terms.BF16 * top + 2 * terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        # at a layer's points: the root group's parameters (gathered from the forward's start to
+        # the backward's end), the running layer and the prefetched one, one layer's unsharded
+        # bf16 LoRA gradients and two layers' reduce-scatter buffers (fp32 input, fp32 output
+        # shard) FSDP2 keeps until the next reduce-scatter (#fsdp-constants)
+        root = terms.BF16 * terms.root_param_count(g)
+        grads = terms.BF16 * top + 2 * terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        if lay.reshard_after_forward:
+            resident = root + 2 * float(layer_gathered.max()) + grads
+            # at the head's points the decoder layers are resharded but the last one, which the
+            # backward prefetches: the head holds that much less (a negative head constant)
+            head_const = -(float(layer_gathered.max()) + grads)
+        else:
+            resident = root + float(layer_gathered.sum()) + grads
+            head_const = -grads
         zeros = np.zeros(n)
         return {
             "retained": retained, "workspace": workspace, "nograd": nograd,
             "gdn_state": zeros.copy(), "pending": pending, "pad_retained": zeros.copy(),
             "pad_point": zeros.copy(), "chunk": 0.0,
             "input_grad": terms.input_gradient_per_row(w),
-            "head_retained": head_ret, "head_transient": head_tr, "head_const": 0.0,
+            "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
             "head_forward": head_fwd, "head_chunk_rows": 0,
             "head_parts": {"logits_retained": head_ret, "logits_transient": head_tr,
                            "norm_saved": 0.0, "norm_backward": 0.0, "layout_residual": 0.0,

@@ -51,48 +51,51 @@ def widths(geometry: ModelGeometry, rank: int) -> Widths:
                   V=geometry.vocab, r=rank, experts=moe.num_experts if moe else 0.0)
 
 
-def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool) -> float:
+def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, attn: str) -> float:
     """What one decoder layer's forward keeps for its backward, per row (#fsdp-layer).
 
     Checkpointing: the layer's input hidden states (bf16). Without: every tensor autograd
-    saves in the layer: the two RMSNorms' fp32 input copies (2 x 4H) and bf16 outputs
-    (2 x 2H), q/k/v and their rotated copies (2Q + 4KV + 2Q + 2KV), the attention output and
-    its log-sum-exp (2Q + 4 nh), the output projection's input (2Q), gate/up outputs, SiLU
-    and product (4 x 2F), the residual adds' outputs (2 x 2H), and each of the seven LoRA
-    adapters' dropout-free input and A output (7 x 2r); qk-norm adds fp32 copies of q and k
-    (4Q + 4KV) and their normalised outputs (2Q + 2KV)."""
+    saves in the layer: the two RMSNorms' fp32 input copies (2 x 4H) and outputs (2 x 2H), the
+    rotated query and key (2Q + 2KV) and the value (2KV), the attention output (the output
+    projection's input, 2Q) and its fp32 log-sum-exp (4 nh), gate and up outputs, SiLU and
+    product (4 x 2F), and the seven LoRA adapters' A outputs (7 x 2r) with the norms' fp32
+    rsqrt (8); qk-norm adds fp32 copies of q and k and their outputs (6Q + 6KV); eager keeps
+    the key and value repeated to every query head (4Q)."""
     if checkpointing:
         return BF16 * w.H
-    out = (8 * w.H + 4 * w.H + 2 * w.Q + 6 * w.KV + 2 * w.Q + 2 * w.Q + FP32 * w.nh + 2 * w.Q
-           + 8 * w.F + 4 * w.H + 14 * w.r + 8)
+    out = 8 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 14 * w.r + FP32 * w.nh + 8
     if qk_norm:
         out += 6 * w.Q + 6 * w.KV
+    if attn == "eager":
+        out += 4 * w.Q
     return out
 
 
-def layer_forward_per_row(w: Widths, *, qk_norm: bool) -> float:
+def layer_forward_per_row(w: Widths, *, qk_norm: bool) -> tuple[float, float]:
     """A layer's forward transient above what it keeps, per row (#fsdp-layer): the larger of the
     MLP's (norm copies 8H, gate, up, SiLU and product 8F, LoRA A outputs 6r, output 2H) and the
     attention's (norm copies 8H, q/k/v and rotated copies 4Q + 6KV, output and LSE 2Q + 4nh,
-    projection 2H; qk-norm 6Q + 6KV)."""
+    projection 2H; qk-norm 6Q + 6KV), as (MLP, attention)."""
     mlp = 10 * w.H + 8 * w.F + 6 * w.r
     att = 10 * w.H + 6 * w.Q + 6 * w.KV + FP32 * w.nh + 6 * w.r
     if qk_norm:
         att += 6 * w.Q + 6 * w.KV
-    return max(mlp, att)
+    return mlp, att
 
 
-def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, attn: str) -> float:
+def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
+                           attn: str) -> tuple[float, float]:
     """A layer's backward workspace per row beside its own input gradient (#fsdp-layer): with
     checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
     larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
-    (8H + 12Q + 8KV + 8nh + 12r); without, the gradients in flight only (the saved tensors are in
+    (8H + 8Q + 4KV + 8nh + 12r); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
     6r. flash_attention_2's varlen backward adds its fp32 dq accumulator (4Q), its fp32 softmax
-    sums (4nh) and, under GQA, key/value gradients expanded to every query head (4Q - 4KV)."""
+    sums (4nh) and, under GQA, key/value gradients expanded to every query head (4Q - 4KV).
+    Returns (MLP, attention): the S x S terms sit at the attention's point only."""
     if checkpointing:
         mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
-        att = 8 * w.H + 12 * w.Q + 8 * w.KV + 8 * w.nh + 12 * w.r
+        att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
         if qk_norm:
             att += 6 * w.Q + 6 * w.KV
     else:
@@ -104,7 +107,7 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, att
         att += 4 * w.Q + FP32 * w.nh + 4 * (w.Q - w.KV)
     if w.experts:
         mlp += FP32 * w.experts * 3   # router logits, probabilities and their gradient (fp32)
-    return max(mlp, att)
+    return mlp, att
 
 
 def rotary_per_row(w: Widths) -> float:
@@ -146,12 +149,13 @@ def attention_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> tuple[f
     block-causal bool mask (1 byte), held from the model's forward to its backward, and the
     kernel's converted float mask at a layer's points (2 bytes). eager: the bf16 additive mask
     (2), and per head at a layer's points the scores, their fp32 softmax input, output and
-    gradient (12 nh); without checkpointing each layer keeps the fp32 softmax output and the
-    bf16 probabilities (6 nh). flash: none (varlen kernels take cu_seqlens, no mask)."""
+    gradient (12 nh, recomputed under checkpointing); without checkpointing each layer keeps the
+    fp32 softmax output and the bf16 probabilities (6 nh) and its backward adds the gradient's
+    fp32 copy and softmax's backward output beside them as they are released (6 nh). flash: none (varlen kernels take cu_seqlens, no mask)."""
     if attn == "sdpa":
         return 1.0, 0.0, 2.0
     if attn == "eager":
-        return 2.0, 0.0 if checkpointing else 6 * w.nh, 12 * w.nh
+        return (2.0, 0.0, 12 * w.nh) if checkpointing else (2.0, 6 * w.nh, 6 * w.nh)
     return 0.0, 0.0, 0.0
 
 
