@@ -15,7 +15,10 @@ from .walk import (
     PEAK_BYTES,
     PEAK_LAYER,
     PEAK_POINT,
+    POINT_HEAD_BACKWARD,
+    POINT_HEAD_FORWARD,
     POINT_NAMES,
+    POINT_NOGRAD_FORWARD,
     TERM_NAMES,
     WalkGroups,
     walk,
@@ -127,8 +130,12 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
     terms = {name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)}
     if resident:
+        # at the head's points the head constant takes back the layers FSDP has resharded there
+        held = resident + (a["head_const"] if code in (POINT_HEAD_FORWARD, POINT_HEAD_BACKWARD,
+                                                       POINT_NOGRAD_FORWARD) else 0.0)
         terms["first_execution"] = int(math.ceil(values[TERM_NAMES.index("first_execution")] - resident))
-        terms["gathered_parameters"] = int(math.ceil(resident))
+        terms["head"] = int(math.ceil(values[TERM_NAMES.index("head")] - (held - resident)))
+        terms["gathered_parameters"] = int(math.ceil(held))
     return Breakdown(
         raw_bytes=raw,
         admitted_bytes=int(math.ceil(raw * model.safety)),

@@ -212,9 +212,9 @@ class Installed:
                 module.rearrange_micro_batches = self._original
 
 
-def install(planner: Planner, free_bytes: object | Callable[[], object], *,
+def install(planner: Planner | object, free_bytes: object | Callable[[], object], *,
             model_parallel_group=None, group=None, grad: bool = True,
-            time_budget_ms: float = 5.0) -> Installed:
+            time_budget_ms: float = 5.0, fsdp: int | None = None) -> Installed:
     """Make veRL's engine plan its dynamic micro-batches with `planner`: replaces
     `rearrange_micro_batches` in `verl.utils.seqlen_balancing` (used by
     `prepare_dynamic_batch`) and in `verl.workers.engine.utils` (used by the engine's
@@ -225,11 +225,17 @@ def install(planner: Planner, free_bytes: object | Callable[[], object], *,
     `parallel_state.get_model_parallel_group`, needed with TP/PP/CP > 1 so that
     model-parallel peers share one budget and one plan). Call it in every worker process,
     e.g. from a plugin module that veRL imports (`VERL_USE_EXTERNAL_MODULES`; see
-    docs/integration.md)."""
+    docs/integration.md). Under veRL's FSDP engine (strategy fsdp or fsdp2) `planner` may be
+    the worker's live transformers model itself (PEFT-wrapped, `fully_shard`ed or not): the
+    planner is then `Planner.from_hf_model(model, fsdp=fsdp)` (framework "fsdp"; `fsdp`: the
+    shard group size when the model is not sharded yet)."""
     import sys
 
     import verl.utils.seqlen_balancing as balancing
 
+    if not isinstance(planner, Planner):
+        # veRL's FSDP engine (strategies fsdp, fsdp2): the worker's live transformers model
+        planner = Planner.from_hf_model(planner, fsdp=fsdp)
     handle = Installed(planner=planner, free_bytes=free_bytes,
                        options=dict(model_parallel_group=model_parallel_group, group=group,
                                     grad=grad, time_budget_ms=time_budget_ms))

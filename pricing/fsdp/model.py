@@ -172,9 +172,13 @@ class FsdpPricingModel(PricingModel):
             resident = root + float(layer_gathered.sum()) + grads
             head_const = -grads
         zeros = np.zeros(n)
+        # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
+        # segment (one per sequence in an unshared step) at the layers' points, which the walk
+        # carries in its per-segment column (reported under gdn_states)
+        per_seq = np.full(n, scale * terms.flash_per_sequence(w) if lay.attn == "flash" else 0.0)
         return {
             "retained": retained, "workspace": workspace, "nograd": nograd,
-            "gdn_state": zeros.copy(), "pending": pending, "pad_retained": zeros.copy(),
+            "gdn_state": per_seq, "pending": pending, "pad_retained": zeros.copy(),
             "pad_point": zeros.copy(), "chunk": 0.0,
             "input_grad": terms.input_gradient_per_row(w),
             "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,

@@ -90,8 +90,7 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
     (8H + 8Q + 4KV + 8nh + 12r); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
-    6r. flash_attention_2's varlen backward adds its fp32 dq accumulator (4Q), its fp32 softmax
-    sums (4nh) and, under GQA, key/value gradients expanded to every query head (4Q - 4KV).
+    6r. flash_attention_2 adds `flash_backward_per_row`.
     Returns (MLP, attention): the S x S terms sit at the attention's point only."""
     if checkpointing:
         mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
@@ -104,10 +103,26 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
         if qk_norm:
             att += 4 * w.Q + 4 * w.KV
     if attn == "flash":
-        att += 4 * w.Q + FP32 * w.nh + 4 * (w.Q - w.KV)
+        att += flash_backward_per_row(w)
     if w.experts:
         mlp += FP32 * w.experts * 3   # router logits, probabilities and their gradient (fp32)
     return mlp, att
+
+
+def flash_backward_per_row(w: Widths) -> float:
+    """What flash_attention_2's varlen path adds per row at the attention's backward
+    (#fsdp-attention; flash-attn 2 `mha_varlen_bwd`): the fp32 dq accumulator
+    [total_q + 128 b, nh, hd] (4Q), the fp32 softmax sums [nh, total_q + 128 b] (4nh), under GQA
+    dk and dv expanded to every query head [total_k, nh, hd] (4Q), and the contiguous q, k, v
+    transformers' `_flash_attention_forward` hands the kernel on packed rows (2Q + 4KV)."""
+    gqa = 4 * w.Q if w.KV < w.Q else 0.0
+    return 4 * w.Q + FP32 * w.nh + gqa + 2 * w.Q + 4 * w.KV
+
+
+def flash_per_sequence(w: Widths) -> float:
+    """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
+    in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention)."""
+    return 128.0 * (4 * w.Q + FP32 * w.nh)
 
 
 def rotary_per_row(w: Widths) -> float:
