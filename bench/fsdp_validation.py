@@ -26,7 +26,7 @@ FAMILIES = {
     "llama": dict(_BASE, model_type="llama"),
     "qwen2": dict(_BASE, model_type="qwen2", intermediate_size=448, vocab_size=3072),
     "qwen3": dict(_BASE, model_type="qwen3", num_attention_heads=4, head_dim=48),
-    "mistral": dict(_BASE, model_type="mistral", hidden_size=160, num_attention_heads=5,
+    "mistral": dict(_BASE, model_type="mistral", hidden_size=160, num_attention_heads=4, head_dim=40,
                     intermediate_size=416, sliding_window=None),
 }
 WAVES = [(160, 96, 64), (384,)]

@@ -162,7 +162,7 @@ class FsdpPricingModel(PricingModel):
         # bf16 LoRA gradients and two layers' reduce-scatter buffers (fp32 input, fp32 output
         # shard) FSDP2 keeps until the next reduce-scatter (#fsdp-constants)
         root = terms.BF16 * terms.root_param_count(g)
-        grads = terms.BF16 * top + 2 * terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        grads = terms.BF16 * top + terms.FP32 * (top + terms.shard(top, lay.fsdp))
         if lay.reshard_after_forward:
             resident = root + 2 * float(layer_gathered.max()) + grads
             # at the head's points the decoder layers are resharded but the last one, which the

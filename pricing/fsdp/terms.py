@@ -59,15 +59,16 @@ def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, att
     rotated query and key (2Q + 2KV) and the value (2KV), the attention output (the output
     projection's input, 2Q) and its fp32 log-sum-exp (4 nh), gate and up outputs, SiLU and
     product (4 x 2F), and the seven LoRA adapters' A outputs (7 x 2r) with the norms' fp32
-    rsqrt (8); qk-norm adds fp32 copies of q and k and their outputs (6Q + 6KV); eager keeps
-    the key and value repeated to every query head (4Q)."""
+    rsqrt (8); qk-norm adds the fp32 copies of q and k its norms keep (4Q + 4KV); eager keeps
+    the key and value repeated to every query head (4Q) in place of the rotated key and the value
+    (4KV)."""
     if checkpointing:
         return BF16 * w.H
     out = 8 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 14 * w.r + FP32 * w.nh + 8
     if qk_norm:
-        out += 6 * w.Q + 6 * w.KV
+        out += 4 * w.Q + 4 * w.KV
     if attn == "eager":
-        out += 4 * w.Q
+        out += 4 * w.Q - 4 * w.KV
     return out
 
 
@@ -88,13 +89,18 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     """A layer's backward workspace per row beside its own input gradient (#fsdp-layer): with
     checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
     larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
-    (8H + 8Q + 4KV + 8nh + 12r); without, the gradients in flight only (the saved tensors are in
+    (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
     6r. flash_attention_2 adds `flash_backward_per_row`.
     Returns (MLP, attention): the S x S terms sit at the attention's point only."""
     if checkpointing:
         mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
-        att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
+        # eager: the norm's fp32 input and output, the rotated q, one repeated k/v, the scores'
+        # matmul gradient (6H + 6Q), LoRA A outputs; sdpa's kernel backward adds q/k/v gradients
+        if attn == "eager":
+            att = 6 * w.H + 6 * w.Q + 8 * w.r + FP32 * w.nh
+        else:
+            att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
         if qk_norm:
             att += 6 * w.Q + 6 * w.KV
     else:
