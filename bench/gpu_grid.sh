@@ -47,7 +47,7 @@ import json, sys
 for name, lens in (("short", [1024] * 8), ("long", [4096] * 2)):
     with open(f"{sys.argv[1]}/{name}.jsonl", "w") as fh:
         for i, n in enumerate(lens):
-            fh.write(json.dumps({"id": f"{name}{i}", "prompt_tokens": 0, "completion_tokens": n}) + "\n")
+            fh.write(json.dumps({"id": f"{name}{i}", "completion_tokens": n}) + "\n")
 PYEOF
 : > "$OUT/gpu_megatron_traces.jsonl"
 for model in qwen3-8b llama-3.1-8b; do
