@@ -128,6 +128,20 @@ def model_from_dict(data: dict) -> PricingModel:
         raise bad(ConfigError, "model", type(data).__name__, "must be an object")
     recompute = dict(data["recompute"])
     recompute["modules"] = tuple(recompute.get("modules", ()))
+    if data.get("framework") == "fsdp":
+        import dataclasses
+
+        from waveplan.pricing.fsdp import FsdpLayout, FsdpPricingModel
+
+        geometry = ModelGeometry.from_dict(data["geometry"])
+        geometry = dataclasses.replace(geometry, extra={**(geometry.extra or {}),
+                                                        "model_type": data.get("model_type", "")})
+        return FsdpPricingModel(geometry=geometry,
+                                parallel=ParallelLayout(**data["parallel"]),
+                                recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
+                                table=table_from_dict(data["coefficients"]), head=data["head"],
+                                safety=data["safety"], fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
+                                attn_rows=int(data.get("attn_rows", 0)))
     return PricingModel(geometry=ModelGeometry.from_dict(data["geometry"]),
                         parallel=ParallelLayout(**data["parallel"]),
                         recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),

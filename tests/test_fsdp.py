@@ -117,3 +117,13 @@ def test_live_trace_is_never_above_the_price():
     assert len(trace.peaks) == 2 and trace.peak_bytes > 0
     priced = price_record(trace.to_dict()).raw_bytes
     assert priced >= trace.peak_bytes
+
+
+def test_report_replays_the_fsdp_plan(tmp_path, capsys):
+    """A report of an fsdp plan rebuilds the same model (framework, layout, family) on replay."""
+    path = tmp_path / "report.json"
+    assert main(["plan", "grpo-8x8", "--model", "qwen3-8b", "--framework", "fsdp", "--fsdp", "8",
+                 "--attn", "sdpa", "--free-gib", "40", "--deterministic", "--report", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    assert "replay identical" in capsys.readouterr().out

@@ -198,6 +198,8 @@ class FsdpPricingModel(PricingModel):
         doc = super().to_dict()
         doc["framework"] = "fsdp"
         doc["fsdp"] = self.fsdp_layout.to_dict()
+        # the family decides the basis; the geometry's dict does not carry its source
+        doc["model_type"] = model_type_of(self.geometry)
         if self.attn_rows:
             doc["attn_rows"] = self.attn_rows
         return doc
