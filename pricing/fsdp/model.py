@@ -163,10 +163,13 @@ class FsdpPricingModel(PricingModel):
         # shard) FSDP2 keeps until the next reduce-scatter (#fsdp-constants)
         root = terms.BF16 * terms.root_param_count(g)
         grads = terms.BF16 * top + terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        # a shard group of one rank prefetches nothing (its anatomy holds one layer at a layer's
+        # points and none at the head's); larger groups hold the next layer's all-gather too
+        prefetch = 0 if lay.fsdp == 1 else 1
         if lay.reshard_after_forward:
-            resident = root + 2 * float(layer_gathered.max()) + grads
-            # at the head's points the decoder layers are resharded but the last one, which the
-            # backward prefetches: the head holds that much less (a negative head constant)
+            resident = root + (1 + prefetch) * float(layer_gathered.max()) + grads
+            # at the head's points the decoder layers are resharded but the prefetched one: the
+            # head holds that much less (a negative head constant)
             head_const = -(float(layer_gathered.max()) + grads)
         else:
             resident = root + float(layer_gathered.sum()) + grads
