@@ -213,12 +213,21 @@ class Planner:
                     lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
                     head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                     profiles_path: str | os.PathLike | None = None,
-                    moe_load: float | None = None) -> Planner:
+                    moe_load: float | None = None, framework: str = "megatron", fsdp: int = 1,
+                    attn: str = "flash", reshard_after_forward: bool = True,
+                    ulysses: int = 1) -> Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given. `moe_load` (opt-in): the busiest EP rank's routed
         rows over rows x top_k that the caller guarantees (`pricing.moe_terms.busiest_rank_load`;
         default: the worst case any router can produce). `etp`: Megatron's
-        expert_tensor_parallel_size (None: its default, `tp`)."""
+        expert_tensor_parallel_size (None: its default, `tp`). `framework="fsdp"`: as in
+        `from_hf_config`."""
+        if framework != "megatron":
+            return cls._fsdp(load_preset(name), framework=framework, tp=tp, cp=cp, pp=pp, ep=ep,
+                             sequence_parallel=sequence_parallel, recompute=recompute,
+                             lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                             backend=backend, safety=safety, profiles_path=profiles_path, fsdp=fsdp,
+                             attn=attn, reshard_after_forward=reshard_after_forward, ulysses=ulysses)
         return cls(geometry=load_preset(name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),

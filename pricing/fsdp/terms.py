@@ -37,6 +37,7 @@ class Widths:
     V: float    # vocabulary
     r: float    # LoRA rank
     experts: float  # routed experts (0: dense)
+    top_k: float = 0.0  # experts per routed row (0: dense)
 
 
 def widths(geometry: ModelGeometry, rank: int) -> Widths:
@@ -48,7 +49,8 @@ def widths(geometry: ModelGeometry, rank: int) -> Widths:
         f = max(f, moe.top_k * moe.expert_ffn + moe.shared_expert_ffn)
     return Widths(H=geometry.hidden, F=f, Q=att.num_heads * att.head_dim,
                   KV=att.num_kv_groups * att.head_dim, nh=att.num_heads, hd=att.head_dim,
-                  V=geometry.vocab, r=rank, experts=moe.num_experts if moe else 0.0)
+                  V=geometry.vocab, r=rank, experts=moe.num_experts if moe else 0.0,
+                  top_k=moe.top_k if moe else 0.0)
 
 
 def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, attn: str) -> float:
@@ -69,6 +71,8 @@ def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, att
         out += 4 * w.Q + 4 * w.KV
     if attn == "eager":
         out += 4 * w.Q - 4 * w.KV
+    if w.experts:
+        out += moe_per_row(w)
     return out
 
 
@@ -77,7 +81,7 @@ def layer_forward_per_row(w: Widths, *, qk_norm: bool) -> tuple[float, float]:
     MLP's (norm copies 8H, gate, up, SiLU and product 8F, LoRA A outputs 6r, output 2H) and the
     attention's (norm copies 8H, q/k/v and rotated copies 4Q + 6KV, output and LSE 2Q + 4nh,
     projection 2H; qk-norm 6Q + 6KV), as (MLP, attention)."""
-    mlp = 10 * w.H + 8 * w.F + 6 * w.r
+    mlp = 10 * w.H + 8 * w.F + 6 * w.r + (moe_per_row(w) if w.experts else 0.0)
     att = 10 * w.H + 6 * w.Q + 6 * w.KV + FP32 * w.nh + 6 * w.r
     if qk_norm:
         att += 6 * w.Q + 6 * w.KV
@@ -111,7 +115,7 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     if attn == "flash":
         att += flash_backward_per_row(w)
     if w.experts:
-        mlp += FP32 * w.experts * 3   # router logits, probabilities and their gradient (fp32)
+        mlp += moe_per_row(w)
     return mlp, att
 
 
@@ -129,6 +133,13 @@ def flash_per_sequence(w: Widths) -> float:
     """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
     in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention)."""
     return 128.0 * (4 * w.Q + FP32 * w.nh)
+
+
+def moe_per_row(w: Widths) -> float:
+    """A routed row's extra tensors in a transformers MoE block, a bound (no trace): the router's
+    fp32 logits, probabilities and their gradient (12 x experts) and each routed copy's gathered
+    input and weighted output in bf16 (4 x top_k x H)."""
+    return 3 * FP32 * w.experts + 4 * w.top_k * w.H
 
 
 def rotary_per_row(w: Widths) -> float:
