@@ -23,6 +23,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 TRACES = RESULTS / "fsdp_traces.jsonl"
 TABLE = RESULTS / "fsdp_validation.txt"
+SCATTER = RESULTS / "fsdp_scatter.png"
 
 _BASE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
              num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=False)
@@ -115,6 +116,34 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def scatter() -> None:
+    """Priced over traced per cell (set 1 and set 2), as bench/results/fsdp_scatter.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from waveplan.pricing.fsdp.check import price_record
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pick, marker in (("set 1 (corrected after)", False, "o"), ("set 2 (held out)", True, "s")):
+        xs, ys = [], []
+        for line in TRACES.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["class"].startswith("set2:") != pick:
+                continue
+            xs.append(rec["peak_bytes"] / 2**20)
+            ys.append(100 * (price_record(rec).raw_bytes / rec["peak_bytes"] - 1))
+        ax.scatter(xs, ys, label=label, marker=marker)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("traced peak above rest (MiB, busiest rank)")
+    ax.set_ylabel("raw price over traced peak (%)")
+    ax.set_title("fsdp framework: CPU gloo traces (transformers + PEFT + FSDP2)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(SCATTER, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--classes", type=int, default=None, help="trace at most N new classes")
@@ -126,6 +155,7 @@ def main() -> None:
         run_traces(args.classes, args.device, args.set)
     text = table()
     TABLE.write_text(text, encoding="utf-8")
+    scatter()
     print(text)
 
 
