@@ -60,6 +60,16 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
     parser.add_argument("--lora-rank", type=int, default=16,
                         help="LoRA rank of the one slot 'default', on every linear layer "
                              "(linear_qkv, linear_proj, in_proj, out_proj, linear_fc1, linear_fc2)")
+    parser.add_argument("--framework", choices=("megatron", "fsdp"), default="megatron",
+                        help="megatron (Megatron-core, default) or fsdp (Hugging Face transformers + "
+                             "PEFT LoRA under FSDP2; --recompute full|none = gradient checkpointing on/off)")
+    parser.add_argument("--fsdp", type=int, default=1, metavar="N",
+                        help="--framework fsdp: FSDP2 shard group size (default 1)")
+    parser.add_argument("--attn", choices=("flash", "sdpa", "eager"), default="flash",
+                        help="--framework fsdp: attention implementation (default flash: "
+                             "flash_attention_2 on packed rows)")
+    parser.add_argument("--ulysses", type=int, default=1, metavar="N",
+                        help="--framework fsdp: Ulysses sequence parallel size (only 1 is priced)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
                         help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
     if not table:
@@ -90,6 +100,13 @@ def model_spec(args: argparse.Namespace) -> str:
 def model_from_args(args: argparse.Namespace) -> PricingModel:
     check_schedule(getattr(args, "virtual_stages", 1), args.pp)
     geometry = load_model(model_spec(args), as_family=getattr(args, "as_family", None))
+    if getattr(args, "framework", "megatron") == "fsdp":
+        return _fsdp_model_from_args(args, geometry)
+    for flag, value, default in (("--fsdp", getattr(args, "fsdp", 1), 1),
+                                 ("--attn", getattr(args, "attn", "flash"), "flash"),
+                                 ("--ulysses", getattr(args, "ulysses", 1), 1)):
+        if value != default:
+            raise bad(ConfigError, flag, value, "applies to --framework fsdp only")
     if args.ep != 1 and geometry.moe is None:
         raise bad(ConfigError, "--ep", args.ep,
                   f"{geometry.name} is a dense model (no experts); expert parallelism needs an MoE model")
@@ -142,3 +159,28 @@ def parse_gib(text: str, field: str) -> float:
     if not math.isfinite(value) or value <= 0 or value > 1 << 20:
         raise bad(ConfigError, field, text, "must be a finite number of GiB in (0, 1048576]")
     return value
+
+
+def _fsdp_model_from_args(args: argparse.Namespace, geometry) -> PricingModel:
+    """The fsdp framework's model (`pricing.fsdp`): TP/CP/PP/EP/SP and selective recompute
+    refused with one line; sdpa/eager's S x S terms provisionally at 65536 rows (`price` and
+    `plan` set them from the step and the budget, `fsdp.model.for_step`)."""
+    from waveplan.pricing.fsdp import build_fsdp_model
+
+    for flag, value in (("--tp", args.tp), ("--cp", args.cp), ("--pp", args.pp), ("--ep", args.ep)):
+        if value != 1:
+            raise bad(ConfigError, flag, value, "--framework fsdp shards parameters only (use --fsdp N)")
+    if args.sp:
+        raise bad(ConfigError, "--sp", True, "--framework fsdp has no sequence parallelism")
+    if args.recompute == "selective":
+        raise bad(ConfigError, "--recompute", "selective",
+                  "--framework fsdp: full (gradient checkpointing) or none")
+    if args.head != DEFAULT_HEAD:
+        raise bad(ConfigError, "--head", args.head,
+                  "--framework fsdp prices transformers' own loss on all logits")
+    return build_fsdp_model(
+        geometry, fsdp=args.fsdp, attn=args.attn, checkpointing=args.recompute == "full",
+        lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
+        backend=getattr(args, "backend", DEFAULT_BACKEND),
+        safety=getattr(args, "safety", DEFAULT_SAFETY), ulysses=args.ulysses,
+        attn_rows=0 if args.attn == "flash" else 65536)

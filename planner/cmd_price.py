@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from waveplan.pricing.fsdp.model import for_step
 from waveplan.pricing.step import list_bundled_steps
 from waveplan.pricing.wave_pricer import WavePricer
 
@@ -28,8 +29,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = model_from_args(args)
-    step = read_step(args.step)
+    # the fsdp framework prices the step's sequences unshared, S x S terms at its rows
+    model, step = for_step(model_from_args(args), read_step(args.step))
     pricer = WavePricer.build(step, model)
     first = frozenset() if args.not_first else frozenset(
         r.slot for r in step.requests if r.grad)

@@ -78,6 +78,14 @@ def register(subparsers) -> None:
                         help="loss on the full logits: Megatron's native cross entropy (bf16 logits "
                              "and an fp32 copy; default) or Transformer Engine's (gradient written "
                              "into the bf16 logits; on the CPU an allocation model of it); one rank")
+    parser.add_argument("--framework", choices=("megatron", "fsdp"), default="megatron",
+                        help="fsdp: Hugging Face transformers + PEFT LoRA under FSDP2 on --fsdp gloo "
+                             "ranks (--model must be a config.json; real tensors: keep it small)")
+    parser.add_argument("--fsdp", type=int, default=1, metavar="N",
+                        help="--framework fsdp: shard group size (one process per rank)")
+    parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                        help="--framework fsdp: attention implementation traced (flash_attention_2 "
+                             "does not run on the CPU; it is priced by its allocation model)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -104,6 +112,8 @@ def run(args) -> int:
     from waveplan.pricing.pipeline import check_schedule
 
     check_schedule(args.virtual_stages, args.pp)
+    if args.framework == "fsdp":
+        return _run_fsdp(args)
     geometry = load_model(args.model)
     step = _load_step(args.step)
     for name in ("torch", "megatron.core"):
@@ -265,4 +275,55 @@ def _run_pipeline(args, geometry, step, seq_lens, layers) -> int:
     print(f"  counted: {result.counted}")
     for note in record["trace"]["notes"]:
         print(f"  note: {note}")
+    return 0
+
+
+def _run_fsdp(args) -> int:
+    """`trace --framework fsdp`: the step as one packed wave of a transformers model built from
+    the config.json, PEFT LoRA, FSDP2 over --fsdp gloo ranks (`measure.fsdp_trace`); each rank's
+    peak above rest, and the price beside it (`pricing.fsdp.check.price_record`)."""
+    from waveplan.pricing.errors import bad
+    from waveplan.pricing.fsdp.check import price_record
+    from waveplan.pricing.hf_config import load_hf_config
+
+    path = Path(args.model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise bad(ConfigError, "--model", args.model,
+                  "--framework fsdp traces a transformers config.json (real tensors: a small one)")
+    config = json.loads(path.read_text(encoding="utf-8"))
+    load_hf_config(config)   # one clear line for a config the pricing cannot read
+    if args.layers is not None:
+        config["num_hidden_layers"] = args.layers
+    for flag, value in (("--tp", args.tp), ("--cp", args.cp), ("--pp", args.pp), ("--ep", args.ep)):
+        if value != 1:
+            raise bad(ConfigError, flag, value, "--framework fsdp shards parameters only (use --fsdp N)")
+    if args.recompute == "selective":
+        raise bad(ConfigError, "--recompute", "selective", "--framework fsdp: full or none")
+    if args.lora_rank < 1:
+        raise bad(ConfigError, "--lora-rank", args.lora_rank, "--framework fsdp needs LoRA rank >= 1")
+    device = args.device or "cpu"
+    if device == "cpu-fake":
+        raise bad(ConfigError, "--device", device, "--framework fsdp runs real tensors: cpu or cuda")
+    from waveplan.pricing.measure.fsdp_trace import trace_fsdp
+
+    step = _load_step(args.step)
+    seq_lens = tuple(int(r.num_tokens) for r in step.requests)
+    trace = trace_fsdp(config, jobs=[seq_lens], fsdp=args.fsdp, attn=args.attn,
+                       checkpointing=args.recompute == "full", lora_rank=args.lora_rank,
+                       device=device, timeout_s=args.timeout)[0]
+    record = trace.to_dict()
+    price = price_record(record)
+    record["priced_raw_bytes"] = price.raw_bytes
+    if args.json:
+        print(json.dumps(record, sort_keys=True))
+        return 0
+    print(f"fsdp trace: {path.name} ({config.get('model_type')}), {len(seq_lens)} sequences, "
+          f"{sum(seq_lens)} tokens, FSDP{args.fsdp}, attn {args.attn}, "
+          f"checkpointing {'on' if trace.checkpointing else 'off'}, LoRA rank {args.lora_rank}, {device}")
+    for r, (peak, rest) in enumerate(zip(trace.peaks, trace.rest, strict=True)):
+        print(f"  rank {r}: peak above rest {peak / GIB:.4f} GiB ({peak} B), at rest {rest} B")
+    print(f"priced raw {price.raw_bytes} B ({100 * (price.raw_bytes / trace.peak_bytes - 1):+.1f}% "
+          f"vs the busiest rank), binding {price.binding}, basis {price.basis}")
     return 0

@@ -36,6 +36,7 @@ from waveplan.pricing import rope_cache
 from waveplan.pricing.atomic_io import append_line_atomic
 from waveplan.pricing.coefficients import CoefficientTable, list_backends, load_table
 from waveplan.pricing.errors import ConfigError, WaveplanError, bad
+from waveplan.pricing.frameworks import model_from_dict
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import Breakdown, GroupLoad, price_groups
 
@@ -401,7 +402,7 @@ def reprice(record: MissRecord, *, backend: str | None = None) -> Repriced:
     names the field of a record that cannot be priced. O(model + loads)."""
     data = record.data
     try:
-        model = PricingModel.from_dict(data["model"])
+        model = model_from_dict(data["model"])
     except WaveplanError as exc:
         raise ConfigError(f"model: {exc}") from None
     except (KeyError, TypeError, AttributeError, ValueError) as exc:

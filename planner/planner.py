@@ -25,6 +25,8 @@ from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.compile_clock import CompileClock
 from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad
+from waveplan.pricing.fsdp import FRAMEWORKS, build_fsdp_model
+from waveplan.pricing.fsdp.model import for_step
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.lora import LoraConfig, LoraSlot
@@ -206,12 +208,22 @@ class Planner:
                     lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
                     head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                     profiles_path: str | os.PathLike | None = None,
-                    moe_load: float | None = None, misses_path: str | os.PathLike | None = None) -> Planner:
+                    moe_load: float | None = None, misses_path: str | os.PathLike | None = None,
+                    framework: str = "megatron", fsdp: int = 1, attn: str = "flash",
+                    reshard_after_forward: bool = True, ulysses: int = 1) -> Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given. `moe_load` (opt-in): the busiest EP rank's routed
         rows over rows x top_k that the caller guarantees (`pricing.moe_terms.busiest_rank_load`;
         default: the worst case any router can produce). `etp`: Megatron's
-        expert_tensor_parallel_size (None: its default, `tp`)."""
+        expert_tensor_parallel_size (None: its default, `tp`). `framework="fsdp"`: as in
+        `from_hf_config`."""
+        if framework != "megatron":
+            return cls._fsdp(load_preset(name), framework=framework, tp=tp, cp=cp, pp=pp, ep=ep,
+                             sequence_parallel=sequence_parallel, recompute=recompute,
+                             lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                             backend=backend, safety=safety, profiles_path=profiles_path, fsdp=fsdp,
+                             attn=attn, reshard_after_forward=reshard_after_forward, ulysses=ulysses,
+                             misses_path=misses_path)
         return cls(geometry=load_preset(name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
@@ -228,17 +240,71 @@ class Planner:
                        profiles_path: str | os.PathLike | None = None,
                        name: str | None = None, moe_load: float | None = None,
                        misses_path: str | os.PathLike | None = None,
-                       as_family: str | None = None) -> Planner:
+                       as_family: str | None = None,
+                       framework: str = "megatron", fsdp: int = 1, attn: str = "flash",
+                       reshard_after_forward: bool = True, ulysses: int = 1) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
         or a `transformers` config object (`pricing.hf_config.load_hf_config`; `as_family`
         opts an unsupported model_type into a supported family's reading, conservatively);
-        the other arguments as `from_preset`."""
-        return cls(geometry=load_hf_config(config, name=name, as_family=as_family),
+        the other arguments as `from_preset`. `framework="fsdp"`: the model as Hugging Face
+        transformers with PEFT LoRA runs it under FSDP2 (`pricing.fsdp`): `fsdp` the shard group
+        size, `attn` flash/sdpa/eager, `recompute` full (gradient checkpointing) or none;
+        TP/CP/PP/EP refused."""
+        geometry = load_hf_config(config, name=name, as_family=as_family)
+        if framework != "megatron":
+            return cls._fsdp(geometry, framework=framework, tp=tp, cp=cp, pp=pp, ep=ep,
+                             sequence_parallel=sequence_parallel, recompute=recompute,
+                             lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
+                             backend=backend, safety=safety, profiles_path=profiles_path, fsdp=fsdp,
+                             attn=attn, reshard_after_forward=reshard_after_forward, ulysses=ulysses,
+                             misses_path=misses_path)
+        return cls(geometry=geometry,
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
                    moe_load=moe_load, misses_path=misses_path)
+
+    @classmethod
+    def _fsdp(cls, geometry: ModelGeometry, *, framework: str, tp: int, cp: int, pp: int, ep: int,
+              sequence_parallel: bool, recompute, lora: LoraConfig, backend: str, safety: float,
+              profiles_path, fsdp: int, attn: str, reshard_after_forward: bool,
+              ulysses: int, misses_path: str | os.PathLike | None = None) -> Planner:
+        """A planner for the fsdp framework (`pricing.fsdp.build_fsdp_model`)."""
+        if framework not in FRAMEWORKS:
+            raise bad(ConfigError, "framework", framework, f"must be one of {', '.join(FRAMEWORKS)}")
+        if (tp, cp, pp, ep, sequence_parallel) != (1, 1, 1, 1, False):
+            raise bad(ConfigError, "framework", framework,
+                      "FSDP shards parameters only: tp, cp, pp, ep must be 1 and sequence_parallel off")
+        mode = recompute.mode.value if isinstance(recompute, Recompute) else str(recompute)
+        if mode not in ("full", "none"):
+            raise bad(ConfigError, "recompute", mode, "under FSDP: full (gradient checkpointing) or none")
+        # sdpa/eager: a provisional S x S row count until `plan` prices them for its budget
+        model = build_fsdp_model(geometry, fsdp=fsdp, attn=attn, checkpointing=mode == "full",
+                                 reshard_after_forward=reshard_after_forward, lora=lora,
+                                 backend=backend, safety=safety, ulysses=ulysses,
+                                 attn_rows=0 if attn == "flash" else 65536)
+        return cls.from_model(model, profiles_path=profiles_path, misses_path=misses_path)
+
+    @classmethod
+    def from_hf_model(cls, model: object, *, backend: str = DEFAULT_BACKEND,
+                      safety: float = DEFAULT_SAFETY, fsdp: int | None = None,
+                      profiles_path: str | os.PathLike | None = None,
+                      misses_path: str | os.PathLike | None = None) -> Planner:
+        """A planner for a live Hugging Face transformers model under FSDP2 (framework "fsdp"):
+        PEFT-wrapped, possibly `fully_shard`ed. Geometry from its config, LoRA slots and ranks
+        from its PEFT adapters, attention from `config._attn_implementation`, checkpointing from
+        `is_gradient_checkpointing`, the shard group from its sharded parameters' device mesh
+        (`fsdp` overrides it, e.g. before sharding) (`pricing.fsdp.live.read_live_model`)."""
+        from waveplan.pricing.fsdp.live import read_live_model
+
+        live = read_live_model(model)
+        return cls._fsdp(load_hf_config(live["config"]), framework="fsdp", tp=1, cp=1, pp=1, ep=1,
+                         sequence_parallel=False,
+                         recompute="full" if live["checkpointing"] else "none", lora=live["lora"],
+                         backend=backend, safety=safety, profiles_path=profiles_path,
+                         fsdp=live["fsdp"] if fsdp is None else fsdp, attn=live["attn"],
+                         reshard_after_forward=True, ulysses=1, misses_path=misses_path)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
@@ -382,6 +448,8 @@ class Planner:
                                 deterministic=deterministic, stage_budgets=stage_budgets,
                                 earlier_entries=True)
         step = _as_step(step)
+        # the fsdp framework: sequences run unshared, S x S attention terms priced for the budget
+        model, step = for_step(self._model, step, budget)
         with CompileClock() as warm_clock:
             # the first plan of a process compiles (or loads) every kernel, in parallel
             # worker processes when cold (their compile time: `wait_s`)
@@ -389,7 +457,7 @@ class Planner:
         wait_s = warm.wait_s if warm is not None else 0.0
         t0 = time.perf_counter()
         with CompileClock() as clock:
-            pricer = self.pricer(step)
+            pricer = self.pricer(step, model=model)
             # the search charges the earlier waves' RoPE cache entries (the pricer's
             # `earlier_entries`, search.earlier) and reports the bound it packed against
             result = pack(step, pricer, budget_bytes=budget, options=options)

@@ -77,7 +77,8 @@ def config_dict(model: PricingModel) -> dict:
     return {"model": model.geometry.name, "parallel": model.parallel.to_dict(),
             "recompute": model.recompute.to_dict(),
             "lora": {s.name: s.rank for s in model.lora.slots},
-            "head": model.head, "backend": model.table.backend}
+            "head": model.head, "backend": model.table.backend,
+            **({"fsdp": model.fsdp_layout.to_dict()} if hasattr(model, "fsdp_layout") else {})}
 
 
 def config_key_from_dict(data: dict) -> str:

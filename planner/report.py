@@ -17,7 +17,7 @@ from pathlib import Path
 
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.errors import ConfigError, StepError, WaveplanError, bad
-from waveplan.pricing.model import PricingModel
+from waveplan.pricing.frameworks import model_from_dict
 from waveplan.pricing.step import Request, Step, step_from_tree_form
 from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED
 
@@ -101,7 +101,7 @@ def read_report(path: str | os.PathLike) -> LoadedReport:
     if missing:
         raise ConfigError(f"{where}: {missing[0]}: missing field")
     try:
-        model = PricingModel.from_dict(data["model"])
+        model = model_from_dict(data["model"])
         store = ProfileStore.from_dict(data["profiles"], where="profiles")
         step = step_from_lines(data["requests"])
         options = _options(data["options"])

@@ -56,6 +56,9 @@ class Charges:
     """The forward parts (calibration reads them)."""
     first_exec: float
     """The first execution's bytes (a gradient wave of a process's first step)."""
+    resident: float = 0.0
+    """Constant bytes every point of a wave holds above rest: FSDP2's gathered parameters and
+    gradient buffers (`fsdp.model`); 0 under Megatron-core."""
     layers: WalkCharges | None = None
     """PP > 1: every layer's charges, unfolded (None at PP1)."""
     stages: tuple[StageCharges, ...] | None = None

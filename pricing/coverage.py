@@ -42,6 +42,8 @@ class GapKind(StrEnum):
     """An expert TP no trace covers."""
     FEATURE = "feature"
     """A model-family feature no trace covers (`feature_terms.feature_gaps`)."""
+    FSDP = "fsdp"
+    """Under FSDP (`fsdp.model`): a family, attention kernel or resharding no FSDP trace covers."""
     DTYPE = "dtype"
     """Activations wider than bf16/fp16 (fp32): every traced term is a bf16 model's, scaled."""
 

@@ -148,7 +148,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     others[cols, run] = False
     row_c = row_c + np.where(others, a.rope_entry * model.rows_cp, 0.0)
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
-                                                          class_grad, float(model.charges.first_exec))
+                                                          class_grad, float(model.charges.first_exec)
+                                                          + float(model.charges.resident))
     multiple = model.parallel.row_multiple
     cp_div = model.rows_cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))

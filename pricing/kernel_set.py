@@ -22,9 +22,11 @@ class Framework(StrEnum):
 
     MEGATRON = "megatron"
     """Megatron-core's GPTModel under its 1F1B schedule."""
+    FSDP = "fsdp"
+    """Hugging Face transformers with PEFT LoRA under FSDP2 (`pricing.fsdp`)."""
 
 
-FRAMEWORKS: tuple[Framework, ...] = (Framework.MEGATRON,)
+FRAMEWORKS: tuple[Framework, ...] = (Framework.MEGATRON, Framework.FSDP)
 """The frameworks the memory model prices; a new framework adds its member and its pricer."""
 
 

@@ -15,7 +15,10 @@ from .walk import (
     PEAK_BYTES,
     PEAK_LAYER,
     PEAK_POINT,
+    POINT_HEAD_BACKWARD,
+    POINT_HEAD_FORWARD,
     POINT_NAMES,
+    POINT_NOGRAD_FORWARD,
     TERM_NAMES,
     WalkGroups,
     walk,
@@ -117,13 +120,24 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
         model.slot_index(name)
     walk_groups = _group_arrays(model, groups, first_slots)
     first_exec = 0.0 if profiled or not walk_groups.grad.any() else model.charges.first_exec
-    best, values = walk(model.charges.walk, first_exec, walk_groups)
+    # constant bytes every point holds (FSDP2's gathered parameters, `fsdp.model`), carried by
+    # the walk beside the first-execution allowance and reported under their own name
+    resident = float(model.charges.resident) if walk_groups.rows.size else 0.0
+    best, values = walk(model.charges.walk, first_exec + resident, walk_groups)
     raw = int(math.ceil(best[PEAK_BYTES]))
     code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
+    terms = {name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)}
+    if resident:
+        # at the head's points the head constant takes back the layers FSDP has resharded there
+        held = resident + (model.charges.walk.head_const if code in (POINT_HEAD_FORWARD, POINT_HEAD_BACKWARD,
+                                                       POINT_NOGRAD_FORWARD) else 0.0)
+        terms["first_execution"] = int(math.ceil(values[TERM_NAMES.index("first_execution")] - resident))
+        terms["head"] = int(math.ceil(values[TERM_NAMES.index("head")] - (held - resident)))
+        terms["gathered_parameters"] = int(math.ceil(held))
     return Breakdown(
         raw_bytes=raw,
         admitted_bytes=int(math.ceil(raw * model.safety)),
-        terms={name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)},
+        terms=terms,
         binding=_binding_name(model, code, layer),
         basis=model.basis,
         reasons=model.reasons,

@@ -208,7 +208,8 @@ class WavePricer:
                                               dtype=np.float64)
                 scal = np.asarray([a.input_grad, a.head_retained, a.head_transient,
                                    a.head_const, a.caller,
-                                   0.0 if self.profiled else model.charges.first_exec, model.safety,
+                                   (0.0 if self.profiled else model.charges.first_exec)
+                                   + model.charges.resident, model.safety,
                                    model.rows_cp, 0.0,
                                    model.parallel.row_multiple, a.chunk, a.rope_cp,
                                    a.rope_entry, float(a.rope_kept), a.head_forward],
@@ -351,7 +352,9 @@ class WavePricer:
         if n == 0:
             return 0
         lower = self._cached_envelope(lower=True)
-        fe = 0.0 if self.profiled else float(self.model.charges.first_exec) * self.model.safety
+        charges = self.model.charges
+        fe = ((0.0 if self.profiled else float(charges.first_exec)) + float(charges.resident)) \
+            * self.model.safety
         grad = np.asarray(self.class_grad, dtype=np.bool_)
         # each gradient class's slot has one wave carrying its pending gradients; for a part
         # of the step that wave may be elsewhere (a split unit), so it is not counted then

@@ -295,9 +295,10 @@ class Installed:
 _DRIVER = "verl.trainer.ppo.ray_trainer"
 
 
-def install(planner: Planner, free_bytes: object | Callable[[], object], *,
+def install(planner: Planner | object, free_bytes: object | Callable[[], object], *,
             model_parallel_group=None, group=None, grad: bool = True,
-            time_budget_ms: float | None = None, balance_dp: bool = False) -> Installed:
+            time_budget_ms: float | None = None, balance_dp: bool = False,
+            fsdp: int | None = None) -> Installed:
     """Make veRL's engine plan its dynamic micro-batches with `planner`: replaces
     `rearrange_micro_batches` in `verl.utils.seqlen_balancing` (used by
     `prepare_dynamic_batch`) and in `verl.workers.engine.utils` (used by the engine's
@@ -311,12 +312,19 @@ def install(planner: Planner, free_bytes: object | Callable[[], object], *,
     docs/integration.md). `balance_dp=True` (in the driver process): also replaces the driver's
     data-parallel balance, `RayPPOTrainer._balance_batch`, with the group plan
     (`Installed.balance`, `balance_batch`); `free_bytes` is then each rank's free bytes as the
-    driver knows them (a number, or one per data-parallel rank)."""
+    driver knows them (a number, or one per data-parallel rank). Under veRL's FSDP engine
+    (strategy fsdp or fsdp2) `planner` may be the worker's live transformers model itself
+    (PEFT-wrapped, `fully_shard`ed or not): the planner is then
+    `Planner.from_hf_model(model, fsdp=fsdp)` (framework "fsdp"; `fsdp`: the shard group size
+    when the model is not sharded yet)."""
     import importlib
     import sys
 
     import verl.utils.seqlen_balancing as balancing
 
+    if not isinstance(planner, Planner):
+        # veRL's FSDP engine (strategies fsdp, fsdp2): the worker's live transformers model
+        planner = Planner.from_hf_model(planner, fsdp=fsdp)
     handle = Installed(planner=planner, free_bytes=free_bytes,
                        options=dict(model_parallel_group=model_parallel_group, group=group,
                                     grad=grad, time_budget_ms=time_budget_ms))

@@ -1,0 +1,59 @@
+"""The FSDP2 training layout of a Hugging Face transformers model: shard group, attention
+implementation, gradient checkpointing, Ulysses (docs/memory-model.md#fsdp2-with-hugging-face-transformers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError, bad
+from ..kernel_set import FRAMEWORKS  # noqa: F401  (re-exported: the frameworks, chosen in one place)
+
+ATTN_IMPLEMENTATIONS = ("flash", "sdpa", "eager")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpLayout:
+    """How the rank runs the model under FSDP2."""
+
+    fsdp: int = 1
+    """Shard group size: the ranks `fully_shard` splits parameters, gradients and optimizer
+    states over (the device mesh's size)."""
+    attn: str = "flash"
+    """Attention implementation: flash (flash_attention_2 on packed rows, position_ids
+    restarting per sequence), sdpa or eager (packed rows with transformers' block-causal mask)."""
+    checkpointing: bool = True
+    """Per-decoder-layer gradient checkpointing (transformers' `gradient_checkpointing_enable`,
+    non-reentrant)."""
+    reshard_after_forward: bool = True
+    """FSDP2's `reshard_after_forward` on the decoder layers (False: every layer's gathered
+    parameters stay from its forward to its backward)."""
+    ulysses: int = 1
+    """veRL's `ulysses_sequence_parallel_size`; only 1 is priced."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or not 1 <= self.fsdp <= 1 << 16:
+            raise bad(ConfigError, "fsdp", self.fsdp, "must be an integer shard group size >= 1")
+        if self.attn not in ATTN_IMPLEMENTATIONS:
+            raise bad(ConfigError, "attn", self.attn, f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        if not isinstance(self.checkpointing, bool):
+            raise bad(ConfigError, "checkpointing", self.checkpointing, "must be true or false")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise bad(ConfigError, "reshard_after_forward", self.reshard_after_forward,
+                      "must be true or false")
+        if isinstance(self.ulysses, bool) or not isinstance(self.ulysses, int) or self.ulysses < 1:
+            raise bad(ConfigError, "ulysses", self.ulysses, "must be a positive integer")
+        if self.ulysses != 1:
+            raise bad(ConfigError, "ulysses", self.ulysses,
+                      "Ulysses sequence parallelism is not priced under FSDP yet (no trace); use 1")
+
+    def to_dict(self) -> dict:
+        return {"fsdp": self.fsdp, "attn": self.attn, "checkpointing": self.checkpointing,
+                "reshard_after_forward": self.reshard_after_forward, "ulysses": self.ulysses}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FsdpLayout:
+        known = {"fsdp", "attn", "checkpointing", "reshard_after_forward", "ulysses"}
+        for key in data:
+            if key not in known:
+                raise bad(ConfigError, f"fsdp.{key}", data[key], f"unknown field; known: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,304 @@
+"""The memory model of one rank training a Hugging Face transformers model with PEFT LoRA under
+FSDP2, reduced to the charges of the schedule walk (docs/memory-model.md#fsdp2-with-hugging-face-transformers).
+
+`FsdpPricingModel` is a `PricingModel` whose charges come from `fsdp.terms` instead of the
+Megatron-core layer pricers, so the walk, envelope, `WavePricer`, search, planner, profiles and
+CLI price it unchanged. The schedule is the walk's: with per-layer gradient checkpointing a
+layer keeps its input rows and the backward recomputes one layer at a time; without it every
+layer keeps its saved tensors. FSDP2's gathered parameters and gradient-reduce buffers are the
+constant `resident` bytes every point of a wave holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..charges import Charges, ForwardParts, HeadParts
+from ..coverage import Coverage, Gap, GapKind
+from ..errors import ConfigError, bad
+from ..geometry import MixerKind
+from ..model import PricingModel
+from ..parallel import ParallelLayout, RecomputeMode
+from ..walk import WalkCharges
+from . import terms
+from .layout import FsdpLayout
+
+# model_types whose modeling code the terms count tensor by tensor (traced: llama, qwen2,
+# qwen3, mistral on the CPU grid; qwen2 and mistral differ from llama only in q/k/v biases and
+# the sliding window, which sdpa/eager masks carry in the same S x S tensor)
+EVIDENCE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+# families priced on the same terms with a bound for what they add, basis conservative
+BOUND_FAMILIES = {
+    "gemma2": "Gemma 2 (sandwich norms, GELU-tanh, logit softcaps): no FSDP trace; its final "
+              "softcap's two fp32 logit copies charged, layer terms x 1.25",
+    "gemma3": "Gemma 3 (sandwich norms, qk-norm, GELU-tanh): no FSDP trace; layer terms x 1.25",
+    "gemma3_text": "Gemma 3 (sandwich norms, qk-norm, GELU-tanh): no FSDP trace; layer terms x 1.25",
+    "phi3": "Phi-3 (fused qkv and gate_up projections): no FSDP trace; layer terms x 1.25",
+    "qwen3_moe": "Qwen3-MoE under FSDP: no trace; every routed row priced through a top_k x expert-"
+                 "width MLP, all experts gathered, layer terms x 1.25",
+    "mixtral": "Mixtral under FSDP: no trace; every routed row priced through a top_k x expert-"
+               "width MLP, all experts gathered, layer terms x 1.25",
+}
+BOUND_SCALE = 1.25
+
+
+def model_type_of(geometry) -> str:
+    """The transformers model_type of a geometry: `extra["model_type"]` (from a config), else
+    the one a preset's source names, else ''."""
+    extra = geometry.extra or {}
+    if extra.get("model_type"):
+        return str(extra["model_type"])
+    source = str(extra.get("source", ""))
+    if "model_type " in source:
+        return source.split("model_type ", 1)[1].split(")", 1)[0].strip()
+    return ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpPricingModel(PricingModel):
+    """Everything needed to price a wave on one FSDP2 rank, precomputed once per configuration."""
+
+    fsdp_layout: FsdpLayout = field(default_factory=FsdpLayout)
+    """Shard group, attention implementation, checkpointing, reshard_after_forward."""
+    attn_rows: int = 0
+    """sdpa/eager only: the forward call's rows at which the packed-row S x S terms are priced
+    per row (exact for a call of this many rows, an upper bound for fewer; the planner sets it
+    from the budget, `attn_rows_bound`). 0 with flash."""
+
+    def __post_init__(self) -> None:
+        import math
+
+        if not (isinstance(self.safety, int | float) and math.isfinite(self.safety) and self.safety >= 1.0):
+            raise bad(ConfigError, "safety", self.safety, "must be a finite number >= 1.0")
+        if not isinstance(self.fsdp_layout, FsdpLayout):
+            raise bad(ConfigError, "fsdp_layout", type(self.fsdp_layout).__name__, "must be an FsdpLayout")
+        g = self.geometry
+        if g.attention is None or g.gdn is not None or any(s.mixer != MixerKind.ATTENTION for s in g.layers):
+            raise bad(ConfigError, "model", g.name, "FSDP pricing covers attention-only decoders")
+        if g.attention.mla is not None:
+            raise bad(ConfigError, "model", g.name, "multi-latent attention is not priced under FSDP")
+        p = self.parallel
+        if (p.tp, p.cp, p.pp, p.ep) != (1, 1, 1, 1) or p.sequence_parallel:
+            raise bad(ConfigError, "parallel", p.to_dict(),
+                      "FSDP shards parameters only: use fsdp=N, not TP/CP/PP/EP")
+        if self.recompute.mode == RecomputeMode.SELECTIVE:
+            raise bad(ConfigError, "recompute", "selective",
+                      "under FSDP recompute is full (gradient checkpointing) or none")
+        if self.fsdp_layout.checkpointing != (self.recompute.mode == RecomputeMode.FULL):
+            raise bad(ConfigError, "recompute", self.recompute.mode.value,
+                      f"disagrees with checkpointing={self.fsdp_layout.checkpointing}")
+        if isinstance(self.attn_rows, bool) or not isinstance(self.attn_rows, int) or self.attn_rows < 0:
+            raise bad(ConfigError, "attn_rows", self.attn_rows, "must be an integer >= 0")
+        if self.fsdp_layout.attn != "flash" and self.attn_rows == 0:
+            raise bad(ConfigError, "attn_rows", 0,
+                      f"attn={self.fsdp_layout.attn} needs the longest forward call's rows (S x S masks)")
+        if self.head != "full-native":
+            raise bad(ConfigError, "head", self.head,
+                      "under FSDP the head is transformers' loss on all logits: full-native")
+        mt = model_type_of(g)
+        gaps = []
+        if mt not in EVIDENCE_FAMILIES:
+            gaps.append(BOUND_FAMILIES.get(mt, f"model_type {mt or 'unknown'}: no FSDP trace; "
+                                                f"layer terms x {BOUND_SCALE:g}"))
+        if self.fsdp_layout.attn == "flash":
+            gaps_note = ("flash_attention_2 priced by its allocation model (flash-attn varlen "
+                         "source); no GPU trace yet")
+            gaps.append(gaps_note)
+        if not self.fsdp_layout.reshard_after_forward:
+            gaps.append("reshard_after_forward=False: every layer's gathered parameters charged "
+                        "at every point (no trace)")
+        coverage = Coverage(parallel=self.parallel, credit=self.parallel,
+                            gaps=tuple(Gap(GapKind.FSDP, g) for g in gaps))
+        object.__setattr__(self, "coverage", coverage)
+        object.__setattr__(self, "gaps", coverage.reasons)
+        object.__setattr__(self, "layout_gaps", ())
+        object.__setattr__(self, "credit", self.parallel)
+        object.__setattr__(self, "assumptions", ())
+        object.__setattr__(self, "basis", "conservative" if gaps else "evidence")
+        object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
+        object.__setattr__(self, "charges", self._build_charges())
+        object.__setattr__(self, "memo", {})
+
+    @property
+    def bound_scale(self) -> float:
+        """The factor on the layer terms of a family no trace covers."""
+        return 1.0 if model_type_of(self.geometry) in EVIDENCE_FAMILIES else BOUND_SCALE
+
+    def _build_charges(self) -> Charges:
+        """The walk's charges (`Charges`) from `fsdp.terms`. O(layers x slots)."""
+        g, lay = self.geometry, self.fsdp_layout
+        n = g.num_layers
+        ranks = {s.rank for s in self.lora.slots}
+        w = terms.widths(g, max(ranks))
+        ckpt = lay.checkpointing
+        qk = g.qk_norm
+        scale = self.bound_scale
+        held, kept_q, point_q = terms.attention_quadratic(w, attn=lay.attn, checkpointing=ckpt)
+        s = float(self.attn_rows)
+        retained = np.full(n, scale * terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
+                                                                   attn=lay.attn)
+                           + kept_q * s)
+        # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
+        f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
+        b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
+        nograd = np.full(n, max(scale * f_mlp, scale * f_att + point_q * s))
+        workspace = np.full(n, max(scale * b_mlp, scale * b_att + point_q * s))
+        # the rotary tables and the packed-row mask are made once per forward and kept to the end
+        # of its backward: charged with layer 0's kept rows (every later point) and at its forward
+        once = terms.rotary_per_row(w) + held * s
+        retained[0] += once
+        nograd[0] += once
+        head_ret, head_tr, head_fwd = terms.head_per_row(w, final_softcap=bool(g.features.final_softcap))
+        pending = np.zeros((len(self.lora.slots), n))
+        lora_counts = np.zeros(n)
+        base_counts = np.zeros(n)
+        for i in range(n):
+            base_counts[i], lora_counts[i] = terms.layer_param_counts(g, i)
+        for k, slot in enumerate(self.lora.slots):
+            chosen = np.zeros(n, dtype=bool)
+            chosen[list(range(n) if slot.layers is None else slot.layers)] = True
+            counts = np.where(chosen, lora_counts * slot.rank, 0.0)
+            pending[k] = [terms.shard(c, lay.fsdp) * self.lora.grad_bytes for c in counts]
+        adapters = lora_counts * max(ranks)
+        layer_gathered = terms.BF16 * (base_counts + adapters)
+        top = float(adapters.max())
+        # at a layer's points: the root group's parameters (gathered from the forward's start to
+        # the backward's end), the running layer and the prefetched one, one layer's unsharded
+        # bf16 LoRA gradients and two layers' reduce-scatter buffers (fp32 input, fp32 output
+        # shard) FSDP2 keeps until the next reduce-scatter (#fsdp-constants)
+        root = terms.BF16 * terms.root_param_count(g)
+        grads = terms.BF16 * top + terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        # a shard group of one rank prefetches nothing (its anatomy holds one layer at a layer's
+        # points and none at the head's); larger groups hold the next layer's all-gather too
+        prefetch = 0 if lay.fsdp == 1 else 1
+        if lay.reshard_after_forward:
+            resident = root + (1 + prefetch) * float(layer_gathered.max()) + grads
+            # at the head's points the decoder layers are resharded but the prefetched one: the
+            # head holds that much less (a negative head constant)
+            head_const = -(float(layer_gathered.max()) + grads)
+        else:
+            resident = root + float(layer_gathered.sum()) + grads
+            head_const = -grads
+        zeros = np.zeros(n)
+        # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
+        # segment (one per sequence in an unshared step) at the layers' points, which the walk
+        # carries in its per-segment column (reported under gdn_states)
+        per_seq = np.full(n, scale * terms.flash_per_sequence(w) if lay.attn == "flash" else 0.0)
+        walk = WalkCharges(
+            retained=retained, workspace=workspace, nograd=nograd, gdn_state=per_seq,
+            pending=pending, input_grad=terms.input_gradient_per_row(w),
+            head_retained=head_ret, head_transient=head_tr, head_const=head_const,
+            caller=float(terms.CALLER_PER_ROW), pad_retained=zeros.copy(), pad_point=zeros.copy(),
+            chunk=0.0, head_forward=head_fwd)
+        return Charges(
+            walk=walk,
+            head=HeadParts(logits_retained=head_ret, logits_transient=head_tr, norm_saved=0.0,
+                           norm_backward=0.0, layout_residual=0.0, logits_at_norm=0.0),
+            forward=ForwardParts(nograd=nograd, retained_forward=retained),
+            first_exec=0.0, resident=resident)
+
+    def to_dict(self) -> dict:
+        doc = super().to_dict()
+        doc["framework"] = "fsdp"
+        doc["fsdp"] = self.fsdp_layout.to_dict()
+        # the family decides the basis; the geometry's dict does not carry its source
+        doc["model_type"] = model_type_of(self.geometry)
+        if self.attn_rows:
+            doc["attn_rows"] = self.attn_rows
+        return doc
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FsdpPricingModel:
+        """Inverse of `to_dict` (the family travels as `model_type`, the geometry does not carry it)."""
+        import dataclasses
+
+        from ..coefficients import table_from_dict
+        from ..geometry import ModelGeometry
+        from ..lora import LoraConfig
+        from ..parallel import Recompute
+
+        if not isinstance(data, dict):
+            raise bad(ConfigError, "model", type(data).__name__, "must be an object")
+        recompute = dict(data["recompute"])
+        recompute["modules"] = tuple(recompute.get("modules", ()))
+        geometry = ModelGeometry.from_dict(data["geometry"])
+        geometry = dataclasses.replace(geometry, extra={**(geometry.extra or {}),
+                                                        "model_type": data.get("model_type", "")})
+        return cls(geometry=geometry, parallel=ParallelLayout(**data["parallel"]),
+                   recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
+                   table=table_from_dict(data["coefficients"]), head=data["head"],
+                   safety=data["safety"], fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
+                   attn_rows=int(data.get("attn_rows", 0)))
+
+    def with_attn_rows(self, rows: int) -> FsdpPricingModel:
+        """This model with the S x S terms priced at `rows` (sdpa/eager; flash: itself)."""
+        import dataclasses
+
+        if self.fsdp_layout.attn == "flash" or rows == self.attn_rows:
+            return self
+        return dataclasses.replace(self, attn_rows=int(rows))
+
+
+def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: int) -> int:
+    """The largest forward call the S x S terms must be priced for under `budget_bytes`: a call of
+    R rows holds at least the packed mask (held x R^2 bytes) and its rows' per-row charges at the
+    head's backward, so no call above the R where those alone reach the budget can fit; capped
+    by the step's rows. O(1)."""
+    if model.fsdp_layout.attn == "flash":
+        return 0
+    w = terms.widths(model.geometry, max(s.rank for s in model.lora.slots))
+    held, _, _ = terms.attention_quadratic(w, attn=model.fsdp_layout.attn,
+                                           checkpointing=model.fsdp_layout.checkpointing)
+    walk = model.charges.walk
+    lin = walk.head_retained + walk.head_transient
+    room = max(0.0, budget_bytes / model.safety - model.charges.resident)
+    # held R^2 + lin R <= room
+    r = (-lin + (lin * lin + 4 * held * room) ** 0.5) / (2 * held) if held > 0 else room / lin
+    return int(max(1, min(total_rows, int(r) + 1)))
+
+
+def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpointing: bool = True,
+                     reshard_after_forward: bool = True, lora=None, backend: str = "torch-cpu",
+                     safety: float | None = None, attn_rows: int = 0, ulysses: int = 1) -> FsdpPricingModel:
+    """An `FsdpPricingModel` from its parts (the `PricingModel.build` of the fsdp framework)."""
+    from ..coefficients import load_table
+    from ..lora import LoraConfig
+    from ..model import DEFAULT_SAFETY
+    from ..parallel import Recompute
+
+    layout = FsdpLayout(fsdp=fsdp, attn=attn, checkpointing=checkpointing,
+                        reshard_after_forward=reshard_after_forward, ulysses=ulysses)
+    return FsdpPricingModel(
+        geometry=geometry, parallel=ParallelLayout(), lora=lora or LoraConfig(),
+        recompute=Recompute(mode="full" if checkpointing else "none"), table=load_table(backend),
+        head="full-native", safety=DEFAULT_SAFETY if safety is None else safety,
+        fsdp_layout=layout, attn_rows=attn_rows if attn != "flash" else 0)
+
+
+def unshared_step(step):
+    """`step` as transformers runs it: every request's tokens in full (a Hugging Face forward
+    shares no prompt between sequences), so a wave's rows are its logical rows. Requests keep
+    their order, ids, slots and grad flags. O(n)."""
+    from ..step import Request, Step
+
+    if all(r.prompt is None and r.tokens is None and not r.num_prompt_tokens for r in step.requests):
+        return step
+    return Step.from_requests([Request(id=r.id, num_tokens=r.num_tokens, slot=r.slot, grad=r.grad)
+                               for r in step.requests])
+
+
+def for_step(model, step, budget_bytes: float | None = None):
+    """The model and step one FSDP step is priced with: the step unshared (`unshared_step`) and,
+    for sdpa/eager, the S x S terms priced at the largest forward call: the whole step's rows
+    (one wave, `waveplan price`), or the largest the budget admits (`attn_rows_bound`). A
+    Megatron model and its step are returned as they are. O(n)."""
+    if not isinstance(model, FsdpPricingModel):
+        return model, step
+    step = unshared_step(step)
+    total = int(sum(r.num_tokens for r in step.requests))
+    if model.fsdp_layout.attn != "flash":
+        rows = total if budget_bytes is None else attn_rows_bound(model, budget_bytes, total)
+        model = model.with_attn_rows(max(1, rows))
+    return model, step

@@ -1,0 +1,241 @@
+"""The memory terms of a Hugging Face transformers decoder trained with PEFT LoRA under FSDP2:
+bytes per row of the packed micro-batch, per (row x attention row) for the packed-row masks and
+eager scores, and the constant bytes of gathered parameters and gradient-reduce buffers.
+
+Every term counts the tensors transformers' modeling code (llama, qwen2, qwen3, mistral and
+the families priced on their basis), PEFT's LoRA layers, torch's CPU SDPA kernel and FSDP2 keep
+at a point of the schedule; flash_attention_2's are read from flash-attn's varlen kernels.
+Each formula's tensors are listed in docs/memory-model.md#fsdp2-with-hugging-face-transformers
+(anchors: #fsdp-layer, #fsdp-head, #fsdp-constants, #fsdp-attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..geometry import MlpKind, ModelGeometry
+
+BF16 = 2
+FP32 = 4
+INT64 = 8
+# flash-attn 2's varlen backward pads each sequence's accumulator rows by 128
+# (`mha_varlen_bwd`: dq_accum [total_q + 128 x batch, heads, head_dim_rounded] in fp32)
+FLASH_ROW_PAD = 128
+
+
+@dataclass(frozen=True)
+class Widths:
+    """The widths the terms multiply (one rank: FSDP shards no activation)."""
+
+    H: float    # hidden
+    F: float    # MLP width (dense), or top_k x expert width (MoE: a routed row's bound)
+    Q: float    # query width: heads x head_dim
+    KV: float   # key (= value) width: kv heads x head_dim
+    nh: float   # query heads
+    hd: float   # head dim
+    V: float    # vocabulary
+    r: float    # LoRA rank
+    experts: float  # routed experts (0: dense)
+    top_k: float = 0.0  # experts per routed row (0: dense)
+
+
+def widths(geometry: ModelGeometry, rank: int) -> Widths:
+    """The widths of `geometry` with LoRA rank `rank`. O(1)."""
+    att = geometry.attention
+    moe = geometry.moe
+    f = geometry.ffn
+    if moe is not None:
+        f = max(f, moe.top_k * moe.expert_ffn + moe.shared_expert_ffn)
+    return Widths(H=geometry.hidden, F=f, Q=att.num_heads * att.head_dim,
+                  KV=att.num_kv_groups * att.head_dim, nh=att.num_heads, hd=att.head_dim,
+                  V=geometry.vocab, r=rank, experts=moe.num_experts if moe else 0.0,
+                  top_k=moe.top_k if moe else 0.0)
+
+
+def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, attn: str) -> float:
+    """What one decoder layer's forward keeps for its backward, per row (#fsdp-layer).
+
+    Checkpointing: the layer's input hidden states (bf16). Without: every tensor autograd
+    saves in the layer: the two RMSNorms' fp32 input copies (2 x 4H) and outputs (2 x 2H), the
+    rotated query and key (2Q + 2KV) and the value (2KV), the attention output (the output
+    projection's input, 2Q) and its fp32 log-sum-exp (4 nh), gate and up outputs, SiLU and
+    product (4 x 2F), and the seven LoRA adapters' A outputs (7 x 2r) with the norms' fp32
+    rsqrt (8); qk-norm adds the fp32 copies of q and k its norms keep (4Q + 4KV); eager keeps
+    the key and value repeated to every query head (4Q) in place of the rotated key and the value
+    (4KV)."""
+    if checkpointing:
+        return BF16 * w.H
+    out = 8 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 14 * w.r + FP32 * w.nh + 8
+    if qk_norm:
+        out += 4 * w.Q + 4 * w.KV
+    if attn == "eager":
+        out += 4 * w.Q - 4 * w.KV
+    if w.experts:
+        out += moe_per_row(w)
+    return out
+
+
+def layer_forward_per_row(w: Widths, *, qk_norm: bool) -> tuple[float, float]:
+    """A layer's forward transient above what it keeps, per row (#fsdp-layer): the larger of the
+    MLP's (norm copies 8H, gate, up, SiLU and product 8F, LoRA A outputs 6r, output 2H) and the
+    attention's (norm copies 8H, q/k/v and rotated copies 4Q + 6KV, output and LSE 2Q + 4nh,
+    projection 2H; qk-norm 6Q + 6KV), as (MLP, attention)."""
+    mlp = 10 * w.H + 8 * w.F + 6 * w.r + (moe_per_row(w) if w.experts else 0.0)
+    att = 10 * w.H + 6 * w.Q + 6 * w.KV + FP32 * w.nh + 6 * w.r
+    if qk_norm:
+        att += 6 * w.Q + 6 * w.KV
+    return mlp, att
+
+
+def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
+                           attn: str) -> tuple[float, float]:
+    """A layer's backward workspace per row beside its own input gradient (#fsdp-layer): with
+    checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
+    larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
+    (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
+    `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
+    6r. flash_attention_2 adds `flash_backward_per_row`.
+    Returns (MLP, attention): the S x S terms sit at the attention's point only."""
+    if checkpointing:
+        mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
+        # eager: the norm's fp32 input and output, the rotated q, one repeated k/v, the scores'
+        # matmul gradient (6H + 6Q), LoRA A outputs; sdpa's kernel backward adds q/k/v gradients
+        if attn == "eager":
+            att = 6 * w.H + 6 * w.Q + 8 * w.r + FP32 * w.nh
+        else:
+            att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
+        if qk_norm:
+            att += 6 * w.Q + 6 * w.KV
+    else:
+        mlp = 6 * w.F + 6 * w.H + 6 * w.r
+        att = 6 * w.Q + 6 * w.KV + 4 * w.H + FP32 * w.nh + 6 * w.r
+        if qk_norm:
+            att += 4 * w.Q + 4 * w.KV
+    if attn == "flash":
+        att += flash_backward_per_row(w)
+    if w.experts:
+        mlp += moe_per_row(w)
+    return mlp, att
+
+
+def flash_backward_per_row(w: Widths) -> float:
+    """What flash_attention_2's varlen path adds per row at the attention's backward
+    (#fsdp-attention; flash-attn 2 `mha_varlen_bwd`): the fp32 dq accumulator
+    [total_q + 128 b, nh, hd] (4Q), the fp32 softmax sums [nh, total_q + 128 b] (4nh), under GQA
+    dk and dv expanded to every query head [total_k, nh, hd] (4Q), and the contiguous q, k, v
+    transformers' `_flash_attention_forward` hands the kernel on packed rows (2Q + 4KV)."""
+    gqa = 4 * w.Q if w.KV < w.Q else 0.0
+    return 4 * w.Q + FP32 * w.nh + gqa + 2 * w.Q + 4 * w.KV
+
+
+def flash_per_sequence(w: Widths) -> float:
+    """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
+    in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention)."""
+    return 128.0 * (4 * w.Q + FP32 * w.nh)
+
+
+def moe_per_row(w: Widths) -> float:
+    """A routed row's extra tensors in a transformers MoE block, a bound (no trace): the router's
+    fp32 logits, probabilities and their gradient (12 x experts) and each routed copy's gathered
+    input and weighted output in bf16 (4 x top_k x H)."""
+    return 3 * FP32 * w.experts + 4 * w.top_k * w.H
+
+
+def rotary_per_row(w: Widths) -> float:
+    """The rotary cos and sin (bf16, head_dim wide), computed once per forward and kept by every
+    layer's recompute (#fsdp-layer)."""
+    return 2 * BF16 * w.hd
+
+
+def input_gradient_per_row(w: Widths) -> float:
+    """The gradient flowing into a layer's backward (bf16 hidden)."""
+    return BF16 * w.H
+
+
+def head_per_row(w: Widths, *, final_softcap: bool) -> tuple[float, float, float]:
+    """(retained, backward transient, forward point) per row of transformers' ForCausalLMLoss on
+    all logits (#fsdp-head): the final norm keeps its fp32 input copy (4H + 4); the loss keeps
+    log_softmax's fp32 output (4V); at the forward the bf16 logits (2V), their fp32 upcast (4V)
+    and log_softmax's output (4V) are live; the backward holds NLL's fp32 gradient (4V) and
+    log_softmax's (4V) beside the kept output. A final logit softcap (Gemma 2) keeps two more
+    fp32 copies (tanh input and output, 8V) and adds them at both points."""
+    norm = FP32 * w.H + FP32
+    retained = FP32 * w.V + norm
+    transient = 8 * w.V
+    forward = 10 * w.V + norm
+    if final_softcap:
+        retained += 8 * w.V
+        transient += 4 * w.V
+        forward += 8 * w.V
+    return retained, transient, forward
+
+
+CALLER_PER_ROW = 5 * INT64
+"""input_ids, position_ids, labels, the loss's shifted labels and their flat view (int64)."""
+
+
+def attention_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> tuple[float, float, float]:
+    """Bytes per (row x attention row) of one packed forward call (#fsdp-attention):
+    (held at every point, kept per layer, at a layer's points). sdpa: transformers'
+    block-causal bool mask (1 byte), held from the model's forward to its backward, and the
+    kernel's converted float mask at a layer's points (2 bytes). eager: the bf16 additive mask
+    (2), and per head at a layer's points the scores, their fp32 softmax input, output and
+    gradient (12 nh, recomputed under checkpointing); without checkpointing each layer keeps the
+    fp32 softmax output and the bf16 probabilities (6 nh) and its backward adds the gradient's
+    fp32 copy and softmax's backward output beside them as they are released (6 nh). flash: none (varlen kernels take cu_seqlens, no mask)."""
+    if attn == "sdpa":
+        return 1.0, 0.0, 2.0
+    if attn == "eager":
+        return (2.0, 0.0, 12 * w.nh) if checkpointing else (2.0, 6 * w.nh, 6 * w.nh)
+    return 0.0, 0.0, 0.0
+
+
+# --- parameters (counts; FSDP2 gathers them in bf16) ---------------------------------------
+
+
+def layer_param_counts(geometry: ModelGeometry, layer: int) -> tuple[int, int]:
+    """(base, LoRA on every linear) parameters of one HF decoder layer: q/k/v/o projections
+    (with Qwen2's q/k/v biases), the gated (or plain) MLP or the experts and router, the norms
+    (with qk-norm's and sandwich norms'); PEFT's all-linear LoRA adapts every nn.Linear
+    (not fused 3-D expert weights): A (r x in) and B (out x r) each. The LoRA rank enters as 1
+    here: multiply the second entry by the rank. O(1)."""
+    g = geometry
+    att = g.attention
+    h = g.hidden
+    q = att.num_heads * att.head_dim
+    kv = att.num_kv_groups * att.head_dim
+    base = h * q + 2 * h * kv + q * h + 2 * h
+    lora = (h + q) + 2 * (h + kv) + (q + h)
+    if g.features.qkv_bias:
+        base += q + 2 * kv
+    if g.qk_norm:
+        base += 2 * att.head_dim
+    if g.features.sandwich_norms:
+        base += 2 * h
+    spec = g.layers[layer]
+    if spec.mlp == MlpKind.MOE and g.moe is not None:
+        moe = g.moe
+        n_mat = 3 if g.gated_mlp else 2
+        base += moe.num_experts * n_mat * h * moe.expert_ffn + h * moe.num_experts
+        lora += h + moe.num_experts
+        if moe.shared_expert_ffn:
+            base += n_mat * h * moe.shared_expert_ffn
+            lora += (n_mat - 1) * (h + moe.shared_expert_ffn) + (moe.shared_expert_ffn + h)
+    else:
+        f = g.ffn
+        n_mat = 3 if g.gated_mlp else 2
+        base += n_mat * h * f
+        lora += (n_mat - 1) * (h + f) + (f + h)
+    return base, lora
+
+
+def root_param_count(geometry: ModelGeometry) -> int:
+    """The root FSDP group's parameters: the embedding, the final norm and (untied) the head."""
+    g = geometry
+    return g.vocab * g.hidden * (1 if g.tied_embeddings else 2) + g.hidden
+
+
+def shard(count: float, fsdp: int) -> float:
+    """One rank's share of `count` parameters under FSDP2 (dim-0 chunks, padded)."""
+    return math.ceil(count / fsdp)

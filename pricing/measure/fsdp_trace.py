@@ -1,0 +1,385 @@
+"""Measure one wave's peak above rest on Hugging Face transformers + PEFT LoRA under FSDP2.
+
+`trace_fsdp` spawns one gloo process per rank of the shard group (`torch.multiprocessing`,
+"spawn"); each builds the transformers model from a config (`AutoModelForCausalLM.from_config`,
+fp32 master weights), wraps it in PEFT LoRA (rank r on every linear layer but the head, base
+frozen), optionally enables transformers' per-decoder-layer gradient checkpointing
+(non-reentrant), and shards it with FSDP2 (`fully_shard` on every decoder layer and on the root,
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, `reshard_after_forward` as asked)
+over a CPU device mesh. After one warm-up step (forward, backward, AdamW step, grads set to
+None) the rank is *at rest*: sharded fp32 weights and optimizer states resident. Each traced
+wave then runs one forward (its sequences packed in one row, position_ids restarting per
+sequence, as veRL's remove-padding path feeds them), the loss as transformers computes it
+(`ForCausalLMLoss`: all logits, fp32 upcast), and one backward; the peak is measured above rest
+(docs/memory-model.md#fsdp2-with-hugging-face-transformers).
+
+Counting on "cpu": `trace._tracker_class`'s live-storage tracker (every storage an aten op
+creates, by nbytes, until its Python object dies; collectives on untracked copies), plus the
+FSDP all-gather output storages, which FSDP2 grows and frees with `UntypedStorage.resize_`
+(not an aten op): their current nbytes are read after every op. "cuda":
+`torch.cuda.max_memory_allocated()` above the allocation at rest (nccl; not run here).
+
+flash_attention_2 does not run on the CPU: traces use "sdpa" or "eager"; the pricing models
+flash-attn's varlen allocations from its source (`waveplan.pricing.fsdp.terms`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, bad
+
+DEVICES = ("cpu", "cuda")
+TRACE_ATTN = ("sdpa", "eager")
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class FsdpTraceJob:
+    """One wave to trace."""
+
+    seq_lens: tuple[int, ...]
+    """The wave's sequence lengths (tokens), packed in one row."""
+
+
+@dataclass(frozen=True)
+class FsdpTrace:
+    """One traced wave on every rank of the shard group."""
+
+    config: dict
+    """The transformers config the model was built from (`to_dict` of it, text fields only)."""
+    seq_lens: tuple[int, ...]
+    """The wave's sequences, packed in one row."""
+    fsdp: int
+    """Shard group size (ranks)."""
+    attn: str
+    """Attention implementation traced (sdpa or eager)."""
+    checkpointing: bool
+    """Per-decoder-layer gradient checkpointing on."""
+    lora_rank: int
+    """LoRA rank on every linear layer."""
+    reshard_after_forward: bool
+    """FSDP2's reshard_after_forward on the decoder layers."""
+    device: str
+    """cpu (live-storage count) or cuda (allocator peak)."""
+    peaks: tuple[int, ...]
+    """Each rank's peak bytes above rest during the wave's forward and backward."""
+    rest: tuple[int, ...]
+    """Each rank's bytes at rest (the storages alive before the wave)."""
+    forward_peaks: tuple[int, ...] = ()
+    """Each rank's peak above rest during the forward and loss only."""
+    notes: tuple[str, ...] = field(default=())
+    """What the trace changed or assumed."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The busiest rank's peak above rest."""
+        return max(self.peaks)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    def to_dict(self) -> dict:
+        return {"framework": "fsdp", "config": self.config, "seq_lens": list(self.seq_lens),
+                "tokens": self.tokens, "fsdp": self.fsdp, "attn": self.attn,
+                "checkpointing": self.checkpointing, "lora_rank": self.lora_rank,
+                "reshard_after_forward": self.reshard_after_forward, "device": self.device,
+                "peak_bytes": self.peak_bytes, "peaks": list(self.peaks), "rest": list(self.rest),
+                "forward_peaks": list(self.forward_peaks), "notes": list(self.notes)}
+
+
+def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
+               checkpointing: bool = True, lora_rank: int = 8,
+               reshard_after_forward: bool = True, device: str = "cpu",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[FsdpTrace]:
+    """Trace each job's wave on `fsdp` gloo ranks (one process each); one `FsdpTrace` per job.
+
+    `config`: a transformers config as a dict with its `model_type` (small widths on the CPU:
+    every tensor is real). O(jobs) waves per rank, one model build."""
+    jobs = [j if isinstance(j, FsdpTraceJob) else FsdpTraceJob(tuple(int(x) for x in j))
+            for j in jobs]
+    if not jobs:
+        raise bad(ConfigError, "jobs", jobs, "must name at least one wave")
+    for j in jobs:
+        if not j.seq_lens or any(n < 2 for n in j.seq_lens):
+            raise bad(ConfigError, "seq_lens", list(j.seq_lens), "every sequence needs >= 2 tokens")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise bad(ConfigError, "config", type(config).__name__, "must be a dict with model_type")
+    if attn not in TRACE_ATTN:
+        raise bad(ConfigError, "attn", attn, f"traceable on the CPU: {', '.join(TRACE_ATTN)} "
+                  "(flash_attention_2 is priced by its allocation model)")
+    if device not in DEVICES:
+        raise bad(ConfigError, "device", device, f"must be one of {', '.join(DEVICES)}")
+    if not (isinstance(fsdp, int) and 1 <= fsdp <= 64):
+        raise bad(ConfigError, "fsdp", fsdp, "must be an integer in [1, 64]")
+    if not (isinstance(lora_rank, int) and lora_rank >= 1):
+        raise bad(ConfigError, "lora_rank", lora_rank, "must be an integer >= 1")
+    spec = {"config": dict(config), "attn": attn, "checkpointing": bool(checkpointing),
+            "lora_rank": int(lora_rank), "reshard_after_forward": bool(reshard_after_forward),
+            "device": device, "fsdp": fsdp, "timeout_s": float(timeout_s),
+            "jobs": [list(j.seq_lens) for j in jobs]}
+    per_rank = _spawn(spec, fsdp, timeout_s)
+    notes = ("sequences packed in one row, position_ids restarting per sequence",
+             "loss: transformers' ForCausalLMLoss on all logits (fp32 upcast)")
+    out = []
+    for k, job in enumerate(jobs):
+        ranks = [per_rank[r][k] for r in range(fsdp)]
+        out.append(FsdpTrace(
+            config=dict(config), seq_lens=job.seq_lens, fsdp=fsdp, attn=attn,
+            checkpointing=bool(checkpointing), lora_rank=lora_rank,
+            reshard_after_forward=bool(reshard_after_forward), device=device,
+            peaks=tuple(r["peak"] for r in ranks), rest=tuple(r["rest"] for r in ranks),
+            forward_peaks=tuple(r["forward_peak"] for r in ranks), notes=notes))
+    return out
+
+
+def _spawn(spec: dict, size: int, timeout_s: float) -> list[list[dict]]:
+    """Run `_rank_main` on `size` processes; every rank's list of job results."""
+    import torch.multiprocessing as mp
+
+    from .multirank import _child_env, _errors, _stop
+
+    with tempfile.TemporaryDirectory(prefix="waveplan-fsdp-") as tmp:
+        spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp)
+        with _child_env():
+            ctx = mp.start_processes(_rank_main, args=(spec,), nprocs=size, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + timeout_s + 60.0
+        try:
+            while not ctx.join(timeout=2.0):
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"fsdp trace: the {size} rank processes did not finish "
+                                      f"within timeout_s={timeout_s:g} s" + _errors(tmp, size))
+        except ConfigError:
+            _stop(ctx)
+            raise
+        except Exception as exc:  # a rank failed
+            _stop(ctx)
+            raise ConfigError(f"fsdp trace failed: {exc}".rstrip() + _errors(tmp, size)) from None
+        results = []
+        for r in range(size):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(path):
+                raise ConfigError(f"fsdp trace: rank {r} wrote no result" + _errors(tmp, size))
+            with open(path, encoding="utf-8") as fh:
+                results.append(json.load(fh))
+        return results
+
+
+# --- inside a rank process -----------------------------------------------------------------
+
+
+def _rank_main(rank: int, spec: dict) -> None:
+    """Entry point of rank `rank` (spawned): writes rank{r}.json (or rank{r}.error)."""
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    backend = "nccl" if spec["device"] == "cuda" else "gloo"
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{spec['init_file']}", rank=rank,
+                            world_size=spec["fsdp"],
+                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    try:
+        results = trace_rank(spec)
+    except BaseException:
+        with open(os.path.join(spec["out_dir"], f"rank{rank}.error"), "w", encoding="utf-8") as fh:
+            fh.write(traceback.format_exc())
+        raise
+    tmp = os.path.join(spec["out_dir"], f"rank{rank}.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(results, fh)
+    os.replace(tmp, os.path.join(spec["out_dir"], f"rank{rank}.json"))
+    dist.barrier()
+    os._exit(0)
+
+
+def build_fsdp_model(spec: dict):
+    """The rank's PEFT-wrapped, FSDP2-sharded transformers model and its AdamW optimizer.
+    Call inside an initialised process group."""
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(spec["config"])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config._attn_implementation = spec["attn"]
+    torch.manual_seed(0)
+    dev = spec["device"]
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32,
+                                             attn_implementation=spec["attn"])
+    if dev == "cuda":
+        model = model.cuda()
+    if spec["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"],
+                                             lora_dropout=0.0, target_modules="all-linear"))
+    if spec["checkpointing"]:
+        model.enable_input_require_grads()
+    mesh = init_device_mesh(dev, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raf = spec["reshard_after_forward"]
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    return model, opt
+
+
+def decoder_layers(model):
+    """The decoder layers of a (PEFT-wrapped) transformers causal LM."""
+    inner = model
+    for attr in ("base_model", "model"):
+        while hasattr(inner, attr) and not hasattr(inner, "layers"):
+            inner = getattr(inner, attr)
+    if not hasattr(inner, "layers"):
+        raise bad(ConfigError, "model", type(model).__name__, "has no decoder `layers`")
+    return list(inner.layers)
+
+
+def wave_inputs(lens, vocab: int, device: str):
+    """One packed row: input ids, position ids restarting per sequence, labels = ids."""
+    import torch
+
+    gen = torch.Generator().manual_seed(sum(lens) * 31 + len(lens))
+    total = sum(lens)
+    ids = torch.randint(0, vocab, (1, total), generator=gen).to(device)
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).to(device)
+    return ids, pos, ids.clone()
+
+
+def _fsdp_params(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out.extend(group.fsdp_params)
+    return out
+
+
+def _polled_tracker():
+    """The live-storage tracker, plus storages read by nbytes after every op (FSDP2's
+    all-gather outputs, resized outside aten)."""
+    from .trace import _tracker_class
+
+    base = _tracker_class()
+
+    class PolledTracker(base):
+        def __init__(self, polled) -> None:
+            super().__init__()
+            self.polled = list(polled)
+            for st in self.polled:
+                self.ignored[id(st)] = st   # never counted as op outputs
+            self.polled_now = 0
+
+        def _poll(self) -> None:
+            self.polled_now = sum(st.nbytes() for st in self.polled)
+            if self.current + self.polled_now > self.peak:
+                self.peak = self.current + self.polled_now
+
+        def _track(self, t) -> None:
+            super()._track(t)
+            self._poll()
+
+        def reset_peak(self) -> None:
+            self._poll()
+            self.peak = self.current + self.polled_now
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._poll()
+            return out
+
+    return PolledTracker
+
+
+def _live_storages(torch):
+    """Every tensor storage alive now (the rank at rest)."""
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                st = obj.untyped_storage()
+                seen[id(st)] = obj
+        except Exception:   # noqa: BLE001 - a tensor subclass without storage
+            continue
+    return seen
+
+
+def trace_rank(spec: dict) -> list[dict]:
+    """This rank's result for every job: peak above rest, rest, forward peak."""
+    import torch
+
+    model, opt = build_fsdp_model(spec)
+    vocab = int(spec["config"].get("vocab_size", 32000))
+    dev = spec["device"]
+
+    def run(lens, phase=None):
+        ids, pos, labels = wave_inputs(lens, vocab, dev)
+        out = model(input_ids=ids, position_ids=pos, labels=labels)
+        loss = out.loss
+        del out
+        if phase is not None:
+            phase()
+        loss.backward()
+        del loss, ids, pos, labels
+
+    # warm-up step: lazy init, first all-gathers, optimizer states created
+    run(spec["jobs"][0])
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    results = []
+    for lens in spec["jobs"]:
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            rest = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fwd = {}
+            run(lens, phase=lambda f=fwd: f.update(p=torch.cuda.max_memory_allocated()))
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - rest
+            results.append({"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest)})
+            continue
+        polled = []
+        for fp in _fsdp_params(model):
+            polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
+        live = _live_storages(torch)
+        polled_ids = {id(st) for st in polled}
+        rest = sum(o.untyped_storage().nbytes() for k, o in live.items() if k not in polled_ids)
+        rest += sum(st.nbytes() for st in polled)
+        tracker = _polled_tracker()(polled)
+        tracker.ignore([o for k, o in live.items() if k not in polled_ids])
+        del live
+        fwd = {}
+        with tracker:
+            tracker.reset_peak()
+            base = tracker.peak
+            run(lens, phase=lambda f=fwd, t=tracker: f.update(p=t.peak))
+        results.append({"peak": int(tracker.peak - base), "rest": int(rest),
+                        "forward_peak": int(fwd["p"] - base)})
+        del tracker
+    opt.zero_grad(set_to_none=True)
+    return results

@@ -1,0 +1,129 @@
+"""The fsdp framework: Hugging Face transformers + PEFT LoRA under FSDP2 (pricing/fsdp,
+pricing/measure/fsdp_trace.py; docs/memory-model.md#fsdp2-with-hugging-face-transformers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waveplan.planner import Planner
+from waveplan.planner.cli import main
+from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.fsdp import FsdpLayout, build_fsdp_model
+from waveplan.pricing.fsdp.check import price_record
+from waveplan.pricing.fsdp.model import for_step, unshared_step
+from waveplan.pricing.model_source import load_model
+from waveplan.pricing.step import Step, bundled_step, load_step
+from waveplan.pricing.wave_pricer import WavePricer
+
+TRACES = Path(__file__).resolve().parents[1] / "bench" / "results" / "fsdp_traces.jsonl"
+SMALL = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             tie_word_embeddings=False)
+
+
+def test_recorded_traces_never_under():
+    """Every committed CPU trace (bench/fsdp_validation.py) is priced at or above its peak."""
+    records = [json.loads(line) for line in TRACES.read_text().splitlines()]
+    assert records
+    for rec in records:
+        assert price_record(rec).raw_bytes >= rec["peak_bytes"], rec["class"]
+
+
+def test_unshared_step_runs_every_prompt_in_full():
+    step = load_step(bundled_step("grpo-8x8"))
+    flat = unshared_step(step)
+    assert [r.id for r in flat.requests] == [r.id for r in step.requests]
+    model = build_fsdp_model(load_model("qwen3-8b"), fsdp=8)
+    pricer = WavePricer.build(flat, model)
+    loads = pricer.group_loads([np.arange(len(flat.requests))])
+    assert sum(g.padded_rows for g in loads) == sum(r.num_tokens for r in step.requests)
+
+
+def test_price_grows_with_rows_and_never_with_shards():
+    g = load_model("qwen3-8b")
+    step = Step.from_lengths([0, 0], [4096, 2048])
+    prices = {}
+    for n in (2, 8):
+        for rows in (1, 2):
+            model, s = for_step(build_fsdp_model(g, fsdp=n), Step.from_lengths([0] * rows, [4096] * rows))
+            prices[n, rows] = WavePricer.build(s, model).price([np.arange(rows)]).raw_bytes
+    assert prices[2, 2] > prices[2, 1] and prices[8, 2] > prices[8, 1]
+    assert prices[8, 1] <= prices[2, 1]   # the gathered layers are whole; the gradients shard
+    model, s = for_step(build_fsdp_model(g, attn="sdpa", attn_rows=1), step)
+    assert model.attn_rows == 6144
+
+
+def test_planner_from_hf_config_plans_deterministically():
+    cfg = dict(SMALL, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+               num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000)
+    planner = Planner.from_hf_config(cfg, framework="fsdp", fsdp=4, attn="sdpa", recompute="full",
+                                     lora_rank=8)
+    step = load_step(bundled_step("grpo-8x8"))
+    a = planner.plan(step, free_bytes=16 * 2**30, deterministic=True)
+    b = planner.plan(step, free_bytes=16 * 2**30, deterministic=True)
+    docs = [json.loads(p.to_json()) for p in (a, b)]
+    for doc in docs:
+        doc.pop("planning_ms")
+        doc.pop("compile_ms", None)
+        doc.get("stats", {}).pop("jit_ms", None)
+    assert json.dumps(docs[0], sort_keys=True) == json.dumps(docs[1], sort_keys=True)
+    assert all(w.price.admitted_bytes <= 16 * 2**30 for w in a.waves)
+    assert len(a.waves) > 1
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--ulysses", "2"], "ulysses"),
+    (["--tp", "2"], "--tp"),
+    (["--recompute", "selective"], "--recompute"),
+])
+def test_cli_refuses_what_fsdp_does_not_price(argv, field, capsys):
+    code = main(["price", "grpo-8x8", "--model", "qwen3-8b", "--framework", "fsdp", *argv])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert field in err and "Traceback" not in err
+
+
+def test_cli_plan_and_price_json(capsys):
+    assert main(["plan", "grpo-8x8", "--model", "qwen3-8b", "--framework", "fsdp",
+                 "--free-gib", "40", "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "waves" in out
+    assert main(["price", "grpo-8x8", "--model", "qwen3-8b", "--framework", "fsdp", "--fsdp", "8",
+                 "--attn", "eager", "--recompute", "none", "--lora-rank", "8",
+                 "--backend", "torch-cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["terms"]["gathered_parameters"] > 0 and doc["basis"] == "evidence"
+
+
+def test_layout_validation():
+    with pytest.raises(ConfigError, match="attn"):
+        FsdpLayout(attn="flash3")
+    with pytest.raises(ConfigError, match="fsdp"):
+        FsdpLayout(fsdp=0)
+    with pytest.raises(ConfigError, match="attn_rows"):
+        build_fsdp_model(load_model("qwen3-8b"), attn="eager")
+
+
+def test_live_trace_is_never_above_the_price():
+    """A real 2-rank gloo FSDP2 run of a small Llama with PEFT LoRA and checkpointing."""
+    from waveplan.pricing.measure.fsdp_trace import trace_fsdp
+
+    trace = trace_fsdp(SMALL, jobs=[(96, 64)], fsdp=2, attn="sdpa", checkpointing=True,
+                       lora_rank=4)[0]
+    assert len(trace.peaks) == 2 and trace.peak_bytes > 0
+    priced = price_record(trace.to_dict()).raw_bytes
+    assert priced >= trace.peak_bytes
+
+
+def test_report_replays_the_fsdp_plan(tmp_path, capsys):
+    """A report of an fsdp plan rebuilds the same model (framework, layout, family) on replay."""
+    path = tmp_path / "report.json"
+    assert main(["plan", "grpo-8x8", "--model", "qwen3-8b", "--framework", "fsdp", "--fsdp", "8",
+                 "--attn", "sdpa", "--free-gib", "40", "--deterministic", "--report", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    assert "replay identical" in capsys.readouterr().out
