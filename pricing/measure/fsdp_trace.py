@@ -145,7 +145,7 @@ def _spawn(spec: dict, size: int, timeout_s: float) -> list[list[dict]]:
     """Run `_rank_main` on `size` processes; every rank's list of job results."""
     import torch.multiprocessing as mp
 
-    from .multirank import _child_env, _errors, _stop
+    from .gloo_launch import _child_env, _errors, _stop
 
     with tempfile.TemporaryDirectory(prefix="waveplan-fsdp-") as tmp:
         spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp)
