@@ -1,0 +1,340 @@
+"""The "te-gpu" kernel set on the CPU: allocation models of the fused GPU kernels.
+
+On a GPU, Megatron-core with Transformer Engine (TE) and flash-attn runs fused kernels where
+the CPU tracer runs plain torch ops: TE's RMSNorm, the fused bias-SwiGLU, TE's fused RoPE,
+flash attention. Each kernel here is an autograd function that allocates what the GPU kernel
+allocates (its outputs, what its forward saves for the backward, its backward's gradients and
+workspaces, as `torch.empty` on the traced device, so `trace.StorageTracker` counts them) and
+computes its values with plain torch ops inside `trace.uncounted()` (standing for the kernel's
+registers and shared memory, which no allocator sees). The values are exact (the tests compare
+losses and gradients with the torch-cpu kernels); only what is counted differs.
+
+`te_gpu_kernels(model)` installs them on a model `megatron_build.build_gpt` built (a context
+manager; `trace.trace_wave(kernels="te-gpu")` and `multirank` use it). What each model
+allocates, with the GPU source it follows: docs/memory-model.md#gpu-kernel-allocation-models.
+Everything else (linears, LoRA adapters, the native cross entropy, SP gathers, MoE dispatch,
+the RoPE cache) stays the same PyTorch code on both.
+
+Imports torch and megatron-core: only tracer processes load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, bad
+from .trace import uncounted
+
+KERNEL_SETS = ("torch-cpu", "te-gpu")
+
+
+def check_kernels(kernels: str) -> str:
+    """`kernels` if it names a kernel set; a ConfigError naming the field otherwise."""
+    if kernels not in KERNEL_SETS:
+        raise bad(ConfigError, "kernels", kernels, f"must be one of {', '.join(KERNEL_SETS)}")
+    return kernels
+
+
+def _vjp(fn, inputs, needs, grad_out):
+    """Gradients of `fn(*inputs)` for the inputs flagged in `needs`, uncounted."""
+    with uncounted(), torch.enable_grad():
+        leaves = [x.detach().requires_grad_(bool(n)) if isinstance(x, torch.Tensor) else x
+                  for x, n in zip(inputs, needs, strict=True)]
+        out = fn(*leaves)
+        wanted = [x for x, n in zip(leaves, needs, strict=True) if n]
+        grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+    it = iter(grads)
+    return [next(it) if n else None for n in needs]
+
+
+# --- TE RMSNorm --------------------------------------------------------------------------
+
+
+class TeRMSNorm(torch.autograd.Function):
+    """TE's RMSNorm (ops/basic/rmsnorm.py `RMSNorm.op_forward/op_backward`): y (x's dtype) and
+    rstdevs (fp32 [rows]) out, (x, rstdevs) saved; backward: dx (x's shape) and dgamma
+    (gamma's shape, computed even for a frozen gamma)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.shape[-1]
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(x.numel() // h, dtype=torch.float32, device=x.device)
+        with uncounted():
+            y.copy_(F.rms_norm(x, (h,), weight, eps))
+        ctx.save_for_backward(x, rstd)
+        ctx.weight, ctx.eps = weight, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, _rstd = ctx.saved_tensors
+        w = ctx.weight
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        gx, gw = _vjp(lambda a, b: F.rms_norm(a, (a.shape[-1],), b, ctx.eps), (x, w),
+                      (True, w.requires_grad), dy)
+        with uncounted():
+            dx.copy_(gx)
+            if gw is not None:
+                dw.copy_(gw)
+        return dx, (dw if w.requires_grad else None), None
+
+
+def _te_rmsnorm_forward(self, x):
+    """TorchRMSNorm.forward through `TeRMSNorm` (a TE RMSNorm's input is made contiguous)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+    return TeRMSNorm.apply(x, self.weight, eps)
+
+
+# --- fused bias-SwiGLU ---------------------------------------------------------------------
+
+
+def _swiglu(y, bias):
+    if bias is not None:
+        y = y + bias
+    a, b = torch.chunk(y, 2, dim=-1)
+    return F.silu(a) * b
+
+
+class FusedSwiGLU(torch.autograd.Function):
+    """Megatron's fused (bias-)SwiGLU (fusions/fused_bias_swiglu.py `SwiGLUFunction`,
+    `BiasSwiGLUFunction`, jit-fused on a GPU): out [rows, F] (input dtype), the input
+    [rows, 2F] saved; backward: one [rows, 2F] gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+        with uncounted():
+            out.copy_(_swiglu(x, bias))
+        ctx.save_for_backward(x)
+        ctx.bias = bias
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        bias = ctx.bias
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        needs_b = bias is not None and bias.requires_grad
+        gx, gb = _vjp(_swiglu, (x, bias), (True, needs_b), g)
+        with uncounted():
+            dx.copy_(gx)
+        return dx, (gb.to(bias.dtype) if needs_b else None)
+
+
+def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
+    """Megatron's `bias_swiglu_impl` call through `FusedSwiGLU` (2-D or 3-D input)."""
+    shape = input.shape
+    if len(shape) not in (2, 3):
+        raise bad(ConfigError, "swiglu input", list(shape), "must be 2-D or 3-D")
+    out = FusedSwiGLU.apply(input.view(-1, shape[-1]), bias)
+    return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)
+
+
+# --- TE fused RoPE -------------------------------------------------------------------------
+
+
+class FusedRoPE(torch.autograd.Function):
+    """TE's fused RoPE (attention/rope.py `FusedRoPEFunc`): the output (t's shape and dtype)
+    out, only `freqs` (the RoPE cache, already alive) saved; backward: one gradient of t's
+    shape. `rotate(t)` is the unfused rotation giving the values (linear in t)."""
+
+    @staticmethod
+    def forward(ctx, t, freqs, rotate):
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with uncounted():
+            out.copy_(rotate(t))
+        ctx.save_for_backward(freqs)
+        ctx.rotate, ctx.shape, ctx.dtype = rotate, t.shape, t.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        dt = torch.empty(ctx.shape, dtype=ctx.dtype, device=g.device)
+        with uncounted():
+            zeros = torch.zeros(ctx.shape, dtype=ctx.dtype, device=g.device)
+        (gt,) = _vjp(ctx.rotate, (zeros,), (True,), g)
+        with uncounted():
+            dt.copy_(gt)
+            del zeros
+        return dt, None, None
+
+
+def _fused_rope_bshd(t, freqs, interleaved=False, **kwargs):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def rotate(x):
+        return rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)
+
+    return FusedRoPE.apply(t, freqs, rotate)
+
+
+def _fused_rope_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, **kwargs):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def rotate(x):
+        return rope_utils._apply_rotary_pos_emb_thd(x, cu_seqlens, freqs)
+
+    return FusedRoPE.apply(t, freqs, rotate)
+
+
+# --- flash attention (THD, varlen) -----------------------------------------------------------
+
+
+def _round_head(d: int) -> int:
+    """flash-attn's head_size_rounded: a multiple of 32 up to 192, else 256."""
+    d8 = -(-d // 8) * 8
+    return -(-d8 // 32) * 32 if d8 <= 192 else 256
+
+
+class FlashVarlen(torch.autograd.Function):
+    """flash-attn 2's varlen attention (flash_attn_interface.py `FlashAttnVarlenFunc`,
+    csrc/flash_attn/flash_api.cpp `mha_varlen_fwd` / `mha_varlen_bwd`), as TE's FlashAttention
+    backend calls it on THD. Forward: out [t, h, dv] (q's dtype), softmax_lse fp32 [h, t],
+    rng_state int64 [2]; saved q, k, v, out, lse, rng_state. Backward: dq, dk, dv
+    (`empty_like`), softmax_d fp32 [h, t + 128 b], dq_accum fp32 [t + 128 b, h,
+    round32(d)], and under GQA dk/dv expanded to all heads [t, h, d] before the group sum.
+    `attend(q, k, v)` gives the values ([t, h, dv])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, batch, attend):
+        t, h = q.shape[0], q.shape[1]
+        dv = v.shape[-1]
+        out = torch.empty((t, h, dv), dtype=q.dtype, device=q.device)
+        lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
+        rng = torch.empty(2, dtype=torch.int64, device=q.device)
+        with uncounted():
+            out.copy_(attend(q, k, v))
+        ctx.save_for_backward(q, k, v, out, lse, rng)
+        ctx.batch, ctx.attend = batch, attend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, _out, _lse, _rng = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        t, h, d = q.shape
+        tk, g = k.shape[0], k.shape[1]
+        b = ctx.batch
+        dq, dk, dvv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        work = [torch.empty((h, t + 128 * b), dtype=torch.float32, device=q.device),
+                torch.empty((t + 128 * b, h, _round_head(d)), dtype=torch.float32, device=q.device)]
+        if g != h:
+            work += [torch.empty((tk, h, d), dtype=q.dtype, device=q.device),
+                     torch.empty((tk, h, v.shape[-1]), dtype=q.dtype, device=q.device)]
+        gq, gk, gv = _vjp(ctx.attend, (q, k, v), (True, True, True), dout)
+        with uncounted():
+            dq.copy_(gq)
+            dk.copy_(gk)
+            dvv.copy_(gv)
+        del work
+        return dq, dk, dvv, None, None
+
+
+def _flash_class():
+    from .megatron_build import sdpa_attention_class
+    from .thd import bounds_of
+
+    sdpa = sdpa_attention_class()
+
+    class FlashAttention(sdpa):
+        """Core attention through `FlashVarlen` (THD, or a [s, 1, h, d] row as one sequence);
+        its values are the SDPA stand-in's (`SdpaAttention`)."""
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            base = super().forward
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                cu = packed_seq_params.cu_seqlens_q_padded
+                if cu is None:
+                    cu = packed_seq_params.cu_seqlens_q
+                batch = len(bounds_of(cu)) - 1
+
+                def attend(q, k, v):
+                    out = base(q, k, v, packed_seq_params=packed_seq_params)
+                    return out.view(q.shape[0], q.shape[1], -1)
+
+                out = FlashVarlen.apply(query, key, value, batch, attend)
+                return out.reshape(out.shape[0], -1)
+            if query.dim() != 4 or query.shape[1] != 1:
+                raise bad(ConfigError, "attention input", list(query.shape),
+                          "the te-gpu flash stand-in takes THD or one [s, 1, h, d] row")
+
+            def attend_row(q, k, v):
+                out = base(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+                return out.view(q.shape[0], q.shape[1], -1)
+
+            out = FlashVarlen.apply(query[:, 0], key[:, 0], value[:, 0], 1, attend_row)
+            return out.reshape(out.shape[0], 1, -1)
+
+    return FlashAttention
+
+
+# --- installing the set --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def te_gpu_kernels(model):
+    """Run `model` (from `build_gpt`) with the te-gpu allocation models: TE RMSNorm on every
+    `TorchRMSNorm`, flash attention in place of the SDPA stand-in (not of the CP ring, already
+    TE's model), fused RoPE (not under multi-latent attention, whose fused RoPE is a Triton
+    kernel not modelled here) and the fused bias-SwiGLU (SiLU-gated MLPs; GeGLU and the clamped
+    SwiGLU keep torch's ops). Yields the list of what was installed (for the trace's note)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import mlp as mlp_mod
+
+    from .megatron_build import TorchRMSNorm, sdpa_attention_class
+
+    config = model.config
+    installed = []
+    norms = [m for m in model.modules() if isinstance(m, TorchRMSNorm)]
+    for m in norms:
+        m.forward = types.MethodType(_te_rmsnorm_forward, m)
+    if norms:
+        installed.append("TE RMSNorm")
+    sdpa, flash = sdpa_attention_class(), _flash_class()
+    swapped = []
+    for m in model.modules():
+        core = getattr(m, "core_attention", None)
+        if type(core) is sdpa:
+            core.__class__ = flash   # same module, parameters (attention sinks) and config
+            swapped.append(core)
+    if swapped:
+        installed.append("flash attention (varlen)")
+    saved = (config.apply_rope_fusion, config.bias_activation_fusion,
+             rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
+             mlp_mod.bias_swiglu_impl)
+    if not getattr(config, "multi_latent_attention", False):
+        config.apply_rope_fusion = True
+        rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
+        rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_thd
+        installed.append("TE fused RoPE")
+    if config.gated_linear_unit and config.activation_func is F.silu \
+            and getattr(config, "activation_func_clamp_value", None) is None:
+        config.bias_activation_fusion = True
+        mlp_mod.bias_swiglu_impl = bias_swiglu_impl
+        installed.append("fused bias-SwiGLU")
+    try:
+        yield installed
+    finally:
+        (config.apply_rope_fusion, config.bias_activation_fusion,
+         rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
+         mlp_mod.bias_swiglu_impl) = saved
+        for core in swapped:
+            core.__class__ = sdpa
+        for m in norms:
+            del m.forward
+
+
+def kernels_note(installed) -> str:
+    """The trace note of the te-gpu kernel set."""
+    return ("te-gpu kernel set: allocation models of " + ", ".join(installed)
+            + " (pricing/measure/gpu_kernels.py; values computed uncounted)")
