@@ -77,6 +77,10 @@ def register(subparsers) -> None:
                         help="loss on the full logits: Megatron's native cross entropy (bf16 logits "
                              "and an fp32 copy; default) or Transformer Engine's (gradient written "
                              "into the bf16 logits; on the CPU an allocation model of it); one rank")
+    parser.add_argument("--kernels", choices=("torch-cpu", "te-gpu"), default="torch-cpu",
+                        help="kernel set on the CPU: torch's ops (default) or te-gpu, allocation "
+                             "models of the fused GPU kernels (TE RMSNorm, flash attention, fused "
+                             "RoPE and SwiGLU; pricing/measure/gpu_kernels.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -124,6 +128,9 @@ def run(args) -> int:
     if layers is not None and layers >= geometry.num_layers:
         layers = None
     if args.pp > 1:
+        if args.kernels != "torch-cpu":
+            raise ConfigError(f"--kernels={args.kernels}: pipeline traces run the torch-cpu "
+                              "kernels; trace te-gpu without --pp")
         return _run_pipeline(args, geometry, step, seq_lens, layers)
     if args.pp != 1:
         raise ConfigError(f"--pp={args.pp}: must be a positive integer")
@@ -138,7 +145,7 @@ def run(args) -> int:
                         device=args.device or "cpu-fake", head=args.head,
                         recompute=Recompute(mode=args.recompute),
                         lora_rank=args.lora_rank or None,
-                        decoder_only=not args.no_decoder_pass)
+                        decoder_only=not args.no_decoder_pass, kernels=args.kernels)
     notes = list(result.notes)
     if any(not r.grad for r in step.requests):
         notes.append("requests with grad=false were traced with gradients like the others")
@@ -153,7 +160,8 @@ def run(args) -> int:
     print(f"trace {geometry.name}: {result.num_layers} of {result.model_layers} layers, "
           f"{result.tokens} tokens in {len(result.seq_lens)} sequences ({result.packed}), "
           f"device {result.device}, recompute {result.recompute['mode']}, "
-          f"LoRA rank {result.lora_rank or 'none'}, head {result.head}")
+          f"LoRA rank {result.lora_rank or 'none'}, head {result.head}"
+          + ("" if result.kernels == "torch-cpu" else f", kernels {result.kernels}"))
     rows = [("peak forward", result.peak_forward_bytes),
             ("peak backward", result.peak_backward_bytes),
             ("peak", result.peak_bytes),
@@ -189,7 +197,8 @@ def _run_multirank(args, geometry, step, seq_lens, layers) -> int:
     result = trace_multirank(geometry, layout=layout, seq_lens=seq_lens, num_layers=layers,
                              recompute=Recompute(mode=args.recompute),
                              lora_rank=args.lora_rank or None, routing=args.routing,
-                             decoder_only=not args.no_decoder_pass, timeout_s=args.timeout)
+                             decoder_only=not args.no_decoder_pass, timeout_s=args.timeout,
+                             kernels=args.kernels)
     preset = args.model.strip().lower() if args.model.strip().lower() in list_presets() else None
     record = trace_record(result, geometry, model=preset, step=Path(args.step).name)
     record["trace"]["notes"] = list(result.notes) + _step_notes(step)
