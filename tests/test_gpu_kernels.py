@@ -13,7 +13,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from waveplan.pricing.errors import ConfigError  # noqa: E402
-from waveplan.pricing.geometry import AttentionSpec, MixerKind, MlpKind, ModelGeometry  # noqa: E402
+from waveplan.pricing.geometry import (  # noqa: E402
+    AttentionSpec,
+    MixerKind,
+    MlpKind,
+    ModelGeometry,
+    MoeSpec,
+)
 from waveplan.pricing.measure import gpu_kernels as gk  # noqa: E402
 from waveplan.pricing.measure.trace import _tracker_class, trace_wave, uncounted  # noqa: E402
 from waveplan.pricing.parallel import Recompute  # noqa: E402
@@ -76,6 +82,23 @@ def test_swiglu_holds_its_input_and_one_output_and_backward_one_gradient():
     assert torch.equal(x.grad, xr.grad)
 
 
+def test_grouped_linear_holds_one_output_and_one_input_gradient():
+    counts, d_in, d_out = (5, 0, 7), 16, 24
+    rows = sum(counts)
+    x = torch.randn(rows, d_in, dtype=BF16, requires_grad=True)
+    ws = tuple(torch.randn(d_out, d_in, dtype=BF16) for _ in counts)
+    out, live, peak = _counted(lambda: gk.GroupedLinear.apply(x, ws, counts), x)
+    assert live == peak == rows * d_out * 2
+    ref = torch.cat([torch.nn.functional.linear(x[a:a + n], w) for a, n, w in
+                     zip((0, 5, 5), counts, ws, strict=True)])
+    assert torch.equal(out, ref)
+    tracker = _tracker_class()()
+    tracker.ignore([out])
+    with tracker:
+        out.backward(torch.ones_like(out))
+    assert tracker.peak == rows * d_out * 2 + rows * d_in * 2     # the ones, dx
+
+
 def test_rope_saves_nothing_new_and_its_gradient_is_the_inverse_rotation():
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -119,20 +142,26 @@ def test_flash_varlen_allocations_follow_mha_varlen_fwd_and_bwd():
         and gk._round_head(200) == 256
 
 
-def _tiny(dtype="fp32"):
-    return ModelGeometry(name="tiny", hidden=64, ffn=192, vocab=256,
-                         layers=((MixerKind.ATTENTION, MlpKind.DENSE),) * 2,
-                         attention=AttentionSpec(4, 2, 16), dtype=dtype)
+def _tiny(dtype="fp32", moe=False):
+    mlp = MlpKind.MOE if moe else MlpKind.DENSE
+    return ModelGeometry(name="tiny", hidden=64, ffn=0 if moe else 192, vocab=256,
+                         layers=((MixerKind.ATTENTION, mlp),) * 2,
+                         attention=AttentionSpec(4, 2, 16), dtype=dtype,
+                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=48) if moe else None)
 
 
-def _loss_and_grads(kernels: bool, mode: str):
+def _loss_and_grads(kernels: bool, mode: str, moe: bool = False):
     from waveplan.pricing.measure import thd
     from waveplan.pricing.measure.megatron_build import build_gpt
+    from waveplan.pricing.measure.trace import _balanced_router, _install_balanced_dispatch
+    from waveplan.pricing.parallel import ParallelLayout
 
     lens = [40, 24]
     torch.manual_seed(0)
-    model = build_gpt(_tiny(), device="cpu", lora_rank=4, recompute=Recompute(mode=mode),
+    model = build_gpt(_tiny(moe=moe), device="cpu", lora_rank=4, recompute=Recompute(mode=mode),
                       seq_len=64, dtype=torch.float32)
+    if moe:
+        _install_balanced_dispatch(model, ParallelLayout())
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -143,21 +172,23 @@ def _loss_and_grads(kernels: bool, mode: str):
     params, _ = thd.packed_params(torch, lens, "cpu")
     with contextlib.ExitStack() as stack:
         stack.enter_context(thd.rope_patch())
+        if moe:
+            stack.enter_context(_balanced_router())
         installed = stack.enter_context(gk.te_gpu_kernels(model)) if kernels else []
         loss = model(ids, pos, None, labels=labels, packed_seq_params=params).sum()
         loss.backward()
     return float(loss.detach()), [p.grad for p in model.parameters() if p.requires_grad], installed
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_te_gpu_kernels_compute_the_same_loss_and_adapter_gradients(mode):
+@pytest.mark.parametrize("mode,moe", [("none", False), ("full", False), ("none", True)])
+def test_te_gpu_kernels_compute_the_same_loss_and_adapter_gradients(mode, moe):
     from waveplan.pricing.measure.megatron_shim import init_single_process
 
     with init_single_process(1):
-        ref_loss, ref_grads, _ = _loss_and_grads(False, mode)
-        loss, grads, installed = _loss_and_grads(True, mode)
+        ref_loss, ref_grads, _ = _loss_and_grads(False, mode, moe)
+        loss, grads, installed = _loss_and_grads(True, mode, moe)
     assert installed == ["TE RMSNorm", "flash attention (varlen)", "TE fused RoPE",
-                         "fused bias-SwiGLU"]
+                         "fused bias-SwiGLU"] + (["grouped GEMM experts"] if moe else [])
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for a, b in zip(grads, ref_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-5)

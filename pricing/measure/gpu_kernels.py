@@ -138,6 +138,90 @@ def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False
     return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)
 
 
+def _weighted_swiglu(y, w):
+    return (_swiglu(y, None) * w).to(y.dtype)
+
+
+class WeightedSwiGLU(torch.autograd.Function):
+    """Megatron's fused weighted SwiGLU of the experts (fused_bias_swiglu.py
+    `WeightedSwiGLUFunction`): out [rows, F] (input dtype), the input and the router
+    probabilities [rows, 1] saved; backward: the input's gradient [rows, 2F] and the
+    probabilities' [rows, 1]."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+        with uncounted():
+            out.copy_(_weighted_swiglu(x, w))
+        ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        gx, gw = _vjp(_weighted_swiglu, (x, w), (True, True), g)
+        with uncounted():
+            dx.copy_(gx)
+            dw.copy_(gw)
+        return dx, dw
+
+
+def weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False):
+    """Megatron's `weighted_bias_swiglu_impl` call through `WeightedSwiGLU` (no bias)."""
+    if bias is not None:
+        raise bad(ConfigError, "bias", "set", "the weighted SwiGLU fusion takes no bias")
+    shape = input.shape
+    out = WeightedSwiGLU.apply(input.view(-1, shape[-1]), weights)
+    return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)
+
+
+# --- grouped GEMM of the MoE experts ------------------------------------------------------
+
+
+class GroupedLinear(torch.autograd.Function):
+    """TE's grouped linear of the experts (module/grouped_linear.py `_GroupedLinear`, as
+    Megatron's `TEGroupedMLP` calls it) in bf16 with frozen weights: one output [rows, out]
+    for every expert's rows, the input saved (its per-expert splits are views); backward: one
+    input gradient [rows, in], no weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weights, counts):
+        out = torch.empty((x.shape[0], weights[0].shape[0]), dtype=x.dtype, device=x.device)
+        with uncounted():
+            at = 0
+            for w, n in zip(weights, counts, strict=True):
+                if n:
+                    out[at:at + n].copy_(F.linear(x[at:at + n], w))
+                at += n
+        ctx.save_for_backward(x)
+        ctx.weights, ctx.counts = weights, counts
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        with uncounted():
+            at = 0
+            for w, n in zip(ctx.weights, ctx.counts, strict=True):
+                if n:
+                    dx[at:at + n].copy_(g[at:at + n] @ w)
+                at += n
+        return dx, None, None
+
+
+def _grouped_mlp_forward(self, hidden, tokens_per_expert, probs):
+    """`SequentialMLP.forward` as `TEGroupedMLP.forward` allocates it (experts/experts.py):
+    grouped FC1, the fused weighted SwiGLU (the router probabilities applied), grouped FC2."""
+    counts = tuple(int(n) for n in tokens_per_expert.tolist())
+    fc1 = GroupedLinear.apply(hidden, tuple(e.linear_fc1.weight for e in self.local_experts), counts)
+    act = WeightedSwiGLU.apply(fc1, probs.unsqueeze(-1))
+    out = GroupedLinear.apply(act, tuple(e.linear_fc2.weight for e in self.local_experts), counts)
+    return out, None
+
+
 # --- TE fused RoPE -------------------------------------------------------------------------
 
 
@@ -286,15 +370,17 @@ def te_gpu_kernels(model):
     """Run `model` (from `build_gpt`) with the te-gpu allocation models: TE RMSNorm on every
     `TorchRMSNorm`, flash attention in place of the SDPA stand-in (not of the CP ring, already
     TE's model), fused RoPE (not under multi-latent attention, whose fused RoPE is a Triton
-    kernel not modelled here) and the fused bias-SwiGLU (SiLU-gated MLPs; GeGLU and the clamped
-    SwiGLU keep torch's ops). Yields the list of what was installed (for the trace's note)."""
+    kernel not modelled here), the fused bias-SwiGLU (SiLU-gated MLPs; GeGLU and the clamped
+    SwiGLU keep torch's ops) and, with it, the experts' grouped GEMM in place of the
+    `SequentialMLP` loop (experts without biases). Yields the list of what was installed (for the trace's note)."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import mlp as mlp_mod
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
     from .megatron_build import TorchRMSNorm, sdpa_attention_class
 
     config = model.config
-    installed = []
+    installed, grouped = [], []
     norms = [m for m in model.modules() if isinstance(m, TorchRMSNorm)]
     for m in norms:
         m.forward = types.MethodType(_te_rmsnorm_forward, m)
@@ -311,7 +397,7 @@ def te_gpu_kernels(model):
         installed.append("flash attention (varlen)")
     saved = (config.apply_rope_fusion, config.bias_activation_fusion,
              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
-             mlp_mod.bias_swiglu_impl)
+             mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl)
     if not getattr(config, "multi_latent_attention", False):
         config.apply_rope_fusion = True
         rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
@@ -321,16 +407,24 @@ def te_gpu_kernels(model):
             and getattr(config, "activation_func_clamp_value", None) is None:
         config.bias_activation_fusion = True
         mlp_mod.bias_swiglu_impl = bias_swiglu_impl
+        mlp_mod.weighted_bias_swiglu_impl = weighted_bias_swiglu_impl
         installed.append("fused bias-SwiGLU")
+        if not config.add_bias_linear:
+            for m in model.modules():
+                if isinstance(m, SequentialMLP) and len(m.local_experts) > 1:
+                    m.forward = types.MethodType(_grouped_mlp_forward, m)
+                    grouped.append(m)
+            if grouped:
+                installed.append("grouped GEMM experts")
     try:
         yield installed
     finally:
         (config.apply_rope_fusion, config.bias_activation_fusion,
          rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
-         mlp_mod.bias_swiglu_impl) = saved
+         mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl) = saved
         for core in swapped:
             core.__class__ = sdpa
-        for m in norms:
+        for m in norms + grouped:
             del m.forward
 
 
