@@ -19,7 +19,7 @@ the multi-rank tracer, `multirank.trace_multirank(kernels="te-gpu")`, minutes pe
 Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
 hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
 (dense), qwen3-30b-a3b (MoE), deepseek-v2-lite (MLA, dense then MoE), qwen3.8-27b (the seed's
-GDN hybrid). One wave of 2048 tokens (1024, 640, 384).
+GDN hybrid), gemma-2-9b (GeGLU, sandwich norms, soft-capping). One wave of 2048 tokens (1024, 640, 384).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ WAVE = (1024, 640, 384)
 LORA_RANK = 16
 RECOMPUTES = ("full", "selective", "none")
 PRESETS = ("qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "deepseek-v2-lite",
-           "qwen3.8-27b")
+           "qwen3.8-27b", "gemma-2-9b")
 SHAPES = {s["name"]: s for s in (DENSE, DENSE3, GDN)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})

@@ -16,7 +16,9 @@ from waveplan.pricing.errors import ConfigError  # noqa: E402
 from waveplan.pricing.geometry import (  # noqa: E402
     AttentionSpec,
     MixerKind,
+    MlpActivation,
     MlpKind,
+    ModelFeatures,
     ModelGeometry,
     MoeSpec,
 )
@@ -142,15 +144,17 @@ def test_flash_varlen_allocations_follow_mha_varlen_fwd_and_bwd():
         and gk._round_head(200) == 256
 
 
-def _tiny(dtype="fp32", moe=False):
+def _tiny(dtype="fp32", moe=False, geglu=False):
     mlp = MlpKind.MOE if moe else MlpKind.DENSE
+    act = MlpActivation.GEGLU if geglu else MlpActivation.SWIGLU
     return ModelGeometry(name="tiny", hidden=64, ffn=0 if moe else 192, vocab=256,
                          layers=((MixerKind.ATTENTION, mlp),) * 2,
                          attention=AttentionSpec(4, 2, 16), dtype=dtype,
-                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=48) if moe else None)
+                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=48) if moe else None,
+                         features=ModelFeatures(mlp_activation=act))
 
 
-def _loss_and_grads(kernels: bool, mode: str, moe: bool = False):
+def _loss_and_grads(kernels: bool, mode: str, moe: bool = False, geglu: bool = False):
     from waveplan.pricing.measure import thd
     from waveplan.pricing.measure.megatron_build import build_gpt
     from waveplan.pricing.measure.trace import _balanced_router, _install_balanced_dispatch
@@ -158,7 +162,7 @@ def _loss_and_grads(kernels: bool, mode: str, moe: bool = False):
 
     lens = [40, 24]
     torch.manual_seed(0)
-    model = build_gpt(_tiny(moe=moe), device="cpu", lora_rank=4, recompute=Recompute(mode=mode),
+    model = build_gpt(_tiny(moe=moe, geglu=geglu), device="cpu", lora_rank=4, recompute=Recompute(mode=mode),
                       seq_len=64, dtype=torch.float32)
     if moe:
         _install_balanced_dispatch(model, ParallelLayout())
@@ -180,15 +184,17 @@ def _loss_and_grads(kernels: bool, mode: str, moe: bool = False):
     return float(loss.detach()), [p.grad for p in model.parameters() if p.requires_grad], installed
 
 
-@pytest.mark.parametrize("mode,moe", [("none", False), ("full", False), ("none", True)])
-def test_te_gpu_kernels_compute_the_same_loss_and_adapter_gradients(mode, moe):
+@pytest.mark.parametrize("mode,moe,geglu", [("none", False, False), ("full", False, False),
+                                           ("none", True, False), ("none", False, True)])
+def test_te_gpu_kernels_compute_the_same_loss_and_adapter_gradients(mode, moe, geglu):
     from waveplan.pricing.measure.megatron_shim import init_single_process
 
     with init_single_process(1):
-        ref_loss, ref_grads, _ = _loss_and_grads(False, mode, moe)
-        loss, grads, installed = _loss_and_grads(True, mode, moe)
-    assert installed == ["TE RMSNorm", "flash attention (varlen)", "TE fused RoPE",
-                         "fused bias-SwiGLU"] + (["grouped GEMM experts"] if moe else [])
+        ref_loss, ref_grads, _ = _loss_and_grads(False, mode, moe, geglu)
+        loss, grads, installed = _loss_and_grads(True, mode, moe, geglu)
+    mlp = ["fused bias-GeGLU"] if geglu else ["fused bias-SwiGLU"] + (
+        ["grouped GEMM experts"] if moe else [])
+    assert installed == ["TE RMSNorm", "flash attention (varlen)", "TE fused RoPE"] + mlp
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for a, b in zip(grads, ref_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-5)

@@ -96,25 +96,30 @@ def _te_rmsnorm_forward(self, x):
 # --- fused bias-SwiGLU ---------------------------------------------------------------------
 
 
-def _swiglu(y, bias):
+def _glu(y, bias, gelu=False):
     if bias is not None:
         y = y + bias
     a, b = torch.chunk(y, 2, dim=-1)
-    return F.silu(a) * b
+    return (F.gelu(a, approximate="tanh") if gelu else F.silu(a)) * b
 
 
-class FusedSwiGLU(torch.autograd.Function):
-    """Megatron's fused (bias-)SwiGLU (fusions/fused_bias_swiglu.py `SwiGLUFunction`,
-    `BiasSwiGLUFunction`, jit-fused on a GPU): out [rows, F] (input dtype), the input
+def _swiglu(y, bias):
+    return _glu(y, bias)
+
+
+class FusedGLU(torch.autograd.Function):
+    """Megatron's fused (bias-)SwiGLU and GeGLU (fusions/fused_bias_swiglu.py
+    `SwiGLUFunction`, `BiasSwiGLUFunction`; fused_bias_geglu.py `GeGLUFunction`,
+    `BiasGeGLUFunction`; jit-fused on a GPU): out [rows, F] (input dtype), the input
     [rows, 2F] saved; backward: one [rows, 2F] gradient."""
 
     @staticmethod
-    def forward(ctx, x, bias):
+    def forward(ctx, x, bias, gelu):
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
         with uncounted():
-            out.copy_(_swiglu(x, bias))
+            out.copy_(_glu(x, bias, gelu))
         ctx.save_for_backward(x)
-        ctx.bias = bias
+        ctx.bias, ctx.gelu = bias, gelu
         return out
 
     @staticmethod
@@ -123,19 +128,28 @@ class FusedSwiGLU(torch.autograd.Function):
         bias = ctx.bias
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         needs_b = bias is not None and bias.requires_grad
-        gx, gb = _vjp(_swiglu, (x, bias), (True, needs_b), g)
+        gx, gb = _vjp(lambda a, b: _glu(a, b, ctx.gelu), (x, bias), (True, needs_b), g)
         with uncounted():
             dx.copy_(gx)
-        return dx, (gb.to(bias.dtype) if needs_b else None)
+        return dx, (gb.to(bias.dtype) if needs_b else None), None
+
+
+def _glu_impl(input, bias, gelu):
+    shape = input.shape
+    if len(shape) not in (2, 3):
+        raise bad(ConfigError, "glu input", list(shape), "must be 2-D or 3-D")
+    out = FusedGLU.apply(input.view(-1, shape[-1]), bias, gelu)
+    return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)
 
 
 def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
-    """Megatron's `bias_swiglu_impl` call through `FusedSwiGLU` (2-D or 3-D input)."""
-    shape = input.shape
-    if len(shape) not in (2, 3):
-        raise bad(ConfigError, "swiglu input", list(shape), "must be 2-D or 3-D")
-    out = FusedSwiGLU.apply(input.view(-1, shape[-1]), bias)
-    return out if len(shape) == 2 else out.view(shape[0], shape[1], -1)
+    """Megatron's `bias_swiglu_impl` call through `FusedGLU` (2-D or 3-D input)."""
+    return _glu_impl(input, bias, False)
+
+
+def bias_geglu_impl(input, bias):
+    """Megatron's `bias_geglu_impl` (tanh GELU) call through `FusedGLU`."""
+    return _glu_impl(input, bias, True)
 
 
 def _weighted_swiglu(y, w):
@@ -370,17 +384,18 @@ def te_gpu_kernels(model):
     """Run `model` (from `build_gpt`) with the te-gpu allocation models: TE RMSNorm on every
     `TorchRMSNorm`, flash attention in place of the SDPA stand-in (not of the CP ring, already
     TE's model), fused RoPE (not under multi-latent attention, whose fused RoPE is a Triton
-    kernel not modelled here), the fused bias-SwiGLU (SiLU-gated MLPs; GeGLU and the clamped
-    SwiGLU keep torch's ops) and, with it, the experts' grouped GEMM in place of the
-    `SequentialMLP` loop (experts without biases). Yields the list of what was installed (for the trace's note)."""
+    kernel not modelled here), the fused bias-SwiGLU (SiLU-gated MLPs) and, with it, the
+    experts' grouped GEMM in place of the `SequentialMLP` loop (experts without biases), or
+    the fused bias-GeGLU (tanh-GELU-gated MLPs without experts); the clamped SwiGLU keeps
+    torch's ops. Yields the list of what was installed (for the trace's note)."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import mlp as mlp_mod
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from .megatron_build import TorchRMSNorm, sdpa_attention_class
+    from .megatron_build import TorchRMSNorm, gelu_tanh, sdpa_attention_class
 
     config = model.config
-    installed, grouped = [], []
+    installed, grouped, gelu_mlps = [], [], []
     norms = [m for m in model.modules() if isinstance(m, TorchRMSNorm)]
     for m in norms:
         m.forward = types.MethodType(_te_rmsnorm_forward, m)
@@ -395,9 +410,9 @@ def te_gpu_kernels(model):
             swapped.append(core)
     if swapped:
         installed.append("flash attention (varlen)")
-    saved = (config.apply_rope_fusion, config.bias_activation_fusion,
+    saved = (config.apply_rope_fusion, config.bias_activation_fusion, config.activation_func,
              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
-             mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl)
+             mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl, mlp_mod.bias_geglu_impl)
     if not getattr(config, "multi_latent_attention", False):
         config.apply_rope_fusion = True
         rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
@@ -416,16 +431,29 @@ def te_gpu_kernels(model):
                     grouped.append(m)
             if grouped:
                 installed.append("grouped GEMM experts")
+    elif config.gated_linear_unit and config.activation_func is gelu_tanh \
+            and not any(isinstance(m, SequentialMLP) for m in model.modules()):
+        # Megatron's fused GeGLU branch is taken for F.gelu; its kernel is the tanh GELU
+        config.activation_func = F.gelu
+        for m in model.modules():
+            if isinstance(m, mlp_mod.MLP) and m.activation_func is gelu_tanh:
+                m.activation_func = F.gelu
+                gelu_mlps.append(m)
+        config.bias_activation_fusion = True
+        mlp_mod.bias_geglu_impl = bias_geglu_impl
+        installed.append("fused bias-GeGLU")
     try:
         yield installed
     finally:
-        (config.apply_rope_fusion, config.bias_activation_fusion,
+        (config.apply_rope_fusion, config.bias_activation_fusion, config.activation_func,
          rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
-         mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl) = saved
+         mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl, mlp_mod.bias_geglu_impl) = saved
         for core in swapped:
             core.__class__ = sdpa
         for m in norms + grouped:
             del m.forward
+        for m in gelu_mlps:
+            m.activation_func = gelu_tanh
 
 
 def kernels_note(installed) -> str:
