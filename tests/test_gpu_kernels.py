@@ -237,3 +237,58 @@ def test_cli_trace_kernels_flag(tmp_path, capsys):
     assert main(["trace", str(step), "--model", str(config), "--kernels", "te-gpu",
                  "--pp", "2"]) == 2
     assert "--kernels=te-gpu" in capsys.readouterr().err
+
+
+def _gdn_loss_and_grads(kernels: bool):
+    from waveplan.pricing.geometry import GdnSpec
+    from waveplan.pricing.measure.megatron_build import build_gpt
+
+    g = ModelGeometry(name="tiny-gdn", hidden=64, ffn=192, vocab=256,
+                      layers=((MixerKind.GDN, MlpKind.DENSE), (MixerKind.ATTENTION, MlpKind.DENSE)),
+                      attention=AttentionSpec(4, 2, 16),
+                      gdn=GdnSpec(num_key_heads=2, num_value_heads=4, key_head_dim=16,
+                                  value_head_dim=16, conv_kernel=4), dtype="fp32")
+    torch.manual_seed(0)
+    model = build_gpt(g, device="cpu", lora_rank=4, recompute=Recompute(mode="none"),
+                      seq_len=160, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, 256, (1, 150), generator=gen) for _ in range(2))
+    pos = torch.arange(150).unsqueeze(0)
+    with contextlib.ExitStack() as stack:
+        installed = stack.enter_context(gk.te_gpu_kernels(model)) if kernels else []
+        loss = model(ids, pos, None, labels=labels).sum()
+        loss.backward()
+    return float(loss.detach()), [p.grad for p in model.parameters() if p.requires_grad], installed
+
+
+def test_fla_models_compute_the_gdn_layer_as_the_torch_kernel():
+    from waveplan.pricing.measure.megatron_shim import init_single_process
+
+    with init_single_process(1):
+        ref_loss, ref_grads, _ = _gdn_loss_and_grads(False)
+        loss, grads, installed = _gdn_loss_and_grads(True)
+    assert installed[0] == "FLA gated delta rule and L2 norm"
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_fla_chunk_rule_holds_its_saved_tensors_and_frees_the_chunk_states():
+    t, h, kd, vd = 130, 2, 16, 8
+    q, k = (torch.randn(1, t, h, kd, dtype=BF16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, t, h, vd, dtype=BF16, requires_grad=True)
+    g = (-torch.rand(1, t, h)).requires_grad_()
+    beta = torch.rand(1, t, h, dtype=BF16, requires_grad=True)
+    nt = 3
+    out, live, peak = _counted(lambda: gk.fla_chunk_gated_delta_rule(q, k, v, g, beta)[0],
+                               q, k, v, g, beta)
+    kept = t * h * 4 + t * h * 64 * 2 + t * h * vd * 2          # gate cumsum, A, o
+    assert live == kept
+    solve = t * h * 4 + t * h * 64 * 4 + t * h * 64 * 2           # cumsum, A fp32, A
+    states = kept + (t * h * kd + 2 * t * h * vd + nt * h * kd * vd) * 2   # w, u, v_new, h
+    assert peak == max(solve, states)
+    assert out.shape == (1, t, h, vd)

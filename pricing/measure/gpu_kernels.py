@@ -236,6 +236,153 @@ def _grouped_mlp_forward(self, hidden, tokens_per_expert, probs):
     return out, None
 
 
+# --- FLA's chunked gated delta rule and L2 norm (GDN layers) --------------------------------
+
+
+def _empty(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _chunk_cumsum(g, reverse=False):
+    """FLA's `chunk_local_cumsum` of a [1, T, H] gate over chunks of 64 rows (uncounted)."""
+    t = g.shape[1]
+    pad = -t % 64
+    x = F.pad(g.float(), (0, 0, 0, pad)).view(1, -1, 64, g.shape[-1])
+    if reverse:
+        x = x.flip(2)
+    x = x.cumsum(2)
+    if reverse:
+        x = x.flip(2)
+    return x.reshape(1, -1, g.shape[-1])[:, :t]
+
+
+def _chunk_uncumsum(c):
+    """The gate back from its chunk-local cumsum (the difference within each chunk)."""
+    t = c.shape[1]
+    pad = -t % 64
+    x = F.pad(c, (0, 0, 0, pad)).view(1, -1, 64, c.shape[-1])
+    x = torch.cat([x[:, :, :1], x[:, :, 1:] - x[:, :, :-1]], dim=2)
+    return x.reshape(1, -1, c.shape[-1])[:, :t]
+
+
+class FlaChunkGatedDeltaRule(torch.autograd.Function):
+    """flash-linear-attention's chunked gated delta rule (fla/ops/gated_delta_rule/chunk.py
+    `ChunkGatedDeltaRuleFunction`, `chunk_gated_delta_rule_fwd` / `_bwd`; chunk 64) on one
+    row of T tokens, H heads, key width K, value width V (NT = ceil(T / 64) chunks). Forward:
+    the chunk-local gate cumsum fp32 [T, H] and the WY matrix A (fp32 [T, H, 64], solved into
+    q's dtype), then w [T, H, K], u [T, H, V], the chunk states h [NT, H, K, V], v_new and the
+    output o [T, H, V]; kept: q, k, v, the cumsum, beta and A (w, u, h, v_new freed at return).
+    Backward: w, u, h and v_new recomputed, dv, dh [NT, H, K, V], dv2, dq, dk, dw, dg (fp32,
+    summed over the ceil(K / 128) key blocks of a Hopper tiling), then `prepare_wy_repr_bwd`'s
+    dk2, dv, dbeta and dg2, and the reversed cumsum of dg. `rule(q, k, v, g, beta)` gives the
+    values (Megatron's torch kernel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, rule):
+        _, t, h, kd = k.shape
+        vd, dev, dt = v.shape[-1], q.device, q.dtype
+        nt = -(-t // 64)
+        g_c = _empty(g.shape, torch.float32, dev)
+        with uncounted():
+            g_c.copy_(_chunk_cumsum(g))
+        a32 = _empty((1, t, h, 64), torch.float32, dev)
+        a = _empty((1, t, h, 64), dt, dev)
+        del a32
+        w, u = _empty((1, t, h, kd), dt, dev), _empty((1, t, h, vd), v.dtype, dev)
+        hs, v_new = _empty((1, nt, h, kd, vd), dt, dev), _empty((1, t, h, vd), v.dtype, dev)
+        o = _empty((1, t, h, vd), v.dtype, dev)
+        with uncounted():
+            o.copy_(rule(q, k, v, g, beta))
+        del w, u, hs, v_new
+        ctx.save_for_backward(q, k, v, g_c, beta, a)
+        ctx.rule, ctx.g_dtype, ctx.g_grad = rule, g.dtype, g.requires_grad
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g_c, beta, _a = ctx.saved_tensors
+        with uncounted():
+            g = _chunk_uncumsum(g_c).to(ctx.g_dtype)
+        _, t, h, kd = k.shape
+        vd, dev, dt = v.shape[-1], q.device, q.dtype
+        nt, nk = -(-t // 64), -(-kd // 128)
+        w, u = _empty((1, t, h, kd), dt, dev), _empty((1, t, h, vd), v.dtype, dev)
+        hs, v_new = _empty((1, nt, h, kd, vd), dt, dev), _empty((1, t, h, vd), v.dtype, dev)
+        dv = _empty(do.shape, do.dtype, dev)
+        dh, dv2 = _empty((1, nt, h, kd, vd), dt, dev), _empty(do.shape, do.dtype, dev)
+        del dv
+        dq, dk = _empty(q.shape, dt, dev), _empty(k.shape, dt, dev)
+        dg_nk, dw = _empty((nk,) + tuple(g.shape), torch.float32, dev), _empty(w.shape, dt, dev)
+        dg = _empty(g.shape, torch.float32, dev)
+        del dg_nk
+        dk2, dv3 = _empty(k.shape, dt, dev), _empty(v.shape, v.dtype, dev)
+        db, dg2 = _empty(beta.shape, beta.dtype, dev), _empty(g.shape, torch.float32, dev)
+        del dv2
+        dg_rev = _empty(g.shape, torch.float32, dev)
+        grads = _vjp(ctx.rule, (q, k, v, g, beta), (True, True, True, ctx.g_grad,
+                                                    beta.requires_grad), do)
+        with uncounted():
+            dq.copy_(grads[0])
+            dk.copy_(grads[1])
+            dv3.copy_(grads[2])
+            if grads[3] is not None:
+                dg_rev.copy_(grads[3])
+            if grads[4] is not None:
+                db.copy_(grads[4])
+        del w, u, hs, v_new, dh, dw, dk2, dg2, dg, g
+        return (dq, dk, dv3, dg_rev if ctx.g_grad else None,
+                db if beta.requires_grad else None, None)
+
+
+def fla_chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """Megatron's call of FLA's `chunk_gated_delta_rule` (no initial or final state, no
+    in-kernel L2 norm) through `FlaChunkGatedDeltaRule`; the values are Megatron's torch
+    kernel's."""
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+    if initial_state is not None or output_final_state or use_qk_l2norm_in_kernel:
+        raise bad(ConfigError, "chunk_gated_delta_rule", "state or in-kernel norm",
+                  "the FLA allocation model runs without them, as Megatron's GatedDeltaNet calls it")
+    if query.shape[0] != 1:
+        raise bad(ConfigError, "GDN input", list(query.shape), "the FLA model takes one row (b = 1)")
+
+    def rule(q, k, v, gg, b):
+        return torch_chunk_gated_delta_rule(q, k, v, g=gg, beta=b)[0].to(q.dtype)
+
+    return FlaChunkGatedDeltaRule.apply(query, key, value, g, beta, rule), None
+
+
+class FlaL2Norm(torch.autograd.Function):
+    """FLA's L2 norm (fla/modules/l2norm.py `L2NormFunction`): y (x's shape and dtype) and
+    rstd fp32 [rows] out, (y, rstd) saved (not x); backward: dx = rstd (dy - y <dy, y>)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _empty(x.shape, x.dtype, x.device)
+        rstd = _empty(x.shape[:-1], torch.float32, x.device)
+        with uncounted():
+            xf = x.float()
+            rstd.copy_(torch.rsqrt((xf * xf).sum(-1) + 1e-6))
+            y.copy_(xf * rstd.unsqueeze(-1))
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd = ctx.saved_tensors
+        dx = _empty(y.shape, y.dtype, y.device)
+        with uncounted():
+            yf, dyf = y.float(), dy.float()
+            dx.copy_((dyf - yf * (dyf * yf).sum(-1, keepdim=True)) * rstd.unsqueeze(-1))
+        return dx
+
+
+def fla_l2norm(x, *args, **kwargs):
+    """`fla.modules.l2norm.l2norm` through `FlaL2Norm`."""
+    return FlaL2Norm.apply(x)
+
+
 # --- TE fused RoPE -------------------------------------------------------------------------
 
 
@@ -396,6 +543,13 @@ def te_gpu_kernels(model):
 
     config = model.config
     installed, grouped, gelu_mlps = [], [], []
+    from megatron.core.ssm import gated_delta_net as gdn_mod
+
+    gdn_saved = (getattr(gdn_mod, "chunk_gated_delta_rule", None), getattr(gdn_mod, "l2norm", None))
+    if any(type(m).__name__ == "GatedDeltaNet" for m in model.modules()):
+        gdn_mod.chunk_gated_delta_rule = fla_chunk_gated_delta_rule
+        gdn_mod.l2norm = fla_l2norm
+        installed.append("FLA gated delta rule and L2 norm")
     norms = [m for m in model.modules() if isinstance(m, TorchRMSNorm)]
     for m in norms:
         m.forward = types.MethodType(_te_rmsnorm_forward, m)
@@ -454,6 +608,7 @@ def te_gpu_kernels(model):
             del m.forward
         for m in gelu_mlps:
             m.activation_func = gelu_tanh
+        gdn_mod.chunk_gated_delta_rule, gdn_mod.l2norm = gdn_saved
 
 
 def kernels_note(installed) -> str:
