@@ -131,10 +131,9 @@ def has_gdn(cell: dict) -> bool:
 
 
 def class_of(cell: dict) -> str:
-    """The cell's class; GDN hybrids apart: their GDN layers run Megatron's pure-torch chunked
-    kernel, not FLA's (no allocation model of it yet), so they are no GPU-kernel evidence."""
+    """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model)."""
     if has_gdn(cell):
-        return "GDN hybrids (torch GDN kernel)"
+        return "GDN hybrids (FLA model)"
     lay = cell["layout"]
     tp = lay["tp"]
     if cell["recompute"] == "full":
@@ -176,9 +175,7 @@ def report_lines(records: list[dict]) -> list[str]:
         lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
-    lines += ["", "per class, estimate / traced: cells, under, min, median, max. The GDN hybrids' GDN",
-              "layers run Megatron's pure-torch chunked kernel (it saves far more than FLA's, which",
-              "the te-gpu table prices): their te-gpu ratios are not GPU-kernel evidence.",
+    lines += ["", "per class, estimate / traced: cells, under, min, median, max",
               f"  {'class':<28} {'te-gpu table (before)':<36} torch-cpu table"]
     for name in sorted(by_class):
         c = by_class[name]
