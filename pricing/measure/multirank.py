@@ -283,8 +283,9 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
     notes = []
     if kernels == "te-gpu":
         notes.append("te-gpu kernel set: allocation models of TE RMSNorm, flash attention "
-                     "(varlen), TE fused RoPE, the fused bias-SwiGLU and the experts' grouped "
-                     "GEMM where the model has them (pricing/measure/gpu_kernels.py)")
+                     "(varlen), TE fused RoPE, the fused SwiGLU/GeGLU, the experts' grouped GEMM "
+                     "and FLA's gated delta rule where the model has them "
+                     "(pricing/measure/gpu_kernels.py)")
     if num_layers is not None and num_layers < geometry.num_layers:
         notes.append(f"layer count reduced: traced {len(layers)} of {geometry.num_layers} layers")
     has_moe = any(s.mlp == MlpKind.MOE for s in layers)

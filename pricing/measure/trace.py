@@ -451,7 +451,7 @@ def trace_wave(geometry: ModelGeometry, *, seq_lens: list[int], num_layers: int 
     if not packed:
         notes.append("sequences concatenated into one causal row (batch 1, no THD)"
                      + (": GatedDeltaNet takes no packed input" if has_gdn else ""))
-    if has_gdn:
+    if has_gdn and kernels == "torch-cpu":
         notes.append("GDN runs Megatron's pure-torch chunked kernel (not FLA): its saved "
                      "tensors differ from a GPU run's")
     if has_moe and device != "cuda":
