@@ -12,9 +12,9 @@ It appends one record per cell (`{"cell", "trace"}`) to bench/results/traces_te_
 rewrites the file sorted by cell key, so a re-run completes an interrupted one. `report`
 never traces: it prices each cell with today's tables (`multirank_grid.current_estimate`:
 WavePricer, one first gradient wave, 2-byte adapter gradients, safety 1.0) and writes
-bench/results/te_gpu_grid.txt. Context and expert parallelism are not in this grid (they need
-the multi-rank tracer, `multirank.trace_multirank(kernels="te-gpu")`, minutes per cell on a
-2-core machine).
+bench/results/te_gpu_grid.txt. Context parallelism (CP2, the dense shape) runs on the multi-rank
+tracer (`multirank.trace_multirank_batch(kernels="te-gpu")`, the ring attention model, minutes
+on a 2-core machine); expert parallelism is not in this grid.
 
 Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
 hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
@@ -74,6 +74,8 @@ def planned() -> list[dict]:
         cells.append(_cell(GDN["name"], lay, "full"))
     for rc in ("full", "selective"):
         cells.append(_cell("qwen3.8-27b", {"tp": 4, "sequence_parallel": True}, rc))
+    for rc in RECOMPUTES:   # context parallelism: the multi-rank tracer (ring attention model)
+        cells.append(_cell(DENSE["name"], {"cp": 2}, rc))
     return cells
 
 
@@ -109,7 +111,25 @@ def cmd_trace(args) -> int:
     todo = [c for c in planned() if cell_key(c) not in have
             and (not args.only or c["model"] in args.only)]
     t_all = time.monotonic()
+    multi = [c for c in todo if c["layout"].get("cp", 1) > 1]
+    if multi:
+        from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch, trace_record
+
+        t0 = time.monotonic()
+        layout = ParallelLayout(**multi[0]["layout"])
+        jobs = [TraceJob(seq_lens=tuple(c["seq_lens"]), recompute=Recompute(mode=c["recompute"]),
+                         lora_rank=LORA_RANK) for c in multi]
+        traces = trace_multirank_batch(geometry_of(multi[0]["model"]), layout=layout, jobs=jobs,
+                                       num_layers=2, kernels="te-gpu", timeout_s=3600.0)
+        for cell, tr in zip(multi, traces, strict=True):
+            rec = trace_record(tr, geometry_of(cell["model"]), model=cell["model"])
+            records.append({"cell": dict(cell, seq_lens=rec["cell"]["seq_lens"],
+                                         layout=rec["cell"]["layout"]), "trace": rec["trace"]})
+        _write(records)
+        print(f"{len(multi)} multi-rank cells, {time.monotonic() - t0:.0f} s", flush=True)
     for cell in todo:
+        if cell in multi:
+            continue
         t0 = time.monotonic()
         layout = ParallelLayout(**cell["layout"])
         tr = trace_wave(geometry_of(cell["model"]), seq_lens=cell["seq_lens"], num_layers=2,
@@ -136,6 +156,8 @@ def class_of(cell: dict) -> str:
         return "GDN hybrids (FLA model)"
     lay = cell["layout"]
     tp = lay["tp"]
+    if lay.get("cp", 1) > 1:
+        return "CP2 (multi-rank)"
     if cell["recompute"] == "full":
         if tp == 1:
             return "TP1 full, " + ("TE cross entropy" if cell["head"] == "full-te" else "native CE")
@@ -167,11 +189,12 @@ def report_lines(records: list[dict]) -> list[str]:
     for rec in sorted(records, key=lambda r: (class_of(r["cell"]), cell_key(r["cell"]))):
         cell, tr = rec["cell"], rec["trace"]
         est = estimates(cell)
+        lay = cell["layout"]
         ratios = {t: e["raw_bytes"] / tr["peak_bytes"] for t, e in est.items()}
         for t, r in ratios.items():
             by_class.setdefault(class_of(cell), {}).setdefault(t, []).append(r)
-        lay = cell["layout"]
-        name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "")
+        name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "") + (
+            f"+CP{lay['cp']}" if lay["cp"] > 1 else "")
         lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")

@@ -1,8 +1,8 @@
 """The "te-gpu" kernel set on the CPU: allocation models of the fused GPU kernels.
 
 On a GPU, Megatron-core with Transformer Engine (TE) and flash-attn runs fused kernels where
-the CPU tracer runs plain torch ops: TE's RMSNorm, the fused bias-SwiGLU, TE's fused RoPE,
-flash attention. Each kernel here is an autograd function that allocates what the GPU kernel
+the CPU tracer runs plain torch ops: TE's RMSNorm, the fused bias-SwiGLU/GeGLU, TE's fused
+RoPE, flash attention, TE's grouped GEMM of the experts, FLA's gated delta rule. Each kernel here is an autograd function that allocates what the GPU kernel
 allocates (its outputs, what its forward saves for the backward, its backward's gradients and
 workspaces, as `torch.empty` on the traced device, so `trace.StorageTracker` counts them) and
 computes its values with plain torch ops inside `trace.uncounted()` (standing for the kernel's
@@ -534,8 +534,9 @@ def te_gpu_kernels(model):
     kernel not modelled here), the fused bias-SwiGLU (SiLU-gated MLPs) and, with it, the
     experts' grouped GEMM in place of the `SequentialMLP` loop (experts without biases), or
     the fused bias-GeGLU (tanh-GELU-gated MLPs without experts); the clamped SwiGLU keeps
-    torch's ops. Yields the list of what was installed (for the trace's note)."""
+    torch's ops; FLA's gated delta rule and L2 norm in GDN layers. Yields the list of what was installed (for the trace's note)."""
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.ssm import gated_delta_net as gdn_mod
     from megatron.core.transformer import mlp as mlp_mod
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -543,8 +544,6 @@ def te_gpu_kernels(model):
 
     config = model.config
     installed, grouped, gelu_mlps = [], [], []
-    from megatron.core.ssm import gated_delta_net as gdn_mod
-
     gdn_saved = (getattr(gdn_mod, "chunk_gated_delta_rule", None), getattr(gdn_mod, "l2norm", None))
     if any(type(m).__name__ == "GatedDeltaNet" for m in model.modules()):
         gdn_mod.chunk_gated_delta_rule = fla_chunk_gated_delta_rule
