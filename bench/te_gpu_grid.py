@@ -87,7 +87,11 @@ def geometry_of(model: str):
 
 
 def cell_key(cell: dict) -> str:
-    return json.dumps([cell["model"], cell["layout"], cell["recompute"], cell["head"],
+    """The cell's identity: model, layout (as `ParallelLayout` spells it), recompute, head."""
+    from waveplan.pricing.parallel import ParallelLayout
+
+    layout = ParallelLayout(**cell["layout"]).to_dict()
+    return json.dumps([cell["model"], layout, cell["recompute"], cell["head"],
                        cell["lora_rank"], cell["num_layers"]], sort_keys=True)
 
 
