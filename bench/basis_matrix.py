@@ -1,11 +1,11 @@
-"""The basis each layout x recompute mode x model kind gets (README matrix).
+"""The basis each layout x recompute mode x model kind gets (docs/support-matrix.md).
 
     .venv/bin/python bench/basis_matrix.py
 
 Prints a Markdown table: per layout class and recompute mode, for a dense model (qwen3-8b), an
 MoE model (qwen3-30b-a3b), a GDN hybrid (qwen3.8-27b) and a GDN hybrid with MoE MLPs
 (qwen3.6-35b-a3b), on the default te-gpu table: "evidence", or "conservative" with
-the traced layout whose sharding it is credited (`pricing.model.credit_layout`), or "invalid"
+the traced layout whose sharding it is credited (`pricing.coverage.credit_layout`), or "invalid"
 when the model cannot take the layout (heads not divisible by TP).
 """
 

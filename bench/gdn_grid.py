@@ -51,7 +51,7 @@ GDN = {"name": "grid-gdn-h1024", "hidden": 1024, "ffn": 3456, "vocab": 2048, "dt
 # the same hybrid with MoE MLPs (qwen3.6-35b-a3b's kinds together: GDN and gated attention layers,
 # every MLP a MoE with a shared expert; expert FFN 0.25 H and a shared expert of 0.25 H, as the
 # 35B's 512 on hidden 2048; 16 experts, top 4): MoE and GDN layers traced together under TP+SP
-# (pricing.model._mixed_traced; docs/memory-model.md#gdn-moe-tp), every recompute mode at TP2+SP
+# (pricing.coverage.mixed_traced; docs/memory-model.md#gdn-moe-tp), every recompute mode at TP2+SP
 # and TP4+SP (selective and none: pricing.model._GDN_MOE_RETAINED_TRACED,
 # docs/memory-model.md#gdn-moe-sp-retained; `--only "GDN-MoE TP2+SP" "GDN-MoE TP4+SP"`)
 GDN_MOE = dict(GDN, name="grid-gdn-moe-h1024", ffn=0, layers=[["gdn", "moe"], ["attention", "moe"]],

@@ -95,7 +95,7 @@ TE_GPU_FLOOR = {
     "retained": {"tp2sp-cp1": 1.625, "tp4sp-cp1": 3.25, "tp8sp-cp1": 4.375, "tp2sp-cp2": 1.625,
                  "tp4sp-cp2": 3.375}}
 # traced classes kept off the evidence basis: their fitted residual leaves a cell under its trace
-# (report: "Held back"); they stay conservative, credited as a covered class (pricing.model.credit_layout)
+# (report: "Held back"); they stay conservative, credited as a covered class (pricing.coverage.credit_layout)
 HELD_BACK: dict[str, str] = {}
 
 

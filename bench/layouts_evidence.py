@@ -152,15 +152,17 @@ def cmd_anatomy(args) -> int:
 
 @contextlib.contextmanager
 def ungated():
-    """Today's terms with the evidence gate lifted: `evidence_gaps` answers "covered"."""
+    """Today's terms with the evidence gate lifted: `coverage.assess` answers "covered"."""
     import waveplan.pricing.model as pm
+    from waveplan.pricing.coverage import Coverage
 
-    original = pm.evidence_gaps
-    pm.evidence_gaps = lambda *a, **k: []
+    original = pm.assess
+    pm.assess = lambda geometry, parallel, recompute, table: Coverage(
+        parallel=parallel, credit=parallel, gaps=())
     try:
         yield
     finally:
-        pm.evidence_gaps = original
+        pm.assess = original
 
 
 def ungated_estimate(cell: dict) -> int:

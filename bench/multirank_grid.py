@@ -325,7 +325,7 @@ def report_lines(records: list[dict]) -> list[str]:
                      f"{v[-1]:.3f}")
     reasons = sorted({r for *_, est in rows for r in est["reasons"]})
     if reasons:
-        lines += ["", "conservative reasons (pricing.model.evidence_gaps):"]
+        lines += ["", "conservative reasons (pricing.coverage.assess):"]
         lines += [f"  - {r}" for r in reasons]
     return lines
 

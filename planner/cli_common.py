@@ -16,7 +16,8 @@ from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.pipeline import check_schedule
-from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step, parse_step
+from waveplan.pricing.presets import list_presets
+from waveplan.pricing.step import Step, load_step, parse_step
 
 DEFAULT_MODEL = "qwen3.8-27b"
 
@@ -25,8 +26,18 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                    default_tp: int = 1, default_sp: bool = False, table: bool = True) -> None:
     """The model flags; `table=False` leaves out --backend and --safety (for a command whose
     --backend means something else: `calibrate`)."""
-    parser.add_argument("--model", default=default_model,
-                        help=f"preset name or HF config.json (default: {default_model})")
+    presets = ", ".join(list_presets())
+    if default_model is None:
+        model_help = f"a preset ({presets}), a Hugging Face config.json or a checkpoint folder"
+    else:
+        model_help = (f"a preset ({presets}), a Hugging Face config.json or a checkpoint folder; "
+                      f"when left out: {default_model}, said on stderr")
+    parser.add_argument("--model", default=None, metavar="PRESET|config.json", help=model_help)
+    parser.set_defaults(default_model=default_model)
+    parser.add_argument("--as-family", metavar="FAMILY", default=None,
+                        help="opt-in: price a config.json whose model_type no family supports as "
+                             "FAMILY (e.g. llama, for a decoder with the standard fields); basis "
+                             "conservative, the assumption as its reason")
     parser.add_argument("--tp", type=int, default=default_tp, help="tensor parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -60,9 +71,25 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                         help=f"admitted = raw x safety (default {DEFAULT_SAFETY:g})")
 
 
+def model_spec(args: argparse.Namespace) -> str:
+    """`--model`, or the command's default model with a note naming it, which `cli.main`
+    prints on stderr once the command succeeded, or appends to its error line (never a
+    silent guess)."""
+    if args.model is None:
+        default = getattr(args, "default_model", None)
+        if default is None:
+            raise bad(ConfigError, "--model", None,
+                      f"give a preset ({', '.join(list_presets())}) or a config.json")
+        args.notes = [*getattr(args, "notes", ()),
+                      f"waveplan: note: no --model given, priced the default {default}; "
+                      "pass --model PRESET or --model config.json"]
+        args.model = args.defaulted_model = default
+    return args.model
+
+
 def model_from_args(args: argparse.Namespace) -> PricingModel:
     check_schedule(getattr(args, "virtual_stages", 1), args.pp)
-    geometry = load_model(args.model)
+    geometry = load_model(model_spec(args), as_family=getattr(args, "as_family", None))
     if args.ep != 1 and geometry.moe is None:
         raise bad(ConfigError, "--ep", args.ep,
                   f"{geometry.name} is a dense model (no experts); expert parallelism needs an MoE model")
@@ -83,14 +110,11 @@ STEP_HELP = "step file (JSON Lines), a bundled step ({}), or - for standard inpu
 
 
 def read_step(spec: str) -> Step:
-    """STEP argument: `-` reads standard input; an existing file wins over a bundled step of
-    the same name."""
+    """STEP argument: `-` reads standard input; else `load_step` (an existing file wins over a
+    bundled step of the same name)."""
     if spec == "-":
         return parse_step(sys.stdin.read(), source="<stdin>")
-    path = Path(spec)
-    if not path.is_file() and spec.removesuffix(".jsonl") in list_bundled_steps():
-        path = bundled_step(spec)
-    return load_step(path)
+    return load_step(spec)
 
 
 def check_output(path: str | None, flag: str, *, needs_matplotlib: bool = False) -> None:

@@ -21,11 +21,11 @@ def register(subparsers) -> None:
                     "by `waveplan trace --json`, or records {cell, trace} as "
                     "bench/validation_study.py writes them): a linear programme that minimises "
                     "the mean estimate/trace ratio with every cell, whole peak and decoder-only, "
-                    "covered with a 0.5%% margin. From --profiles (what `Planner.save_profiles` / "
+                    "covered with a 0.5% margin. From --profiles (what `Planner.save_profiles` / "
                     "`plan --profiles` wrote during a training run): give the model flags the "
                     "planner used and BASE = the table it planned with; every observed wave is "
                     "re-priced to check it was learned with that model, then each group is "
-                    "lowered as far as every observed peak stays covered with a 0.5%% margin "
+                    "lowered as far as every observed peak stays covered with a 0.5% margin "
                     "(docs/memory-model.md#calibration). Writes the table atomically.")
     parser.add_argument("traces", nargs="?", help="trace records, JSON Lines")
     parser.add_argument("--profiles", metavar="FILE",

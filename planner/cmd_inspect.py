@@ -120,6 +120,14 @@ def feature_words(geometry: ModelGeometry) -> list[str]:
         words.append("scaled embeddings")
     if f.sandwich_norms:
         words.append("sandwich norms")
+    for flag, word in ((f.residual_scale, "scaled residual branches"), (f.logit_scale, "scaled logits"),
+                       (f.post_norms, "post-norms"), (f.shared_expert_gate, "gated shared expert")):
+        if flag:
+            words.append(word)
+    if f.nope_layers:
+        words.append(f"{f.nope_layers} NoPE layers")
+    if f.read_as:
+        words.append(f"model_type {f.read_as} read by opt-in")
     if f.mlp_activation.value != "swiglu":
         words.append(f"{f.mlp_activation.value} MLP")
     if f.router_score.value != "softmax" or f.router_groups > 1:

@@ -17,7 +17,9 @@ def register(sub) -> None:
         "study", help="compare packers and pricing settings over many steps",
         description="Plan every step under every variant (packer x pricing) and print, per "
                     "variant, total waves, waves above the lower bound, the share proven optimal, "
-                    "planning times, and where one variant needs fewer waves than another.")
+                    "planning times, and where one variant needs fewer waves than another; then per "
+                    "step and variant its status: settled (the plan meets its lower bound: no plan "
+                    "has fewer waves) or open (above the bound: fewer may exist).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--steps", metavar="DIR", help="a directory of *.jsonl step files")
     source.add_argument("--generate", choices=DISTRIBUTIONS,

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.presets import list_presets
 
 GIB = 1 << 30
 
@@ -40,7 +41,7 @@ def register(subparsers) -> None:
     parser.add_argument("step", help="step file (JSON Lines), a bundled step name, or - for "
                                      "standard input")
     parser.add_argument("--model", required=True, metavar="PRESET|config.json",
-                        help="a preset name or a Hugging Face config.json")
+                        help=f"a preset ({', '.join(list_presets())}) or a Hugging Face config.json")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="trace only the first N decoder layers (default: all)")
     parser.add_argument("--device", choices=("cpu-fake", "cpu", "cuda"), default=None,
@@ -188,7 +189,6 @@ def _step_notes(step) -> list[str]:
 def _run_multirank(args, geometry, step, seq_lens, layers) -> int:
     from waveplan.pricing.measure.multirank import trace_multirank, trace_record
     from waveplan.pricing.parallel import ParallelLayout, Recompute
-    from waveplan.pricing.presets import list_presets
 
     if args.device not in (None, "cpu"):
         raise ConfigError(f"--device={args.device}: a multi-rank trace runs on real CPU "
@@ -241,7 +241,6 @@ def micro_batches(seq_lens: list[int], count: int) -> list[list[int]]:
 def _run_pipeline(args, geometry, step, seq_lens, layers) -> int:
     from waveplan.pricing.measure.pipeline_trace import pipeline_record, trace_pipeline
     from waveplan.pricing.parallel import ParallelLayout, Recompute
-    from waveplan.pricing.presets import list_presets
 
     if args.device not in (None, "cpu"):
         raise ConfigError(f"--device={args.device}: a pipeline trace runs on real CPU tensors "

@@ -16,9 +16,10 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .planner import Planner
     from .warmup import warmup
 
-    report = warmup(force=True)
+    report = warmup(Planner, force=True)
     if report is None:   # NUMBA_DISABLE_JIT: the kernels run as Python
         print("warm-up: nothing to compile (numba's JIT is disabled: NUMBA_DISABLE_JIT)")
         return 0

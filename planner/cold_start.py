@@ -1,7 +1,7 @@
 """Cold start of the command line: plan at once, compile the kernels in the background.
 
 On a machine whose cache folder holds no compiled kernels yet, compiling every kernel a plan
-can need costs 20-30 s of wall time on 2 cores (numba's type inference and lowering, not
+can need costs minutes (docs/usage.md#compile-cost; numba's type inference and lowering, not
 LLVM's optimiser: `NUMBA_OPT=0` compiles no faster). A one-shot command does not wait for
 that. When the cache folder's warm marker (`warm_marker`) is missing, `plan`, `price` and
 `inspect` run waveplan's kernels as plain Python (numba's `DISABLE_JIT`, set before any kernel
@@ -147,6 +147,9 @@ def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK)
 
 
+BACKGROUND_MODULE = "waveplan.planner.warm_jobs"   # the detached warm-up's entry point
+
+
 def _start_background() -> int | None:
     """Start the detached warm-up; its process id, or None when another process holds the
     cache folder's compile lock (it is compiling: one compile per node) or it cannot start."""
@@ -156,7 +159,7 @@ def _start_background() -> int | None:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_DISABLE_JIT"}
     try:
         with open(folder / LOG_NAME, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-m", BACKGROUND_MODULE], stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, close_fds=True)
     except OSError:
@@ -206,17 +209,3 @@ def finish() -> str:
                     "for it)")
     return ("waveplan: no compiled kernels in this machine's cache yet: ran them interpreted "
             f"(a plan is the one --deterministic gives); {compile_}")
-
-
-def _background_main() -> int:
-    """The detached warm-up: compile (or load) every kernel under the cache folder's lock,
-    unless another process finished it meanwhile."""
-    from .warmup import warmup
-
-    report = warmup(lazy=True)
-    print(report.line() if report is not None else "warm already", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_background_main())

@@ -78,7 +78,10 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _hash_mismatch(hashes: Sequence[str], ranks: Sequence[int]) -> DistributedPlanError | None:
+def _hash_mismatch(hashes: Sequence[str], ranks: Sequence[int], *,
+                   who: str = "model-parallel peers",
+                   rule: str = "every peer of a model-parallel group must plan the same step "
+                               "with the same settings") -> DistributedPlanError | None:
     """The error for model-parallel peers whose plan hashes differ (None when all agree): names
     each distinct hash (first 12 hex digits) with the global ranks that planned it, the
     majority first."""
@@ -90,9 +93,8 @@ def _hash_mismatch(hashes: Sequence[str], ranks: Sequence[int]) -> DistributedPl
     parts = sorted(by_hash.items(), key=lambda kv: (-len(kv[1]), kv[1]))
     detail = "; ".join(f"ranks {rs} planned {h[:12]}" for h, rs in parts)
     return DistributedPlanError(
-        f"plan_hash: model-parallel peers {sorted(int(r) for r in ranks)} planned differently "
-        f"({detail}): their steps, planner settings or plan options differ (every peer of a "
-        f"model-parallel group must plan the same step with the same settings)")
+        f"plan_hash: {who} {sorted(int(r) for r in ranks)} planned differently "
+        f"({detail}): their steps, planner settings or plan options differ ({rule})")
 
 
 def _rank_lists(spec: object, field: str) -> list[list[int]] | None:
@@ -155,29 +157,7 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     world = dist.get_world_size(world_group)
     plan_kwargs.setdefault("deterministic", True)
 
-    def flag(exc: BaseException | None) -> None:
-        """All ranks: raise the lowest failing rank's error if any rank failed."""
-        t = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
-        if int(t.item()) == 0:
-            return
-        buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-        if exc is not None:
-            if isinstance(exc, WaveplanError):
-                cls = next(c for c in reversed(_CODES) if isinstance(exc, c))
-                text = str(exc)
-            else:
-                cls, text = DistributedPlanError, f"{type(exc).__name__}: {exc}"
-            payload = f"rank {rank}: {text}".encode()[:_MSG_BYTES - 3]
-            buf[0] = 1
-            buf[1] = _CODES.index(cls)
-            buf[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = [torch.zeros_like(buf) for _ in range(world)]
-        dist.all_gather(out, buf, group=world_group)
-        first = next(b for b in out if int(b[0]) == 1)
-        raw = bytes(first[2:].tolist()).rstrip(b"\0").decode(errors="replace")
-        err = _CODES[int(first[1])](raw)
-        raise err from exc
+    flag = _error_flag(dist, torch, world_group, rank, world)
 
     def step_local(fn):
         try:
@@ -188,24 +168,8 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
         return value
 
     # 0. groups (rank lists need dist.new_group, itself a collective on every rank)
-    def groups():
-        mp, mp_ranks = _resolve(dist, model_parallel_group, "model_parallel_group", rank, world,
-                                world_group)
-        dp_spec = dp_group
-        if dp_spec is None and mp_ranks is not None:
-            lists = _rank_lists(model_parallel_group, "model_parallel_group")
-            sizes = {len(r) for r in lists}
-            if len(sizes) != 1:
-                raise ConfigError(f"model_parallel_group={lists!r}: groups of different sizes; "
-                                  f"give dp_group")
-            dp_spec = [[sorted(r)[i] for r in lists] for i in range(sizes.pop())]
-        if dp_spec is None:
-            dp = world_group if model_parallel_group is None else None
-        else:
-            dp, _ = _resolve(dist, dp_spec, "dp_group", rank, world, world_group)
-        return mp, dp
-
-    mp, dp = step_local(groups)
+    mp, dp = step_local(lambda: _groups(dist, rank, world, world_group, model_parallel_group,
+                                        dp_group))
     if dp is None:
         flag(ConfigError("dp_group=None: give dp_group when model_parallel_group is a process group"))
 
@@ -247,6 +211,117 @@ def plan_distributed(planner: Planner, step, free_bytes, *, group=None, model_pa
     else:
         flag(None)
     return plan
+
+
+def _groups(dist, rank: int, world: int, world_group, model_parallel_group, dp_group):
+    """(model-parallel group or None, data-parallel group or None) from the arguments of
+    `plan_distributed` (see there for the defaults)."""
+    mp, mp_ranks = _resolve(dist, model_parallel_group, "model_parallel_group", rank, world,
+                            world_group)
+    dp_spec = dp_group
+    if dp_spec is None and mp_ranks is not None:
+        lists = _rank_lists(model_parallel_group, "model_parallel_group")
+        sizes = {len(r) for r in lists}
+        if len(sizes) != 1:
+            raise ConfigError(f"model_parallel_group={lists!r}: groups of different sizes; "
+                              f"give dp_group")
+        dp_spec = [[sorted(r)[i] for r in lists] for i in range(sizes.pop())]
+    if dp_spec is None:
+        dp = world_group if model_parallel_group is None else None
+    else:
+        dp, _ = _resolve(dist, dp_spec, "dp_group", rank, world, world_group)
+    return mp, dp
+
+
+def plan_group_distributed(planner: Planner, step, free_bytes, *, group=None,
+                           model_parallel_group=None, dp_group=None, return_group: bool = False,
+                           **group_kwargs):
+    """For trainers where every rank holds the whole batch: every rank computes the same group
+    plan (`planner.group.plan_group`) and runs its own share. Collectives: the groups and the
+    error flag as `plan_distributed`; the budget, MIN over the model-parallel group; each
+    data-parallel rank's budget, all_gather over DP (in DP-group rank order); the group plan's
+    hash, all_gather over every rank (a mismatch is a `DistributedPlanError`). Returns this
+    rank's `Plan` (request indices are positions in the whole step), or with `return_group`
+    the whole `GroupPlan`. `group_kwargs` go to `plan_group`."""
+    import torch
+    import torch.distributed as dist
+
+    from .group import plan_group
+
+    if not dist.is_initialized():
+        raise ConfigError("torch.distributed: no process group is initialised "
+                          "(call torch.distributed.init_process_group first)")
+    world_group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank()
+    world = dist.get_world_size(world_group)
+    flag = _error_flag(dist, torch, world_group, rank, world)
+
+    def step_local(fn):
+        try:
+            value, exc = fn(), None
+        except Exception as e:  # every rank must learn of it
+            value, exc = None, e
+        flag(exc)
+        return value
+
+    mp, dp = step_local(lambda: _groups(dist, rank, world, world_group, model_parallel_group,
+                                        dp_group))
+    if dp is None:
+        flag(ConfigError("dp_group=None: give dp_group when model_parallel_group is a process group"))
+    budget = step_local(lambda: budget_from_free_bytes(free_bytes))
+    t = torch.tensor([budget], dtype=torch.int64)
+    if mp is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mp)
+    size = dist.get_world_size(dp)
+    out = [torch.zeros_like(t) for _ in range(size)]
+    dist.all_gather(out, t, group=dp)
+    budgets = [int(o.item()) for o in out]
+    me = dist.get_rank(dp)
+    grouped = step_local(lambda: plan_group(planner, step, size, budgets, **group_kwargs))
+    data = grouped.to_dict()
+    data.pop("planning_ms", None)
+    for r in data["ranks"]:
+        r.pop("planning_ms", None)
+        r.pop("compile_ms", None)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8).clone()
+    hashes = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(hashes, mine, group=world_group)
+    flag(_hash_mismatch([bytes(h.tolist()).hex() for h in hashes],
+                        dist.get_process_group_ranks(world_group), who="ranks",
+                        rule="every rank must plan the whole batch with the same settings"))
+    return grouped if return_group else grouped.ranks[me]
+
+
+def _error_flag(dist, torch, world_group, rank: int, world: int):
+    """The error flag of the module docstring: a function every rank calls with its error (or
+    None); it returns when no rank failed, else raises the lowest failing rank's error."""
+
+    def flag(exc: BaseException | None) -> None:
+        """All ranks: raise the lowest failing rank's error if any rank failed."""
+        t = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
+        if int(t.item()) == 0:
+            return
+        buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        if exc is not None:
+            if isinstance(exc, WaveplanError):
+                cls = next(c for c in reversed(_CODES) if isinstance(exc, c))
+                text = str(exc)
+            else:
+                cls, text = DistributedPlanError, f"{type(exc).__name__}: {exc}"
+            payload = f"rank {rank}: {text}".encode()[:_MSG_BYTES - 3]
+            buf[0] = 1
+            buf[1] = _CODES.index(cls)
+            buf[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.zeros_like(buf) for _ in range(world)]
+        dist.all_gather(out, buf, group=world_group)
+        first = next(b for b in out if int(b[0]) == 1)
+        raw = bytes(first[2:].tolist()).rstrip(b"\0").decode(errors="replace")
+        err = _CODES[int(first[1])](raw)
+        raise err from exc
+
+    return flag
 
 
 def _ep_peer_rounds(dist, torch, planner: Planner, step, plan: Plan, budget: int, plan_kwargs: dict,

@@ -44,11 +44,10 @@ from dataclasses import dataclass
 
 from waveplan.pricing import rope_cache
 from waveplan.pricing.model import PricingModel
-from waveplan.pricing.pipeline import peaks_from_parts
 from waveplan.pricing.price import GroupLoad
-from waveplan.pricing.stage_price import price_parts
+from waveplan.pricing.stage_price import StagePricer
 from waveplan.pricing.step import Step
-from waveplan.search.pipeline import longest_sequence, pipeline_model
+from waveplan.search.contract import StagedPricer
 
 from .plan import Plan
 
@@ -168,11 +167,11 @@ def peer_overflow(pricer, plan: Plan, peer_rows: Sequence[int], *,
     (PP: one per wave and stage)."""
     if len(peer_rows) != plan.num_waves:
         raise ValueError(f"peer_rows: {len(peer_rows)} entries for {plan.num_waves} waves")
-    model = pipeline_model(pricer)
-    if model is not None:
+    stages = pricer.stages() if isinstance(pricer, StagedPricer) else None
+    if stages is not None:
         if step is None:
             raise ValueError("step: needed to check a pipeline plan's windows")
-        return stage_overflow(model, step, plan, peer_rows)
+        return stage_overflow(stages, step, plan, peer_rows)
     raised_all = [raise_to_peer_rows(w.loads, peer_rows[i]) for i, w in enumerate(plan.waves)]
     # the RoPE cache entries earlier waves leave on the rank (`rope_cache`), from the raised
     # calls (a raised call's longest sequence is unknown: its rows)
@@ -201,18 +200,18 @@ def _with_earlier(pricer, price, extra: float, charged: bool) -> int:
     return int((pricer.plus_earlier(price, extra) if charged else price).admitted_bytes)
 
 
-def stage_overflow(model: PricingModel, step: Step, plan: Plan,
+def stage_overflow(stages: StagePricer, step: Step, plan: Plan,
                    peer_rows: Sequence[int]) -> PeerOverflow | None:
     """PP > 1: the first stage whose 1F1B window over the plan's waves, each raised to its
     peers' rows and run in the plan's order, exceeds the stage's budget (the budgets the plan
     was checked against, `plan.stages`), or None. The same exact check as the pipeline search's
     (`stage_price.price_parts`, `pipeline.peaks_from_parts`). O(p x W x (groups^2 + groups x L/p))."""
     budgets = [int(s["budget_bytes"]) for s in sorted(plan.stages, key=lambda s: s["stage"])]
-    if len(budgets) != model.parallel.pp:
-        raise ValueError(f"plan.stages: {len(budgets)} stage budgets for pp={model.parallel.pp}")
+    if len(budgets) != stages.num_stages:
+        raise ValueError(f"plan.stages: {len(budgets)} stage budgets for pp={stages.num_stages}")
     raised = [(raise_to_peer_rows(w.loads, peer_rows[i]), w.first_slots) for i, w in enumerate(plan.waves)]
-    parts = price_parts(model, raised, max_len=longest_sequence(step, model))
-    for peak in peaks_from_parts(model.arrays["stages"], parts, budgets, model.safety):
+    parts = stages.parts(raised, max_len=stages.longest_sequence(step))
+    for peak in stages.peaks(parts, budgets):
         if not peak.fits:
             lo, hi = peak.window
             waves = range(lo, hi + 1) if hi >= lo else range(plan.num_waves)

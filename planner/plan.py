@@ -15,7 +15,7 @@ import numpy as np
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.search import PackedWave
 
-from .profiles import Signature, Size
+from .profiles import Profile, Signature, Size
 
 PLAN_SCHEMA = 1
 
@@ -25,7 +25,8 @@ class PlanWave:
     """One wave as it runs: the search's `PackedWave` (children as request indices, one array
     for a flat wave; first_slots; the priced breakdown; the group loads) with its place in the
     plan, its request ids, and what `Planner.observe` learns from (`loads`, `signature`,
-    `static_raw_bytes`)."""
+    `static_raw_bytes`) and the profile it was priced with (`profile`: the signature's at plan
+    time, None without one; a miss record keeps it)."""
 
     index: int
     wave: PackedWave = field(repr=False)
@@ -34,16 +35,20 @@ class PlanWave:
     budget_bytes: int
     signature: Signature = field(repr=False)
     static_raw_bytes: int = field(repr=False)
+    profile: Profile | None = field(default=None, repr=False, compare=False)
+    # (packed rows, causal attention pairs): what `Planner.observe(seconds=...)` learns from
+    work: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, index: int, wave: PackedWave, ids: tuple[str, ...], *, budget_bytes: int,
-           signature: Signature, static_raw_bytes: int) -> PlanWave:
+           signature: Signature, static_raw_bytes: int, profile: Profile | None = None,
+           work: tuple[int, int] | None = None) -> PlanWave:
         """The plan wave around `wave`; `ids` are the step's request ids. O(requests)."""
         return cls(index=index, wave=wave,
                    request_ids=tuple(ids[j] for j in wave.requests),
                    child_ids=tuple(tuple(ids[j] for j in c) for c in wave.children),
                    budget_bytes=budget_bytes, signature=signature,
-                   static_raw_bytes=static_raw_bytes)
+                   static_raw_bytes=static_raw_bytes, profile=profile, work=work)
 
     @property
     def children(self) -> tuple[np.ndarray, ...]:
@@ -56,6 +61,11 @@ class PlanWave:
     @property
     def breakdown(self) -> Breakdown:
         return self.wave.price
+
+    @property
+    def basis(self) -> str:
+        """The price's basis (evidence, conservative, assumed, profile), as the JSON's `basis`."""
+        return self.wave.price.basis
 
     @property
     def price(self) -> Breakdown:

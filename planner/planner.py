@@ -20,12 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from waveplan.pricing import rope_cache
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.compile_clock import CompileClock
 from waveplan.pricing.envelope import Envelope
-from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
+from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.lora import LoraConfig, LoraSlot
@@ -34,16 +33,17 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.step import Request, Step, load_step
+from waveplan.pricing.time_model import WaveTimeModel, check_seconds, wave_work
 from waveplan.pricing.wave_pricer import WavePricer
 from waveplan.search import (
     DEFAULT_PACKER,
     DEFAULT_SEED,
-    DEFAULT_TIME_BUDGET_MS,
     PackerKind,
     SearchOptions,
     pack,
 )
 
+from .misses import MissLog, WaveObservation, default_misses_path
 from .plan import Plan, PlanWave
 from .profiles import (
     ProfileAdjust,
@@ -54,19 +54,7 @@ from .profiles import (
 )
 from .warmup import ensure_warm, warmup
 
-ROPE_RESERVE_TRIES = 3    # packs against a growing reserve before the bound (`_with_earlier_rope`)
 MAX_BUDGET_BYTES = 2**50  # 1 PiB: anything above is a unit mistake, not a GPU
-
-
-def roomiest_last(waves: Sequence) -> tuple:
-    """The waves in a run order where the entries earlier waves leave (which only grow along
-    the order) meet the most room: the waves up to the last that carries pending gradients
-    keep their places (each slot's first gradient wave runs before its others); the rest run
-    fullest first (admitted bytes descending, then smallest request index). O(W log W)."""
-    waves = tuple(waves)
-    fixed = max((i + 1 for i, w in enumerate(waves) if w.first_slots), default=0)
-    rest = sorted(waves[fixed:], key=lambda w: (-w.price.admitted_bytes, int(w.requests[0])))
-    return waves[:fixed] + tuple(rest)
 
 
 class _ProfiledPricer:
@@ -125,11 +113,17 @@ class _ProfiledPricer:
     def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
         return self._pricer.plus_earlier(price, extra)
 
+    def earlier_reserve_bytes(self) -> int:
+        return self._pricer.earlier_reserve_bytes()
+
     def pending_bytes(self, slot: str) -> float:
         return self._pricer.pending_bytes(slot)
 
     def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
         return self._pricer.lower_bound_waves(budget_bytes, requests)
+
+    def stages(self):
+        return self._pricer.stages()
 
 
 def _check_bytes(field: str, value: object) -> float:
@@ -198,12 +192,13 @@ class Planner:
     def __init__(self, *, geometry: ModelGeometry, parallel: ParallelLayout | None = None,
                  recompute: Recompute | str | None = None, lora: LoraConfig | None = None,
                  backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
-                 profiles_path: str | os.PathLike | None = None, moe_load: float | None = None) -> None:
+                 profiles_path: str | os.PathLike | None = None, moe_load: float | None = None,
+                 misses_path: str | os.PathLike | None = None) -> None:
         if isinstance(recompute, str):
             recompute = Recompute(mode=recompute)
         model = PricingModel.build(geometry, parallel=parallel, recompute=recompute, lora=lora,
                                    backend=backend, head=head, safety=safety, moe_load=moe_load)
-        self._setup(model, None, profiles_path)
+        self._setup(model, None, profiles_path, misses_path)
 
     @classmethod
     def from_preset(cls, name: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
@@ -211,7 +206,7 @@ class Planner:
                     lora_rank: int = 16, lora: LoraConfig | None = None, backend: str = DEFAULT_BACKEND,
                     head: str = DEFAULT_HEAD, safety: float = DEFAULT_SAFETY,
                     profiles_path: str | os.PathLike | None = None,
-                    moe_load: float | None = None) -> Planner:
+                    moe_load: float | None = None, misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a bundled preset; LoRA is one slot 'default' of `lora_rank` on every
         linear layer unless `lora` is given. `moe_load` (opt-in): the busiest EP rank's routed
         rows over rows x top_k that the caller guarantees (`pricing.moe_terms.busiest_rank_load`;
@@ -222,7 +217,7 @@ class Planner:
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
-                   moe_load=moe_load)
+                   moe_load=moe_load, misses_path=misses_path)
 
     @classmethod
     def from_hf_config(cls, config: object, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
@@ -231,21 +226,25 @@ class Planner:
                        backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                        safety: float = DEFAULT_SAFETY,
                        profiles_path: str | os.PathLike | None = None,
-                       name: str | None = None, moe_load: float | None = None) -> Planner:
+                       name: str | None = None, moe_load: float | None = None,
+                       misses_path: str | os.PathLike | None = None,
+                       as_family: str | None = None) -> Planner:
         """A planner for a Hugging Face config: a config.json, a checkpoint directory, its dict
-        or a `transformers` config object (`pricing.hf_config.load_hf_config`); the other
-        arguments as `from_preset`."""
-        return cls(geometry=load_hf_config(config, name=name),
+        or a `transformers` config object (`pricing.hf_config.load_hf_config`; `as_family`
+        opts an unsupported model_type into a supported family's reading, conservatively);
+        the other arguments as `from_preset`."""
+        return cls(geometry=load_hf_config(config, name=name, as_family=as_family),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
                    recompute=recompute, lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                    backend=backend, head=head, safety=safety, profiles_path=profiles_path,
-                   moe_load=moe_load)
+                   moe_load=moe_load, misses_path=misses_path)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,
                       safety: float = DEFAULT_SAFETY,
-                      profiles_path: str | os.PathLike | None = None) -> Planner:
+                      profiles_path: str | os.PathLike | None = None,
+                      misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a live Megatron-core model (a `GPTModel`, its decoder, or a wrapper of
         either; a `meta`-device build costs no memory): geometry, parallel layout, recompute and
         LoRA adapters are read from its `TransformerConfig` and modules
@@ -259,21 +258,27 @@ class Planner:
 
         geometry, parallel, recompute, lora = geometry_from_megatron(model)
         return cls(geometry=geometry, parallel=parallel, recompute=recompute, lora=lora,
-                   backend=backend, head=head, safety=safety, profiles_path=profiles_path)
+                   backend=backend, head=head, safety=safety, profiles_path=profiles_path,
+                   misses_path=misses_path)
 
     @classmethod
     def from_model(cls, model: PricingModel, *, profiles: ProfileStore | None = None,
-                   profiles_path: str | os.PathLike | None = None) -> Planner:
+                   profiles_path: str | os.PathLike | None = None,
+                   misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for an already built pricing model (replay uses this)."""
         self = cls.__new__(cls)
-        self._setup(model, profiles, profiles_path)
+        self._setup(model, profiles, profiles_path, misses_path)
         return self
 
     def _setup(self, model: PricingModel, profiles: ProfileStore | None,
-               profiles_path: str | os.PathLike | None) -> None:
+               profiles_path: str | os.PathLike | None,
+               misses_path: str | os.PathLike | None = None) -> None:
         self._model = model
         self._config = config_key(model)
         self._profiles_path = None if profiles_path is None else Path(profiles_path)
+        # misses (`misses.MissLog`): `misses_path`, else beside the profiles file
+        self._misses = MissLog(Path(misses_path) if misses_path is not None
+                               else default_misses_path(self._profiles_path))
         if profiles is None:
             profiles = self._open_profiles()
         self._store = profiles
@@ -305,6 +310,25 @@ class Planner:
     def profiles_path(self) -> Path | None:
         return self._profiles_path
 
+    @property
+    def misses_path(self) -> Path | None:
+        """Where misses are appended (`misses.miss_record`); None: they are only warned about."""
+        return self._misses.path
+
+    @property
+    def time_model(self) -> WaveTimeModel:
+        """Predicted seconds of a wave (`pricing.time_model`), its scale learned by
+        `observe(wave, seconds=...)`; docs/faq.md#time-model."""
+        if getattr(self, "_time_model", None) is None:
+            self._time_model = WaveTimeModel.from_model(self._model)
+        return self._time_model
+
+    @time_model.setter
+    def time_model(self, value: WaveTimeModel) -> None:
+        if not isinstance(value, WaveTimeModel):
+            raise bad(ConfigError, "time_model", type(value).__name__, "must be a WaveTimeModel")
+        self._time_model = value
+
     # --- planning -----------------------------------------------------------------------
 
     def pricer(self, step: Step, *, model: PricingModel | None = None) -> WavePricer | _ProfiledPricer:
@@ -333,18 +357,21 @@ class Planner:
 
     def plan(self, step: Step | Sequence[Request] | str | os.PathLike, free_bytes, *,
              packer: PackerKind | str = DEFAULT_PACKER,
-             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS,
+             time_budget_ms: float | None = None,
              atomic_units: Sequence[Sequence[int]] = (), num_waves: int | None = None,
              seed: int = DEFAULT_SEED, deterministic: bool = False,
              stage_free_bytes: Sequence | None = None) -> Plan:
         """Cut `step` into waves that fit `free_bytes` (bytes free per rank: a number or one per
         rank; the minimum binds). `atomic_units` are lists of request indices that must share
-        a wave; `num_waves` asks for exactly that many waves. Same inputs, same plan, unless the
-        time budget cuts the search short; `deterministic=True` never reads the clock (the
-        iteration cap implied by `time_budget_ms` alone decides). `stage_free_bytes` (PP > 1
+        a wave; `num_waves` asks for exactly that many waves. `deterministic=True` never reads
+        the clock (the work `time_budget_ms` buys by estimate decides: same inputs, same plan);
+        without it, the clock left of the budget after that work improves the plan further
+        (never more waves than the deterministic plan). `stage_free_bytes` (PP > 1
         only): the free bytes of each pipeline stage (a number or one per rank of the stage);
         each stage's in-flight windows are checked against its own budget, each wave against
-        the smallest of them and `free_bytes`'s."""
+        the smallest of them and `free_bytes`'s. `time_budget_ms` None: the default rule
+        (`search.default_time_budget_ms`, 5 ms up to 200 requests, 0.025 ms a request above;
+        docs/faq.md#time-budget)."""
         budget = budget_from_free_bytes(free_bytes)
         stage_budgets = None
         if stage_free_bytes is not None:
@@ -352,18 +379,20 @@ class Planner:
             budget = min(budget, *stage_budgets)
         options = SearchOptions(packer=packer, time_budget_ms=time_budget_ms,
                                 atomic_units=atomic_units, num_waves=num_waves, seed=seed,
-                                deterministic=deterministic, stage_budgets=stage_budgets)
+                                deterministic=deterministic, stage_budgets=stage_budgets,
+                                earlier_entries=True)
         step = _as_step(step)
         with CompileClock() as warm_clock:
             # the first plan of a process compiles (or loads) every kernel, in parallel
             # worker processes when cold (their compile time: `wait_s`)
-            warm = ensure_warm()
+            warm = ensure_warm(Planner)
         wait_s = warm.wait_s if warm is not None else 0.0
         t0 = time.perf_counter()
         with CompileClock() as clock:
             pricer = self.pricer(step)
+            # the search charges the earlier waves' RoPE cache entries (the pricer's
+            # `earlier_entries`, search.earlier) and reports the bound it packed against
             result = pack(step, pricer, budget_bytes=budget, options=options)
-            result = self._with_earlier_rope(step, pricer, result, budget, options)
             waves = self._waves(step, result, budget)
         # planning only: the warm-up and the time inside numba's compiler (compiling, or
         # loading from the cache) are reported apart, as compile_ms (compiling) and
@@ -378,53 +407,6 @@ class Planner:
                     proven_optimal=bool(result.proven_optimal), budget_bytes=budget,
                     stats=stats, compile_ms=compile_s * 1e3)
 
-    def _with_earlier_rope(self, step: Step, pricer, result, budget: int, options: SearchOptions):
-        """The search's result with each wave charged the RoPE cache entries the waves before
-        it left (PP1; a pipeline's stage walks charge them): a term `rope_cache_earlier_waves`
-        (`rope_cache.TERM`) in each wave's breakdown, raw and admitted bytes raised by it. Waves priced alone do
-        not see them, so when a wave no longer fits, the step is packed again against the
-        budget less a reserve: the largest admitted growth seen, raised until every wave fits
-        (`ROPE_RESERVE_TRIES` packs), then the bound of a full cache of the step's longest
-        sequence (`rope_cache.reserve_bytes`), which always holds: a step whose every request
-        fits alone within the budget less that bound always gets a plan; below it, one may
-        raise InfeasibleError naming the reserve.
-        Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x pack)."""
-        entry = float(self._model.arrays["rope_entry"])
-        if entry <= 0.0 or len(result.waves) < 2:
-            return result
-        plus = pricer.plus_earlier
-        reserve = 0
-        # the entries only add: the bound on the wave count at the whole budget still holds
-        lower = result.lower_bound_waves
-        for attempt in range(ROPE_RESERVE_TRIES + 1):
-            result = dataclasses.replace(result, waves=roomiest_last(result.waves))
-            extra = pricer.earlier_entries([w.loads for w in result.waves])
-            waves = [dataclasses.replace(w, price=plus(w.price, e))
-                     for w, e in zip(result.waves, extra, strict=True)]
-            growth = max(w.price.admitted_bytes - old.price.admitted_bytes
-                         for w, old in zip(waves, result.waves, strict=True))
-            if all(w.price.admitted_bytes <= budget for w in waves):
-                stats = dict(result.stats, rope_reserve_bytes=reserve)
-                return dataclasses.replace(result, waves=tuple(waves), lower_bound_waves=lower,
-                                           proven_optimal=len(waves) <= lower, stats=stats)
-            if attempt < ROPE_RESERVE_TRIES - 1:
-                reserve = max(reserve + 1, growth)
-            else:
-                reserve = rope_cache.reserve_bytes(
-                    entry, pricer.group_loads([np.arange(len(step.requests))]), self._model.safety)
-            why = (f"{reserve} bytes set aside for the RoPE cache entries the step's earlier waves "
-                   f"leave, docs/memory-model.md#rope-cache-earlier-waves")
-            if reserve >= budget:
-                raise InfeasibleError(f"budget_bytes={budget}: no room left beside {why}")
-            try:
-                result = pack(step, pricer, budget_bytes=budget - reserve, options=options)
-            except InfeasibleError as exc:
-                raise InfeasibleError(f"{exc} (with {why})") from None
-            if len(result.waves) < 2:
-                return dataclasses.replace(result, lower_bound_waves=1, proven_optimal=True,
-                                           stats=dict(result.stats, rope_reserve_bytes=reserve))
-        raise AssertionError("internal: the RoPE cache reserve did not hold")
-
     def _waves(self, step: Step, result, budget: int) -> tuple[PlanWave, ...]:
         """The plan's waves from the search result. O(waves x groups)."""
         ids = step.ids
@@ -433,9 +415,11 @@ class Planner:
         for i, w in enumerate(result.waves):
             if w.loads is None:   # the planner's pricers always give them
                 raise AssertionError("internal: a packed wave without its group loads")
-            waves.append(PlanWave.of(i, w, ids, budget_bytes=budget,
-                                     signature=signer.signature(w.loads),
-                                     static_raw_bytes=static_raw_without_first_exec(w.price)))
+            signature = signer.signature(w.loads)
+            waves.append(PlanWave.of(i, w, ids, budget_bytes=budget, signature=signature,
+                                     static_raw_bytes=static_raw_without_first_exec(w.price),
+                                     profile=self._store.get(signature),
+                                     work=wave_work(step, w.children)))
         return tuple(waves)
 
     @staticmethod
@@ -444,19 +428,41 @@ class Planner:
         the first plan: for trainers that pay it at start-up. Once per process unless `force`;
         returns a `WarmupReport`, or None when the process was warm already (or numba's JIT
         is disabled: nothing to compile). See `waveplan.planner.warmup`."""
-        return warmup(force=force)
+        return warmup(Planner, force=force)
 
     # --- learning -----------------------------------------------------------------------
 
-    def observe(self, wave: PlanWave, *, peak_bytes) -> None:
+    def observe(self, wave: PlanWave, *, peak_bytes=None, seconds=None) -> WaveObservation | None:
         """Learn from a wave's observed peak (bytes; a number or one per rank, the largest
-        binds). The next plans of the same signature are priced with it."""
+        binds). The next plans of the same signature are priced with it. Returns the
+        observation: the wave's estimate, the peak and the kind of miss; a miss is warned
+        about on the `waveplan` logger (once per signature and kind) and appended to
+        `misses_path` (`waveplan.planner.misses`, docs/faq.md#a-wave-missed-its-estimate).
+        `seconds`: the wave's measured time, which rescales `time_model` (alone, or with
+        `peak_bytes`; alone, None is returned)."""
+        if seconds is not None:
+            self._observe_seconds(wave, seconds)
+            if peak_bytes is None:
+                return None
         if not isinstance(wave, PlanWave):
             raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
         if wave.signature.config != self._config:
             raise bad(ConfigError, "wave", wave.index, "was planned for another model configuration")
+        peak = _peak(peak_bytes)
         self._store.observe(wave.signature, wave.loads, static_raw_bytes=wave.static_raw_bytes,
-                            peak_bytes=_peak(peak_bytes))
+                            peak_bytes=peak)
+        return self._misses.observe(self._model, wave, peak)
+
+    def _observe_seconds(self, wave: PlanWave, seconds) -> None:
+        """A wave's measured seconds (a number, or one per rank: the slowest binds)."""
+        if not isinstance(wave, PlanWave) or wave.work is None:
+            raise bad(ConfigError, "wave", type(wave).__name__, "must be a wave of a Plan from this planner")
+        if isinstance(seconds, Sequence | np.ndarray) and not isinstance(seconds, str | bytes):
+            values = list(seconds)
+            if not values:
+                raise bad(ConfigError, "seconds", values, "needs at least one rank")
+            seconds = max(check_seconds(f"seconds[{i}]", v) for i, v in enumerate(values))
+        self.time_model = self.time_model.observed(*wave.work, seconds)
 
     def save_profiles(self, path: str | os.PathLike | None = None) -> Path:
         """Write the profiles atomically (to `profiles_path` when `path` is None)."""

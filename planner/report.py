@@ -16,14 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from waveplan.pricing.atomic_io import write_json_atomic
-from waveplan.pricing.coefficients import table_from_dict
 from waveplan.pricing.errors import ConfigError, StepError, WaveplanError, bad
-from waveplan.pricing.geometry import ModelGeometry
-from waveplan.pricing.lora import LoraConfig
 from waveplan.pricing.model import PricingModel
-from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.step import Request, Step, step_from_tree_form
-from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS
+from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED
 
 from .plan import Plan
 from .planner import Planner
@@ -39,7 +35,7 @@ class PlanOptions:
     """The `plan()` arguments a report records."""
 
     packer: str = DEFAULT_PACKER.value
-    time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
+    time_budget_ms: float | None = None   # None: the default rule (search.default_time_budget_ms)
     num_waves: int | None = None
     atomic_units: tuple[tuple[int, ...], ...] = ()
     seed: int = DEFAULT_SEED
@@ -105,7 +101,7 @@ def read_report(path: str | os.PathLike) -> LoadedReport:
     if missing:
         raise ConfigError(f"{where}: {missing[0]}: missing field")
     try:
-        model = model_from_dict(data["model"])
+        model = PricingModel.from_dict(data["model"])
         store = ProfileStore.from_dict(data["profiles"], where="profiles")
         step = step_from_lines(data["requests"])
         options = _options(data["options"])
@@ -120,19 +116,6 @@ def read_report(path: str | os.PathLike) -> LoadedReport:
         raise ConfigError(f"{where}: malformed: {type(exc).__name__}: {exc}") from None
     return LoadedReport(planner=Planner.from_model(model, profiles=store), step=step,
                         budget_bytes=budget, options=options, plan=data["plan"])
-
-
-def model_from_dict(data: dict) -> PricingModel:
-    """Inverse of `PricingModel.to_dict` (no preset or coefficient file needed)."""
-    if not isinstance(data, dict):
-        raise bad(ConfigError, "model", type(data).__name__, "must be an object")
-    recompute = dict(data["recompute"])
-    recompute["modules"] = tuple(recompute.get("modules", ()))
-    return PricingModel(geometry=ModelGeometry.from_dict(data["geometry"]),
-                        parallel=ParallelLayout(**data["parallel"]),
-                        recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
-                        table=table_from_dict(data["coefficients"]), head=data["head"],
-                        safety=data["safety"], moe_load=data.get("moe_load"))
 
 
 def report_lines(step: Step) -> list[dict]:
@@ -169,7 +152,7 @@ def _options(data: object) -> PlanOptions:
     if not isinstance(units, list) or not all(isinstance(u, list) for u in units):
         raise bad(ConfigError, "options.atomic_units", units, "must be a list of lists")
     return PlanOptions(packer=data.get("packer", DEFAULT_PACKER.value),
-                       time_budget_ms=data.get("time_budget_ms", DEFAULT_TIME_BUDGET_MS),
+                       time_budget_ms=data.get("time_budget_ms"),
                        num_waves=data.get("num_waves"), atomic_units=tuple(tuple(u) for u in units),
                        seed=data.get("seed", DEFAULT_SEED), deterministic=bool(data.get("deterministic", False)))
 

@@ -276,6 +276,7 @@ class StudyResult:
             waves = "-" if r.waves is None else str(r.waves)
             bound = "-" if r.lower_bound is None else str(r.lower_bound)
             out.append(f"{r.step:<{sw}}  {r.variant:<{vw}} {waves:>6} {bound:>6}  {r.status}")
+        out.append(STATUS_LEGEND)
         return out
 
     def to_csv(self, path: str | Path) -> None:
@@ -290,6 +291,11 @@ class StudyResult:
                              "" if r.above_bound is None else r.above_bound,
                              int(r.proven_optimal), r.status, f"{r.plan_ms:.3f}", r.error])
         write_text_atomic(path, buffer.getvalue())
+
+
+STATUS_LEGEND = ("status: settled = the plan meets its lower bound, so no plan of the step has "
+                 "fewer waves; open = above the bound, a plan with fewer waves may exist (or the "
+                 "bound is loose); failed = the step could not be planned (its error is in --csv)")
 
 
 # --- running ----------------------------------------------------------------------------------

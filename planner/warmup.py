@@ -1,6 +1,6 @@
 """Warm-up: compile (or load from the cache) every numba kernel a plan can need, in one go.
 
-`warmup()` plans a fixed set of tiny steps through the real code paths — length and token
+`warmup(Planner)` plans a fixed set of tiny steps through the real code paths — length and token
 form, two LoRA slots with and without gradients, the greedy packer, the improvement search,
 the exact packer (when ortools is installed), the baseline packers, a fixed wave count, an
 atomic unit that needs the split ladder, learned profiles — so that every kernel
@@ -10,19 +10,21 @@ the others wait and load.
 
 A cold warm-up first compiles the kernels in parallel (`parallel_compile`: this process
 and one worker process per core compile disjoint shares into the cache folder), then runs
-the plans, which load them.
+the plans, which load them. The planner class is passed in (`Planner.plan` calls
+`ensure_warm(Planner)`): this module sits below the planner and imports nothing of it.
 
-`ensure_warm()` does it once per process; `Planner.plan` calls it before its first plan, so
+`ensure_warm(Planner)` does it once per process; `Planner.plan` calls it before its first plan, so
 after the first plan of a process no kernel compiles. A warm-up that completes leaves a marker
 in the cache folder, keyed by waveplan's and numba's versions and the stamps of the kernel
 modules' files (the same things numba keys its cache entries by); while it is there,
-`ensure_warm()` skips the tiny plans: every kernel is on disk, and a plan loads what it needs
+`ensure_warm(Planner)` skips the tiny plans: every kernel is on disk, and a plan loads what it needs
 (milliseconds) instead of loading everything up front. `warmup()` always runs them. Cost: one
 pass over the tiny steps (~0.2 s once loaded); cold, the compile of every kernel.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -147,8 +149,9 @@ def _run(planner_cls) -> tuple[int, tuple[str, ...]]:
     rng = np.random.default_rng(1)
     step = Step(requests=tuple(_requests(False, rng)))
     plan = learned.plan(step, free_bytes=2**50, packer="greedy", deterministic=True)
-    for wave in plan.waves:
-        learned.observe(wave, peak_bytes=1.2 * wave.static_raw_bytes)
+    for wave in plan.waves:   # into the store itself: a made-up peak is no miss to report
+        learned.profiles.observe(wave.signature, wave.loads, static_raw_bytes=wave.static_raw_bytes,
+                                 peak_bytes=math.ceil(1.2 * wave.static_raw_bytes))
     more, _ = _plans(learned)
     # the improvement search past the greedy: multistart (AUTO), CP-SAT (EXACT)
     name, kwargs, step_name, gib = GAP_CASE
@@ -182,15 +185,13 @@ _LOCK = threading.Lock()
 _STATE = {"done": False, "running": False}
 
 
-def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
+def warmup(planner_cls, *, force: bool = False, lazy: bool = False) -> WarmupReport | None:
     """Compile or load every kernel a plan can need (see the module docstring), once per
     process unless `force`. `lazy`: skip the plans when the cache folder's warm marker is
     there (checked again once the lock is held: a process that waited for another's compile
     skips them). Returns what it did, or None when nothing was run: the process was already
     warm, is warming up in this very call stack, or (`lazy`) the cache is."""
     import numba
-
-    from .planner import Planner
 
     if numba.config.DISABLE_JIT:   # interpreted kernels (`cold_start`): nothing to compile
         return None
@@ -214,7 +215,7 @@ def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
 
                 parallel = compile_parallel()
             with CompileClock() as plans_clock:
-                runs, skipped = _run(Planner)
+                runs, skipped = _run(planner_cls)
             _mark(marker)
         _STATE["done"] = True
         wait_s = parallel.wait_s if parallel else 0.0
@@ -229,9 +230,9 @@ def warmup(*, force: bool = False, lazy: bool = False) -> WarmupReport | None:
         _STATE["running"] = False
 
 
-def ensure_warm() -> WarmupReport | None:
+def ensure_warm(planner_cls) -> WarmupReport | None:
     """`warmup(lazy=True)` unless this process is warm already; returns what it did (None:
     nothing). O(1) when warm."""
     if not _STATE["done"]:
-        return warmup(lazy=True)
+        return warmup(planner_cls, lazy=True)
     return None

@@ -37,3 +37,33 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 def write_json_atomic(path: str | Path, data: object) -> None:
     write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+def append_line_atomic(path: str | Path, line: str) -> None:
+    """Append one line (a newline added) as one whole record: an O_APPEND write of the full
+    line under an exclusive `flock`, fsynced. O_APPEND alone makes concurrent appenders
+    (the ranks of one job) write at the end without overwriting each other; the lock keeps a
+    short `write` (completed in a loop) from being interleaved with another's. A line a killed
+    writer left without its newline is ended first, so the new record stays whole on its own
+    line (the reader names the cut one). Rewriting the whole file (`write_bytes_atomic`)
+    would cost O(file) per line and lose lines between unlocked writers."""
+    if "\n" in line:
+        raise ValueError("append_line_atomic: the line must not contain a newline")
+    data = (line + "\n").encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        try:
+            import fcntl
+        except ImportError:   # not POSIX: O_APPEND alone
+            fcntl = None
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)   # releases the lock

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
+from . import entries
 from .errors import ConfigError, bad
+from .kernel_set import KernelSet
 
 DEFAULT_BACKEND = "te-gpu"   # Transformer Engine on GPU: the shipped table a model prices with
 
@@ -20,30 +23,11 @@ DEFAULT_BACKEND = "te-gpu"   # Transformer Engine on GPU: the shipped table a mo
 WIDTHS = ("H", "F", "qkv", "core", "in_proj", "conv", "value", "expert_ffn", "shared_ffn",
           "experts", "vocab", "rank")
 
-REQUIRED_TERMS = (
-    "boundary", "input_gradient", "residual_norm_shards", "norm_gathered", "mlp_dense_grad_stage",
-    "mlp_dense_nograd", "attention_stage", "gdn_stage", "moe_routed", "moe_router",
-    "moe_shared_expert", "gdn_state_bytes", "first_execution",
-    "caller_per_logical_token", "head_chunk", "head_full_native", "head_full_te",
-    "retained_attention_layer", "retained_gdn_layer", "retained_moe_mlp",
-    "selective_core_attn_discount",
-)
-# Terms a table may omit, and what the pricing charges without them (neutral: the te-gpu
-# table omits them all; the torch-cpu table is fitted with them, see `pricing.measure.calibrate`).
-OPTIONAL_TERMS = {
-    "qk_norm": "0: no query/key-norm copies beyond the attention stage",
-    "final_norm": "0: the head terms cover the final norm's saved input",
-    "final_norm_backward": "0: the head terms cover the final norm's backward",
-    "retained_forward": "the no-grad transient alone at a retained layer's forward point",
-    "retained_backward": "the recomputed layer's full stage workspace in a retained layer's backward",
-    "moe_nograd": "the MoE gradient-stage workspace plus 6H as a MoE layer's forward transient",
-    "moe_permutation": "0: the fitted MoE stage holds the dispatcher's top-k copies (pricing.moe_terms)",
-    "moe_expert_backward": "the CPU trace's units (pricing.terms.EXPERT_BACKWARD_UNITS): conservative",
-    "moe_routing_metadata": "0: the fitted MoE stage covers the router's per-choice bookkeeping",
-    "moe_norm_inputs": "0: the mixer stage carries a MoE layer's norm inputs",
-    "mla_norm_inputs": "0: the MLA stage alone (the norms' fp32 inputs not held on a GPU's fused norms)",
-    "gdn_chunk_padding": "1: the GDN kernel runs no padding rows (FLA's chunked kernels mask the last chunk)",
-}
+REQUIRED_TERMS = entries.REQUIRED
+# The optional entries a table fitted on plain CPU kernels adds (the fused GPU table omits them
+# all), and what the pricing charges without them (`pricing.entries`, the one registry).
+OPTIONAL_TERMS = {name: default for name, default in entries.OPTIONAL.items()
+                  if name != "layout_residual"}
 _COEF_KEYS = ("per_row", "per_routed_row", "per_expert_row")
 _SCALAR_KEYS = ("value", "per_row_vocab", "retained_per_row_vocab", "transient_per_row_vocab")
 
@@ -55,7 +39,7 @@ class CoefficientTable:
     path: str = ""
 
     def __post_init__(self) -> None:
-        missing = [name for name in REQUIRED_TERMS if name not in self.terms]
+        missing = entries.missing_required(self.terms)
         if missing:
             raise bad(ConfigError, f"coefficients[{self.backend}]", missing[0], "missing term")
         for name, entry in self.terms.items():
@@ -71,6 +55,11 @@ class CoefficientTable:
             for key in _SCALAR_KEYS:
                 if key in entry:
                     _check_number(f"coefficients[{self.backend}].{name}.{key}", entry[key])
+
+    @cached_property
+    def kernels(self) -> KernelSet:
+        """The kernel set this table prices (`KernelSet.of`), read once."""
+        return KernelSet.of(self)
 
     def per_row(self, name: str, widths: dict[str, float], key: str = "per_row") -> float:
         """Bytes per row of term `name`: the sum of its coefficients times the given widths."""

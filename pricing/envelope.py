@@ -68,21 +68,21 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
 
     `lower=True` gives the matching lower envelope in true packed rows (see below), used to
     bound the number of waves of any plan from below."""
-    a = model.arrays
+    a = model.charges.walk
     k_classes = len(class_grad)
-    ret, ws, ng, gdn = a["retained"], a["workspace"], a["nograd"], a["gdn_state"]
+    ret, ws, ng, gdn = a.retained, a.workspace, a.nograd, a.gdn_state
     cum = np.cumsum(ret)
     total = float(ret.sum()) if ret.size else 0.0
-    keep = total + a["head_retained"]  # per row of a grad group not yet run
-    ig, head_ret, head_tr, head_c = a["input_grad"], a["head_retained"], a["head_transient"], a["head_const"]
-    head_fwd = max(head_ret, a["head_forward"])   # the head's forward point (walk.WalkCharges)
+    keep = total + a.head_retained  # per row of a grad group not yet run
+    ig, head_ret, head_tr, head_c = a.input_grad, a.head_retained, a.head_transient, a.head_const
+    head_fwd = max(head_ret, a.head_forward)   # the head's forward point (walk.WalkCharges)
     max_state = float(gdn.max()) if gdn.size else 0.0
     max_ng = float(ng.max()) if ng.size else 0.0
     # a GDN kernel's padding rows, at most chunk - 1 per forward call (gdn_terms), as presence:
     # kept like retained rows (pad_ret), and pad_point more at the layer's own points; the lower
     # envelope leaves them out (they are >= 0)
-    most_pad = max(float(a["chunk"]) - 1.0, 0.0) if not lower else 0.0
-    pad_ret, pad_point = a["pad_retained"], a["pad_point"]
+    most_pad = max(float(a.chunk) - 1.0, 0.0) if not lower else 0.0
+    pad_ret, pad_point = a.pad_retained, a.pad_point
     cum_pad = np.cumsum(pad_ret)
     total_pad = float(pad_ret.sum()) if pad_ret.size else 0.0
 
@@ -104,7 +104,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point),
                                         most_pad * (cum_pad + pad_point),
                                         [head_c + most_pad * total_pad] * 2]))
-        grads = a["pending"][model.slot_index(class_slot[g])]
+        grads = a.pending[model.slot_index(class_slot[g])]
         suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
         pend_own.append(np.concatenate([np.zeros(n), suffix, [0.0, 0.0]]))
     if not running:
@@ -133,10 +133,10 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         # holds, at k's backward point of layer i, the adapter gradients of layers >= i.
         # The walk credits each call the CP RoPE cache bound its longest sequence does not
         # hold (`walk.rope_credit`, at most rope_cp per rank row): taken off every row charge.
-        row_c = np.maximum(row_c - a["rope_cp"], 0.0)
+        row_c = np.maximum(row_c - a.rope_cp, 0.0)
         coef = np.zeros((row_c.shape[0], k_classes, 3))
         coef[:, :, 0] = row_c / model.rows_cp
-        coef[:, :, 1] = a["caller"]
+        coef[:, :, 1] = a.caller
         pend = np.zeros((num_points, k_classes))
         pend[cols, run] = np.concatenate(pend_own)
         s = model.safety * (1.0 - LOWER_ENVELOPE_MARGIN)
@@ -146,14 +146,14 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     # at most its padded rows = rows_cp x its rank rows)
     others = np.ones((num_points, k_classes), dtype=bool)
     others[cols, run] = False
-    row_c = row_c + np.where(others, a["rope_entry"] * model.rows_cp, 0.0)
+    row_c = row_c + np.where(others, a.rope_entry * model.rows_cp, 0.0)
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
-                                                          class_grad, float(a["first_exec"]))
+                                                          class_grad, float(model.charges.first_exec))
     multiple = model.parallel.row_multiple
     cp_div = model.rows_cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))
     coef[:, :, 0] = row_c / cp_div
-    coef[:, :, 1] = a["caller"]
+    coef[:, :, 1] = a.caller
     pad = row_c / cp_div + seg_c       # a padding row: one more row, one more root segment
     coef[:, :, 2] = pad * (multiple - 1) + 2.0 * seg_c
     keep_idx = _undominated(const, pres_c, coef, pad, seg_c)

@@ -15,7 +15,7 @@ does not fall under what the feature adds. A feature whose family's traced cells
 targets (none under its trace, median within 3 % over, whole step and decoder only) needs
 no gap; `feature_gaps` names the others (untraced, or traced but missing the targets), and a
 model with any of them has basis "conservative" with those reasons
-(`pricing.model.evidence_gaps`). They keep their TP and sequence-parallel credit: the extra
+(`pricing.coverage.assess`). They keep their TP and sequence-parallel credit: the extra
 tensors shard like the tensors they come from.
 
 Features that add no memory, and why (no term, no gap):
@@ -100,6 +100,37 @@ def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
     return 2 * (FP32 + BF16) * widths["H"] / sp_div
 
 
+def post_norms_per_row(widths: dict, *, sp_div: int) -> float:
+    """OLMo 2's norms on the attention and MLP outputs (`post_attention_layernorm`,
+    `post_feedforward_layernorm`), priced as the two extra norms Gemma's sandwich norms
+    measure: 2 x (fp32 + bf16) x H per row. The pre-norms they replace stay charged by the
+    baseline terms, so this counts the layer's norms twice. Conservative: no trace."""
+    return sandwich_norms_per_row(widths, sp_div=sp_div)
+
+
+def residual_scale_per_row(widths: dict, *, sp_div: int) -> float:
+    """Granite's `residual_multiplier`: the attention and MLP outputs are scaled before each
+    residual add, each a new bf16 [rows, H] tensor beside the unscaled one until the add (a
+    constant scale saves nothing for backward): 2 x bf16 x H per row, charged as held.
+    Conservative: no trace."""
+    return 2 * BF16 * widths["H"] / sp_div
+
+
+def shared_expert_gate_per_row(widths: dict) -> float:
+    """Qwen2-MoE's gated shared expert (sigmoid(gate(x)) x shared_expert(x)): the shared
+    expert's output, kept for the product's backward, and the gated product, bf16 [rows, H]
+    each, full width (before the TP reduction), and the fp32 gate logit and sigmoid per row:
+    2 x bf16 x H + 2 x fp32. Conservative (docs/support-matrix.md#model-families)."""
+    return 2 * BF16 * widths["H"] + 2 * FP32
+
+
+def scales_logits(features) -> bool:
+    """Whether the head makes one more [rows, vocab] tensor from the logits (a tanh soft-cap,
+    Gemma 2; a division by `logits_scaling`, Granite), priced by `final_softcap_per_row` and
+    `final_softcap_chunk_per_row`."""
+    return bool(features.final_softcap) or features.logit_scale
+
+
 def activation_per_ffn_row(activation: MlpActivation) -> float:
     """Extra bytes per F-wide unit of one gated MLP's activation, beyond SwiGLU's.
 
@@ -145,6 +176,8 @@ def mlp_extra_per_row(geometry: ModelGeometry, widths: dict, mlp: MlpKind, *, ep
         return act * widths["F"]
     routed = act * widths["expert_ffn"]
     shared = act * widths["shared_ffn"]
+    if f.shared_expert_gate and widths["shared_ffn"]:
+        shared += shared_expert_gate_per_row(widths)
     return widths["top_k"] * ep_skew * routed + shared + router_per_row(widths, f)
 
 
@@ -157,6 +190,10 @@ def layer_extra_per_row(geometry: ModelGeometry, widths: dict, layer, *, tp: int
     extra += mlp_extra_per_row(geometry, widths, layer.mlp, ep_skew=ep_skew)
     if geometry.features.sandwich_norms:
         extra += sandwich_norms_per_row(widths, sp_div=sp_div)
+    if geometry.features.post_norms:
+        extra += post_norms_per_row(widths, sp_div=sp_div)
+    if geometry.features.residual_scale:
+        extra += residual_scale_per_row(widths, sp_div=sp_div)
     return extra
 
 
@@ -197,4 +234,19 @@ def feature_gaps(geometry: ModelGeometry) -> list[str]:
                     "cells 1.0-4.6% over the torch-cpu table; no GPU trace)")
     if geometry.moe is not None and (f.router_score != RouterScore.SOFTMAX or f.router_groups > 1):
         gaps.append("group-limited sigmoid routing (no trace: two more fp32 score tensors charged)")
+    if f.residual_scale:
+        gaps.append("residual multiplier (no trace: two scaled bf16 [rows, H] copies per layer charged)")
+    if f.logit_scale:
+        gaps.append("logits scaling (no trace: one more bf16 [rows, vocab] charged, as a soft-cap's)")
+    if f.post_norms:
+        gaps.append("post-norms (no trace: charged as two extra sandwich norms per layer)")
+    if f.shared_expert_gate and geometry.moe is not None and geometry.moe.shared_expert_ffn:
+        gaps.append("gated shared expert (its output and the gated product charged; cpu-fake "
+                    "traced above the 3% decoder target; no GPU trace)")
+    if f.nope_layers:
+        gaps.append(f"{f.nope_layers} NoPE layers priced as RoPE layers (an upper bound; traced "
+                    "with RoPE on every layer only)")
+    if f.read_as:
+        gaps.append(f"model_type {f.read_as!r} read as another family by explicit opt-in "
+                    "(--as-family): only that family's fields are read")
     return gaps

@@ -31,6 +31,7 @@ All functions are O(1) and torch-free.
 
 from __future__ import annotations
 
+from . import entries
 from .geometry import GdnSpec
 
 BF16, FP32 = 2, 4
@@ -44,7 +45,7 @@ PADDING_ENTRY = "gdn_chunk_padding"
 def chunk_of(table) -> int:
     """The chunk the table's GDN kernel pads each forward call's rows to a multiple of (1: none,
     a table without the `gdn_chunk_padding` entry). O(1)."""
-    return int(table.scalar(PADDING_ENTRY)) if PADDING_ENTRY in table.terms else 1
+    return int(entries.optional_scalar(table, PADDING_ENTRY, 1))
 
 
 def gdn_kernel_per_row(gdn: GdnSpec, *, tp: int, chunk: int = CHUNK) -> float:

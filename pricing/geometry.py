@@ -223,8 +223,14 @@ class ModelFeatures:
     attention_sinks: bool = False   # a learned per-head sink logit in the softmax (gpt-oss)
     attention_softcap: float = 0.0  # tanh cap of the attention logits (Gemma 2)
     final_softcap: float = 0.0      # tanh cap of the output logits (Gemma 2)
-    embedding_scale: bool = False   # embeddings multiplied by sqrt(hidden) (Gemma)
+    embedding_scale: bool = False   # embeddings multiplied by a constant (Gemma: sqrt(hidden); Granite)
     sandwich_norms: bool = False    # norms after attention and after the MLP as well (Gemma 2, 3)
+    residual_scale: bool = False    # attention and MLP outputs scaled before the residual add (Granite)
+    logit_scale: bool = False       # output logits divided by a constant (Granite's logits_scaling)
+    post_norms: bool = False        # norms on the attention and MLP outputs, none before (OLMo 2)
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
+    nope_layers: int = 0            # layers without rotary embeddings (SmolLM3's NoPE layers)
+    read_as: str = ""               # this model_type, read as the family's by explicit opt-in
     mlp_activation: MlpActivation = MlpActivation.SWIGLU
     router_score: RouterScore = RouterScore.SOFTMAX
     router_groups: int = 1
@@ -237,12 +243,15 @@ class ModelFeatures:
             except ValueError:
                 raise bad(ConfigError, f"model.features.{name}", getattr(self, name),
                           f"unknown; known: {', '.join(k.value for k in kind)}") from None
-        for name in ("qkv_bias", "linear_bias", "attention_sinks", "embedding_scale", "sandwich_norms"):
+        for name in ("qkv_bias", "linear_bias", "attention_sinks", "embedding_scale", "sandwich_norms",
+                     "residual_scale", "logit_scale", "post_norms", "shared_expert_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(ConfigError, f"model.features.{name}", getattr(self, name), "must be true or false")
         if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
             raise bad(ConfigError, "model.features.qk_norm", self.qk_norm, "must be true, false or null")
-        for name in ("sliding_window", "full_attention_interval"):
+        if not isinstance(self.read_as, str):
+            raise bad(ConfigError, "model.features.read_as", self.read_as, "must be a model_type string")
+        for name in ("sliding_window", "full_attention_interval", "nope_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(ConfigError, f"model.features.{name}", value, "must be an integer >= 0")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import ConfigError, bad
@@ -57,6 +57,12 @@ class _Family:
     qk_norm: bool = False
     qkv_bias: bool = False
     gpt_oss: bool = False           # biases everywhere, attention sinks, clamped SwiGLU
+    granite: bool = False           # embedding/residual/logits multipliers; mlp_bias
+    post_norms: bool = False        # norms on the attention and MLP outputs (OLMo 2)
+    shared_expert_gate: bool = False  # sigmoid-gated shared expert (Qwen2-MoE)
+    nope: bool = False              # no_rope_layers / no_rope_layer_interval (SmolLM3)
+    bias_key: str | None = None     # the field that puts biases on q/k/v (and o): InternLM2's `bias`
+    mlp_bias: bool = False          # `mlp_bias` puts biases on the MLP's linears too (every linear)
     activations: tuple[str, ...] = ()  # accepted hidden_act / hidden_activation values (empty: unchecked)
     defaults: Mapping[str, object] = field(default_factory=dict)  # transformers' class defaults
 
@@ -102,6 +108,23 @@ _FAMILIES: dict[str, _Family] = {
     "gpt_oss": _Family(moe="mixtral", gpt_oss=True, sliding="alternate", activations=_SILU,
                        defaults={"attention_bias": True, "sliding_window": 128,
                                  "tie_word_embeddings": False}),
+    "granite": _Family(head_dim_default=True, granite=True, bias_key="attention_bias",
+                       mlp_bias=True, activations=_SILU,
+                       defaults={"embedding_multiplier": 1.0, "logits_scaling": 1.0,
+                                 "residual_multiplier": 1.0, "attention_multiplier": 1.0}),
+    # InternLM2 (remote code): one fused `wqkv` in Megatron's grouped (h, q/k/v, d) layout,
+    # `wo`, `w1`/`w3`/`w2`; `bias` (default true) on wqkv and wo.
+    "internlm2": _Family(head_dim_default=True, bias_key="bias", activations=_SILU,
+                         defaults={"bias": True, "tie_word_embeddings": False}),
+    "olmo2": _Family(head_dim_default=True, post_norms=True, qk_norm=True, bias_key="attention_bias",
+                     activations=_SILU),
+    "qwen2_moe": _Family(head_dim_default=True, moe="qwen", qkv_bias=True, sliding="qwen2",
+                         shared_expert_gate=True, activations=_SILU,
+                         defaults={"use_sliding_window": False, "sliding_window": 4096}),
+    "smollm3": _Family(head_dim_default=True, sliding="qwen2", nope=True, bias_key="attention_bias",
+                       mlp_bias=True, activations=_SILU,
+                       defaults={"use_sliding_window": False, "no_rope_layer_interval": 4,
+                                 "tie_word_embeddings": True}),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
 
@@ -388,16 +411,44 @@ def _features(f: _Fields, family: _Family, num_layers: int, has_moe: bool) -> Mo
         activation = MlpActivation.GEGLU
     elif family.gpt_oss:
         activation = MlpActivation.CLAMPED_SWIGLU
+    qkv_bias = family.qkv_bias or (f.bool(family.bias_key, False) if family.bias_key else False)
+    linear_bias = f.bool("attention_bias", True) if family.gpt_oss else False
+    if family.mlp_bias:   # biases on the MLP's linears too: every linear has one (none priced)
+        linear_bias = f.bool("mlp_bias", False)
+    # Granite's multipliers: attention_multiplier is the softmax scale (no memory); the others
+    # each make one more tensor unless they are 1
+    granite = {}
+    if family.granite:
+        granite = {"embedding_scale": f.number("embedding_multiplier") != 1.0,
+                   "residual_scale": f.number("residual_multiplier") != 1.0,
+                   "logit_scale": f.number("logits_scaling") != 1.0}
+        f.number("attention_multiplier")
     return ModelFeatures(
-        qk_norm=family.qk_norm, qkv_bias=family.qkv_bias,
-        linear_bias=f.bool("attention_bias", True) if family.gpt_oss else False,
+        qk_norm=family.qk_norm, qkv_bias=qkv_bias and not linear_bias, linear_bias=linear_bias,
         sliding_window=window, full_attention_interval=interval,
         attention_sinks=family.gpt_oss,
         attention_softcap=f.number("attn_logit_softcapping") if family.gemma else 0.0,
         final_softcap=f.number("final_logit_softcapping") if family.gemma else 0.0,
-        embedding_scale=family.gemma, sandwich_norms=family.gemma,
-        mlp_activation=activation, **(_router(f, family) if has_moe else {}),
+        sandwich_norms=family.gemma, embedding_scale=family.gemma or granite.pop("embedding_scale", False),
+        post_norms=family.post_norms, shared_expert_gate=family.shared_expert_gate and has_moe,
+        nope_layers=_nope_layers(f, num_layers) if family.nope else 0,
+        mlp_activation=activation, **granite, **(_router(f, family) if has_moe else {}),
     )
+
+
+def _nope_layers(f: _Fields, num_layers: int) -> int:
+    """How many layers skip RoPE (SmolLM3): `no_rope_layers` (1 = RoPE, 0 = none, one per
+    layer), else every `no_rope_layer_interval`-th layer (transformers' rule)."""
+    if f.has("no_rope_layers"):
+        flags = f.raw("no_rope_layers")
+        if not isinstance(flags, list) or len(flags) != num_layers or any(
+                isinstance(v, bool) or v not in (0, 1) for v in flags):
+            raise f.fail("no_rope_layers", flags, f"must list 0 or 1 for each of {num_layers} layers")
+        return flags.count(0)
+    interval = f.int("no_rope_layer_interval")
+    if interval <= 0:
+        raise f.fail("no_rope_layer_interval", interval, "must be a positive integer")
+    return sum((i + 1) % interval == 0 for i in range(num_layers))
 
 
 def _geometry(f: _Fields, model_type: str, name: str) -> ModelGeometry:
@@ -456,13 +507,17 @@ def _as_dict(config: object) -> tuple[dict, str] | None:
     return data, f"<{type(config).__name__}>"
 
 
-def load_hf_config(config: str | Path | dict | object, *, name: str | None = None) -> ModelGeometry:
+def load_hf_config(config: str | Path | dict | object, *, name: str | None = None,
+                   as_family: str | None = None) -> ModelGeometry:
     """Geometry of a Hugging Face config: a `config.json` file, a directory holding one, its
     dict, or a `transformers` `PretrainedConfig` (anything with `to_dict()`; transformers is
     not imported here).
 
     `name` defaults to `_name_or_path`'s last part, else the checkpoint directory's name (the
-    file's stem when it is not called config.json), else the model type.
+    file's stem when it is not called config.json), else the model type. `as_family`
+    (explicit opt-in): read a `model_type` no family supports with that supported family's
+    fields (e.g. "llama" for a decoder with the standard fields); its basis is conservative,
+    with the assumption as its reason (`ModelFeatures.read_as`).
     """
     converted = _as_dict(config)
     if converted is not None:
@@ -486,16 +541,33 @@ def load_hf_config(config: str | Path | dict | object, *, name: str | None = Non
     model_type = data.get("model_type") or (outer or {}).get("model_type")
     if model_type is None:
         raise _Fields(data, outer, source).fail("model_type", None, "missing required field")
+    read_as = ""
+    if as_family is not None:
+        if as_family not in _FAMILIES:
+            raise bad(ConfigError, "as_family", as_family,
+                      f"not a supported family; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if model_type in _FAMILIES:
+            raise bad(ConfigError, "as_family", as_family,
+                      f"model_type {model_type!r} is supported itself (in {source}); leave it out")
+        if not isinstance(model_type, str):
+            raise bad(ConfigError, "model_type", model_type, f"must be a string (in {source})")
+        model_type, read_as = as_family, model_type
     if not isinstance(model_type, str) or model_type not in _FAMILIES:
         raise bad(ConfigError, "model_type", model_type,
-                  f"unsupported (in {source}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                  f"unsupported (in {source}); to price a decoder with the standard fields as "
+                  "Llama, conservatively: --as-family llama (Python: as_family=\"llama\"); "
+                  f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}; see docs/adding-a-family.md")
     f = _Fields(data, outer, source, _FAMILIES[model_type].defaults)
     if name is None:
         name_or_path = (outer or data).get("_name_or_path")
         from_hub = Path(name_or_path).name if isinstance(name_or_path, str) and name_or_path else None
         name = from_hub or default_name or model_type
     try:
-        return _geometry(f, model_type, name)
+        geometry = _geometry(f, model_type, name)
+        if read_as:
+            geometry = replace(geometry, features=replace(geometry.features, read_as=read_as),
+                               extra={**geometry.extra, "model_type": read_as, "read_as": model_type})
+        return geometry
     except ConfigError as exc:
         if source in str(exc):
             raise

@@ -33,11 +33,12 @@ the rest is charged as hidden-wide bytes per gathered row:
 
 Only positive residuals are charged (a traced layout priced over its trace keeps that margin:
 never under, see bench/layout_validation.py). A layout class with no entry is not covered:
-`pricing.model.layout_gaps` names it and the model falls back to the conservative basis.
+`pricing.coverage.layout_gaps` names it and the model falls back to the conservative basis.
 """
 
 from __future__ import annotations
 
+from . import entries
 from .coefficients import CoefficientTable
 
 ENTRY = "layout_residual"
@@ -50,7 +51,7 @@ def layout_key(tp: int, sequence_parallel: bool, cp: int) -> str:
 
 def traced_layouts(table: CoefficientTable) -> frozenset[str]:
     """Layout classes the table's residual entry covers (its `full` keys); TP1 CP1 always."""
-    keys = set(table.terms.get(ENTRY, {}).get("full", {}))
+    keys = set(entries.entry(table, ENTRY, {}).get("full", {}))
     return frozenset(keys | {layout_key(1, False, 1)})
 
 
@@ -66,7 +67,7 @@ def layout_residual_per_row(table: CoefficientTable, widths: dict, *, tp: int, s
     bench/layout_validation.py on the 2048-token cells of both dense geometries, checked on the
     3072-token cells and across geometries (docs/memory-model.md#layout-residuals).
     """
-    entry = table.terms.get(ENTRY, {})
+    entry = entries.entry(table, ENTRY, {})
     name = "retained" if retained else "full"
     group = entry.get(name + "_bare", entry.get(name, {})) if bare else entry.get(name, {})
     return max(0.0, float(group.get(layout_key(tp, sequence_parallel, cp), 0.0))) * widths["H"]
@@ -122,7 +123,7 @@ def layer_norm_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_
     is L1.input_layernorm's backward, 42,541 B per row = 32 H + 2,816 B of attention + 512 B of
     rotary rows + boundaries and input gradient, no MLP tensor live). O(1).
     """
-    if not replicated or NORM_POINT not in table.terms:
+    if not replicated or not table.kernels.norm_point:
         return 0.0
     return table.per_row(NORM_POINT, widths) + 2.0 * rope_per_row
 
@@ -153,7 +154,7 @@ def sp_fc2_point_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope
     docs/memory-model.md#sp-fc2-point (bench/results/layouts_anatomy.txt, TP4+SP and TP8+SP full:
     23,978 and 16,481 B per row, every storage of the formula live at the backward peak). O(1).
     """
-    if not sequence_parallel or tp <= 1 or SP_POINT not in table.terms:
+    if not sequence_parallel or tp <= 1 or not table.kernels.sp_point:
         return 0.0
     return (table.per_row(SP_POINT, widths, key="gathered") + table.per_row(SP_POINT, widths, key="sharded") / tp
             + table.per_row(SP_POINT, widths) + 2.0 * rope_per_row)
@@ -190,7 +191,7 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
     row at h1024, 8,640 at h768, every storage of the formula live at the peak) and
     #tp1-structural. O(1).
     """
-    if not structural_at(tp, sequence_parallel, at_tp1) or SP_RETAINED not in table.terms:
+    if not structural_at(tp, sequence_parallel, at_tp1) or not table.kernels.structural:
         return 0.0
     out = (table.per_row(SP_RETAINED, widths, key="gathered")
            + table.per_row(SP_RETAINED, widths, key="sharded") / tp
@@ -225,7 +226,7 @@ def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int,
     cell of the three dense geometries peaks in the forward, at the head's forward at TP2/4 and
     at TP8 where the vocabulary is wide; bench/results/sp_forward_anatomy.txt) and #tp1-structural. O(1).
     """
-    if not structural_at(tp, sequence_parallel, at_tp1) or SP_HEAD not in table.terms:
+    if not structural_at(tp, sequence_parallel, at_tp1) or not table.kernels.sp_head:
         return 0.0
     return table.per_row(SP_HEAD, widths) + table.per_row(SP_HEAD, widths, key="sharded") / tp
 
@@ -252,7 +253,7 @@ def sp_rope_entry_per_row(table: CoefficientTable, *, rope_per_row: float, tp: i
     forward and backward peaks of every TP+SP cell, bench/results/sp_forward_anatomy.txt and
     cp_tp8_anatomy.txt; the full-recompute TP+SP+CP residuals it had stood for). O(1).
     """
-    if not structural_at(tp, sequence_parallel, at_tp1) or SP_POINT not in table.terms:
+    if not structural_at(tp, sequence_parallel, at_tp1) or not table.kernels.sp_point:
         return 0.0
     return rope_per_row
 
@@ -284,8 +285,7 @@ def structural_at_tp1(table: CoefficientTable, *, retained: bool, plain_dense: b
     fitted layer. Evidence: docs/memory-model.md#tp1-structural (bench/results/tp1_structural.txt:
     the grid's TP1 and TP1+CP cells and the real-width calibration cells). O(1).
     """
-    entry = SP_RETAINED if retained else TP1_POINT
-    return plain_dense and entry in table.terms and SP_HEAD in table.terms
+    return table.kernels.structural_at_tp1(retained=retained, plain_dense=plain_dense)
 
 
 TP1_POINT = "tp1_fc1_point"
@@ -310,7 +310,7 @@ def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row
     Evidence: docs/memory-model.md#tp1-structural (bench/results/layouts_anatomy.txt, TP1 full
     h1024: 72,060 B per row at L1's FC1 backward, every storage of the formula live). O(1).
     """
-    if not at_tp1 or TP1_POINT not in table.terms:
+    if not at_tp1 or not table.kernels.tp1_point:
         return 0.0
     return table.per_row(TP1_POINT, widths) + 2.0 * rope_per_row
 
@@ -357,7 +357,7 @@ def cp_attention_release_per_row(table: CoefficientTable, widths: dict, *, cp: i
     Evidence: docs/memory-model.md#cp-attention-release (CP2/CP4/TP2+SP+CP2 against TP1/TP2+SP,
     two dense geometries). O(1).
     """
-    if cp <= 1 or CP_ATTENTION not in table.terms:
+    if cp <= 1 or not table.kernels.cp_release:
         return 0.0
     return table.per_row(CP_ATTENTION, widths)
 

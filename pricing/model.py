@@ -1,10 +1,9 @@
 """The memory model of one rank: geometry, layout, recompute, LoRA and coefficients, reduced to
-the per-layer arrays the jitted schedule walk reads.
+the charges the jitted schedule walk reads (`charges.Charges`), once per configuration.
 
-Fail closed (docs/memory-model.md#basis): an unmeasured configuration gets a conservative bound
-(rows not divided by CP, widths not divided by TP) and `basis` says "conservative" with the reasons. No term is ever dropped to 0 by a gate.
-With PP > 1 each stage is priced under the 1F1B schedule (`pipeline`): the arrays hold every
-stage's charges and, for the per-wave walk, their fold; the basis stays "conservative".
+The configuration's coverage (`coverage.assess`) sets the credited layout and the basis: an
+unmeasured configuration is priced as a conservative bound with its reasons, no term dropped
+(docs/memory-model.md#basis). PP > 1: every stage under 1F1B (docs/memory-model.md#pipeline).
 """
 
 from __future__ import annotations
@@ -15,12 +14,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import feature_terms, gdn_terms, layout_terms, moe_terms, terms
-from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table
+from .charges import Charges, ForwardParts, HeadParts
+from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
+from .coverage import Coverage, assess
 from .errors import ConfigError, bad
-from .geometry import MlpKind, ModelGeometry
-from .layer_arrays import layer_arrays, layer_context
+from .geometry import ModelGeometry
+from .layer_arrays import layer_arrays
+from .layers.context import LayerContext, layer_context
 from .lora import LoraConfig, adapter_param_counts
-from .parallel import ParallelLayout, Recompute, RecomputeMode
+from .parallel import ParallelLayout, Recompute
 from .pipeline import (
     fold_stages,
     received_activation_per_row,
@@ -28,6 +30,7 @@ from .pipeline import (
     stage_bounds,
     stage_charges,
 )
+from .walk import WalkCharges
 
 DEFAULT_SAFETY = 1.10
 DEFAULT_HEAD = "chunked:512"   # the output head computes logits in chunks of 512 rows
@@ -44,221 +47,6 @@ def parse_head(head: str) -> tuple[str, int]:
     raise bad(ConfigError, "head", head, "must be chunked:N (N > 0), full-native or full-te")
 
 
-def evidence_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
-                  table: CoefficientTable | None = None) -> list[str]:
-    """Why this configuration lies outside the measured evidence (empty: it is covered).
-
-    Covered (docs/memory-model.md#basis): the multi-rank traced layouts (`layout_gaps`) with
-    one-layer full recompute, or selective/no recompute for dense models (GDN hybrids at TP1);
-    PP1 (PP > 1: `pipeline_gaps`); MoE at any EP (the busiest EP rank's load is the worst case,
-    `moe_terms.busiest_rank_load`; traced at EP2/4/8). Model-family features no trace covers are listed too (`feature_terms.feature_gaps`); they are priced by explicit
-    conservative terms and keep the layout's TP and CP credit (see `PricingModel.conservative`).
-    """
-    return (layout_gaps(geometry, parallel, recompute, table) + pipeline_gaps(parallel)
-            + expert_tp_gaps(geometry, parallel) + feature_terms.feature_gaps(geometry))
-
-
-def expert_tp_gaps(geometry: ModelGeometry, parallel: ParallelLayout) -> list[str]:
-    """An expert TP other than TP (Megatron's `expert_tensor_parallel_size`) that no trace
-    covers: one that does not divide TP, or one between 1 and TP with EP > 1 (traced: ETP 1 and
-    2 at TP4+SP and ETP1 at TP2+SP, EP1; ETP1 at TP2+SP with EP2: docs/memory-model.md#moe-tp-point,
-    #moe-etp). Priced as a bound that keeps the layout's credit (`PricingModel.expert_row_share`
-    = 1): the experts 1/ETP wide (`layer_widths`) on every gathered routed row, although each
-    rank's experts see only its expert-TP group's share of them."""
-    etp, tp = parallel.expert_tp, parallel.tp
-    if geometry.moe is None or etp == tp or (tp % etp == 0 and (parallel.ep == 1 or etp == 1)):
-        return []
-    where = f"ETP{etp} at TP{tp}" + ("" if tp % etp else f" with EP{parallel.ep}")
-    why = ("an expert TP that does not divide TP" if tp % etp else
-           "an expert TP between 1 and TP is traced at EP1 only")
-    return [f"{where} (no trace: {why}): experts priced {etp}-way sharded on every gathered routed row"]
-
-
-def pipeline_gaps(parallel: ParallelLayout) -> list[str]:
-    """PP > 1: every stage is priced under the 1F1B schedule (`pricing.pipeline`), keeping the
-    layout's TP and CP credit; CPU pipeline traces validate it (full recompute, PP2 and PP4,
-    docs/memory-model.md#pipeline-traces), no GPU source does yet."""
-    if parallel.pp > 1:
-        return [f"PP{parallel.pp} (stages priced under 1F1B, validated on CPU pipeline traces "
-                f"only)"]
-    return []
-
-
-# Layout classes traced with GDN or MoE layers (docs/memory-model.md#boundaries: the 27B hybrid
-# at TP4+SP on GPU; TP1 at CP1/CP2 on the CPU grid); the multi-rank CPU grid's other layouts
-# (bench/results/traces_multirank.jsonl) traced dense layers only.
-_MIXED_TRACED = frozenset({"tp1-cp1", "tp1-cp2", "tp4sp-cp1"})
-# MoE layers also at TP2+SP, and under CP at every traced CP class (TP1, TP2+SP, TP4+SP with CP2
-# and CP4; the EP grid's CP cells, bench/ep_grid.py; docs/memory-model.md#moe-cp)
-_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1", "tp2sp-cp2", "tp4sp-cp2", "tp1-cp4", "tp2sp-cp4", "tp4sp-cp4"}
-# Layout classes whose MoE layers are traced retaining their activations (selective and no
-# recompute; CPU traces only: bench/results/moe_validation.txt), at Megatron's default expert TP;
-# under CP at TP1, TP2+SP and TP4+SP with CP2 and CP4 (#moe-cp)
-_MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1", "tp1-cp2", "tp2sp-cp2", "tp4sp-cp2",
-                                  "tp1-cp4", "tp2sp-cp4", "tp4sp-cp4"})
-# GDN layers also at TP2, TP2+SP and TP4: the GDN grid's multi-rank CPU cells, every recompute
-# mode (bench/gdn_grid.py, bench/results/layout_validation.txt; docs/memory-model.md#gdn-tp, and
-# without full recompute at TP > 1 priced by `gdn_terms`, docs/memory-model.md#gdn-sp-retained)
-_GDN_TRACED = _MIXED_TRACED | {"tp2-cp1", "tp2sp-cp1", "tp4-cp1"}
-# GDN and MoE layers traced together also at TP2+SP (full recompute): the GDN grid's GDN+MoE
-# hybrid at TP1, TP2+SP and TP4+SP (bench/gdn_grid.py; docs/memory-model.md#gdn-moe-tp)
-_GDN_MOE_TRACED = _MIXED_TRACED | {"tp2sp-cp1"}
-# ... and retaining their activations (selective and no recompute) under TP with SP: the same
-# hybrid at TP2+SP and TP4+SP, both waves, and a held-out geometry (torch-cpu prices them by
-# `gdn_terms`, on evidence; te-gpu credits them: docs/memory-model.md#gdn-moe-sp-retained); at
-# TP1 CP1 the grid's anatomy cell and qwen3.6-35b-a3b's cpu-fake cells, whose held-out half of
-# bench/validation_study.py is 2.0-2.4 % over (bench/results/validation_summary.txt;
-# docs/memory-model.md#gdn-sp-retained, "At TP1")
-_GDN_MOE_RETAINED_TRACED = frozenset({"tp1-cp1", "tp2sp-cp1", "tp4sp-cp1"})
-
-
-def _mixed_traced(geometry: ModelGeometry) -> frozenset[str] | None:
-    """The layout classes traced with this geometry's GDN or MoE layers (None: a dense
-    geometry, every traced class applies). MoE also at TP2+SP (the EP grid's TP2+SP+EP2
-    cells, bench/results/moe_validation.txt) and with CP (TP1, TP2+SP, TP4+SP at CP2 and CP4:
-    docs/memory-model.md#moe-cp); GDN (with a dense MLP) also at TP2, TP2+SP and
-    TP4 (`_GDN_TRACED`); a GDN hybrid with MoE layers only where both were traced together
-    (`_GDN_MOE_TRACED`: TP1 at CP1/CP2, TP2+SP, TP4+SP)."""
-    if geometry.gdn is not None:
-        return _GDN_MOE_TRACED if geometry.moe is not None else _GDN_TRACED
-    if geometry.moe is not None:
-        return _MOE_TRACED
-    return None
-
-
-def layout_gaps(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
-                table: CoefficientTable | None = None) -> list[str]:
-    """The parallel layout's and recompute's part of `evidence_gaps`.
-
-    Covered layouts are those `table` (default: the torch-cpu table, whose multi-rank traces
-    fitted them) has a `layout_residual` entry for (`layout_terms.traced_layouts`: TP1/2/4/8
-    with and without SP at CP1, TP1 at CP2 and CP4, TP2, TP4 and TP8 with SP at CP2 and CP4),
-    for every recompute mode; MoE and GDN layers only at the layouts in `_mixed_traced`. Without
-    full recompute MoE layers are on evidence where `_moe_retained_on_evidence` says (torch-cpu,
-    its traced classes and expert TPs), conservative otherwise (te-gpu: CPU traces only); GDN layers with dense MLPs at TP > 1 are covered where the table carries the structural
-    terms that price them (torch-cpu: `gdn_terms`, docs/memory-model.md#gdn-sp-retained) and
-    conservative with the layout's credit otherwise (te-gpu: no GPU trace); with MoE MLPs the same
-    under TP with SP (`_GDN_MOE_RETAINED_TRACED`, docs/memory-model.md#gdn-moe-sp-retained) and
-    conservative without credit without SP (no trace); multi-latent attention only at TP1."""
-    table = table or load_table("torch-cpu")
-    gaps = []
-    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
-    traced = layout_terms.traced_layouts(table)
-    if key not in traced:
-        gaps.append(f"TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} CP{parallel.cp} "
-                    f"(no multi-rank trace; traced: {', '.join(sorted(traced))})")
-    elif (mixed := _mixed_traced(geometry)) is not None and key not in mixed:
-        kind = "GDN" if geometry.gdn is not None else "MoE"
-        gaps.append(f"{kind} layers at TP{parallel.tp}{' SP' if parallel.sequence_parallel else ''} "
-                    f"CP{parallel.cp} (the multi-rank traces cover dense layers; {kind} is traced "
-                    f"at {', '.join(sorted(mixed))})")
-    if parallel.tp > 1 and geometry.attention is not None and geometry.attention.mla is not None:
-        gaps.append(f"multi-latent attention at TP{parallel.tp} (no trace; Megatron-core's local "
-                    "spec splits the down projections that Transformer Engine and the pricing "
-                    "replicate): priced without TP credit")
-    if recompute.mode == RecomputeMode.FULL:
-        if not recompute.is_one_layer_full:
-            gaps.append(f"full/{recompute.method}/{recompute.num_layers} recompute (traced: full/uniform/1)")
-    else:
-        if geometry.moe is not None and not _moe_retained_on_evidence(geometry, parallel, table):
-            why = ("traced on the CPU only: bench/results/moe_validation.txt"
-                   if layout_terms.SP_RETAINED not in table.terms else
-                   "no CPU trace of a retained MoE layer at this layout class and expert TP")
-            gaps.append(f"MoE with {recompute.mode.value} recompute ({why})")
-        if parallel.tp > 1 and geometry.gdn is not None:
-            mode = recompute.mode.value
-            if geometry.moe is not None and not parallel.sequence_parallel:
-                gaps.append(f"GDN layers with MoE MLPs at TP{parallel.tp} with {mode} recompute "
-                            "(traced at TP1, and under TP with SP only)")
-            elif geometry.moe is not None and layout_terms.SP_RETAINED not in table.terms:
-                gaps.append(f"GDN layers with MoE MLPs at TP{parallel.tp} with {mode} recompute (traced on the "
-                            "CPU only: torch-cpu's structural terms, docs/memory-model.md#gdn-moe-sp-retained): "
-                            "this table's retained GDN terms with the layout's credit")
-            elif geometry.moe is None and layout_terms.SP_RETAINED not in table.terms:
-                gaps.append(f"GDN layers at TP{parallel.tp} with {mode} recompute (traced on the CPU only: "
-                            "torch-cpu's structural terms, docs/memory-model.md#gdn-sp-retained): "
-                            "this table's retained GDN terms with the layout's credit")
-    return gaps
-
-
-def _moe_retained_on_evidence(geometry: ModelGeometry, parallel: ParallelLayout,
-                              table: CoefficientTable) -> bool:
-    """Whether MoE layers retaining their activations (selective or no recompute) are priced on
-    evidence: on a table fitted to the CPU traces, which carries their structural terms
-    (torch-cpu: `retained_moe_mlp` fitted by bench/moe_fit.py, `moe_terms.sp_retained_moe_layer_per_row`
-    under TP with SP), at a layout class and expert TP its multi-rank traces cover (every such
-    class meets the targets on held-out cells: bench/results/moe_validation.txt,
-    docs/memory-model.md#moe-sp-retained), for a model without GDN layers; a GDN hybrid with MoE
-    MLPs at the classes its GDN+MoE cells were traced retaining at (`_GDN_MOE_RETAINED_TRACED`:
-    TP1, TP2+SP and TP4+SP, at Megatron's default expert TP; docs/memory-model.md#gdn-moe-sp-retained).
-    The te-gpu table has no GPU trace of a retained MoE layer: conservative."""
-    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
-    if layout_terms.SP_RETAINED not in table.terms:
-        return False
-    if geometry.gdn is not None:
-        return key in _GDN_MOE_RETAINED_TRACED and parallel.expert_tp == parallel.tp
-    return key in _MOE_RETAINED_TRACED and _expert_tp_retained_traced(parallel)
-
-
-def _expert_tp_retained_traced(parallel: ParallelLayout) -> bool:
-    """Whether retained MoE layers (selective or no recompute) are traced at this expert TP: at
-    Megatron's default (ETP = TP), or below TP dividing it at EP1 (TP2+SP ETP1, TP4+SP ETP1 and
-    ETP2; docs/memory-model.md#moe-etp)."""
-    etp, tp = parallel.expert_tp, parallel.tp
-    return etp == tp or (tp % etp == 0 and parallel.ep == 1)
-
-
-def credit_layout(geometry: ModelGeometry, parallel: ParallelLayout, recompute: Recompute,
-                  table: CoefficientTable | None = None) -> ParallelLayout:
-    """The layout whose sharding an uncovered layout is credited with (docs/memory-model.md#basis).
-
-    When the only gap is an untraced (TP, SP, CP) class, the rank is priced as the largest
-    traced class that divides it: TP' | TP, CP' | CP, SP' only with SP; among classes of as many
-    ranks, the one with SP, then the one with more CP (CP shards every row, the gathered
-    hidden-wide tensors too: qwen3-32b TP8+SP+CP2 on grpo-8x8 is 36.6 GiB as TP4+SP+CP2 against
-    42.2 as TP8+SP). Per-rank memory never grows with more TP, SP or CP (the layout properties
-    the traces show and the tests check), so any such class's price bounds the uncovered layout
-    from above. MoE without full recompute (traced on
-    the CPU only) keeps the credit of the classes its CPU traces cover (`_MOE_RETAINED_TRACED`,
-    at the default expert TP and below it at EP1, `_expert_tp_retained_traced`;
-    docs/memory-model.md#moe-sp-retained, #moe-etp), and so do GDN hybrids without full recompute
-    on a table without the structural GDN terms (te-gpu; docs/memory-model.md#gdn-sp-retained),
-    with MoE MLPs under TP with SP (`_GDN_MOE_RETAINED_TRACED`, docs/memory-model.md#gdn-moe-sp-retained).
-    Any other gap (recompute schedule, GDN with MoE MLPs without full recompute at TP > 1 without
-    SP, multi-latent attention at TP > 1) gets no credit: TP1, CP1.
-    O(divisors)."""
-    table = table or load_table("torch-cpu")
-    none = ParallelLayout(tp=1, cp=1, pp=parallel.pp, ep=parallel.ep, dp=parallel.dp)
-    key = layout_terms.layout_key(parallel.tp, parallel.sequence_parallel, parallel.cp)
-    gaps = layout_gaps(geometry, parallel, recompute, table)
-    untraced = [g for g in gaps if "(no multi-rank trace" in g or "(the multi-rank traces cover" in g]
-    moe_retained = [g for g in gaps if g.startswith("MoE with ") and _expert_tp_retained_traced(parallel)]
-    gdn_retained = [g for g in gaps if g.startswith(("GDN layers at TP", "GDN layers with MoE MLPs at TP"))
-                    and "(traced on the CPU only" in g]
-    if len(untraced) + len(moe_retained) + len(gdn_retained) != len(gaps):
-        return none
-    covered = layout_terms.traced_layouts(table)
-    mixed = _mixed_traced(geometry)
-    if mixed is not None:
-        covered = covered & mixed
-    if moe_retained:
-        covered = covered & _MOE_RETAINED_TRACED
-    if (moe_retained or gdn_retained) and key in covered:
-        return parallel
-    best = none
-    for tp in (d for d in range(1, parallel.tp + 1) if parallel.tp % d == 0):
-        for cp in (d for d in range(1, parallel.cp + 1) if parallel.cp % d == 0):
-            for sp in ((False, True) if (parallel.sequence_parallel and tp > 1) else (False,)):
-                cand = layout_terms.layout_key(tp, sp, cp)
-                if cand == key or cand not in covered:
-                    continue
-                rank = (tp * cp, sp, cp)
-                if rank > (best.tp * best.cp, best.sequence_parallel, best.cp):
-                    best = ParallelLayout(tp=tp, cp=cp, sequence_parallel=sp, pp=parallel.pp,
-                                          ep=parallel.ep, dp=parallel.dp)
-    return best
-
-
 def has_qk_norm(geometry: ModelGeometry) -> bool:
     """Whether attention layers normalise queries and keys: `extra["qk_layernorm"]` when the
     geometry says (a live Megatron model does), else its features' explicit flag, else the
@@ -273,15 +61,11 @@ def has_qk_norm(geometry: ModelGeometry) -> bool:
 
 
 def layer_widths(geometry: ModelGeometry, *, tp: int, etp: int | None = None) -> dict[str, float]:
-    """Per-rank widths the coefficient table multiplies. `tp=1` gives the unsharded widths.
+    """Per-rank widths the coefficient table multiplies; `tp=1` gives the unsharded widths.
 
-    `etp`: the experts' TP size (Megatron's `expert_tensor_parallel_size`; None: `tp`, its
-    default): each rank holds expert_ffn / etp of every local expert's FFN (Megatron-core's
-    experts `divide` FC1's output and FC2's input by it), so every per-routed-row expert term
-    (the FC1 output and activation, the expert backward, the features' activation copies) is
-    that wide. Evidence: the TP4+SP MoE trace's expert tensors (`linear_fc1` [rows, 2F/4],
-    activations [rows, F/4]; bench/results/moe_tp_sp_findings.txt). The shared expert is a
-    plain TP-sharded MLP (`shared_ffn` / tp). O(1)."""
+    F, qkv, core, the GDN widths and vocab / TP; the experts' FFN / `etp` (Megatron's
+    `expert_tensor_parallel_size`, None: `tp`), the shared expert's FFN / TP
+    (docs/memory-model.md#moe-tp-point). O(1)."""
     att, gdn, moe = geometry.attention, geometry.gdn, geometry.moe
     etp = tp if etp is None else etp
     return {
@@ -320,12 +104,16 @@ class PricingModel:
     peer_row_scale: float = 1.0
     # derived (set in __post_init__)
     basis: str = field(init=False)
+    coverage: Coverage = field(init=False, repr=False, compare=False)
     gaps: tuple[str, ...] = field(init=False)
     assumptions: tuple[str, ...] = field(init=False)
     layout_gaps: tuple[str, ...] = field(init=False)
     credit: ParallelLayout = field(init=False)
     slot_names: tuple[str, ...] = field(init=False)
-    arrays: dict = field(init=False, repr=False, compare=False)
+    charges: Charges = field(init=False, repr=False, compare=False)
+    memo: dict = field(init=False, repr=False, compare=False)
+    """The pricers' derived objects shared across steps (envelopes, the fast walk's arrays,
+    clique points), keyed by what they depend on; never charges."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.safety, int | float) and math.isfinite(self.safety) and self.safety >= 1.0):
@@ -334,18 +122,17 @@ class PricingModel:
         parse_head(self.head)
         moe_terms.check_assumed_load(self.moe_load)
         moe_terms.check_peer_row_scale(self.peer_row_scale)
-        lgaps = tuple(layout_gaps(self.geometry, self.parallel, self.recompute, self.table))
-        gaps = lgaps + tuple(pipeline_gaps(self.parallel) + expert_tp_gaps(self.geometry, self.parallel)
-                             + feature_terms.feature_gaps(self.geometry))
-        object.__setattr__(self, "gaps", gaps)
-        object.__setattr__(self, "layout_gaps", lgaps)
-        object.__setattr__(self, "credit", credit_layout(self.geometry, self.parallel, self.recompute,
-                                                         self.table) if lgaps else self.parallel)
+        coverage = assess(self.geometry, self.parallel, self.recompute, self.table)
+        object.__setattr__(self, "coverage", coverage)
+        object.__setattr__(self, "gaps", coverage.reasons)
+        object.__setattr__(self, "layout_gaps", tuple(g.detail for g in coverage.layout_gaps))
+        object.__setattr__(self, "credit", coverage.credit)
         object.__setattr__(self, "assumptions", self._assumptions())
-        object.__setattr__(self, "basis", "conservative" if gaps else
+        object.__setattr__(self, "basis", "conservative" if coverage.gaps else
                            "assumed" if self.assumptions else "evidence")
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
-        object.__setattr__(self, "arrays", self._build_arrays())
+        object.__setattr__(self, "charges", self._build_charges())
+        object.__setattr__(self, "memo", {})
 
     @classmethod
     def build(cls, geometry: ModelGeometry, *, parallel: ParallelLayout | None = None,
@@ -374,56 +161,57 @@ class PricingModel:
 
     @property
     def conservative(self) -> bool:
-        """Whether the layout or recompute lies outside the evidence: then widths get no TP
-        credit and rows no CP credit. Feature gaps alone make the basis "conservative" but
-        keep these credits (their terms are explicit bounds)."""
-        return bool(self.layout_gaps)
+        """Whether widths and rows lose (part of) their credit (`Coverage.conservative`)."""
+        return self.coverage.conservative
 
     @property
     def width_tp(self) -> int:
-        """TP divisor of widths: the credited layout's TP (`credit_layout`; this layout's own
-        when it is covered)."""
-        return self.credit.tp
+        """TP divisor of widths (`Coverage.width_tp`)."""
+        return self.coverage.width_tp
 
     @property
     def width_etp(self) -> int:
-        """Expert-TP divisor of the experts' widths: the layout's expert TP (`ParallelLayout.expert_tp`),
-        never above the credited layout's TP (no TP credit, no expert-TP credit either)."""
-        return min(self.parallel.expert_tp, self.credit.tp)
+        """Expert-TP divisor of the experts' widths (`Coverage.width_etp`)."""
+        return self.coverage.width_etp
 
     @property
     def expert_row_share(self) -> float:
-        """The share of a wave's gathered routed rows one expert-TP group runs: ETP / TP under
-        the credited layout with sequence parallelism (each rank routes its 1/TP sequence shard
-        and the dispatcher gathers them over the expert TP only), 1 otherwise (no credit, or
-        an expert TP `expert_tp_gaps` names: the gathered rows, a bound). Evidence: the TP4+SP
-        traces at ETP 4, 2 and 1 (docs/memory-model.md#moe-tp-point)."""
-        p, c = self.parallel, self.credit
-        if not c.sequence_parallel or expert_tp_gaps(self.geometry, p):
-            return 1.0
-        return self.width_etp / c.tp
+        """The share of the gathered routed rows one expert-TP group runs
+        (`Coverage.expert_row_share`)."""
+        return self.coverage.expert_row_share
 
     @property
     def sp_div(self) -> int:
-        """Sequence-parallel divisor of hidden-wide terms under the credited layout."""
-        return self.credit.tp if self.credit.sequence_parallel else 1
+        """Sequence-parallel divisor of hidden-wide terms (`Coverage.sp_div`)."""
+        return self.coverage.sp_div
 
     @property
     def rows_cp(self) -> int:
-        """CP divisor of a wave's rows on the busiest rank under the credited layout."""
-        return self.credit.cp
+        """CP divisor of a wave's rows on the busiest rank (`Coverage.rows_cp`)."""
+        return self.coverage.rows_cp
 
     @property
     def num_stage_layers(self) -> int:
         """Layers of the largest pipeline stage (`pipeline.stage_bounds`)."""
         return max(hi - lo for lo, hi in stage_bounds(self.geometry.num_layers, self.parallel.pp))
 
-    def _build_arrays(self) -> dict:
-        """The arrays the jitted walk reads (`self.arrays`): the decoder layers' per-layer arrays
+    def layer_context(self, widths: dict | None = None) -> LayerContext:
+        """What this model's decoder layers are priced with (`layer_arrays.layer_context`),
+        at its credited widths unless `widths` is given. O(layers)."""
+        g = self.geometry
+        if widths is None:
+            widths = layer_widths(g, tp=self.width_tp, etp=self.width_etp)
+        return layer_context(self.coverage, geometry=g, table=self.table, recompute=self.recompute,
+                             widths=widths, qk_norm=has_qk_norm(g),
+                             max_rank=max((s.rank for s in self.lora.slots), default=0),
+                             moe_load=self.moe_load, peer_row_scale=self.peer_row_scale)
+
+    def _build_charges(self) -> Charges:
+        """The model's charges (`Charges`), built once: the decoder layers' per-layer arrays
         (`layer_arrays`: retained, workspace, no-grad, GDN state and chunk padding, with the
         layout residual and the CP RoPE cache), each LoRA slot's pending gradients per layer, the
-        head's and the final norm's charges (`head_*`, with their parts for calibration), the
-        input gradient, the caller's and first execution's bytes; under PP > 1 also each stage's
+        head's and the final norm's charges (with their parts for calibration), the input
+        gradient, the caller's and first execution's bytes; under PP > 1 also each stage's
         charges (`stage_charges`) and their folded per-wave proxy (`fold_stages`).
         O(layers x slots)."""
         g, p, t = self.geometry, self.parallel, self.table
@@ -431,7 +219,7 @@ class PricingModel:
         sp_div = self.sp_div
         # the decoder layers' arrays (`layer_arrays`): each layer's stage, retained and forward
         # charges, the layout residual, the CP RoPE cache and the GDN chunk padding
-        ctx = layer_context(self, widths, qk_norm=has_qk_norm(g))
+        ctx = self.layer_context(widths)
         decoder = layer_arrays(ctx)
         n = g.num_layers   # every layer; PP > 1 restricts them to stages below
         full = ctx.full   # full recompute
@@ -444,7 +232,7 @@ class PricingModel:
         kind, chunk = parse_head(self.head)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
-        if g.features.final_softcap:
+        if feature_terms.scales_logits(g.features):
             if kind == "chunked":
                 head_const += chunk * feature_terms.final_softcap_chunk_per_row(widths)
             else:
@@ -453,7 +241,7 @@ class PricingModel:
         # the final norm's saved input lives beside the head's; its backward runs after the
         # head's backward has released the logits, so the transient is the larger of the two
         norm_saved, norm_bwd = terms.final_norm_per_row(t, widths, sp_div=sp_div)
-        if norm_bwd and ctx.structural_gdn:
+        if norm_bwd and ctx.gdn_retained_structural:
             # what the norm's backward allocates, beside the structural layer terms (gdn_terms)
             norm_bwd = max(norm_bwd, gdn_terms.final_norm_backward_per_row(widths, sp_div=sp_div))
         head_ret = logits_ret + norm_saved
@@ -461,58 +249,51 @@ class PricingModel:
         # vocabulary, for TE's head at any TP (its terms are structural, not calibrate-fitted), and
         # beside the structural GDN layer terms at TP1 too (gdn_terms: the TP1 fit's logits at the
         # norm covered what its fitted layers fall short of; these layers are charged what they hold)
-        released = self.width_tp > 1 or kind == "full-te" or ctx.structural_gdn
+        released = self.width_tp > 1 or kind == "full-te" or ctx.gdn_retained_structural
         head_tr = (layout_terms.head_point_transient(logits_ret, logits_tr, norm_bwd, released=released)
                    + beside_head)
         # what the full-native head holds at its forward under TP with SP (both logits copies, the
         # final norm's tensors, the embedding's output), charged where above head_ret; beside the
         # wave's RoPE cache charge (in the retained layers without full recompute, here with it)
         head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-                                                         at_tp1=ctx.structural_tp1)
+                                                         at_tp1=ctx.tp1_structural)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope
-        arrays = {
-            "retained": decoder.retained, "workspace": decoder.workspace, "nograd": decoder.nograd,
-            "gdn_state": decoder.gdn_state, "pending": pending, "pad_retained": decoder.pad_retained,
-            "pad_point": decoder.pad_point, "chunk": float(decoder.gdn_chunk),
-            "input_grad": terms.input_gradient_per_row(t, widths, sp_div=sp_div),
-            "head_retained": head_ret, "head_transient": head_tr, "head_const": head_const,
-            "head_forward": head_fwd,
-            "head_chunk_rows": chunk,
-            # the head's parts before they are combined (calibration reads them)
-            "head_parts": {"logits_retained": logits_ret, "logits_transient": logits_tr,
-                           "norm_saved": norm_saved, "norm_backward": norm_bwd,
-                           "layout_residual": beside_head,
-                           "logits_at_norm": 0.0 if released else logits_ret},
-            "forward_parts": {"nograd": decoder.nograd_plain,
-                              "retained_forward": decoder.retained_forward},
-            "caller": terms.caller_per_logical_token(t),
-            "first_exec": terms.first_execution_bytes(t),
-            "has_mlp_moe": any(layer.mlp == MlpKind.MOE for layer in g.layers),
+        walk = WalkCharges(
+            retained=decoder.retained, workspace=decoder.workspace, nograd=decoder.nograd,
+            gdn_state=decoder.gdn_state, pending=pending,
+            input_grad=terms.input_gradient_per_row(t, widths, sp_div=sp_div),
+            head_retained=head_ret, head_transient=head_tr, head_const=head_const,
+            caller=terms.caller_per_logical_token(t), pad_retained=decoder.pad_retained,
+            pad_point=decoder.pad_point, chunk=float(decoder.gdn_chunk),
             # the CP RoPE cache bound above (per rank row, where the arrays carry it) and one
             # entry row: the walk credits what a call's longest sequence does not hold
             # (`walk.rope_credit`) and charges the other calls' entries at a call's points;
             # none under PP > 1, whose stage walks keep the bound and charge the entries apart
-            "rope_cp": layout_terms.cp_rope_cache_per_row(decoder.rope_entry, cp=self.rows_cp)
+            rope_cp=layout_terms.cp_rope_cache_per_row(decoder.rope_entry, cp=self.rows_cp)
             if p.pp == 1 else 0.0,
-            "rope_entry": decoder.rope_entry if p.pp == 1 else 0.0,
-            "rope_kept": not full,
-        }
-        if p.pp > 1:
-            # the per-layer arrays, each stage's charges, and the folded per-wave proxy
-            arrays["layers"] = {name: arrays[name] for name in
-                                ("retained", "workspace", "nograd", "gdn_state", "pending",
-                                 "pad_retained", "pad_point")}
-            boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
-            stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
-            stages = stage_charges(arrays, pp=p.pp, boundary_per_row=boundary,
-                                   received_per_row=received_activation_per_row(
-                                       boundary, full_recompute=full),
-                                   rope_per_row=stage_rope, rows_cp=self.rows_cp)
-            arrays["stages"] = stages
-            arrays.update(fold_stages(stages))
-        return arrays
+            rope_entry=decoder.rope_entry if p.pp == 1 else 0.0,
+            rope_kept=not full, head_forward=head_fwd)
+        parts = dict(
+            head=HeadParts(logits_retained=logits_ret, logits_transient=logits_tr,
+                           norm_saved=norm_saved, norm_backward=norm_bwd,
+                           layout_residual=beside_head,
+                           logits_at_norm=0.0 if released else logits_ret),
+            forward=ForwardParts(nograd=decoder.nograd_plain,
+                                 retained_forward=decoder.retained_forward),
+            first_exec=terms.first_execution_bytes(t))
+        if p.pp == 1:
+            return Charges(walk=walk, **parts)
+        # each stage's charges from every layer's, and their folded per-wave proxy
+        boundary = terms.boundary_per_row(t, widths, sp_div=sp_div)
+        stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
+        stages = stage_charges(walk, pp=p.pp, boundary_per_row=boundary,
+                               received_per_row=received_activation_per_row(
+                                   boundary, full_recompute=full),
+                               rope_per_row=stage_rope, rows_cp=self.rows_cp)
+        return Charges(walk=walk._replace(**fold_stages(stages)), layers=walk, stages=stages,
+                       **parts)
 
     def slot_index(self, name: str) -> int:
         try:
@@ -530,4 +311,17 @@ class PricingModel:
         if self.peer_row_scale != 1.0:
             doc["peer_row_scale"] = self.peer_row_scale
         return doc
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PricingModel:
+        """Inverse of `to_dict` (no preset or coefficient file needed; reports, misses files)."""
+        if not isinstance(data, dict):
+            raise bad(ConfigError, "model", type(data).__name__, "must be an object")
+        recompute = dict(data["recompute"])
+        recompute["modules"] = tuple(recompute.get("modules", ()))
+        return cls(geometry=ModelGeometry.from_dict(data["geometry"]),
+                   parallel=ParallelLayout(**data["parallel"]),
+                   recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
+                   table=table_from_dict(data["coefficients"]), head=data["head"],
+                   safety=data["safety"], moe_load=data.get("moe_load"))
 

@@ -148,7 +148,7 @@ def permutation_per_routed_row(table: CoefficientTable, widths: dict) -> float:
     table fitted on its cells priced the real dispatcher 21 % under
     (docs/memory-model.md#expert-parallel).
     """
-    if PERMUTATION not in table.terms:
+    if not table.kernels.permutation:
         return 0.0
     return table.per_row(PERMUTATION, widths, key="per_routed_row")
 

@@ -64,7 +64,7 @@ class ParallelLayout:
         """Check that the geometry can be sharded this way; names the field that cannot.
 
         A vocabulary not divisible by TP is allowed (Megatron pads it; pricing rounds up), and
-        so is CP > 2 (priced conservatively, see `pricing.model.evidence_gaps`)."""
+        so is CP > 2 (priced conservatively, see `pricing.coverage.assess`)."""
         if geometry.attention is not None:
             att = geometry.attention
             if att.num_heads % self.tp:

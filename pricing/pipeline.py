@@ -148,32 +148,36 @@ def held_gradient_per_row(boundary: float, *, stage: int, pp: int,
     return boundary * ((stage > 0) + (stage < pp - 1))
 
 
-def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
+def stage_charges(layers: WalkCharges, *, pp: int, received_per_row: float,
                   boundary_per_row: float = 0.0, rope_per_row: Sequence[float] | None = None,
                   rows_cp: int = 1) -> tuple[StageCharges, ...]:
-    """Each stage's charges from a model's per-layer arrays over all L layers (`layers`,
-    the `PricingModel.arrays` entry of a PP > 1 model): `received_per_row` what a stage s > 0
+    """Each stage's charges from a model's charges over all L layers (`layers`, the
+    `Charges.layers` of a PP > 1 model): `received_per_row` what a stage s > 0
     keeps of the activation it received (`received_activation_per_row`), `boundary_per_row`
     one boundary-wide gradient per row (the schedule's held gradients), `rope_per_row` each
     stage's `rope_cache_per_row`, `rows_cp` a wave's packed rows per rank row. O(p x L)."""
-    full = arrays["layers"]
-    num_layers = full["retained"].shape[0]
+    full = layers
+    num_layers = full.retained.shape[0]
     out = []
     for s, (lo, hi) in enumerate(stage_bounds(num_layers, pp)):
-        retained = full["retained"][lo:hi].copy()
+        retained = full.retained[lo:hi].copy()
         if s > 0:
             retained[0] += received_per_row
         last = s == pp - 1
-        charges = WalkCharges(
-            retained, full["workspace"][lo:hi].copy(), full["nograd"][lo:hi].copy(),
-            full["gdn_state"][lo:hi].copy(), np.ascontiguousarray(full["pending"][:, lo:hi]),
-            float(arrays["input_grad"]),
-            float(arrays["head_retained"]) if last else 0.0,
-            float(arrays["head_transient"]) if last else 0.0,
-            float(arrays["head_const"]) if last else 0.0,
-            float(arrays["caller"]) if last else 0.0,
-            full["pad_retained"][lo:hi].copy(), full["pad_point"][lo:hi].copy(), float(arrays["chunk"]),
-            head_forward=float(arrays["head_forward"]) if last else 0.0)
+        # the stage's layers; the head on the last stage; the RoPE entries charged apart
+        # (`StageCharges.rope_per_row`), so none in the walk's own charges
+        charges = full._replace(
+            retained=retained, workspace=full.workspace[lo:hi].copy(),
+            nograd=full.nograd[lo:hi].copy(), gdn_state=full.gdn_state[lo:hi].copy(),
+            pending=np.ascontiguousarray(full.pending[:, lo:hi]),
+            input_grad=float(full.input_grad),
+            head_retained=float(full.head_retained) if last else 0.0,
+            head_transient=float(full.head_transient) if last else 0.0,
+            head_const=float(full.head_const) if last else 0.0,
+            caller=float(full.caller) if last else 0.0,
+            pad_retained=full.pad_retained[lo:hi].copy(), pad_point=full.pad_point[lo:hi].copy(),
+            chunk=float(full.chunk), rope_cp=0.0, rope_entry=0.0, rope_kept=False,
+            head_forward=float(full.head_forward) if last else 0.0)
         out.append(StageCharges(
             stage=s, lo=lo, hi=hi, window=pp - s, charges=charges,
             retained_per_row=float(retained.sum()) + charges.head_retained,
@@ -188,7 +192,7 @@ def stage_charges(arrays: dict, *, pp: int, received_per_row: float,
 
 
 def fold_stages(stages: Sequence[StageCharges]) -> dict:
-    """One walk's per-layer charges that price a wave about as its worst stage does when
+    """One walk's per-layer charges (the `WalkCharges` fields they replace) that price a wave about as its worst stage does when
     k_s copies of it are in flight: position j is, stage by stage the larger, the stage's
     j-th layer; the first position also carries the other k_s - 1 waves' retained rows (in
     the retained and the forward transient), and the head is charged as on the last stage.

@@ -19,7 +19,6 @@ from .walk import (
     TERM_NAMES,
     WalkGroups,
     walk,
-    walk_charges,
 )
 
 
@@ -116,10 +115,9 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     """
     for name in first_slots:
         model.slot_index(name)
-    a = model.arrays
     walk_groups = _group_arrays(model, groups, first_slots)
-    first_exec = 0.0 if profiled or not walk_groups.grad.any() else a["first_exec"]
-    best, values = walk(walk_charges(a), first_exec, walk_groups)
+    first_exec = 0.0 if profiled or not walk_groups.grad.any() else model.charges.first_exec
+    best, values = walk(model.charges.walk, first_exec, walk_groups)
     raw = int(math.ceil(best[PEAK_BYTES]))
     code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
     return Breakdown(

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .errors import ConfigError, bad
 from .model import PricingModel
-from .pipeline import StageParts, StagePeak, stage_parts, stage_peaks
+from .pipeline import (
+    StageParts,
+    StagePeak,
+    in_flight,
+    peaks_from_parts,
+    stage_parts,
+    stage_peaks,
+    window_lower_bound,
+)
 from .price import GroupLoad, _group_arrays
 
 
@@ -38,7 +47,7 @@ def price_parts(model: PricingModel, waves: Sequence[tuple[Sequence[GroupLoad], 
 
 
 def _stages(model: PricingModel):
-    stages = model.arrays.get("stages")
+    stages = model.charges.stages
     if stages is None:
         raise bad(ConfigError, "parallel.pp", model.parallel.pp, "stage prices need pp > 1")
     return stages
@@ -49,5 +58,52 @@ def _walk_groups(model, waves, profiled):
     for loads, first_slots in waves:
         g = _group_arrays(model, loads, frozenset(first_slots))
         groups.append(g)
-        first_exec.append(0.0 if profiled or not g.grad.any() else float(model.arrays["first_exec"]))
+        first_exec.append(0.0 if profiled or not g.grad.any() else float(model.charges.first_exec))
     return groups, first_exec
+
+
+@dataclass(frozen=True)
+class StagePricer:
+    """A PP > 1 model's stages as the pipeline search reads them (the contract's
+    `StagedPricer.stages()`): order-free stage parts of packed waves, their peaks in an order,
+    the window bound (docs/memory-model.md#pipeline)."""
+
+    model: PricingModel
+    """The pricing model (PP > 1)."""
+    grad_rows: float
+    """The step's gradient rows per rank (full-sharing packed rows / CP): the window bound's M."""
+
+    @property
+    def num_stages(self) -> int:
+        """p, the pipeline stages."""
+        return self.model.parallel.pp
+
+    @property
+    def safety(self) -> float:
+        """admitted = raw x safety."""
+        return self.model.safety
+
+    def in_flight(self, stage: int, num_waves: int) -> int:
+        """Waves stage `stage` holds at once (`pipeline.in_flight`)."""
+        return in_flight(self.num_stages, stage, num_waves)
+
+    def longest_sequence(self, step) -> float:
+        """The step's longest request in packed rows, padded to the layout's row multiple (a
+        bound of every wave's longest sequence). O(requests)."""
+        m = self.model.parallel.row_multiple
+        longest = max((int(r.num_tokens) for r in step.requests), default=0)
+        return float(-(-longest // m) * m)
+
+    def parts(self, waves: Sequence[tuple[Sequence[GroupLoad], frozenset[str]]], *,
+              max_len: float = math.inf) -> StageParts:
+        """`price_parts` of the waves (each: its group loads and `first_slots`)."""
+        return price_parts(self.model, waves, max_len=max_len)
+
+    def peaks(self, parts: StageParts, budgets: Sequence[int]) -> tuple[StagePeak, ...]:
+        """Every stage's peak over `parts`' waves in column order (`pipeline.peaks_from_parts`)."""
+        return peaks_from_parts(_stages(self.model), parts, budgets, self.safety)
+
+    def window_bound(self, budgets: Sequence[int]) -> int:
+        """The window lower bound over all stages (`pipeline.window_lower_bound`). O(p x K)."""
+        return max(window_lower_bound(self.grad_rows, st, budgets[st.stage], self.safety)
+                   for st in _stages(self.model))

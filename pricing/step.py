@@ -682,9 +682,17 @@ def load_step(path: str | Path) -> Step:
     `{"id": "r7", "completion_tokens": 900}` for a request that shares nothing. Optional
     `"slot"` (default "default") and `"grad"` (default true). One file holds one form.
 
-    Every error is a `StepError` naming the file, the line number and the field. O(file size).
+    `path` may also name a bundled step (`"grpo-8x8"`, see `list_bundled_steps`); an existing
+    file of that name wins. Every error is a `StepError` naming the file, the line number and
+    the field. O(file size).
     """
     path = Path(path)
+    if not path.is_file():
+        if path.name.removesuffix(".jsonl") in list_bundled_steps() and len(path.parts) == 1:
+            path = bundled_step(path.name)
+        elif not path.exists():
+            raise StepError(f"{path}: cannot read step file: no such file or bundled step "
+                            f"(bundled: {', '.join(list_bundled_steps())})")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -9,7 +9,7 @@ backend's `CoefficientTable`.
 
 from __future__ import annotations
 
-from . import moe_terms
+from . import entries, moe_terms
 from .coefficients import CoefficientTable
 from .geometry import GdnSpec, MixerKind, MlpKind
 
@@ -104,7 +104,7 @@ def moe_norm_inputs_per_row(table: CoefficientTable, widths: dict) -> float:
     trace (8H of norm inputs against a 7.1H excess of the fitted attention stage) and of
     grid-moe-a3b-h512 TP1 (bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
     """
-    return table.per_row("moe_norm_inputs", widths) if "moe_norm_inputs" in table.terms else 0.0
+    return entries.optional_per_row(table, "moe_norm_inputs", widths)
 
 
 def moe_routed_per_routed_row(table: CoefficientTable, widths: dict) -> float:
@@ -144,7 +144,7 @@ def moe_expert_backward_per_routed_row(table: CoefficientTable, widths: dict, *,
     peak of the cpu-fake Mixtral-8x7B trace holds exactly these tensors
     (bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
     """
-    entry = table.terms.get("moe_expert_backward", EXPERT_BACKWARD_UNITS)
+    entry = entries.entry(table, "moe_expert_backward", EXPERT_BACKWARD_UNITS)
     routed = sum(c * widths[w] for w, c in entry.get("per_routed_row", {}).items())
     expert = sum(c * widths[w] for w, c in entry.get("per_expert_row", {}).items())
     return float(routed + expert / max(local_experts, 1))
@@ -158,7 +158,7 @@ def moe_routing_metadata_per_routed_row(table: CoefficientTable) -> float:
     Evidence: grid-moe-a3b-h512 and grid-moe-h1024 TP1 backward peaks (masked_select, remainder,
     cat: 32 and 28 B per routed row; bench/results/moe_anatomy.txt).
     """
-    return table.scalar("moe_routing_metadata") if "moe_routing_metadata" in table.terms else 0.0
+    return entries.optional_scalar(table, "moe_routing_metadata")
 
 
 def norm_and_residual_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) -> float:
@@ -182,7 +182,7 @@ def mla_norm_inputs_per_row(table: CoefficientTable, widths: dict, *, sp_div: in
     (`L*.input_layernorm` and `L*.pre_mlp_layernorm` `_to_copy` float32, 4H each;
     bench/results/moe_anatomy.txt; docs/memory-model.md#moe-routed-points).
     """
-    return table.per_row("mla_norm_inputs", widths) / sp_div if "mla_norm_inputs" in table.terms else 0.0
+    return entries.optional_per_row(table, "mla_norm_inputs", widths) / sp_div
 
 
 def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
@@ -195,7 +195,7 @@ def qk_norm_per_row(table: CoefficientTable, widths: dict) -> float:
     sized on GPU traces (docs/memory-model.md#workspace). Evidence: cpu-fake traces (bench/results/validation_anatomy.txt:
     the q_layernorm and k_layernorm fp32 copies of qwen3-8b, absent in llama-3.1-8b).
     """
-    return table.per_row("qk_norm", widths) if "qk_norm" in table.terms else 0.0
+    return entries.optional_per_row(table, "qk_norm", widths)
 
 
 def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *, ep_skew: float,
@@ -210,7 +210,7 @@ def nograd_stage_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind, *,
     """
     if mlp == MlpKind.DENSE:
         return table.per_row("mlp_dense_nograd", widths)
-    if "moe_nograd" in table.terms:
+    if table.kernels.moe_nograd:
         return (widths["top_k"] * ep_skew * table.per_row("moe_nograd", widths, key="per_routed_row")
                 + table.per_row("moe_nograd", widths))
     return mlp_stage_per_row(table, widths, mlp, ep_skew=ep_skew, local_experts=local_experts) + 6 * widths["H"]
@@ -266,7 +266,7 @@ def retained_backward_per_row(table: CoefficientTable, widths: dict, mlp: MlpKin
     qwen3.8-27b hybrid's attention and GDN layers alike, 2H per routed row + 672 B for
     qwen3-30b-a3b). `per_row` may hold F (dense layers), shared_ffn (MoE layers) and rank.
     """
-    if "retained_backward" not in table.terms:
+    if not table.kernels.retained_backward:
         return stage
     coef = table.terms["retained_backward"].get("per_row", {})
     rank_part = coef.get("rank", 0.0) * widths["rank"]
@@ -292,7 +292,7 @@ def retained_forward_per_row(table: CoefficientTable, widths: dict, mlp: MlpKind
     of qwen3-30b-a3b at the last layer's expert concatenation; dense layers peak at the final
     norm with every layer's activations live).
     """
-    if "retained_forward" not in table.terms:
+    if not table.kernels.retained_forward:
         return 0.0
     entry = table.terms["retained_forward"]
     coef = entry.get("per_row", {})
@@ -317,8 +317,8 @@ def final_norm_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) ->
     the final norm's fp32 input copy live at the head peak; the no-recompute decoder-only peak
     at the final norm's backward).
     """
-    saved = table.per_row("final_norm", widths) if "final_norm" in table.terms else 0.0
-    backward = table.per_row("final_norm_backward", widths) if "final_norm_backward" in table.terms else 0.0
+    saved = entries.optional_per_row(table, "final_norm", widths)
+    backward = entries.optional_per_row(table, "final_norm_backward", widths)
     return saved / sp_div, backward / sp_div
 
 

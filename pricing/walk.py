@@ -49,7 +49,7 @@ PEAK_BYTES, PEAK_POINT, PEAK_LAYER, PEAK_GROUP = range(4)
 
 
 class WalkCharges(NamedTuple):
-    """What the walk charges, from the model (`PricingModel.arrays`, same names): bytes per
+    """What the walk charges (`Charges.walk`, built by `PricingModel`): bytes per
     row of each layer, per segment, per slot's adapter gradients, and of the head."""
 
     retained: np.ndarray    # float64[L] per row, saved by a layer's forward for the backward
@@ -83,16 +83,6 @@ class WalkGroups(NamedTuple):
     slot: np.ndarray        # int64: its model slot index
     carries: np.ndarray     # bool: it carries its slot's pending adapter gradients
     longest: np.ndarray     # float64: padded rows of its longest packed sequence (all ranks)
-
-
-def walk_charges(arrays: dict) -> WalkCharges:
-    """The walk's charges from a model's arrays (`PricingModel.arrays`), built once and kept
-    there beside the model's other caches. O(1)."""
-    charges = arrays.get("walk_charges")
-    if charges is None:
-        charges = WalkCharges(*(arrays[name] for name in WalkCharges._fields))
-        arrays["walk_charges"] = charges
-    return charges
 
 
 @njit(cache=True)

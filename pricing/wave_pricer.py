@@ -28,6 +28,7 @@ from .envelope import Envelope, build_envelope
 from .layout import _tree_counts, layout
 from .model import PricingModel
 from .price import Breakdown, GroupLoad, price_groups
+from .stage_price import StagePricer
 from .step import Step
 from .tolerances import CEIL_SLACK, PENDING_ROUNDING_BYTES
 from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
@@ -186,7 +187,7 @@ class WavePricer:
 
     def _cached_envelope(self, *, lower: bool) -> Envelope:
         # an envelope depends only on the model and the class mix: share it across steps
-        cache = self.model.arrays.setdefault("envelopes", {})
+        cache = self.model.memo.setdefault("envelopes", {})
         key = (self.class_grad, self.class_slot, lower)
         if key not in cache:
             cache[key] = build_envelope(self.model, self.class_grad, self.class_slot, lower=lower)
@@ -198,21 +199,21 @@ class WavePricer:
         """The arrays for `_admitted`: per class (built once per pricer, O(K)) and per model
         (cached in the model's arrays beside its envelopes, O(L))."""
         if self._fast is None:
-            model, a = self.model, self.model.arrays
-            cache = a.setdefault("fast_walk", {})
+            model, a = self.model, self.model.charges.walk
+            cache = model.memo.setdefault("fast_walk", {})
             if self.profiled not in cache:
-                layers = np.ascontiguousarray(np.stack([a["retained"], a["workspace"],
-                                                        a["nograd"], a["gdn_state"],
-                                                        a["pad_retained"], a["pad_point"]]),
+                layers = np.ascontiguousarray(np.stack([a.retained, a.workspace,
+                                                        a.nograd, a.gdn_state,
+                                                        a.pad_retained, a.pad_point]),
                                               dtype=np.float64)
-                scal = np.asarray([a["input_grad"], a["head_retained"], a["head_transient"],
-                                   a["head_const"], a["caller"],
-                                   0.0 if self.profiled else a["first_exec"], model.safety,
+                scal = np.asarray([a.input_grad, a.head_retained, a.head_transient,
+                                   a.head_const, a.caller,
+                                   0.0 if self.profiled else model.charges.first_exec, model.safety,
                                    model.rows_cp, 0.0,
-                                   model.parallel.row_multiple, a["chunk"], a["rope_cp"],
-                                   a["rope_entry"], float(a["rope_kept"]), a["head_forward"]],
+                                   model.parallel.row_multiple, a.chunk, a.rope_cp,
+                                   a.rope_entry, float(a.rope_kept), a.head_forward],
                                   dtype=np.float64)
-                pending = np.ascontiguousarray(a["pending"], dtype=np.float64)
+                pending = np.ascontiguousarray(a.pending, dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))
             layers, pending, scal, n_slots = cache[self.profiled]
             classes = np.asarray([[int(g), model.slot_index(s)]
@@ -253,7 +254,17 @@ class WavePricer:
         """Bytes of the RoPE cache entries the waves before each wave (in run order, given by
         their group loads) left beside it (`rope_cache.earlier_wave_entries`); 0 under PP > 1,
         whose stage walks charge them. O(calls x log calls)."""
-        return rope_cache.earlier_wave_entries(float(self.model.arrays["rope_entry"]), waves)
+        return rope_cache.earlier_wave_entries(float(self.model.charges.walk.rope_entry), waves)
+
+    def earlier_reserve_bytes(self) -> int:
+        """Admitted bytes that always cover them beside any wave of the step
+        (`rope_cache.reserve_bytes` of the step's calls as one wave); 0 under PP > 1 or
+        without rotary entries. O(requests)."""
+        entry = float(self.model.charges.walk.rope_entry)
+        if entry <= 0.0:
+            return 0
+        every = np.arange(len(self.class_of), dtype=np.int64)
+        return rope_cache.reserve_bytes(entry, self.group_loads([every]), self.model.safety)
 
     def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
         """`price` with `extra` bytes of earlier waves' entries (`rope_cache.plus_earlier_entries`)."""
@@ -292,8 +303,8 @@ class WavePricer:
         wave's admitted bytes: all of the slot's adapter gradients (the walk adds at most that
         at a backward point, or in place of a group's retained rows), at the safety factor.
         With `adjust` (profiles) the envelope may be scaled, so this is only an estimate."""
-        a = self.model.arrays
-        return (float(a["pending"][self.model.slot_index(slot)].sum()) * self.model.safety
+        a = self.model.charges.walk
+        return (float(a.pending[self.model.slot_index(slot)].sum()) * self.model.safety
                 + PENDING_ROUNDING_BYTES)
 
     # --- lower bound ----------------------------------------------------------------------
@@ -319,6 +330,15 @@ class WavePricer:
             self._class_totals = totals
         return totals
 
+    def stages(self) -> StagePricer | None:
+        """The model's stages for the pipeline search (PP > 1), None at PP1."""
+        if self.model.parallel.pp == 1:
+            return None
+        totals = self.class_totals()
+        grad = np.asarray(self.class_grad, dtype=bool)
+        rows = float(totals[grad, 0].sum()) if grad.any() else 0.0
+        return StagePricer(self.model, rows / self.model.rows_cp)
+
     def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
         """A wave count no plan of flat waves within the budget can go below, for the whole
         step or for `requests` (the search leaves out split units, which run alone).
@@ -331,7 +351,7 @@ class WavePricer:
         if n == 0:
             return 0
         lower = self._cached_envelope(lower=True)
-        fe = 0.0 if self.profiled else float(self.model.arrays["first_exec"]) * self.model.safety
+        fe = 0.0 if self.profiled else float(self.model.charges.first_exec) * self.model.safety
         grad = np.asarray(self.class_grad, dtype=np.bool_)
         # each gradient class's slot has one wave carrying its pending gradients; for a part
         # of the step that wave may be elsewhere (a split unit), so it is not counted then
@@ -345,7 +365,7 @@ class WavePricer:
             return n
         idx = np.arange(n, dtype=np.int64) if requests is None \
             else np.asarray(requests, dtype=np.int64)
-        cache = self.model.arrays.setdefault("clique_points", {})
+        cache = self.model.memo.setdefault("clique_points", {})
         key = (self.class_grad, self.class_slot)
         if key not in cache:
             cache[key] = undominated_points(lower.coef[:, :, 0], lower.coef[:, :, 1],

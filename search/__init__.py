@@ -14,14 +14,24 @@ from .contract import (
     SearchEnvelope,
     SearchPricer,
     SearchStep,
+    StagedPricer,
+    StageView,
     WavePrice,
 )
 from .invariants import check_plan
-from .options import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind, SearchOptions
+from .options import (
+    DEFAULT_PACKER,
+    DEFAULT_SEED,
+    DEFAULT_TIME_BUDGET_MS,
+    PackerKind,
+    SearchOptions,
+    default_time_budget_ms,
+)
 from .packers import Packer, make_packer, pack
 from .result import PackedWave, SearchResult
 
 __all__ = ["DEFAULT_PACKER", "DEFAULT_SEED", "DEFAULT_TIME_BUDGET_MS", "AdmittedPricer",
            "BoundedPricer", "LoadsPricer", "Packer", "PackerKind", "PackedWave",
            "PendingPricer", "Pricer", "SearchEnvelope", "SearchOptions", "SearchPricer",
-           "SearchResult", "SearchStep", "WavePrice", "check_plan", "make_packer", "pack"]
+           "SearchResult", "SearchStep", "StageView", "StagedPricer", "WavePrice", "check_plan",
+           "default_time_budget_ms", "make_packer", "pack"]

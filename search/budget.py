@@ -10,8 +10,8 @@ it (at most what one greedy run and the fill leave, `packers`) for annealing aga
 ANNEAL_US_PER_EVAL), exactly priced swaps (`swap`, counted in prices, `exact_price_us`) and
 the ejection chains (`eject`, counted in placements, `eject_cost_us`).
 
-Without `deterministic`, the greedy and the multistart stop at the wall-clock deadline. With
-it, the clock is never read: the number of greedy runs and multistart iterations comes from
+In both modes (`packers`: clock mode only adds what the clock leaves after it) the number of
+greedy runs and multistart iterations comes from
 an estimate of their cost, RUN_US_BASE + RUN_US_PER_UNIT x atoms x (waves + points)
 microseconds each (a greedy run with its `eliminate`, or a multistart iteration, its share
 of the chunked kernel call included). Measured on generated GRPO steps and soak steps of

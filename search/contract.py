@@ -17,6 +17,11 @@ pricer class):
   holds only for plans packed against the envelope).
 - `LoadsPricer`: a wave's group loads (`group_loads`) and its full price from them
   (`price_loads`): the waves leaving the search carry their loads, computed once.
+- `EarlierEntriesPricer`: a plan-level charge, what the waves run before a wave leave beside
+  it (Megatron's RoPE cache); the search orders the waves, charges it and packs against a
+  reserve while a wave does not fit (`earlier`).
+- `StagedPricer.stages`: a pipeline-parallel model's stages (`StageView`), which the
+  pipeline search packs against (`search.pipeline`); None at PP1.
 `waveplan.pricing.wave_pricer.WavePricer` offers every capability. The required protocols are
 runtime-checkable as well, so that a test can hold a double against them; the search never
 dispatches on them.
@@ -175,7 +180,12 @@ class LoadsPricer(Protocol):
 @runtime_checkable
 class EarlierEntriesPricer(Protocol):
     """What prices the RoPE cache entries a plan's earlier waves leave (`pricing.rope_cache`):
-    the planner charges them after the search, `check_plan` re-checks them."""
+    the search charges them in run order (`earlier`), `check_plan` re-checks them."""
+
+    def earlier_reserve_bytes(self) -> int:
+        """Admitted bytes that always cover the entries beside any wave of the step (0: its
+        waves leave none, nothing to charge)."""
+        ...
 
     def earlier_entries(self, waves: Sequence[Sequence[GroupLoad]]) -> list[float]:
         """Per wave in run order (given by its group loads), the bytes the waves before it left."""
@@ -184,6 +194,36 @@ class EarlierEntriesPricer(Protocol):
     def plus_earlier(self, price: WavePrice, extra: float) -> WavePrice:
         """`price` with `extra` bytes of them live beside the wave."""
         ...
+
+
+@runtime_checkable
+class StagedPricer(Protocol):
+    """A pricer of a pipeline-parallel model (PP > 1): its stages, as the pipeline search packs
+    against them (`search.pipeline`)."""
+
+    def stages(self) -> StageView | None:
+        """The model's stages (None at PP1)."""
+        ...
+
+
+class StageView(Protocol):
+    """What the pipeline search reads of a model's stages (`pricing.stage_price.StagePricer`)."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def safety(self) -> float: ...
+
+    def in_flight(self, stage: int, num_waves: int) -> int: ...
+
+    def longest_sequence(self, step) -> float: ...
+
+    def parts(self, waves, *, max_len: float): ...
+
+    def peaks(self, parts, budgets: Sequence[int]) -> tuple: ...
+
+    def window_bound(self, budgets: Sequence[int]) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,17 +237,25 @@ class SearchPricer:
     pending: PendingPricer | None = None
     bounded: BoundedPricer | None = None
     loads: LoadsPricer | None = None
+    earlier: EarlierEntriesPricer | None = None
+    staged: StagedPricer | None = None
 
     @classmethod
     def of(cls, pricer: Pricer | SearchPricer) -> SearchPricer:
         """The pricer with the capabilities its class offers. O(1) after a class's first."""
         if isinstance(pricer, SearchPricer):
             return pricer
-        fast, pending, bounded, loads = _capabilities(type(pricer))
+        fast, pending, bounded, loads, earlier, staged = _capabilities(type(pricer))
         return cls(pricer, fast=cast(AdmittedPricer, pricer) if fast else None,
                    pending=cast(PendingPricer, pricer) if pending else None,
                    bounded=cast(BoundedPricer, pricer) if bounded else None,
-                   loads=cast(LoadsPricer, pricer) if loads else None)
+                   loads=cast(LoadsPricer, pricer) if loads else None,
+                   earlier=cast(EarlierEntriesPricer, pricer) if earlier and loads else None,
+                   staged=cast(StagedPricer, pricer) if staged else None)
+
+    def stages(self) -> StageView | None:
+        """The pricer's pipeline stages (`StagedPricer`), None at PP1 or without the capability."""
+        return self.staged.stages() if self.staged is not None else None
 
     def full_prices_only(self) -> SearchPricer:
         """The same pricer seen without its fast admitted path (every exact price is full)."""
@@ -238,7 +286,9 @@ class SearchPricer:
 
 
 @cache
-def _capabilities(cls: type) -> tuple[bool, bool, bool, bool]:
-    """Which optional capabilities a pricer class offers: (admitted, pending, bounded, loads)."""
+def _capabilities(cls: type) -> tuple[bool, bool, bool, bool, bool, bool]:
+    """Which optional capabilities a pricer class offers: (admitted, pending, bounded, loads,
+    earlier, staged)."""
     return (issubclass(cls, AdmittedPricer), issubclass(cls, PendingPricer),
-            issubclass(cls, BoundedPricer), issubclass(cls, LoadsPricer))
+            issubclass(cls, BoundedPricer), issubclass(cls, LoadsPricer),
+            issubclass(cls, EarlierEntriesPricer), issubclass(cls, StagedPricer))

@@ -82,16 +82,18 @@ def iteration_cap(budget_us: float, num_atoms: int, waves: int, points: int) -> 
 
 def run_multistart(items: Items, blocks: Blocks, active: np.ndarray, *, target: int,
                    best_assign: np.ndarray | None, best_nw: int, seed: int,
-                   deadline: float | None, max_iters: int, fixed: int = 0
-                   ) -> tuple[np.ndarray | None, int, int]:
+                   deadline: float | None, max_iters: int, fixed: int = 0,
+                   first_chunk: int = 0) -> tuple[np.ndarray | None, int, int]:
     """Improve (best_assign, best_nw) towards `target`. `deadline` (perf_counter seconds) is
-    ignored when None (deterministic mode). Returns (assign, waves, iterations)."""
+    ignored when None (deterministic mode). `first_chunk`: the random stream starts at that
+    chunk (a later call continues an earlier one's without repeating its draws). Returns
+    (assign, waves, iterations)."""
     if best_assign is None:
         best_assign = -np.ones(items.num_atoms, dtype=np.int64)
         best_nw = -1
     inputs = greedy_inputs(items, blocks)
     asize = atom_size(items)
-    iters, chunk = 0, 0
+    iters, chunk = 0, first_chunk
     while iters < max_iters and not (best_nw > 0 and best_nw <= target):
         if deadline is not None and time.perf_counter() >= deadline:
             break

@@ -27,8 +27,16 @@ class PackerKind(StrEnum):
 BASELINE_KINDS = frozenset({PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK})
 
 DEFAULT_PACKER = PackerKind.AUTO
-DEFAULT_TIME_BUDGET_MS = 5.0     # the whole search, exact re-pricing included
+DEFAULT_TIME_BUDGET_MS = 5.0     # the default time budget's floor (the whole search, exact
+                                 # re-pricing included) ...
+DEFAULT_MS_PER_REQUEST = 0.025   # ... and its share per request: 51.2 ms at 2048 requests
 DEFAULT_SEED = 0
+
+
+def default_time_budget_ms(num_requests: int) -> float:
+    """The time budget when none is given: max(DEFAULT_TIME_BUDGET_MS, DEFAULT_MS_PER_REQUEST
+    x requests) ms, so a wave's worth of search grows with the step. docs/faq.md#time-budget."""
+    return max(DEFAULT_TIME_BUDGET_MS, DEFAULT_MS_PER_REQUEST * int(num_requests))
 
 
 def packer_kind(kind: PackerKind | str) -> PackerKind:
@@ -42,29 +50,36 @@ def packer_kind(kind: PackerKind | str) -> PackerKind:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchOptions:
-    """How to search. `atomic_units`: lists of request indices that must share a wave
+    """How to search. `time_budget_ms`: the whole search's, None for the default rule
+    (`default_time_budget_ms` of the step's requests); `atomic_units`: lists of request indices that must share a wave
     (checked against the step when it is packed); `num_waves`: exactly that many waves (not
     with a baseline packer); `deterministic`: never read the clock, the iteration caps implied
     by `time_budget_ms` decide (see `budget`); `stage_budgets`: a pipeline's (PP > 1) budget
     per stage, against which each stage's in-flight windows are checked (None: the search's
-    budget for every stage). O(total atomic unit size) to validate."""
+    budget for every stage); `earlier_entries`: charge each wave what the waves run before it
+    leave, where the pricer prices it (`contract.EarlierEntriesPricer`, the search's
+    `earlier`; the planner's plans do). O(total atomic unit size) to validate."""
 
     packer: PackerKind = DEFAULT_PACKER
-    time_budget_ms: float = DEFAULT_TIME_BUDGET_MS
+    time_budget_ms: float | None = None
     atomic_units: tuple[tuple[int, ...], ...] = ()
     num_waves: int | None = None
     seed: int = DEFAULT_SEED
     deterministic: bool = False
     stage_budgets: tuple[int, ...] | None = None
+    earlier_entries: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "packer", packer_kind(self.packer))
         t = self.time_budget_ms
-        if isinstance(t, bool) or not isinstance(t, int | float | np.integer | np.floating) \
+        if t is None:
+            pass
+        elif isinstance(t, bool) or not isinstance(t, int | float | np.integer | np.floating) \
                 or not math.isfinite(t) or t <= 0:
             raise bad(ConfigError, "time_budget_ms", t, "must be a finite number > 0")
-        set_(self, "time_budget_ms", float(t))
+        else:
+            set_(self, "time_budget_ms", float(t))
         try:
             units = tuple(tuple(unit) for unit in self.atomic_units)
         except TypeError:
@@ -85,6 +100,10 @@ class SearchOptions:
         if not isinstance(self.deterministic, bool | np.bool_):
             raise bad(ConfigError, "deterministic", self.deterministic, "must be True or False")
         set_(self, "deterministic", bool(self.deterministic))
+        if not isinstance(self.earlier_entries, bool | np.bool_):
+            raise bad(ConfigError, "earlier_entries", self.earlier_entries,
+                      "must be True or False")
+        set_(self, "earlier_entries", bool(self.earlier_entries))
         if self.stage_budgets is not None:
             try:
                 budgets = tuple(self.stage_budgets)

@@ -50,11 +50,14 @@ first sets aside one greedy run's estimate for `fill` (when the budget holds two
 up to EJECT_SHARE of it (at most what one greedy run and the fill leave): ANNEAL_SHARE of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
 ejection chains (placements), each counted by estimate in both modes (`budget`).
 
-Determinism: same input, same plan, unless the wall-clock time budget is hit, which can only
-cut the greedy orders or the multistart short (the result may then depend on the machine); with
-`deterministic=True` the clock is never read and estimated run costs decide how many greedy
-runs and multistart iterations the budget buys. CP-SAT runs with one worker, a fixed seed and
-a deterministic time limit.
+Determinism and the clock: the stages above run the work the budget buys by estimated cost
+(greedy runs, multistart iterations, evaluations, placements, exact prices), in both modes,
+so the same input gives the same plan on any machine. `deterministic=True` stops there and
+never reads the clock. In clock mode (the default) the wall time left of the budget after it
+improves the envelope plan further (`_spend_the_rest`: annealing or the multistart in rounds),
+and the better plan is kept: never more waves than the deterministic plan of the same budget,
+but the extra may depend on the machine. CP-SAT runs with one worker, a fixed seed and a
+deterministic time limit. No `time_budget_ms`: `options.default_time_budget_ms` of the step.
 
 Complexity: dominated by the greedy, O(runs x atoms x waves x points), and by one exact price
 per wave (plus the merge and repair tries, bounded per wave).
@@ -62,11 +65,14 @@ per wave (plus the merge and repair tries, bounded per wave).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from waveplan.pricing.compile_clock import CompileClock
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 
 from . import baselines
@@ -81,6 +87,7 @@ from .budget import (
     search_us,
 )
 from .contract import Pricer, SearchPricer, SearchStep
+from .earlier import charge, fits, with_earlier_entries
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
 from .fill import fill_plan
@@ -88,18 +95,19 @@ from .greedy import ELIMINATE_CANDIDATES, LIMIT, atom_args, pack_greedy
 from .items import Blocks, Items, atom_size, blocks_for, build_items
 from .ladder import run_ladder
 from .local import balance, eliminate
+from .multistart import CHUNK as MULTISTART_CHUNK
 from .multistart import iteration_cap, run_multistart
 from .options import (
     BASELINE_KINDS,
     DEFAULT_PACKER,
     DEFAULT_SEED,
-    DEFAULT_TIME_BUDGET_MS,
     PackerKind,
     SearchOptions,
+    default_time_budget_ms,
     packer_kind,
 )
 from .order import assign_first_slots, dissolve_after_order
-from .pipeline import pack_pipeline, pipeline_model
+from .pipeline import pack_pipeline
 from .reprice import (
     Draft,
     dissolve_lightest,
@@ -119,6 +127,10 @@ DISSOLVE_PRICES_PER_WAVE = 6  # exact prices spent on emptying the lightest wave
 EJECT_MIN_ATOMS = 256         # AUTO runs ejection chains (`eject`) on steps of this many atoms
 EJECT_SHARE = 0.9             # ... giving them up to this share of the greedy's time, and at
                               # most what one greedy run leaves of it
+CLOCK_ROUND_MS = 2.0          # clock mode: the improvement after the deterministic plan runs
+                              # in rounds, the first this long (`_spend_the_rest`) ...
+CLOCK_MIN_SLOWDOWN = 0.25     # ... each sized by the pace the last one measured, within
+CLOCK_MAX_SLOWDOWN = 20.0     # these bounds of the estimates' (`budget`)
 EJECT_MIN_STEPS = 50          # placements per chain, at least
 EJECT_CHAINS = 8              # ... else the budget's placements over this many chains
 EJECT_CANDIDATES = 16         # light waves tried per round
@@ -127,8 +139,6 @@ ANNEAL_SHARE = 0.8            # ... of which this share goes to annealing agains
 ANNEAL_AIMED_MIN_EVALS = 50000   # `anneal` runs aimed chains from this many evaluations on
 SWAP_SHARE = 0.1              # ... and this share buys exact prices for emptying the
                               # lightest wave by moves and swaps (`swap`); the rest: `eject`
-EJECT_MIN_SLOWDOWN = 0.5      # clock mode: bounds of the measured pace the placements follow
-EJECT_MAX_SLOWDOWN = 50.0
 
 _BASELINES = {PackerKind.UNIFORM_WIDTH: baselines.uniform_width, PackerKind.FFD: baselines.ffd,
               PackerKind.KK: baselines.kk}
@@ -142,7 +152,7 @@ class Packer:
     kind: PackerKind
 
     def pack(self, step: SearchStep, pricer: Pricer, *, budget_bytes: int,
-             time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, atomic_units=(),
+             time_budget_ms: float | None = None, atomic_units=(),
              num_waves: int | None = None, seed: int = DEFAULT_SEED,
              deterministic: bool = False) -> SearchResult:
         options = SearchOptions(packer=self.kind, time_budget_ms=time_budget_ms,
@@ -157,7 +167,7 @@ def make_packer(kind: PackerKind | str) -> Packer:
 
 def pack(step: SearchStep, pricer: Pricer, *, budget_bytes: int,
          options: SearchOptions | None = None, packer: PackerKind | str = DEFAULT_PACKER,
-         time_budget_ms: float = DEFAULT_TIME_BUDGET_MS, atomic_units=(),
+         time_budget_ms: float | None = None, atomic_units=(),
          num_waves: int | None = None, seed: int = DEFAULT_SEED,
          deterministic: bool = False) -> SearchResult:
     """Cut the step's requests into waves that fit `budget_bytes` (admitted bytes per rank),
@@ -177,11 +187,51 @@ def pack(step: SearchStep, pricer: Pricer, *, budget_bytes: int,
 
 
 def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) -> SearchResult:
-    """One search; a pipeline (PP > 1) is packed against its in-flight window (`pipeline`)."""
-    model = pipeline_model(pricer)
-    if model is not None:
-        return pack_pipeline(step, SearchPricer.of(pricer), budget, options, _search, model)
-    return _search(step, SearchPricer.of(pricer), budget, options)
+    """One search; a pipeline (PP > 1) is packed against its in-flight window (`pipeline`).
+    At PP1 the earlier waves' entries are charged when asked (`earlier`), and in clock mode the plan of
+    the deterministic search at the same budget is improved while the clock allows
+    (`_spend_the_rest`), so it is never worse."""
+    if options.time_budget_ms is None:
+        options = dataclasses.replace(
+            options, time_budget_ms=default_time_budget_ms(len(step.requests)))
+    sp = SearchPricer.of(pricer)
+    stages = sp.stages()
+    if stages is not None:
+        return _with_budget(pack_pipeline(step, sp, budget, options, _search, stages), options)
+    t0 = time.perf_counter() if not options.deterministic else 0.0
+    states: list[_Search] = []
+    spent = [0, 0.0]   # searches run, and their wall ms (stats: what the planner adds beside)
+
+    def search(packed_budget: int) -> SearchResult:
+        states.clear()
+        start = time.perf_counter()
+        try:
+            return _search(step, sp, packed_budget, options, keep=states)
+        finally:
+            spent[0] += 1
+            spent[1] += (time.perf_counter() - start) * 1e3
+
+    # the clock leaves out the time inside numba's compiler (a process's first plan loads
+    # its kernels from the cache there): the first plan gets the clock later ones get
+    with CompileClock() as jit:
+        if options.earlier_entries:
+            result, _ = with_earlier_entries(search, sp, budget)
+        else:
+            result = search(budget)
+        if not (options.deterministic or not states):
+            start = time.perf_counter()
+            result = _spend_the_rest(states[-1], result,
+                                     lambda: t0 + options.time_budget_ms / 1e3 + jit.jit_s)
+            spent[1] += (time.perf_counter() - start) * 1e3
+    result = dataclasses.replace(result, stats={**result.stats, "searches": spent[0],
+                                                "searches_ms": spent[1]})
+    return _with_budget(result, options)
+
+
+def _with_budget(result: SearchResult, options: SearchOptions) -> SearchResult:
+    """The result with the time budget it was given in its stats (`time_budget_ms`)."""
+    return dataclasses.replace(result, stats={**result.stats,
+                                              "time_budget_ms": options.time_budget_ms})
 
 
 # --- one search, in stages ---------------------------------------------------------------------
@@ -210,10 +260,11 @@ class _Search:
     swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
     anneal_evals: int        # evaluations for `anneal` (same steps)
     fill_us: float           # microseconds for `fill` (same steps, when the budget buys it)
-    deadline: float | None   # wall-clock deadline (None: deterministic, clock never read)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
-    slowdown: float = 1.0    # clock mode: the greedy's wall time over its estimated cost
+    assign: np.ndarray | None = None   # the envelope plan of stage 3 (AUTO, no wave count)
+    nw: int = 0                        # ... and its wave count
+    tail_s: float = 0.0      # wall seconds from that plan to the result (`_spend_the_rest`)
 
     @property
     def kind(self) -> PackerKind:
@@ -229,9 +280,11 @@ class _Search:
 
 
 def _search(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchOptions,
-            reserve: str = "measured") -> SearchResult:
+            reserve: str = "measured", keep: list | None = None) -> SearchResult:
     """One search (see the module docstring): bound, pack, order, then either the retry with
-    room for the pending gradients' upper bound, or the full prices of the waves. O(greedy
+    room for the pending gradients' upper bound, or the full prices of the waves. Its work
+    is the deterministic mode's in both modes (the clock is read for the stats only).
+    `keep`: the state of the search whose result is returned is appended last. O(greedy
     runs x atoms x waves x points + exact prices, bounded per wave)."""
     t0 = time.perf_counter()
     n = len(step.requests)
@@ -248,10 +301,13 @@ def _search(step: SearchStep, pricer: SearchPricer, budget: int, options: Search
     s = _bound(step, pricer, budget, options, reserve, t0, stats)
     drafts = _pack(s)
     drafts, before_order = _order(s, drafts)
-    retry = _retry_with_bound_room(s, drafts, before_order)
+    retry = _retry_with_bound_room(s, drafts, before_order, keep)
     if retry is not None:
         return retry
-    return _finish(s, drafts)
+    result = _finish(s, drafts, keep)
+    if keep is not None and result.stats is s.stats:
+        keep.append(s)
+    return result
 
 
 def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchOptions,
@@ -288,7 +344,6 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
                    t0=t0, stats=stats, items=items, fixed=fixed, active=active, split=split,
                    lower=lower, bound=bound, left_us=left_us, eject_us=eject_us,
                    swap_prices=swap_prices, anneal_evals=anneal_evals, fill_us=fill_us,
-                   deadline=None if options.deterministic else t0 + left_us / 1e6,
                    solver_s=exact_budget_s(kind, ms),
                    exact_ok=kind == PackerKind.EXACT or (kind == PackerKind.AUTO
                                                          and ms >= EXACT_MIN_BUDGET_MS))
@@ -331,6 +386,7 @@ def _pack(s: _Search) -> list[Draft]:
     assign, nw = _anneal(s, assign, nw)
     assign, nw = _eject(s, assign, nw)
     assign, nw = _exact(s, assign, nw, exact_fits)
+    s.assign, s.nw, s.tail_s = assign, nw, time.perf_counter()
     drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
     drafts = reprice_all(drafts, s.items, s.pricer, s.step, s.budget)
     return _merge(s, drafts)
@@ -338,19 +394,11 @@ def _pack(s: _Search) -> list[Draft]:
 
 def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
     """Group-aware greedy runs (`greedy`) against the envelope, stopping at its bound, within
-    the time budget (or the run count it buys when deterministic). Returns (assign, waves,
-    runs)."""
-    max_runs = (max(1, runs_within(s.left_us, len(s.active), s.lower, s.num_points))
-                if s.options.deterministic else None)
-    start = time.perf_counter() if s.deadline is not None else 0.0
-    assign, nw, runs = pack_greedy(s.items, blocks, s.lower, deadline=s.deadline,
-                                   max_runs=max_runs,
+    the run count the time budget buys (`budget.runs_within`). Returns (assign, waves, runs)."""
+    max_runs = max(1, runs_within(s.left_us, len(s.active), s.lower, s.num_points))
+    assign, nw, runs = pack_greedy(s.items, blocks, s.lower, max_runs=max_runs,
                                    peak_first=len(s.active) >= EJECT_MIN_ATOMS,
                                    keep_first=s.fill_us > 0.0)
-    if s.deadline is not None and runs:   # how much slower than estimated this machine runs
-        est = runs * run_cost_us(len(s.active), s.lower, s.num_points)
-        s.slowdown = min(max((time.perf_counter() - start) * 1e6 / est, EJECT_MIN_SLOWDOWN),
-                         EJECT_MAX_SLOWDOWN)
     s.stats["greedy_waves"] = nw + s.num_fixed
     s.stats["greedy_runs"] = runs
     return assign, nw, runs
@@ -391,7 +439,7 @@ def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
     max_iters = iteration_cap(left_us, A, nw, P)
     assign, nw, it = run_multistart(s.items, blocks, s.active, target=s.lower,
                                     best_assign=assign, best_nw=nw, seed=s.options.seed,
-                                    deadline=s.deadline, max_iters=max_iters)
+                                    deadline=None, max_iters=max_iters)
     s.stats["multistart_iterations"] = it
     return assign, nw
 
@@ -399,18 +447,11 @@ def _improve(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int, runs: int,
 def _eject(s: _Search, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     """Ejection chains (`eject`) empty light waves by moves and swaps against the envelope,
     when a gap to the envelope bound is left, within the placements `eject_us` buys by
-    estimate (`deterministic`), or, in clock mode, the placements the time left until the
-    end of their share buys at the greedy's measured pace (`slowdown`). Returns (assign,
-    waves)."""
+    estimate. Returns (assign, waves)."""
     if s.eject_us <= 0.0 or nw <= s.lower:
         return assign, nw
     A, P = len(s.active), s.num_points
     us = s.eject_us
-    if s.deadline is not None:
-        # their share ends after the greedy's, the fill's and the anneal's (which run first)
-        end = s.t0 + (s.left_us + s.fill_us + s.anneal_evals * ANNEAL_US_PER_EVAL
-                      + s.eject_us) / 1e6
-        us = min(us, max(0.0, (end - time.perf_counter()) * 1e6)) / s.slowdown
     work = int(us // eject_cost_us(A, nw, P))
     if work <= 0:
         return assign, nw
@@ -445,8 +486,9 @@ def _exact(s: _Search, assign: np.ndarray, nw: int, exact_fits: bool) -> tuple[n
     so the valid bound of a pricer without its own). Returns (assign, waves)."""
     if not (nw > s.lower and s.exact_ok):
         return assign, nw
-    if not exact_fits:
-        s.stats["exact_status"] = "too-large"
+    if not exact_fits:   # too large for the model, or for building it within its share
+        big = not fits_size_rule(len(s.active), nw - 1, s.num_points)
+        s.stats["exact_status"] = "too-large" if big else "no-time"
         return assign, nw
     assign, nw, s.lower, st = solve_waves(s.items, s.active, best_assign=assign, best_nw=nw,
                                           lower=s.lower, budget_s=s.solver_s,
@@ -500,7 +542,7 @@ def _pack_exact_count(s: _Search, num_waves: int) -> list[Draft]:
             max_iters = iteration_cap(s.left_us, A, num_waves, s.num_points)
             assign, nw, it = run_multistart(items, blocks, active, target=n_waves,
                                             best_assign=assign, best_nw=nw,
-                                            seed=s.options.seed, deadline=s.deadline,
+                                            seed=s.options.seed, deadline=None,
                                             max_iters=max_iters)
             s.stats["multistart_iterations"] = it
         if nw > n_waves and s.kind != PackerKind.GREEDY:
@@ -557,19 +599,19 @@ def _order(s: _Search, drafts: list[Draft]) -> tuple[list[Draft], int]:
     return drafts, before_order
 
 
-def _retry_with_bound_room(s: _Search, drafts: list[Draft],
-                           before_order: int) -> SearchResult | None:
+def _retry_with_bound_room(s: _Search, drafts: list[Draft], before_order: int,
+                           keep: list | None = None) -> SearchResult | None:
     """AUTO with room measured for the pending gradients, when they still cost waves: the
     whole search once more with room for their upper bound (see `pending`); its result when
     it has fewer waves, else None (keep these drafts)."""
     if not (s.reserve == "measured" and s.kind == PackerKind.AUTO
             and s.options.num_waves is None and len(drafts) > max(s.bound, before_order)):
         return None
-    alt = _search(s.step, s.pricer, s.budget, s.options, reserve="bound")
+    alt = _search(s.step, s.pricer, s.budget, s.options, reserve="bound", keep=keep)
     return alt if len(alt.waves) < len(drafts) else None
 
 
-def _finish(s: _Search, drafts: list[Draft]) -> SearchResult:
+def _finish(s: _Search, drafts: list[Draft], keep: list | None = None) -> SearchResult:
     """Stage 6: every wave's full price (with its breakdown and, when the pricer gives them,
     its group loads; `reprice.finalise`), and the result. Should a full price disagree with
     the fast admitted path (a pricing change the fast path does not know of), the search
@@ -580,15 +622,105 @@ def _finish(s: _Search, drafts: list[Draft]) -> SearchResult:
         wave = finalise(d, s.items, s.pricer)
         if wave.price.admitted_bytes != carried:
             return _search(s.step, s.pricer.full_prices_only(), s.budget, s.options,
-                           reserve=s.reserve)
+                           reserve=s.reserve, keep=keep)
         if wave.price.admitted_bytes > s.budget:   # never leaves the search
             raise AssertionError(f"internal: a wave priced {wave.price.admitted_bytes} > "
                                  f"{s.budget}")
         waves.append(wave)
     s.stats["lower_bound_envelope"] = s.lower + s.num_fixed
-    s.stats["time_ms"] = (time.perf_counter() - s.t0) * 1e3
+    if len(waves) > s.bound:
+        s.stats["not_proven"] = not_proven_why(s.stats["exact_status"])
+    now = time.perf_counter()
+    s.stats["time_ms"] = (now - s.t0) * 1e3
+    if s.assign is not None:
+        s.tail_s = now - s.tail_s
     return SearchResult(tuple(waves), min(s.bound, len(waves)), len(waves) <= s.bound,
                         s.kind.value, s.stats)
+
+
+def _spend_the_rest(s: _Search, result: SearchResult,
+                    deadline: Callable[[], float]) -> SearchResult:
+    """Clock mode: `result` is the deterministic plan at this budget (its earlier waves'
+    entries charged); the clock left before `deadline()` (less the time the last search took
+    from its envelope plan to its result, which a better envelope plan must pay again) goes
+    to improving that envelope plan, in rounds: `anneal` (a new seed each round, from the
+    best plan so far) on steps of >= EJECT_MIN_ATOMS atoms, the multistart (chunks the
+    deterministic search did not run) below. The first round is CLOCK_ROUND_MS long, each
+    next one as long as all before it (longer chains empty more waves), sized by the pace
+    the rounds before measured (`budget`'s estimates x that slowdown), so the clock is
+    overrun by one round's misestimate at most. An envelope plan with fewer waves is finished as the search finishes its own and
+    kept when it has fewer waves than `result` and still fits with the entries; so the plan
+    is never worse than the deterministic one. O(rounds x round + one finish)."""
+    if not (s.kind == PackerKind.AUTO and s.options.num_waves is None and s.assign is not None
+            and len(result.waves) > result.lower_bound_waves and s.nw > s.lower):
+        return result
+    A, P = len(s.active), s.num_points
+    assign, nw = s.assign.copy(), s.nw
+    rounds, evals, iters = 0, 0, 0
+    blocks, chunk = None, 0
+    slow = 1.0                      # measured wall time over the estimate, last round
+    began = time.perf_counter()
+    while nw > s.lower:
+        now = time.perf_counter()
+        left_s = deadline() - now - s.tail_s
+        if left_s <= CLOCK_ROUND_MS / 2e3:
+            break
+        round_us = min(left_s, max(CLOCK_ROUND_MS / 1e3, now - began)) * 1e6 / slow
+        rounds += 1
+        if A >= EJECT_MIN_ATOMS:
+            n_evals = max(1, int(round_us / ANNEAL_US_PER_EVAL))
+            nw, done = anneal(assign, nw, s.active, atom_size(s.items), s.lower, n_evals,
+                              s.options.seed + rounds, *atom_args(s.items), LIMIT,
+                              n_evals >= ANNEAL_AIMED_MIN_EVALS)
+            evals += int(done)
+            est_us = max(int(done), 1) * ANNEAL_US_PER_EVAL
+        else:
+            if blocks is None:
+                blocks = blocks_for(s.items, s.active)
+                chunk = -(-s.stats.get("multistart_iterations", 0) // MULTISTART_CHUNK)
+            cap = max(1, iteration_cap(round_us, A, nw, P))
+            got, gnw, it = run_multistart(s.items, blocks, s.active, target=s.lower,
+                                          best_assign=assign, best_nw=nw, seed=s.options.seed,
+                                          deadline=None, max_iters=cap, first_chunk=chunk)
+            chunk += -(-it // MULTISTART_CHUNK)
+            iters += it
+            est_us = max(it, 1) * run_cost_us(A, nw, P)
+            if got is not None:
+                assign, nw = got, gnw
+        slow = min(max((time.perf_counter() - now) * 1e6 / est_us, CLOCK_MIN_SLOWDOWN),
+                   CLOCK_MAX_SLOWDOWN)
+    stats = dict(result.stats, clock_rounds=rounds, clock_anneal_evals=evals,
+                 clock_multistart_iterations=iters)
+    if nw >= s.nw:
+        return dataclasses.replace(result, stats=stats)
+    t = dataclasses.replace(s, stats=dict(s.stats), assign=None)
+    drafts = drafts_from_assign(t.items, t.active, assign, nw) + t.fixed
+    drafts = _merge(t, reprice_all(drafts, t.items, t.pricer, t.step, t.budget))
+    drafts, _ = _order(t, drafts)
+    better = _finish(t, drafts)
+    if s.options.earlier_entries:
+        better = charge(t.pricer, better)
+    stats["clock_envelope_waves"] = nw + t.num_fixed
+    if len(better.waves) < len(result.waves) and fits(better, t.budget + _reserve(result)):
+        return dataclasses.replace(better, stats=dict(better.stats, **{
+            k: v for k, v in stats.items() if k.startswith("clock_") or k == "rope_reserve_bytes"}))
+    return dataclasses.replace(result, stats=stats)
+
+
+def not_proven_why(exact_status: str) -> str:
+    """Why a plan above its bound is not proven optimal, from CP-SAT's status: "model size"
+    (the instance breaks its size rule at any budget), "bound" (no envelope plan has fewer
+    waves: the bound under exact prices may be loose), else "time" (the budget ran out
+    first, or could not build the model: "no-time", "unknown", "not-run")."""
+    if exact_status == "too-large":
+        return "model size"
+    if exact_status == "optimal":
+        return "bound"
+    return "time"
+
+
+def _reserve(result: SearchResult) -> int:
+    return int(result.stats.get("rope_reserve_bytes", 0))
 
 
 def exact_budget_s(kind: PackerKind, time_budget_ms: float) -> float:

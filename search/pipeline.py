@@ -33,32 +33,13 @@ from dataclasses import replace
 import numpy as np
 
 from waveplan.pricing.errors import ConfigError, InfeasibleError, WaveplanError, bad
-from waveplan.pricing.pipeline import StagePeak, in_flight, peaks_from_parts, window_lower_bound
-from waveplan.pricing.stage_price import price_parts
+from waveplan.pricing.pipeline import StagePeak
 
-from .contract import SearchPricer
+from .contract import SearchPricer, StageView
 from .options import BASELINE_KINDS, PackerKind
 from .result import PackedWave, SearchResult
 
 MAX_SHRINKS = 8   # packs with a smaller per-wave budget before giving up
-
-
-def pipeline_model(pricer: object):
-    """The pricing model behind a pricer when it is a pipeline (PP > 1), else None."""
-    seen = 0
-    while pricer is not None and seen < 4:
-        model = getattr(pricer, "model", None)
-        if model is not None and hasattr(model, "parallel"):
-            return model if model.parallel.pp > 1 else None
-        pricer = getattr(pricer, "pricer", None) or getattr(pricer, "_pricer", None)
-        seen += 1
-    return None
-
-
-def _wave_pricer(pricer: object):
-    while pricer is not None and not hasattr(pricer, "class_totals"):
-        pricer = getattr(pricer, "pricer", None) or getattr(pricer, "_pricer", None)
-    return pricer
 
 
 def _overshoot(peaks: Sequence[StagePeak]) -> float:
@@ -110,22 +91,21 @@ def fill_windows(waves: Sequence[PackedWave], kept: np.ndarray, peak: np.ndarray
     return order
 
 
-def best_order(model, waves: Sequence[PackedWave], budgets: Sequence[int],
+def best_order(stages: StageView, waves: Sequence[PackedWave], budgets: Sequence[int],
                max_len: float = math.inf) -> tuple[list[PackedWave], tuple[StagePeak, ...]]:
     """The waves in the best of three orders (the search's, the heavy/light alternation,
     `fill_windows`) and its stage peaks. O(p x W x (groups^2 + groups x L/p) + W^2 x p x k)."""
     waves = list(waves)
-    stages = model.arrays["stages"]
-    parts = price_parts(model, [(w.loads, w.first_slots) for w in waves], max_len=max_len)
+    parts = stages.parts([(w.loads, w.first_slots) for w in waves], max_len=max_len)
     kept, peak = parts.kept, parts.peak
     best, best_peaks = list(range(len(waves))), None
     orders = [best]
     if len(waves) > 2:
-        windows = [in_flight(len(stages), st.stage, len(waves)) for st in stages]
-        room = np.asarray(budgets, dtype=np.float64) / model.safety
+        windows = [stages.in_flight(s, len(waves)) for s in range(stages.num_stages)]
+        room = np.asarray(budgets, dtype=np.float64) / stages.safety
         orders += [alternate(waves, kept[0]), fill_windows(waves, kept, peak, windows, room)]
     for order in orders:
-        peaks = peaks_from_parts(stages, parts.take(order), budgets, model.safety)
+        peaks = stages.peaks(parts.take(order), budgets)
         if best_peaks is None or _overshoot(peaks) < _overshoot(best_peaks):
             best, best_peaks = order, peaks
         if all(p.fits for p in peaks):
@@ -133,42 +113,22 @@ def best_order(model, waves: Sequence[PackedWave], budgets: Sequence[int],
     return [waves[i] for i in best], best_peaks
 
 
-def window_bound(model, pricer: object, budgets: Sequence[int]) -> int:
-    """The window lower bound over all stages (`pipeline.window_lower_bound`). O(p x K)."""
-    wp = _wave_pricer(pricer)
-    if wp is None:
-        return 1
-    totals = wp.class_totals()
-    grad = np.asarray(wp.class_grad, dtype=bool)
-    rows = float(totals[grad, 0].sum()) if grad.any() else 0.0
-    rows /= model.rows_cp
-    return max(window_lower_bound(rows, st, budgets[st.stage], model.safety)
-               for st in model.arrays["stages"])
-
-
-def longest_sequence(step, model) -> float:
-    """The step's longest request in packed rows, padded to the layout's row multiple (a
-    bound of every wave's longest sequence). O(requests)."""
-    m = model.parallel.row_multiple
-    longest = max((int(r.num_tokens) for r in step.requests), default=0)
-    return float(-(-longest // m) * m)
-
-
 def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
-                  search: Callable[..., SearchResult], model) -> SearchResult:
+                  search: Callable[..., SearchResult], stages: StageView) -> SearchResult:
     """Waves and their order such that every stage's window fits its budget (the module
     docstring): `options.stage_budgets` (one per stage), else `budget` for every stage. The
     per-wave proxy packs against `budget` (the minimum over every rank), which no stage
     budget may be below."""
-    budgets = options.stage_budgets or (int(budget),) * model.parallel.pp
-    if len(budgets) != model.parallel.pp:
+    pp = stages.num_stages
+    budgets = options.stage_budgets or (int(budget),) * pp
+    if len(budgets) != pp:
         raise bad(ConfigError, "stage_budgets", list(budgets),
-                  f"needs one budget per pipeline stage ({model.parallel.pp})")
+                  f"needs one budget per pipeline stage ({pp})")
     first = per_wave = min(int(budget), *budgets)
-    longest = longest_sequence(step, model)
+    longest = stages.longest_sequence(step)
 
     def done(result, waves, peaks, tries):
-        bound = min(max(window_bound(model, pricer, budgets), 1), max(len(waves), 1))
+        bound = min(max(stages.window_bound(budgets), 1), max(len(waves), 1))
         stats = dict(result.stats, stages=[p.to_dict() for p in peaks],
                      pipeline_wave_budget=per_wave, pipeline_shrinks=tries,
                      lower_bound_search=int(result.lower_bound_waves))
@@ -183,7 +143,7 @@ def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
             if tries == 0:
                 raise
             break   # a shrunk per-wave budget below what a request needs alone
-        waves, peaks = best_order(model, result.waves, budgets, longest)
+        waves, peaks = best_order(stages, result.waves, budgets, longest)
         if all(p.fits for p in peaks):
             return done(result, waves, peaks, tries)
         worst = max(peaks, key=lambda p: p.peak_bytes / max(p.budget_bytes, 1))
@@ -200,7 +160,7 @@ def pack_pipeline(step, pricer: SearchPricer, budget: int, options,
         except WaveplanError:
             result = None
         if result is not None:
-            waves, peaks = best_order(model, result.waves, budgets, longest)
+            waves, peaks = best_order(stages, result.waves, budgets, longest)
             if all(p.fits for p in peaks):   # one request per wave: the packer asked for
                 return done(replace(result, packer=options.packer.value), waves, peaks,
                             MAX_SHRINKS + 1)

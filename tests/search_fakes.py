@@ -331,13 +331,14 @@ def search_state(seed: int, n: int, factor: float = 4.0):
 
     from waveplan.search import packers as P
     from waveplan.search.contract import SearchPricer
-    from waveplan.search.options import SearchOptions
+    from waveplan.search.options import DEFAULT_TIME_BUDGET_MS, SearchOptions
 
     step, pricer = real_pricer(grpo_step(seed, n))
     worst = max(pricer.admitted([np.asarray([i])], first_slots=frozenset(
         {r.slot} if r.grad else ())) for i, r in enumerate(step.requests))
     return P._bound(step, SearchPricer.of(pricer), int(worst * factor),
-                    SearchOptions(deterministic=True), "measured", time.perf_counter(), {})
+                    SearchOptions(deterministic=True, time_budget_ms=DEFAULT_TIME_BUDGET_MS),
+                    "measured", time.perf_counter(), {})
 
 
 def greedy_plan(seed: int, n: int, factor: float = 4.0):

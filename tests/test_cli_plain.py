@@ -63,9 +63,19 @@ def test_infeasible_step_is_one_line_in_gib_with_every_request_and_what_to_do(tm
     code, _, err = _plan(capsys, str(step), *FAST, "--free-gib", "8")
     assert code == 2
     line = _one_error_line(err)
-    assert "2 requests" in line and "whale-1, whale-2" in line and "small" not in line
+    assert line.startswith("waveplan: error: 2 requests do not fit")   # the count leads
+    assert "whale-2, whale-1" in line and "small" not in line            # largest first
     assert "GiB" in line and "bytes" not in line and "[" not in line
     assert "--free-gib" in line and "--tp or --cp" in line and "truncate" in line
+    assert line.index("largest needs") < line.index("--free-gib") < line.index("whale-2")
+
+
+def test_infeasible_error_is_short_on_a_large_step(capsys):
+    code, _, err = _plan(capsys, "grpo-32x16", *FAST, "--free-gib", "4")
+    line = _one_error_line(err)
+    assert code == 2 and len(line) < 400, len(line)
+    count = int(line.removeprefix("waveplan: error: ").split()[0])
+    assert count > 5 and f"(+{count - 5} more)" in line
 
 
 @pytest.mark.parametrize("flag", ["--plot", "--report"])
@@ -166,8 +176,56 @@ def test_verbose_logs(capsys, caplog):
 
 def test_table_has_a_legend(capsys):
     code, out, _ = _plan(capsys, "sft-64", *FAST)
-    legend = out.splitlines()[-1]
-    assert code == 0 and "binding =" in legend and "first:SLOTS" in legend
+    lines = out.splitlines()
+    legend = lines[lines.index(next(x for x in lines if x.startswith("wave  "))):]
+    text = "\n".join(legend)
+    assert code == 0 and len(legend) > 4 and all(len(x) <= 100 for x in legend)
+    for word in ("binding", "first:S", "lower bound", "proven optimal", "conservative"):
+        assert word in text, word
+
+
+def test_table_shows_each_waves_requests(capsys):
+    code, out, _ = _plan(capsys, "sft-64", *FAST, "--free-gib", "20")
+    rows = [x for x in out.splitlines() if x[:4].strip().isdigit()]
+    held = []
+    for row in rows:
+        for part in row.rsplit("holds #", 1)[1].split(","):
+            lo, _, hi = part.partition("-")
+            held.extend(range(int(lo), int(hi or lo) + 1))
+    assert code == 0 and len(rows) > 1 and sorted(held) == list(range(64))
+
+
+def test_verbose_after_the_subcommand(capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="waveplan"):
+        assert main(["plan", "sft-64", *FAST, "-v"]) == 0
+    assert any(r.name == "waveplan.plan" and "64 requests" in r.getMessage() for r in caplog.records)
+
+
+def test_no_model_says_which_it_priced(capsys):
+    code, out, err = _plan(capsys, "sft-64", "--packer", "greedy")
+    assert code == 0 and "no --model given" in err and "qwen3.8-27b" in err
+    assert out.startswith("model qwen3.8-27b")
+    code, _, err = _plan(capsys, "sft-64", "--packer", "greedy", "--free-gib", "0.5")
+    line = _one_error_line(err)
+    assert code == 2 and line.endswith("(no --model given: priced the default qwen3.8-27b)")
+
+
+def test_help_lists_presets_and_bundled_steps():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    text = " ".join(sub.choices["plan"].format_help().split())
+    assert "qwen3-8b" in text and "llama-3.1-8b" in text and "grpo-8x8" in text
+    assert "cmd_" not in parser.format_help() and "%%" not in sub.choices["calibrate"].format_help()
+
+
+def test_mistyped_bundled_step_lists_the_bundled_names(capsys):
+    code, _, err = _plan(capsys, "grpo-8x9", *FAST)
+    line = _one_error_line(err)
+    assert code == 2 and "grpo-8x9" in line and "grpo-8x8" in line and "sft-64" in line
+
+
+def test_load_step_accepts_bundled_names():
+    assert load_step("grpo-8x8").num_requests == 64
 
 
 def test_line_progress_without_tqdm(monkeypatch):

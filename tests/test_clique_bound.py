@@ -71,7 +71,7 @@ def _brute_force_waves(pricer: WavePricer, budget: int) -> int:
 def _plain_bound(pricer: WavePricer, budget: int) -> int:
     """The bound without the clique argument."""
     lower = pricer._cached_envelope(lower=True)
-    fe = float(pricer.model.arrays["first_exec"]) * pricer.model.safety
+    fe = float(pricer.model.charges.first_exec) * pricer.model.safety
     grad = np.asarray(pricer.class_grad, dtype=bool)
     return int(min(_wave_bound(lower.coef, lower.presence, lower.pending, pricer.class_totals(),
                                grad, float(budget), fe, np.zeros(lower.presence.shape[0])),
@@ -149,7 +149,7 @@ def test_clique_raises_the_bound_to_the_optimum():
     meets the brute-force optimum."""
     step, pricer, budget = _pairs_step()
     lower = pricer._cached_envelope(lower=True)
-    fe = float(pricer.model.arrays["first_exec"]) * pricer.model.safety
+    fe = float(pricer.model.charges.first_exec) * pricer.model.safety
     cliques = find_cliques(step, pricer.class_of, np.arange(8), lower.coef, lower.presence,
                            np.asarray(pricer.class_grad), float(budget), fe)
     assert cliques.size == 4 and cliques.forced.shape[0] == 0

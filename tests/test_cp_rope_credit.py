@@ -62,14 +62,14 @@ def test_a_packed_call_is_credited_the_entry_rows_its_longest_sequence_does_not_
 
 def test_cp1_prices_no_credit():
     model = _model(1)
-    assert model.arrays["rope_cp"] == 0.0
+    assert model.charges.walk.rope_cp == 0.0
     assert _raw(model, 4096, 16) == _raw(model, 4096, 4096) == _raw(model, 4096, None)
 
 
 def test_pipeline_stages_keep_the_bound():
     model = PricingModel.build(load_preset("qwen3-8b"), parallel=ParallelLayout(tp=2, sequence_parallel=True, cp=2, pp=2),
                                recompute=Recompute(mode="full"))
-    assert model.arrays["rope_cp"] == 0.0
+    assert model.charges.walk.rope_cp == 0.0
 
 
 @settings(max_examples=40, deadline=None)

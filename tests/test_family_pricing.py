@@ -91,19 +91,19 @@ def test_each_layer_feature_adds_exactly_its_term():
     g = load_preset("gemma-2-9b")
     plain = baseline(g)
     widths = layer_widths(g, tp=1)
-    a, b = (PricingModel.build(x).arrays for x in (g, plain))
+    a, b = (PricingModel.build(x).charges.walk for x in (g, plain))
     per_layer = (feature_terms.sandwich_norms_per_row(widths, sp_div=1)
                  + feature_terms.activation_per_ffn_row(g.features.mlp_activation) * widths["F"])
     assert per_layer == 2 * 6 * 3584  # GeGLU: nothing beyond SwiGLU
-    np.testing.assert_allclose(a["workspace"] - b["workspace"], per_layer)
-    np.testing.assert_allclose(a["nograd"] - b["nograd"], per_layer)
-    np.testing.assert_array_equal(a["retained"], b["retained"])  # boundaries are unchanged
+    np.testing.assert_allclose(a.workspace - b.workspace, per_layer)
+    np.testing.assert_allclose(a.nograd - b.nograd, per_layer)
+    np.testing.assert_array_equal(a.retained, b.retained)  # boundaries are unchanged
     # final-logit soft-capping: the tanh output (full head: what the trace shows); in a chunk,
     # the tanh output and the scaled logits
-    assert a["head_const"] - b["head_const"] == 512 * 2 * 2 * 256000
-    full_a, full_b = (PricingModel.build(x, head="full-native").arrays for x in (g, plain))
-    assert full_a["head_retained"] - full_b["head_retained"] == 2 * 256000
-    assert full_a["head_transient"] == full_b["head_transient"]
+    assert a.head_const - b.head_const == 512 * 2 * 2 * 256000
+    full_a, full_b = (PricingModel.build(x, head="full-native").charges.walk for x in (g, plain))
+    assert full_a.head_retained - full_b.head_retained == 2 * 256000
+    assert full_a.head_transient == full_b.head_transient
 
 
 def test_mla_stage_by_its_true_widths(monkeypatch):
@@ -117,9 +117,9 @@ def test_mla_stage_by_its_true_widths(monkeypatch):
     widths = layer_widths(v3, tp=4)
     assert widths["qkv"] == att.qkv_width_per_rank(4) and widths["core"] == 128 * 128 / 4
     # the recomputed layer's workspace carries the MLA stage in place of the fused-QKV one
-    with_mla = PricingModel.build(v3).arrays["workspace"]
+    with_mla = PricingModel.build(v3).charges.walk.workspace
     monkeypatch.setattr(feature_terms, "mla_stage_per_row", lambda attention, tp: 0.0)
-    without = PricingModel.build(v3).arrays["workspace"]
+    without = PricingModel.build(v3).charges.walk.workspace
     np.testing.assert_allclose(with_mla - without, expected)
 
 
@@ -190,9 +190,9 @@ def test_inspect_unknown_family_exits_2_with_one_line(tmp_path, capsys):
 def test_no_recompute_charges_the_features_in_retained_activations():
     g = load_preset("gemma-2-9b")
     none = Recompute(mode="none")
-    a = PricingModel.build(g, recompute=none).arrays
-    b = PricingModel.build(baseline(g), recompute=none).arrays
-    assert (a["retained"] > b["retained"]).all()
+    a = PricingModel.build(g, recompute=none).charges.walk
+    b = PricingModel.build(baseline(g), recompute=none).charges.walk
+    assert (a.retained > b.retained).all()
 
 
 @pytest.mark.parametrize("name", list_presets())

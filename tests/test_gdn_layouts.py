@@ -212,7 +212,7 @@ def test_a_padded_gdn_wave_keeps_its_padding_rows_and_the_envelope_covers_it():
     with_pad, without = _cell_model(cell, table), _cell_model(cell, bare)
     kernel = gdn_terms.gdn_kernel_per_row(with_pad.geometry.gdn, tp=2)
     assert _raw(with_pad, cell["seq_lens"]) - _raw(without, cell["seq_lens"]) == pytest.approx(60 * kernel, abs=2)
-    assert without.arrays["chunk"] == 1.0 and not without.arrays["pad_retained"].any()
+    assert without.charges.walk.chunk == 1.0 and not without.charges.walk.pad_retained.any()
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
     pricer = WavePricer.build(step, with_pad, profiled=True)
     exact = pricer.price([np.arange(len(step.requests))], first_slots=frozenset({"default"})).admitted_bytes
@@ -229,7 +229,7 @@ def test_gated_attention_keeps_its_core_output_under_selective_recompute_at_tp1(
     g = load_preset("qwen3.8-27b")
     sel, none = (PricingModel.build(g, recompute=Recompute(mode=m), backend="torch-cpu") for m in ("selective", "none"))
     att = [i for i, spec in enumerate(g.layers) if spec.mixer.value == "attention"]
-    assert att and all(sel.arrays["retained"][i] == none.arrays["retained"][i] for i in att)
+    assert att and all(sel.charges.walk.retained[i] == none.charges.walk.retained[i] for i in att)
 
 
 def test_traced_gdn_moe_cells_are_on_evidence_and_never_under():
@@ -322,9 +322,9 @@ def test_the_full_point_replaces_the_fitted_stage_on_torch_cpu_only():
                 and json.loads(x)["cell"]["layout"]["sequence_parallel"] and not json.loads(x)["cell"]["geometry"]["moe"])
     cpu, te = _cell_model(cell, load_table("torch-cpu")), _cell_model(cell, load_table("te-gpu"))
     rank = dict(w4, rank=float(cell["lora_rank"]))
-    assert cpu.arrays["workspace"][0] == pytest.approx(
+    assert cpu.charges.walk.workspace[0] == pytest.approx(
         gdn_terms.full_gdn_dense_point_per_row(rank, g.gdn, tp=4, sp_div=4, rope_per_row=512.0))
-    assert te.arrays["workspace"][0] != pytest.approx(cpu.arrays["workspace"][0])
+    assert te.charges.walk.workspace[0] != pytest.approx(cpu.charges.walk.workspace[0])
 
 
 def test_real_width_gdn_hybrids_under_full_recompute_are_never_under():
@@ -388,13 +388,13 @@ def test_tp1_structural_gdn_layer_on_torch_cpu_only_and_at_cp1():
     for mode in ("selective", "none"):
         cpu, te = (PricingModel.build(g, recompute=Recompute(mode=mode), backend=b) for b in ("torch-cpu", "te-gpu"))
         widths = dict(layer_widths(g, tp=1, etp=1), rank=float(max(s.rank for s in cpu.lora.slots)))
-        assert cpu.arrays["retained"][gdn] == pytest.approx(
+        assert cpu.charges.walk.retained[gdn] == pytest.approx(
             gdn_terms.tp_retained_gdn_layer_per_row(widths, g.gdn, tp=1, sp_div=1))
         fitted = terms.retained_layer_per_row(te.table, widths, MixerKind.GDN, MlpKind.DENSE, sp_div=1,
                                               selective=mode == "selective", ep_skew=1.0)
-        assert te.arrays["retained"][gdn] == pytest.approx(fitted)
+        assert te.charges.walk.retained[gdn] == pytest.approx(fitted)
         cp2 = PricingModel.build(g, parallel=ParallelLayout(cp=2), recompute=Recompute(mode=mode), backend="torch-cpu")
-        assert cp2.arrays["retained"][gdn] == pytest.approx(terms.retained_layer_per_row(
+        assert cp2.charges.walk.retained[gdn] == pytest.approx(terms.retained_layer_per_row(
             cp2.table, widths, MixerKind.GDN, MlpKind.DENSE, sp_div=1, selective=mode == "selective", ep_skew=1.0))
 
 
@@ -438,7 +438,7 @@ def test_gdn_moe_layer_at_tp1_counts_its_anatomy():
     gdn = next(i for i, spec in enumerate(hybrid.layers) if spec.mixer.value == "gdn" and i > 0)
     cpu = PricingModel.build(hybrid, recompute=Recompute(mode="none"), backend="torch-cpu")
     w = dict(layer_widths(hybrid, tp=1, etp=1), rank=float(max(s.rank for s in cpu.lora.slots)))
-    assert cpu.arrays["retained"][gdn] == pytest.approx(
+    assert cpu.charges.walk.retained[gdn] == pytest.approx(
         gdn_terms.retained_gdn_moe_layer_per_row(w, hybrid.gdn, routed=hybrid.moe.top_k))
 
 
@@ -479,6 +479,6 @@ def test_gdn_moe_layer_under_sp_counts_its_anatomy_and_te_gpu_stays_unsharded():
                                recompute=Recompute(mode=rc), backend="te-gpu")
         credited = _raw(m, lens)
         tp1 = _raw(PricingModel.build(hybrid, recompute=Recompute(mode=rc), backend="te-gpu"), lens)
-        object.__setattr__(m, "credit", ParallelLayout(tp=2))
-        object.__setattr__(m, "arrays", m._build_arrays())
+        object.__setattr__(m, "coverage", dataclasses.replace(m.coverage, credit=ParallelLayout(tp=2)))
+        object.__setattr__(m, "charges", m._build_charges())
         assert _raw(m, lens) <= credited < tp1, rc

@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -80,49 +79,26 @@ def test_verl_config_keys_are_verls_own():
             assert name in plugin, f"the plugin does not read {name}"
 
 
-RUN_UNDER_VERL = textwrap.dedent("""
-    import json, sys
-    import verl   # imports waveplan_verl_plugin (VERL_USE_EXTERNAL_MODULES), which installs waveplan
-    import torch
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine import utils as engine_utils
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-    plugin = sys.modules["waveplan_verl_plugin"]
-    rng = torch.Generator().manual_seed(0)
-    lengths = torch.randint(512, 8192, (32,), generator=rng).tolist()
-    rows = [torch.randint(1, 1000, (n,), generator=rng) for n in lengths]
-    data = TensorDict({"input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged)},
-                      batch_size=len(rows))
-    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=16384)
-    micro, idx = engine_utils.prepare_micro_batches(data=data, dp_group=None)
-    print(json.dumps({"calls": plugin.handle.calls, "waves": plugin.handle.last_plan.num_waves,
-                      "micro_batches": len(micro), "indices": sorted(i for p in idx for i in p),
-                      "n": len(rows)}))
-""")
+
+def test_verl_plugin_block_is_the_example_plugin():
+    assert block("verl-plugin")[1] == (EXAMPLES / "waveplan_verl_plugin.py").read_text()
 
 
 @pytest.mark.slow
-def test_verl_plugin_is_installed_by_verl_itself(tmp_path):
+def test_verl_plugin_is_installed_by_verl_itself():
+    """examples/verl_driver.py: veRL imports the plugin (VERL_USE_EXTERNAL_MODULES) in a fresh
+    process and splits a batch into the waves of one plan."""
     pytest.importorskip("verl")
-    yaml = pytest.importorskip("yaml")
-    lang, code = block("verl-plugin")
-    assert lang == "python"
-    plugin_dir = tmp_path / "plugin"
-    plugin_dir.mkdir()
-    (plugin_dir / "waveplan_verl_plugin.py").write_text(code)
-    script = tmp_path / "run.py"
-    script.write_text(RUN_UNDER_VERL)
-    env_vars = yaml.safe_load(block("verl-config")[1])["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
-    env = dict(os.environ, **{k: str(v) for k, v in env_vars.items()})
-    env.update(PYTHONPATH=os.pathsep.join([str(plugin_dir)] + [p for p in sys.path if p]),
-               WAVEPLAN_HF_CONFIG=str(HF_CONFIG), WAVEPLAN_FREE_GIB="12", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(EXAMPLES / "verl_driver.py"), "--config", str(HF_CONFIG),
+                           "--free-gib", "12", "--json"], env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["calls"] == 1 and result["micro_batches"] == result["waves"] > 1, result
-    assert result["indices"] == list(range(result["n"])), result
+    assert result["plans"] == 1 and result["micro_batches"] == result["waves"] > 1, result
+    assert sorted(i for part in result["indices"] for i in part) == list(range(result["sequences"]))
 
 
 @pytest.mark.slow

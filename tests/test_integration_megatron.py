@@ -4,12 +4,16 @@ GPT with LoRA, on the CPU, through Megatron-core's own `get_forward_backward_fun
 * a planned step (several sequences per wave, packed THD; with and without shared prompts run
   as prefix trees; split children) gives the same loss and LoRA gradients, to fp32 tolerance,
   as running every sequence as its own micro-batch, and feeds each wave's peak to `observe`;
+* a planner that under-prices the model that runs (configured half as wide) gets a miss for
+  every wave: `StepRun.misses`, one warning, one record per wave that re-prices to its estimate;
 * two gloo data-parallel ranks with different steps agree on the wave count through
   `plan_distributed` and both run that many micro-batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import textwrap
 from pathlib import Path
 
@@ -116,6 +120,33 @@ def test_split_children_run_as_sub_forwards_sharing_one_backward(setup):
     _, ref_loss, _, ref_grads = _run(model, alone, data, mod.loss_func)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     _same(grads, ref_grads)
+
+
+def test_misses_surface_through_the_driver(setup, tmp_path, caplog):
+    from waveplan.planner import Planner
+    from waveplan.planner.integrations.megatron import StepData, run_plan
+    from waveplan.planner.misses import MissKind, miss_kind, own_estimate, read_misses, reprice
+
+    mod, model, learned = setup
+    g = learned.model.geometry
+    narrow = dataclasses.replace(learned.model, geometry=dataclasses.replace(g, hidden=g.hidden // 2, ffn=g.ffn // 2))
+    planner = Planner.from_model(narrow, misses_path=tmp_path / "m.jsonl")
+    seqs, plens = mod.grpo(np.random.default_rng(4), prompts=2)
+    data = StepData.from_sequences(seqs, prompt_lengths=plens)
+    plan = planner.plan(data.step, 3 * MIB, num_waves=3, deterministic=True)
+    with caplog.at_level(logging.WARNING, logger="waveplan"):
+        run = run_plan(model, plan, data, mod.loss_func, planner=planner)
+    assert len(run.observations) == len(run.peaks) == plan.num_waves > 1
+    for wave, peak, obs in zip(plan.waves, run.peaks, run.observations, strict=True):
+        raw, admitted = own_estimate(wave.breakdown, narrow.safety)
+        assert obs.peak_bytes == peak and obs.kind is miss_kind(peak, raw, admitted)
+    assert run.misses == run.observations and {o.kind for o in run.misses} == {MissKind.OVER_ADMITTED}
+    warned = [r for r in caplog.records if r.name == "waveplan" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "tiny-fp32 TP1 full recompute [default:grad]" in warned[0].getMessage()
+    records, bad = read_misses(tmp_path / "m.jsonl")
+    assert bad == [] and len(records) == plan.num_waves
+    assert records[0].data["versions"]["framework"].get("megatron-core")
+    assert all(reprice(r).same_estimate(r) for r in records)
 
 
 def test_step_data_errors_name_field_and_value():

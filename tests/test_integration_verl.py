@@ -8,7 +8,9 @@
 * two gloo data-parallel ranks agree on the micro-batch count (also rounded by
   `num_batches_divided_by`), as veRL's own function does;
 * `install` puts the adapter under veRL's engine (`verl.workers.engine.utils.prepare_micro_batches`)
-  and `restore` takes it out.
+  and `restore` takes it out;
+* measured micro-batch peaks pass through `observe_micro_batches` / `handle.observe`: a peak
+  above its estimate is a miss, recorded and re-priced to its estimate; one below records nothing.
 """
 
 from __future__ import annotations
@@ -207,6 +209,38 @@ def test_install_under_verl_engine_and_restore(planner):
     assert engine_utils.rearrange_micro_batches is vsb.rearrange_micro_batches
     _, theirs = engine_utils.prepare_micro_batches(data=data, dp_group=None)
     assert handle.calls == 1 and sorted(i for p in theirs for i in p) == list(range(len(lengths)))
+
+
+def test_observed_peaks_surface_misses(planner, tmp_path):
+    from waveplan.planner.misses import MissKind, misses, own_estimate, read_misses, reprice
+
+    learner = Planner.from_model(planner.model, misses_path=tmp_path / "m.jsonl")  # the module's stays static
+    batch = padded_batch(lengths_of(5, 12, 512, 4096))
+    handle = adapter.install(learner, free_bytes=12 * GIB)
+    try:
+        with pytest.raises(ConfigError, match=r"last_plan=None: no micro-batches were planned yet"):
+            handle.observe([1])
+        micro, _ = handle.rearrange(batch)
+        plan = handle.last_plan
+        assert len(micro) == plan.num_waves > 1
+        peaks = [None] * plan.num_waves
+        peaks[0] = int(plan.waves[0].admitted_bytes * 1.3)   # over the admitted bytes
+        # within the estimate (the wave's own: without earlier waves' RoPE cache entries)
+        peaks[1] = own_estimate(plan.waves[1].breakdown, learner.model.safety)[0] - 1
+        missed = handle.observe(peaks)
+    finally:
+        handle.restore()
+    kinds = [None if o is None else o.kind for o in handle.last_observations]
+    assert kinds[:2] == [MissKind.OVER_ADMITTED, MissKind.NONE] and set(kinds[2:]) <= {None}
+    assert [o.wave for o in missed] == [0]
+    obs = adapter.observe_micro_batches(learner, plan, [p and p + 1 for p in peaks])
+    assert [o.wave for o in misses(obs)] == [0]   # the same peaks again, plus one byte
+    records, bad = read_misses(tmp_path / "m.jsonl")
+    assert bad == [] and [r.data["wave"]["index"] for r in records] == [0, 0]
+    assert records[0].data["versions"]["framework"].get("verl")
+    assert all(reprice(r).same_estimate(r) for r in records)
+    with pytest.raises(ConfigError, match=r"plan='list': must be the Plan"):
+        adapter.observe_micro_batches(learner, [], [])
 
 
 # --- two data-parallel ranks ------------------------------------------------------------------

@@ -237,3 +237,15 @@ def test_sink_stand_in_is_a_sink_logit_in_the_softmax():
     sink = att.softmax_offset.detach().view(1, 4, 1, 1).expand(1, 4, 6, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     torch.testing.assert_close(got, probs @ v, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen1.5-moe-a2.7b", "internlm2-chat-1_8b"])
+def test_families_without_a_preset_read_back(megatron_tp1, name):
+    """Qwen2-MoE's gated shared expert is Megatron's `moe_shared_expert_gate`; InternLM2 is a
+    plain GQA decoder."""
+    geometry = load_hf_config(HF.parent / "hf_more" / f"{name}.json")
+    if geometry.moe is not None:
+        geometry = dataclasses.replace(geometry, layers=geometry.layers[:2])
+    model = build_gpt(geometry, device="meta", lora_rank=8)
+    assert model.config.moe_shared_expert_gate == geometry.features.shared_expert_gate
+    assert geometry_from_megatron(model)[0] == geometry

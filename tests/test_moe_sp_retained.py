@@ -1,5 +1,5 @@
 """Retained MoE layers (selective and no recompute) under TP with sequence parallelism
-(`moe_terms.sp_retained_moe_layer_per_row`, the credit `model.credit_layout` gives them): never
+(`moe_terms.sp_retained_moe_layer_per_row`, the credit `coverage.credit_layout` gives them): never
 under the traced busiest ranks, far below the uncredited price, basis still conservative."""
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_te_gpu_keeps_its_own_retained_moe_terms():
     widths = dict(layer_widths(g, tp=4), rank=16.0)
     structural = moe_terms.sp_retained_moe_layer_per_row(widths, tp=4, etp=4, routed=g.moe.top_k,
                                                          rope_per_row=0.0)
-    assert gpu.arrays["retained"][-1] > structural
+    assert gpu.charges.walk.retained[-1] > structural
 
 
 def test_an_untraced_tp_sp_class_is_credited_as_the_largest_traced_one():

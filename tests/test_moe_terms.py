@@ -305,7 +305,7 @@ def test_the_moe_tp_sp_layer_point():
                                                 heads=g.attention.num_heads / 4)
         qk = terms.qk_norm_per_row(table, widths)
         extra = moe_terms.routed_extra_per_row(table, widths, ep=1, tp=etp, load=cpu.expert_row_share)
-        assert cpu.arrays["workspace"][0] == pytest.approx(rest + qk + routed + extra)
+        assert cpu.charges.walk.workspace[0] == pytest.approx(rest + qk + routed + extra)
 
 
 def _shared_expert_cells() -> list[dict]:

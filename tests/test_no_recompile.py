@@ -109,7 +109,7 @@ def test_no_compile_after_warmup():
 
 @pytest.mark.slow
 def test_a_warm_plan_reports_no_compile_time():
-    warmup()
+    warmup(Planner)
     plan = Planner.from_preset("qwen3-8b").plan(load_step(bundled_step("grpo-8x8")), free_bytes=40 * 2**30)
     assert plan.compile_ms == 0.0
     assert "compile_ms" not in plan.to_dict()

@@ -20,8 +20,9 @@ COLD_TIMEOUT_S = 1800
 
 WARMUP = """
 import dataclasses, json
+from waveplan.planner import Planner
 from waveplan.planner.warmup import warmup
-print(json.dumps(dataclasses.asdict(warmup(force=True))))
+print(json.dumps(dataclasses.asdict(warmup(Planner, force=True))))
 """
 
 # a fresh process after the warm-up: the warm-up's plans and the README's example plan,

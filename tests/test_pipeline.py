@@ -18,7 +18,6 @@ from waveplan.pricing.pipeline import (
 from waveplan.pricing.stage_price import price_stages
 from waveplan.pricing.step import bundled_step, load_step
 from waveplan.search.invariants import check_plan
-from waveplan.search.pipeline import longest_sequence, window_bound
 
 GIB = 2**30
 
@@ -50,14 +49,14 @@ def test_pipeline_model_keeps_tp_credit_and_says_conservative():
     assert pp1.basis == "evidence"
     assert pp4.basis == "conservative" and not pp4.conservative
     assert any("validated on CPU pipeline traces only" in g for g in pp4.gaps)
-    stages = pp4.arrays["stages"]
+    stages = pp4.charges.stages
     assert [(s.lo, s.hi, s.window) for s in stages] == [(0, 16, 4), (16, 32, 3), (32, 48, 2),
                                                         (48, 64, 1)]
     # the stages' layers together are PP1's: under full recompute the received activation is
     # the stage's first layer's checkpointed input, already its boundary
-    boundary = pp1.arrays["retained"][1]
+    boundary = pp1.charges.walk.retained[1]
     total = sum(s.charges.retained.sum() for s in stages)
-    assert total == pytest.approx(pp1.arrays["retained"].sum())
+    assert total == pytest.approx(pp1.charges.walk.retained.sum())
     assert [s.charges.head_const > 0 for s in stages] == [False, False, False, True]
     # the schedule's gradients: received on every stage but the last, sent on every but the first
     assert [s.grad_in_per_row / boundary for s in stages] == [1, 1, 1, 0]
@@ -65,8 +64,8 @@ def test_pipeline_model_keeps_tp_credit_and_says_conservative():
     assert [s.held_backward_per_row / boundary for s in stages] == [0, 1, 1, 1]
     selective = Planner.from_preset("qwen3-32b", tp=4, pp=4, sequence_parallel=True,
                                     recompute="selective").model
-    got = [s.charges.retained[0] - selective.arrays["layers"]["retained"][s.lo]
-           for s in selective.arrays["stages"]]
+    got = [s.charges.retained[0] - selective.charges.layers.retained[s.lo]
+           for s in selective.charges.stages]
     assert got == pytest.approx([0.0] + [boundary] * 3)
 
 
@@ -79,14 +78,14 @@ def test_pipeline_plan_fits_every_window(pp):
     pricer = planner.pricer(step)
     check_plan(step, pricer, plan, budget_bytes=budget)
     peaks = price_stages(planner.model, [(w.loads, w.first_slots) for w in plan.waves],
-                         [budget] * pp, max_len=longest_sequence(step, planner.model))
+                         [budget] * pp, max_len=pricer.stages().longest_sequence(step))
     assert [p.to_dict() for p in peaks] == plan.stages
     assert len(plan.stages) == pp and all(p.fits for p in peaks)
     assert plan.to_dict()["stages"] == plan.stages
     assert 1 <= plan.lower_bound_waves <= plan.num_waves
     # the bound holds at the tightest budgets this plan fits: each stage's own peak
     tight = [p.peak_bytes for p in peaks]
-    assert window_bound(planner.model, pricer, tight) <= plan.num_waves
+    assert pricer.stages().window_bound(tight) <= plan.num_waves
 
 
 def test_window_is_an_upper_bound_of_every_1f1b_point():

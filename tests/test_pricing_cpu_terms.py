@@ -42,7 +42,7 @@ def test_qk_norm_follows_the_geometry():
         for mode, key, each in (("full", "workspace", whole), ("none", "retained", whole)):
             model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode=mode))
             without = PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode))
-            diff = model.arrays[key] - without.arrays[key]
+            diff = getattr(model.charges.walk, key) - getattr(without.charges.walk, key)
             assert np.allclose(diff, each if charged else 0.0), mode
     assert layout_terms.structural_qk_norm_per_row(layer_widths(qwen, tp=1)) > terms.qk_norm_per_row(
         cpu, layer_widths(qwen, tp=1))
@@ -51,8 +51,8 @@ def test_qk_norm_follows_the_geometry():
     assert has_qk_norm(moe)
     plain = dataclasses.replace(moe, extra={"qk_layernorm": False})
     for mode, key in (("full", "workspace"), ("none", "retained")):
-        diff = (PricingModel.build(moe, backend="torch-cpu", recompute=Recompute(mode=mode)).arrays[key]
-                - PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode)).arrays[key])
+        diff = (getattr(PricingModel.build(moe, backend="torch-cpu", recompute=Recompute(mode=mode)).charges.walk, key)
+                - getattr(PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode)).charges.walk, key))
         assert np.allclose(diff, terms.qk_norm_per_row(cpu, layer_widths(moe, tp=1))), mode
 
 
@@ -60,46 +60,46 @@ def test_qk_norm_follows_the_geometry():
 def test_head_points_carry_the_final_norm(preset):
     geometry = load_preset(preset)
     model = PricingModel.build(geometry, backend="torch-cpu", head="full-native")
-    a, t = model.arrays, model.table
+    a, t = model.charges.walk, model.table
     widths = layer_widths(geometry, tp=1)
     saved, backward = terms.final_norm_per_row(t, widths, sp_div=1)
     logits_ret, logits_tr = terms.head_per_row(t, widths, "full-native")
     assert saved > 0 and backward > 0
-    assert a["head_retained"] == pytest.approx(logits_ret + saved)
+    assert a.head_retained == pytest.approx(logits_ret + saved)
     # the final norm's backward runs after the logits are released: the larger, not the sum
     # beside it, under full recompute: the TP1 residual and the RoPE entry where the TP1 structural
     # point prices a plain dense model's layers (docs/memory-model.md#tp1-structural), else nothing
-    beside = a["head_parts"]["layout_residual"]
+    beside = model.charges.head.layout_residual
     plain = geometry.moe is None and geometry.gdn is None
     assert (beside > 0) == plain
     if plain:
         assert beside == pytest.approx(
             t.terms["layout_residual"]["full"]["tp1-cp1"] * geometry.hidden + rope_cache_per_row(geometry, geometry.layers))
-    assert a["head_transient"] == pytest.approx(max(logits_tr, backward) + beside)
-    chunked = PricingModel.build(geometry, backend="torch-cpu", head="chunked:512").arrays
-    assert chunked["head_retained"] == pytest.approx(saved)
-    assert chunked["head_transient"] == pytest.approx(backward + beside)
+    assert a.head_transient == pytest.approx(max(logits_tr, backward) + beside)
+    chunked = PricingModel.build(geometry, backend="torch-cpu", head="chunked:512").charges.walk
+    assert chunked.head_retained == pytest.approx(saved)
+    assert chunked.head_transient == pytest.approx(backward + beside)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.6-35b-a3b"])
 def test_retained_layers_use_their_own_forward_and_backward_terms(preset):
     geometry = load_preset(preset)
-    full = PricingModel.build(geometry, backend="torch-cpu").arrays
+    full = PricingModel.build(geometry, backend="torch-cpu").charges.walk
     for mode in ("selective", "none"):
         model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode=mode))
-        a = model.arrays
+        a = model.charges.walk
         # a retained layer's backward holds less than a recomputed layer's stage
-        assert np.all(a["workspace"] < full["workspace"])
-        fwd = a["forward_parts"]
+        assert np.all(a.workspace < full.workspace)
+        fwd = model.charges.forward
         # layer 0's forward point also holds the wave's RoPE cache entry where the structural GDN
         # terms price a hybrid's layers (gdn_terms.rope_cache_entry_per_row, torch-cpu at TP1) and
         # beside the TP1 structural layer of a plain dense model (layout_terms.structural_at_tp1)
-        rope = np.zeros(len(a["nograd"]))
+        rope = np.zeros(len(a.nograd))
         if geometry.gdn is not None or geometry.moe is None:
             rope[0] = rope_cache_per_row(geometry, geometry.layers)
-        assert np.allclose(a["nograd"], np.maximum(fwd["nograd"], fwd["retained_forward"]) + rope)
-        assert np.all(fwd["retained_forward"] >= load_table("torch-cpu").scalar("retained_forward")
-                      * a["retained"] - 1e-6)
+        assert np.allclose(a.nograd, np.maximum(fwd.nograd, fwd.retained_forward) + rope)
+        assert np.all(fwd.retained_forward >= load_table("torch-cpu").scalar("retained_forward")
+                      * a.retained - 1e-6)
 
 
 def test_te_gpu_prices_retained_layers_as_before():
@@ -109,16 +109,16 @@ def test_te_gpu_prices_retained_layers_as_before():
     t = load_table("te-gpu")
     widths = layer_widths(geometry, tp=1)
     for mode in ("selective", "none"):
-        a = PricingModel.build(geometry, recompute=Recompute(mode=mode)).arrays
+        a = PricingModel.build(geometry, recompute=Recompute(mode=mode)).charges.walk
         for i, layer in enumerate(geometry.layers):
             stage = (terms.mixer_stage_per_row(t, widths, layer.mixer)
                      + terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=1.0)
                      + terms.norm_and_residual_per_row(t, widths, sp_div=1))
-            assert a["workspace"][i] == pytest.approx(stage)
-            assert a["nograd"][i] == pytest.approx(
+            assert a.workspace[i] == pytest.approx(stage)
+            assert a.nograd[i] == pytest.approx(
                 terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=1.0))
             if layer.mixer == MixerKind.ATTENTION:
                 assert terms.qk_norm_per_row(t, widths) == 0.0
-    a = PricingModel.build(geometry, head="full-native").arrays
-    assert a["head_retained"] == pytest.approx(6 * geometry.vocab)
-    assert a["head_transient"] == pytest.approx(2 * geometry.vocab)
+    a = PricingModel.build(geometry, head="full-native").charges.walk
+    assert a.head_retained == pytest.approx(6 * geometry.vocab)
+    assert a.head_transient == pytest.approx(2 * geometry.vocab)

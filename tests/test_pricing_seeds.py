@@ -34,7 +34,7 @@ def tp4_27b():
 def test_seed000_boundary_shards_exact(tp4_27b):
     # 64 boundaries x H x 2 bytes x ceil(25,728 / 4) sharded rows per rank
     rows = rank_rows(tp4_27b, 25_728)
-    assert rows * tp4_27b.arrays["retained"].sum() == 4_215_275_520
+    assert rows * tp4_27b.charges.walk.retained.sum() == 4_215_275_520
 
 
 def test_seed000_traced_wave_is_covered(tp4_27b):
@@ -177,6 +177,6 @@ def test_seed004_first_execution_only_when_unprofiled():
 def test_attention_layers_have_no_gdn_state():
     geometry = load_preset("qwen3.8-27b")
     model = PricingModel.build(geometry)
-    state = model.arrays["gdn_state"]
+    state = model.charges.walk.gdn_state
     for i, layer in enumerate(geometry.layers):
         assert (state[i] > 0) == (layer.mixer == MixerKind.GDN)

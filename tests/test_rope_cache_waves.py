@@ -81,7 +81,7 @@ def test_no_charge_under_pp_or_for_one_wave():
     step = _step(4)
     one = _planner().plan(step, 80 * GIB, deterministic=True)
     assert one.num_waves == 1 and rope_cache.TERM not in one.waves[0].breakdown.terms
-    assert float(_planner(pp=2).model.arrays["rope_entry"]) == 0.0
+    assert float(_planner(pp=2).model.charges.walk.rope_entry) == 0.0
 
 
 def test_same_inputs_same_plan_json():

@@ -13,7 +13,6 @@ from waveplan.planner import Planner, Request, Step
 from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError
 from waveplan.search import (
     DEFAULT_PACKER,
-    DEFAULT_TIME_BUDGET_MS,
     AdmittedPricer,
     BoundedPricer,
     LoadsPricer,
@@ -24,12 +23,13 @@ from waveplan.search import (
     SearchOptions,
     SearchPricer,
     SearchStep,
+    StagedPricer,
     check_plan,
     pack,
 )
 
 GIB = 2**30
-CAPABILITIES = (AdmittedPricer, PendingPricer, BoundedPricer, LoadsPricer)
+CAPABILITIES = (AdmittedPricer, PendingPricer, BoundedPricer, LoadsPricer, StagedPricer)
 
 
 # --- the pricer contract ---------------------------------------------------------------------
@@ -44,7 +44,8 @@ def test_the_fakes_meet_the_required_contract_and_offer_no_capability(make):
     assert isinstance(pricer.envelope(), SearchEnvelope)
     assert not any(isinstance(pricer, cap) for cap in CAPABILITIES)
     seen = SearchPricer.of(pricer)
-    assert (seen.fast, seen.pending, seen.bounded, seen.loads) == (None, None, None, None)
+    assert (seen.fast, seen.pending, seen.bounded, seen.loads, seen.staged) == (None,) * 5
+    assert seen.stages() is None
     assert isinstance(seen, Pricer) and SearchPricer.of(seen) is seen
 
 
@@ -53,7 +54,8 @@ def test_the_wave_pricer_offers_every_capability():
     assert isinstance(step, SearchStep) and isinstance(pricer, Pricer)
     assert all(isinstance(pricer, cap) for cap in CAPABILITIES)
     seen = SearchPricer.of(pricer)
-    assert seen.fast is seen.pending is seen.bounded is seen.loads is pricer
+    assert seen.fast is seen.pending is seen.bounded is seen.loads is seen.staged is pricer
+    assert seen.stages() is None   # PP1: no stages for the pipeline search
     full = seen.full_prices_only()
     assert full.fast is None and full.pending is full.bounded is full.loads is pricer
 
@@ -93,7 +95,7 @@ def test_the_planner_offers_the_fast_path_only_without_profiles():
 def test_options_have_their_defaults_once_and_normalise():
     o = SearchOptions()
     assert (o.packer, o.time_budget_ms, o.atomic_units, o.num_waves, o.seed,
-            o.deterministic) == (DEFAULT_PACKER, DEFAULT_TIME_BUDGET_MS, (), None, 0, False)
+            o.deterministic) == (DEFAULT_PACKER, None, (), None, 0, False)
     o = SearchOptions(packer="exact", time_budget_ms=20, atomic_units=[[0, 1], np.arange(2, 4)],
                       num_waves=np.int64(3), seed=np.int64(7), deterministic=np.bool_(True))
     assert o.packer is PackerKind.EXACT and type(o.time_budget_ms) is float

@@ -56,9 +56,9 @@ def test_sp_head_forward_is_both_logits_copies_and_the_sharded_hidden_tensors(tp
 def test_sp_layers_charge_the_rope_entrys_own_rows_once_per_wave(cp):
     """Beside the dense SP structural terms the wave carries one fp32 RoPE entry row per rank row,
     and under CP the rows CP adds beyond them (`cp_rope_cache_per_row`)."""
-    from waveplan.pricing.layer_arrays import layer_context, wave_rope_cache_per_row
+    from waveplan.pricing.layer_arrays import wave_rope_cache_per_row
     from waveplan.pricing.lora import LoraConfig, LoraSlot
-    from waveplan.pricing.model import PricingModel, layer_widths
+    from waveplan.pricing.model import PricingModel
     from waveplan.pricing.parallel import ParallelLayout, Recompute
     from waveplan.pricing.pipeline import rope_cache_per_row
 
@@ -70,7 +70,7 @@ def test_sp_layers_charge_the_rope_entrys_own_rows_once_per_wave(cp):
         m = PricingModel(geometry=g, parallel=ParallelLayout(tp=4, sequence_parallel=sp, cp=cp),
                          recompute=Recompute(mode="selective"), table=load_table(table), head="full-native",
                          lora=LoraConfig(slots=(LoraSlot(rank=16),)))
-        return wave_rope_cache_per_row(layer_context(m, layer_widths(g, tp=4), qk_norm=False))
+        return wave_rope_cache_per_row(m.layer_context())
 
     beyond = layout_terms.cp_rope_cache_per_row(entry, cp=cp)
     assert rope("torch-cpu", True) == pytest.approx(entry + beyond)

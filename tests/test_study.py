@@ -88,6 +88,7 @@ def test_counts_are_consistent(result, small_grpo, tmp_path):
         assert f"{row.step}  {row.variant:<7} {row.waves:>6} {row.lower_bound:>6}  {row.status}" \
             in table
     assert [r["status"] for r in rows] == [r.status for r in result.rows]
+    assert "settled = the plan meets its lower bound" in table and "open = above the bound" in table
 
 
 def test_study_from_a_directory(model, tmp_path):

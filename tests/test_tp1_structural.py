@@ -40,10 +40,10 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
     assert residual > 0
     assert residual == pytest.approx(t.terms[layout_terms.ENTRY]["retained"]["tp1-cp1"] * g.hidden)
     # layer 1 (layer 0 also holds the wave's RoPE cache entry)
-    assert model.arrays["retained"][1] == pytest.approx(kept - discount + qk + residual)
-    assert model.arrays["retained"][0] == pytest.approx(model.arrays["retained"][1] + rope)
+    assert model.charges.walk.retained[1] == pytest.approx(kept - discount + qk + residual)
+    assert model.charges.walk.retained[0] == pytest.approx(model.charges.walk.retained[1] + rope)
     # the head's forward point: both logits copies, the final norm's tensors, the embedding's output
-    assert model.arrays["head_forward"] == pytest.approx(
+    assert model.charges.walk.head_forward == pytest.approx(
         layout_terms.sp_head_forward_per_row(t, layer_widths(g, tp=1), tp=1, sequence_parallel=False,
                                              at_tp1=True))
 
@@ -56,7 +56,7 @@ def test_the_fitted_layer_stays_elsewhere():
                                   ("qwen3.8-27b", "torch-cpu", "selective")):
         g = load_preset(preset)
         model = PricingModel.build(g, backend=backend, recompute=Recompute(mode=mode), head="full-native")
-        assert model.arrays["head_forward"] == 0.0, (preset, backend, mode)
+        assert model.charges.walk.head_forward == 0.0, (preset, backend, mode)
     t = load_table("torch-cpu")
     assert layout_terms.structural_at_tp1(t, retained=False, plain_dense=True)
     assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=False, plain_dense=True)
@@ -76,7 +76,7 @@ def test_te_gpu_tp1_retained_layer_is_unchanged_by_the_structural_entries():
     widths = dict(layer_widths(g, tp=1), rank=float(max(s.rank for s in model.lora.slots)))
     fitted = terms.retained_layer_per_row(te, widths, g.layers[1].mixer, g.layers[1].mlp, sp_div=1,
                                           selective=False, ep_skew=1.0)
-    assert model.arrays["retained"][1] == pytest.approx(fitted)
+    assert model.charges.walk.retained[1] == pytest.approx(fitted)
 
 
 def test_every_tp1_calibration_cell_is_covered():
@@ -117,7 +117,7 @@ def test_structural_tp1_layer_prices_no_more_than_the_fitted_one_on_real_widths(
     fitted_table = dataclasses.replace(cpu.table, terms={k: v for k, v in cpu.table.terms.items()
                                                          if k != layout_terms.SP_HEAD})
     fitted = dataclasses.replace(cpu, table=fitted_table)
-    assert cpu.arrays["retained"][1:].sum() < fitted.arrays["retained"][1:].sum()
+    assert cpu.charges.walk.retained[1:].sum() < fitted.charges.walk.retained[1:].sum()
 
 
 def test_tp1_cp_takes_the_tp1_margin():
@@ -128,7 +128,7 @@ def test_tp1_cp_takes_the_tp1_margin():
     cp2 = PricingModel.build(g, backend="torch-cpu", recompute=Recompute(mode="none"),
                              parallel=ParallelLayout(cp=2), head="full-native")
     # the TP1 structural layer under CP: the head's forward charge, and the residual of TP1+CP2
-    assert cp2.arrays["head_forward"] > 0
+    assert cp2.charges.walk.head_forward > 0
     residual = layout_terms.layout_residual_per_row(cp2.table, layer_widths(g, tp=1), tp=1,
                                                     sequence_parallel=False, cp=2, retained=True)
     assert residual == pytest.approx(retained["tp1-cp2"] * g.hidden)
@@ -150,8 +150,8 @@ def test_recomputed_tp1_layer_is_priced_at_its_fc1_backward(preset):
                                                     retained=False)
     assert residual == pytest.approx(t.terms[layout_terms.ENTRY]["full"]["tp1-cp1"] * g.hidden)
     rope = rope_cache_per_row(g, g.layers)   # the RoPE entry, at every point under full recompute
-    assert model.arrays["workspace"][1] == pytest.approx(point + qk + residual + rope)
-    assert model.arrays["head_forward"] > 0
+    assert model.charges.walk.workspace[1] == pytest.approx(point + qk + residual + rope)
+    assert model.charges.walk.head_forward > 0
     assert layout_terms.tp1_fc1_point_per_row(load_table("te-gpu"), widths, rope_per_row=1.0, at_tp1=True) == 0.0
     assert layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=1.0, at_tp1=False) == 0.0
 

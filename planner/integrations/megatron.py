@@ -26,8 +26,10 @@ how it is cut into waves.
 Each wave's peak is measured (on a GPU: `torch.cuda.max_memory_allocated()` above the
 allocation at the wave's start; on the CPU: the tracer's count of live storages created by
 aten ops, as `training_wave.run_training_wave` counts, above everything alive at the wave's
-start) and fed to `planner.observe`. On the CPU, Megatron's schedule also allocates a CUDA
-token counter; `run_plan` places it on the CPU.
+start) and fed to `planner.observe` (`misses.observe_waves`): `StepRun.observations` holds what
+it returned, `StepRun.misses` the waves whose peak went above their estimate (each warned about
+and recorded by the planner, docs/faq.md#a-wave-missed-its-estimate). On the CPU, Megatron's
+schedule also allocates a CUDA token counter; `run_plan` places it on the CPU.
 
 torch and Megatron-core are imported when called.
 """
@@ -44,6 +46,7 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, StepError, bad
 from waveplan.pricing.step import Step
 
+from ..misses import WaveObservation, misses, observe_waves
 from ..plan import Plan
 from ..planner import Planner
 
@@ -133,12 +136,19 @@ class StepData:
 @dataclass(frozen=True)
 class StepRun:
     """One step as Megatron ran it: the plan, Megatron's `forward_data_store` (what the loss
-    function logged, one entry per wave) and each wave's measured peak in bytes."""
+    function logged, one entry per wave), each wave's measured peak in bytes and what
+    `Planner.observe` returned for it (None where nothing was observed)."""
 
     plan: Plan
     logged: list
     peaks: tuple[int, ...]
     measured: str
+    observations: tuple[WaveObservation | None, ...] = ()
+
+    @property
+    def misses(self) -> tuple[WaveObservation, ...]:
+        """The observed waves whose peak went above their estimate."""
+        return misses(self.observations)
 
 
 # --- packing ----------------------------------------------------------------------------------
@@ -373,11 +383,11 @@ def run_plan(model, plan: Plan, data: StepData, loss_func: Callable, *,
         for wave in packs:
             for p in wave:
                 thd.forget(p.cu)
+    observations = ()
     if planner is not None and not forward_only:
-        for wave, peak in zip(plan.waves, peaks, strict=True):
-            if peak > 0:
-                planner.observe(wave, peak_bytes=peak)
-    return StepRun(plan=plan, logged=list(logged), peaks=tuple(peaks), measured=peaks_of.name)
+        observations = observe_waves(planner, plan.waves, [p if p > 0 else None for p in peaks])
+    return StepRun(plan=plan, logged=list(logged), peaks=tuple(peaks), measured=peaks_of.name,
+                   observations=observations)
 
 
 def train_step(model, planner: Planner, data: StepData, free_bytes, loss_func: Callable, *,

@@ -22,6 +22,18 @@ as the maximum over `dp_group`.
 version; `max_token_len` is then ignored). See docs/integration.md for the plugin module and
 the veRL configuration.
 
+Peaks: measure each micro-batch's peak as it runs (e.g. `torch.cuda.max_memory_allocated()`
+above `memory_allocated()` at its start) and pass them, in the plan's order, to
+`observe_micro_batches(planner, plan, peaks)` or `handle.observe(peaks)`: the planner learns
+from them, and a micro-batch whose peak went above its estimate is warned about and recorded
+(`Planner.observe`, docs/faq.md#a-wave-missed-its-estimate).
+
+`balance_batch` replaces the driver's data-parallel balance (`RayPPOTrainer._balance_batch`:
+Karmarkar-Karp on 24576 s + s^2, equal counts, no memory priced) with the group plan
+(`planner.group.plan_group`, equal counts, sequences unshared): the batch is reordered so that
+the dispatch's equal chunks are the group plan's shares; `install(..., balance_dp=True)` puts
+it in the driver.
+
 torch and veRL are imported when called.
 """
 
@@ -36,6 +48,8 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.step import Step
 
+from ..group import GroupPlan, plan_group
+from ..misses import WaveObservation, misses, observe_waves
 from ..plan import Plan
 from ..planner import Planner
 
@@ -86,7 +100,7 @@ def plan_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=None,
                        model_parallel_group=None, group=None, num_batches_divided_by=None,
                        same_micro_num_in_dp: bool = True, min_num_micro_batch=None,
                        force_group_size: int = 1, grad: bool = True,
-                       time_budget_ms: float = 5.0) -> Plan:
+                       time_budget_ms: float | None = None) -> Plan:
     """The plan behind `rearrange_micro_batches`: the batch's sequences, unshared, cut into
     waves that fit `free_bytes` (bytes per rank; a number, one per rank, or a callable
     returning either, called once).
@@ -130,6 +144,15 @@ def plan_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=None,
     return plan
 
 
+def observe_micro_batches(planner: Planner, plan: Plan, peak_bytes) -> tuple[WaveObservation | None, ...]:
+    """Feed each micro-batch's measured peak (bytes, in the plan's order; a number or one per
+    rank; None or 0: not measured, skipped) to `planner.observe`. Returns the observations
+    (`misses.misses` filters the misses, each already warned about and recorded). O(waves)."""
+    if not isinstance(plan, Plan):
+        raise bad(ConfigError, "plan", type(plan).__name__, "must be the Plan the micro-batches came from")
+    return observe_waves(planner, plan.waves, peak_bytes)
+
+
 def _dist_ready() -> bool:
     import torch.distributed as dist
 
@@ -147,7 +170,7 @@ def rearrange_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=Non
                             num_batches_divided_by=None, same_micro_num_in_dp: bool = True,
                             min_num_micro_batch=None, use_dynamic_bsz_balance: bool = True,
                             force_group_size: int = 1, model_parallel_group=None, group=None,
-                            grad: bool = True, time_budget_ms: float = 5.0):
+                            grad: bool = True, time_budget_ms: float | None = None):
     """Split a veRL batch (a TensorDict with `input_ids`, nested or padded with an
     `attention_mask`) into memory-priced micro-batches.
 
@@ -169,6 +192,36 @@ def rearrange_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=Non
     return [_select(batch, idx) for idx in indices], indices
 
 
+# --- the driver's data-parallel balance -------------------------------------------------------
+
+
+def balance_batch(batch, dp: int, *, planner: Planner, free_bytes, metrics: dict | None = None,
+                  logging_prefix: str = "global_seqlen", grad: bool = True,
+                  time_budget_ms: float = 5.0) -> GroupPlan:
+    """Reorder a veRL `DataProto` (its `attention_mask` gives each sequence's length, as
+    `_balance_batch` reads it) in place so that its `dp` equal chunks, as veRL's dispatch cuts
+    them, are the shares of the group plan: equal counts, every rank the same number of
+    waves of `free_bytes` (a number, or one per data-parallel rank), balanced predicted time.
+    Each share is planned as `plan_micro_batches` plans it on its rank (sequences unshared,
+    the same `grad` and `time_budget_ms`), so the ranks' own plans need the group's wave count.
+    `metrics` gets veRL's `log_seqlen_unbalance` figures. Returns the group plan. O(plan_group)."""
+    import torch
+    from verl.utils.seqlen_balancing import log_seqlen_unbalance
+
+    mask = batch.batch["attention_mask"]
+    lengths = mask.view(mask.shape[0], -1).sum(-1)
+    n = int(lengths.numel())
+    step = Step.from_lengths(np.zeros(n, np.int64), lengths.cpu().numpy().astype(np.int64), grads=grad)
+    group = plan_group(planner, step, dp, _budget(free_bytes), keep_groups=False, equal_counts=True,
+                       time_budget_ms=time_budget_ms)
+    batch.reorder(torch.tensor([i for share in group.shares for i in share]))
+    if metrics is not None:
+        metrics.update(log_seqlen_unbalance(seqlen_list=lengths.tolist(),
+                                            partitions=[list(s) for s in group.shares],
+                                            prefix=logging_prefix))
+    return group
+
+
 # --- under veRL's engine --------------------------------------------------------------------
 
 _PATCHED = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
@@ -177,15 +230,38 @@ _PATCHED = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
 @dataclass
 class Installed:
     """What `install` put in place: the planner and budget every call uses, the last plan
-    made (for `Planner.observe` or logging) and how many calls were planned. `restore()`
-    puts veRL's token-budget function back."""
+    made, how many calls were planned and what `observe` returned for the last plan's
+    micro-batches. `restore()` puts veRL's token-budget function back."""
 
     planner: Planner
     free_bytes: object
     options: dict
     last_plan: Plan | None = None
     calls: int = 0
+    last_observations: tuple[WaveObservation | None, ...] = ()
     _original: Callable | None = field(default=None, repr=False)
+    last_group: GroupPlan | None = None
+    _original_balance: Callable | None = field(default=None, repr=False)
+
+    def balance(self, trainer, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        """`RayPPOTrainer._balance_batch`'s signature (`trainer` is the driver): the group
+        plan's shares (`balance_batch`); veRL's own balance where the group plan does not
+        apply (`keep_minibatch`, the prefix grouper)."""
+        if keep_minibatch or getattr(trainer, "use_prefix_grouper", False):
+            return self._original_balance(trainer, batch, metrics, logging_prefix=logging_prefix,
+                                          keep_minibatch=keep_minibatch)
+        dp = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
+        self.last_group = balance_batch(batch, dp, planner=self.planner, free_bytes=self.free_bytes,
+                                        metrics=metrics, logging_prefix=logging_prefix,
+                                        grad=self.options["grad"],
+                                        time_budget_ms=self.options["time_budget_ms"])
+
+    def observe(self, peak_bytes) -> tuple[WaveObservation, ...]:
+        """The last plan's micro-batch peaks (`observe_micro_batches`); returns the misses."""
+        if self.last_plan is None:
+            raise bad(ConfigError, "last_plan", None, "no micro-batches were planned yet")
+        self.last_observations = observe_micro_batches(self.planner, self.last_plan, peak_bytes)
+        return misses(self.last_observations)
 
     def rearrange(self, batch, max_token_len=None, dp_group=None, num_batches_divided_by=None,
                   same_micro_num_in_dp=True, min_num_micro_batch=None,
@@ -210,11 +286,18 @@ class Installed:
             module = sys.modules.get(name)
             if module is not None and module.rearrange_micro_batches == self.rearrange:
                 module.rearrange_micro_batches = self._original
+        if self._original_balance is not None:
+            trainer = sys.modules[_DRIVER].RayPPOTrainer
+            trainer._balance_batch = self._original_balance
+            self._original_balance = None
+
+
+_DRIVER = "verl.trainer.ppo.ray_trainer"
 
 
 def install(planner: Planner, free_bytes: object | Callable[[], object], *,
             model_parallel_group=None, group=None, grad: bool = True,
-            time_budget_ms: float = 5.0) -> Installed:
+            time_budget_ms: float | None = None, balance_dp: bool = False) -> Installed:
     """Make veRL's engine plan its dynamic micro-batches with `planner`: replaces
     `rearrange_micro_batches` in `verl.utils.seqlen_balancing` (used by
     `prepare_dynamic_batch`) and in `verl.workers.engine.utils` (used by the engine's
@@ -225,7 +308,11 @@ def install(planner: Planner, free_bytes: object | Callable[[], object], *,
     `parallel_state.get_model_parallel_group`, needed with TP/PP/CP > 1 so that
     model-parallel peers share one budget and one plan). Call it in every worker process,
     e.g. from a plugin module that veRL imports (`VERL_USE_EXTERNAL_MODULES`; see
-    docs/integration.md)."""
+    docs/integration.md). `balance_dp=True` (in the driver process): also replaces the driver's
+    data-parallel balance, `RayPPOTrainer._balance_batch`, with the group plan
+    (`Installed.balance`, `balance_batch`); `free_bytes` is then each rank's free bytes as the
+    driver knows them (a number, or one per data-parallel rank)."""
+    import importlib
     import sys
 
     import verl.utils.seqlen_balancing as balancing
@@ -238,4 +325,14 @@ def install(planner: Planner, free_bytes: object | Callable[[], object], *,
         module = sys.modules.get(name)
         if module is not None:
             module.rearrange_micro_batches = handle.rearrange
+    if balance_dp:
+        trainer = importlib.import_module(_DRIVER).RayPPOTrainer
+        handle._original_balance = trainer._balance_batch
+        balance = handle.balance
+
+        def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+            return balance(self, batch, metrics, logging_prefix=logging_prefix,
+                           keep_minibatch=keep_minibatch)
+
+        trainer._balance_batch = _balance_batch
     return handle

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import layout_terms
+from .. import entries, layout_terms
 from ..atomic_io import write_text_atomic
 from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from ..errors import ConfigError, bad
@@ -280,7 +280,7 @@ def traced_dispatcher_table(table: CoefficientTable) -> CoefficientTable:
     (te-gpu). O(terms), cached per table."""
     from ..moe_terms import PERMUTATION
 
-    if PERMUTATION not in table.terms:
+    if not table.kernels.permutation:
         return table
     key = id(table)
     hit = _STAND_IN_CACHE.get(key)
@@ -307,7 +307,7 @@ def decoder_table(table: CoefficientTable) -> CoefficientTable:
     decoder's own final norm stays), the logits of the structural head-forward term too
     (`layout_terms.sp_head_forward_per_row`: its hidden-wide part stays)."""
     out = _scaled(table, {g: 0.0 for g in LOGITS_GROUPS}, note=None)
-    forward = out.terms.get(layout_terms.SP_HEAD)
+    forward = entries.entry(out, layout_terms.SP_HEAD)
     if forward is not None:
         forward = dict(forward, per_row={w: 0.0 if w == "vocab" else c for w, c in forward["per_row"].items()})
         out = dataclasses.replace(out, terms=dict(out.terms, **{layout_terms.SP_HEAD: forward}))
@@ -327,34 +327,43 @@ def point_phases(num_layers: int) -> np.ndarray:
 
 
 def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
-    """Every walk point of the record's one-group wave, in bytes (`pricing.walk`'s schedule;
-    the head's backward split in its logits and final-norm moments). Its maximum is the
-    wave's raw price (tests check it against `price_groups`). O(layers)."""
+    """Every walk point of the record's one-group wave, in bytes (`model_points` of the
+    record's model and wave). Its maximum is the wave's raw price. O(layers)."""
     from ..price import rank_rows
 
     rows, segments = _wave(record)
     model = _model(table, record["cell"])
-    rows = rank_rows(model, rows)   # the busiest CP rank's rows (all of them at CP1)
-    a = model.arrays
-    ret, ws, gdn = a["retained"], a["workspace"], a["gdn_state"]
+    # the busiest CP rank's rows (all of them at CP1)
+    return model_points(model, rank_rows(model, rows), segments)
+
+
+def model_points(model, rows: float, segments: float) -> np.ndarray:
+    """Every walk point of a one-group gradient wave of `rows` rank rows (logical rows alike,
+    no chunk padding, its longest sequence unknown) and `segments` that carries its slot's
+    pending gradients, in raw bytes without the first execution: `pricing.walk`'s schedule in
+    numpy, the head's backward split in its logits and final-norm moments (calibration fits
+    against these). Its maximum is `price_groups`' raw price (tests/test_schedule_forms.py).
+    O(layers)."""
+    a, c = model.charges.walk, model.charges
+    ret, ws, gdn = a.retained, a.workspace, a.gdn_state
     cum = np.cumsum(ret)
     total = float(ret.sum())
-    suffix = np.cumsum(a["pending"][0][::-1])[::-1] if a["pending"].size else np.zeros(len(ret))
-    parts, ig, const = a["head_parts"], a["input_grad"], a["head_const"]
-    head_ret = parts["logits_retained"] + parts["norm_saved"]
-    late = ig + parts["layout_residual"]   # beside the head's backward (the residual: full recompute)
-    fwd = a["forward_parts"]
+    suffix = np.cumsum(a.pending[0][::-1])[::-1] if a.pending.size else np.zeros(len(ret))
+    parts, ig, const = c.head, a.input_grad, a.head_const
+    head_ret = parts.logits_retained + parts.norm_saved
+    late = ig + parts.layout_residual   # beside the head's backward (the residual: full recompute)
+    fwd = c.forward
     # in this order (`point_phases` says which pass each runs in)
-    points = [rows * (cum - ret + fwd["nograd"]) + segments * gdn,
-              rows * (cum - ret + fwd["retained_forward"]) + segments * gdn,
+    points = [rows * (cum - ret + fwd.nograd) + segments * gdn,
+              rows * (cum - ret + fwd.retained_forward) + segments * gdn,
               rows * (cum + ws + ig) + suffix + segments * gdn,
-              [rows * (total + max(head_ret, a["head_forward"])) + const,
-               rows * (total + late + head_ret + parts["logits_transient"]) + const,
+              [rows * (total + max(head_ret, a.head_forward)) + const,
+               rows * (total + late + head_ret + parts.logits_transient) + const,
                # the final norm's backward, with the logits still charged at TP1
                # (`layout_terms.head_point_transient`)
-               rows * (total + late + parts["norm_saved"] + parts["logits_at_norm"]
-                       + parts["norm_backward"]) + const]]
-    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a["caller"] * rows
+               rows * (total + late + parts.norm_saved + parts.logits_at_norm
+                       + parts.norm_backward) + const]]
+    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a.caller * rows
 
 
 # --- scaling a table ------------------------------------------------------------------------

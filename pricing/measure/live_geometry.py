@@ -209,6 +209,8 @@ def _features(config, gpt, mla: bool) -> ModelFeatures:
         qkv_bias=bool(config.add_qkv_bias) and not config.add_bias_linear,
         linear_bias=bool(config.add_bias_linear), sliding_window=window,
         full_attention_interval=interval, attention_sinks=config.softmax_type == "learnable",
+        shared_expert_gate=bool(config.num_moe_experts and config.moe_shared_expert_intermediate_size
+                                and getattr(config, "moe_shared_expert_gate", False)),
         mlp_activation=_activation(config), **router, **recorded)
 
 

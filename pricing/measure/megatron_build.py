@@ -360,6 +360,8 @@ def build_config(geometry: ModelGeometry, *, num_layers: int | None = None,
                   moe_router_dtype="fp32")
         if moe.shared_expert_ffn:
             kw["moe_shared_expert_intermediate_size"] = moe.shared_expert_ffn
+            if geometry.features.shared_expert_gate:   # Qwen2-MoE: sigmoid-gated shared expert
+                kw["moe_shared_expert_gate"] = True
     if recompute.mode == RecomputeMode.FULL:
         kw.update(recompute_granularity="full", recompute_method=recompute.method,
                   recompute_num_layers=recompute.num_layers)

@@ -42,17 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
-import os
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, bad
 from ..geometry import MixerKind, MlpKind, ModelGeometry
 from ..parallel import ParallelLayout, Recompute
+from .gloo_launch import spawn
 
 ROUTINGS = ("balanced", "router")
 DEFAULT_TIMEOUT_S = 1800.0
@@ -311,7 +307,7 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
         "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
                   "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
     }
-    per_rank = _spawn(spec, size, timeout_s)
+    per_rank = spawn(spec, size, timeout_s, entry=f"{__name__}:trace_rank")
     out = []
     for k, job in enumerate(jobs):
         lens = padded_lens(job.seq_lens, layout)
@@ -327,114 +323,6 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
     return out
 
 
-@contextlib.contextmanager
-def _child_env():
-    """Environment the rank processes inherit (spawn copies os.environ at start)."""
-    wanted = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "MKL_NUM_THREADS": "1",
-              "PYTHONHASHSEED": "0"}
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _spawn(spec: dict, size: int, timeout_s: float) -> list[list[dict]]:
-    """Run `_rank_main` on `size` processes; every rank's list of job results."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="waveplan-ranks-") as tmp:
-        spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp)
-        with _child_env():
-            ctx = mp.start_processes(_rank_main, args=(spec,), nprocs=size, join=False,
-                                     start_method="spawn")
-        deadline = time.monotonic() + timeout_s + 60.0
-        try:
-            while not ctx.join(timeout=2.0):
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"multi-rank trace: the {size} rank processes did not "
-                                      f"finish within timeout_s={timeout_s:g} s"
-                                      + _errors(tmp, size))
-        except ConfigError:
-            _stop(ctx)
-            raise
-        except Exception as exc:  # a rank failed: ProcessRaisedException / ProcessExitedException
-            _stop(ctx)
-            raise ConfigError(f"multi-rank trace failed: {exc}".rstrip() + _errors(tmp, size)) from None
-        results = []
-        for r in range(size):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if not os.path.exists(path):
-                raise ConfigError(f"multi-rank trace: rank {r} wrote no result" + _errors(tmp, size))
-            with open(path, encoding="utf-8") as fh:
-                results.append(json.load(fh))
-        return results
-
-
-def _errors(tmp: str, size: int) -> str:
-    """The first rank error file's text, for an error message."""
-    for r in range(size):
-        path = os.path.join(tmp, f"rank{r}.error")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as fh:
-                return f"\nrank {r}: " + fh.read()[-4000:]
-    return ""
-
-
-def _stop(ctx) -> None:
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    for p in ctx.processes:
-        p.join(10)
-
-
-# --- inside a rank process -----------------------------------------------------------------
-
-
-def _rank_main(rank: int, spec: dict) -> None:
-    """Entry point of rank `rank` (spawned): the wave of `_trace_rank`, or with
-    `spec["pipeline"]` the pipeline schedule of `pipeline_trace.trace_pipeline_rank`. Writes rank{r}.json, or rank{r}.error and
-    re-raises; leaves with os._exit after a final barrier (gloo's teardown can abort a
-    process after its result is written)."""
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    import datetime
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    layout = spec["layout"]
-    size = layout["tp"] * layout["cp"] * layout["dp"] * layout.get("pp", 1)
-    timeout = datetime.timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=rank,
-                            world_size=size, timeout=timeout)
-    try:
-        if spec.get("pipeline"):
-            from .pipeline_trace import trace_pipeline_rank
-
-            results = trace_pipeline_rank(spec)
-        else:
-            results = _trace_rank(spec)
-    except BaseException:
-        with open(os.path.join(spec["out_dir"], f"rank{rank}.error"), "w", encoding="utf-8") as fh:
-            fh.write(traceback.format_exc())
-        raise
-    tmp = os.path.join(spec["out_dir"], f"rank{rank}.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(results, fh)
-    os.replace(tmp, os.path.join(spec["out_dir"], f"rank{rank}.json"))
-    dist.barrier()
-    os._exit(0)
-
-
 def spec_geometry(spec: dict) -> ModelGeometry:
     """The geometry a rank process was sent: `spec["geometry"]` with `spec["extra"]` (the
     live-build switches, e.g. qk_layernorm) put back."""
@@ -446,7 +334,7 @@ def spec_geometry(spec: dict) -> ModelGeometry:
     return geometry
 
 
-def _trace_rank(spec: dict) -> list[dict]:
+def trace_rank(spec: dict) -> list[dict]:
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
@@ -476,7 +364,7 @@ def _trace_rank(spec: dict) -> list[dict]:
     return out
 
 
-def _inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int, packed: bool = True):
+def rank_inputs(torch, lens, vocab, layout: ParallelLayout, cp_rank: int, packed: bool = True):
     """Token ids, positions, labels and packed-sequence parameters of this rank: the whole
     wave (THD, global cu_seqlens) or, under CP, this rank's two chunks of each sequence
     (positions and RoPE continue at each chunk's global offset). `packed=False`: the wave
@@ -555,7 +443,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
         if spec["anatomy"]:
             stack.enter_context(module_stack(model, stack_names))
         if model.pre_process:
-            model.embedding.register_forward_hook(_standard_strides, prepend=True)
+            model.embedding.register_forward_hook(standard_strides, prepend=True)
         if not spec.get("packed", True):
             # one causal row (b = 1): the layers' transposes keep b = 1 strides
             for module in model.modules():
@@ -578,7 +466,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             with tracker:
                 # as the single-rank tracer counts: the inputs are made inside the tracker
                 # (so they stay in its live sum) and the peak starts after them
-                ids, pos, labels, packed, cu = _inputs(torch, lens, geometry.vocab, layout,
+                ids, pos, labels, packed, cu = rank_inputs(torch, lens, geometry.vocab, layout,
                                                        cp_rank, spec.get("packed", True))
                 base = tracker.ignore([ids, pos, labels, cu])
                 tracker.reset_peak()
@@ -621,7 +509,7 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             "max_rss_bytes": _max_rss_bytes()}
 
 
-def _standard_strides(module, inputs, output):
+def standard_strides(module, inputs, output):
     """The embedding's output with row-major strides (a forward hook, before LoRA's).
 
     Megatron transposes the embedding [b, s, h] to [s, b, h] and calls `.contiguous()`, which
@@ -645,7 +533,7 @@ def _standard_input_strides(module, args):
     Megatron's GatedDeltaNet (and the attention's core output) transposes [b, s, x] back to
     [s, b, x] and calls `.contiguous()`, which keeps the transposed strides when b = 1; torch's
     CPU `matmul` then broadcasts a TP shard's weight over the s rows (the copy
-    `_standard_strides` describes: gigabytes at 2048 rows, enough to kill a rank).
+    `standard_strides` describes: gigabytes at 2048 rows, enough to kill a rank).
     `squeeze(1).unsqueeze(1)` gives the same storage row-major strides with no copy and a view's
     backward, so the counted bytes are unchanged."""
     view = _row_major_view(args[0]) if args else None

@@ -2,7 +2,7 @@
 and when it happened.
 
 `trace_pipeline(geometry, layout=..., waves=[...])` spawns TP x PP processes (the multi-rank
-tracer's launcher, `multirank._spawn`). Each rank sets up Megatron's `parallel_state` with the
+tracer's launcher, `gloo_launch.spawn`). Each rank sets up Megatron's `parallel_state` with the
 layout, builds its stage of the model (`megatron_build.build_gpt`: the first stage has the
 embedding, the last the final norm and output layer, each its even share of the layers, LoRA
 adapters on every linear) and runs one training step through
@@ -34,6 +34,7 @@ from ..errors import ConfigError, bad
 from ..geometry import MlpKind, ModelGeometry
 from ..parallel import ParallelLayout, Recompute
 from ..pipeline import check_schedule
+from .gloo_launch import spawn
 from .multirank import DEFAULT_TIMEOUT_S, padded_lens, spec_geometry
 
 COUNTED = ("live untyped storages created by aten ops during the pipeline step on each rank "
@@ -154,7 +155,6 @@ def trace_pipeline(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
     """Run `waves` (each a list of sequence lengths: one micro-batch) through Megatron-core's
     1F1B schedule on TP x PP gloo ranks; see the module doc. Each sequence is padded to the
     layout's row multiple."""
-    from .multirank import _spawn
 
     spec = pipeline_spec(geometry, layout=layout, waves=waves, num_layers=num_layers,
                          recompute=recompute, lora_rank=lora_rank, timeout_s=timeout_s,
@@ -168,7 +168,7 @@ def trace_pipeline(geometry: ModelGeometry, *, layout: ParallelLayout, waves,
         notes.append(f"each sequence padded to a multiple of {layout.row_multiple} rows")
     recompute = recompute or Recompute()
     size = layout.tp * layout.pp
-    per_rank = _spawn(spec, size, timeout_s)
+    per_rank = spawn(spec, size, timeout_s, entry=f"{__name__}:trace_pipeline_rank")
     ranks = []
     for r in range(size):
         d = per_rank[r][0]
@@ -232,7 +232,7 @@ def _labelled_tracker_class():
 
 def trace_pipeline_rank(spec: dict) -> list[dict]:
     """This rank's results, one per job (`pipeline_spec`), in a process whose gloo group
-    (TP x PP ranks) is initialised (`multirank._rank_main` does it)."""
+    (TP x PP ranks) is initialised (`gloo_launch._rank_main` does it)."""
 
     import torch
     from megatron.core import parallel_state as ps
@@ -257,7 +257,7 @@ def _run_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dict,
 
     from . import thd
     from .megatron_build import build_gpt
-    from .multirank import _inputs, _standard_strides
+    from .multirank import rank_inputs, standard_strides
     from .trace import storage_bytes
 
     waves = [[int(n) for n in w] for w in job["waves"]]
@@ -275,12 +275,12 @@ def _run_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dict,
         model.config.variable_seq_lengths = True
         model.config.deallocate_pipeline_outputs = True
         if model.pre_process:
-            model.embedding.register_forward_hook(_standard_strides, prepend=True)
+            model.embedding.register_forward_hook(standard_strides, prepend=True)
         model.train()
         params = list(model.parameters()) + list(model.buffers())
         weights = storage_bytes(params)
         tracker.ignore(params)
-        batches = [_inputs(torch, w, geometry.vocab, layout, 0) for w in waves]
+        batches = [rank_inputs(torch, w, geometry.vocab, layout, 0) for w in waves]
         inputs = [t for ids, pos, labels, _, cu in batches for t in (ids, pos, labels, cu)]
         base = tracker.ignore(inputs)
         counter = {"forward": 0, "backward": 0}

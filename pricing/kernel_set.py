@@ -1,0 +1,87 @@
+"""The kernel set a table was fitted on, and the framework that runs it: chosen once per table
+(docs/memory-model.md#calibration).
+
+Two kernel sets ship: Transformer Engine's fused GPU kernels (te-gpu: the TP1-fitted stage and
+retained terms, nothing structural) and plain PyTorch CPU kernels (torch-cpu: the fitted terms
+plus the structural ones read off the traces, which price layers by what they hold). A user's
+table may carry any subset of the optional entries; `KernelSet.of` reads which, through the
+entry registry (`entries.has`), so no term function probes the table. The framework is
+Megatron-core's; `FRAMEWORKS` is where a second one registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import entries
+from .compat import StrEnum
+
+
+class Framework(StrEnum):
+    """The training framework whose schedule and layers are priced."""
+
+    MEGATRON = "megatron"
+    """Megatron-core's GPTModel under its 1F1B schedule."""
+
+
+FRAMEWORKS: tuple[Framework, ...] = (Framework.MEGATRON,)
+"""The frameworks the memory model prices; a new framework adds its member and its pricer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelSet:
+    """Which optional table entries apply: what the table's kernels are priced with."""
+
+    structural: bool
+    """The structural layer terms (`sp_retained_layer`): retained layers under TP with SP, GDN
+    layers and the TP1 structural layer priced by what they hold (plain PyTorch kernels)."""
+    sp_point: bool
+    """The MLP output projection's backward point under TP with SP (`sp_fc2_point`), and the
+    MoE and GDN layers' structural backward points beside it."""
+    norm_point: bool
+    """The input norm's backward point with replicated norms (`layer_norm_point`)."""
+    sp_head: bool
+    """The full-native head's forward under SP (`sp_head_forward`)."""
+    tp1_point: bool
+    """A plain dense TP1 layer recomputed at its FC1 backward (`tp1_fc1_point`)."""
+    cp_release: bool
+    """What ring attention releases under CP (`cp_attention_release`)."""
+    permutation: bool
+    """The MoE dispatcher's sort copy (`moe_permutation`)."""
+    gdn_padding: bool
+    """The GDN kernel's chunk padding (`gdn_chunk_padding`)."""
+    retained_forward: bool
+    """A retained layer's own forward peak (`retained_forward`)."""
+    retained_backward: bool
+    """A retained layer's backward transient (`retained_backward`)."""
+    moe_nograd: bool
+    """A MoE layer's no-grad forward transient (`moe_nograd`)."""
+    moe_expert_backward: bool
+    """The routed experts' backward (`moe_expert_backward`)."""
+    framework: Framework = Framework.MEGATRON
+    """The framework the table's traces ran."""
+
+    @classmethod
+    def of(cls, table) -> KernelSet:
+        """The kernel set of `table`, read once from its entries. O(entries)."""
+        h = entries.has
+        return cls(structural=h(table, "sp_retained_layer"), sp_point=h(table, "sp_fc2_point"),
+                   norm_point=h(table, "layer_norm_point"), sp_head=h(table, "sp_head_forward"),
+                   tp1_point=h(table, "tp1_fc1_point"), cp_release=h(table, "cp_attention_release"),
+                   permutation=h(table, "moe_permutation"), gdn_padding=h(table, "gdn_chunk_padding"),
+                   retained_forward=h(table, "retained_forward"),
+                   retained_backward=h(table, "retained_backward"),
+                   moe_nograd=h(table, "moe_nograd"),
+                   moe_expert_backward=h(table, "moe_expert_backward"))
+
+    @property
+    def name(self) -> str:
+        """'plain-cpu' (the structural terms) or 'fused-gpu' (the fitted terms alone)."""
+        return "plain-cpu" if self.structural else "fused-gpu"
+
+    def structural_at_tp1(self, *, retained: bool, plain_dense: bool) -> bool:
+        """Whether a plain dense model's TP1 layers are priced by what they hold: retained by
+        the structural layer at TP = 1, recomputed at their FC1 backward
+        (docs/memory-model.md#tp1-structural)."""
+        entry = self.structural if retained else self.tp1_point
+        return plain_dense and entry and self.sp_head

@@ -1,0 +1,77 @@
+"""An attention layer with a dense MLP: its stage (full recompute: the fitted stage sum raised
+to its structural backward points, or at TP1 its FC1 backward) and its retained activations
+(the fitted layer, against what it keeps gathered under TP with SP; at TP1 the structural
+layer) (docs/memory-model.md#sp-fc2-point, #sp-retained-layer, #tp1-structural).
+"""
+
+from __future__ import annotations
+
+from .. import layout_terms
+from ..geometry import LayerSpec
+from ..pipeline import rope_cache_per_row
+from .common import (
+    fitted_retained,
+    fused_attention_mixer,
+    mlp_stage,
+    norm_point,
+    norms,
+    sp_layer_release,
+)
+from .context import LayerContext
+
+
+def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) -> tuple[float, bool]:
+    """The layer's stage workspace per row (`mixer`: the mixer's stage, default the fused-QKV
+    attention's), and whether it is a structural point (no layout residual beside it)."""
+    t, widths = ctx.table, ctx.widths
+    rope_rows = rope_cache_per_row(ctx.geometry, [layer])
+    if ctx.full and ctx.tp1_structural:
+        # a plain dense model's TP1 layer at its FC1 backward (layout_terms.tp1_fc1_point_per_row)
+        return (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True)
+                + ctx.qk_structural_per_row - ctx.cp_release_per_row), False
+    mixer = fused_attention_mixer(ctx) if mixer is None else mixer
+    fitted = mixer + mlp_stage(ctx, layer) + norms(ctx)
+    if not ctx.full:
+        return fitted, False
+    # the recomputed layer's backward points the fitted stage misses: the input norm's with
+    # replicated norms (TP without SP), the MLP's output projection's with gathered inputs
+    fc2 = layout_terms.sp_fc2_point_per_row(t, widths, tp=ctx.tp, rope_per_row=rope_rows,
+                                            sequence_parallel=ctx.sp_div > 1)
+    points = max(norm_point(ctx, layer), fc2)
+    return (max(fitted, points - ctx.cp_release_per_row) if points else fitted), False
+
+
+def sp_retained(ctx: LayerContext, layer: LayerSpec, *, fitted: float) -> tuple[float, float]:
+    """What the layer keeps gathered under TP with SP, or at a credited TP1 with the TP1
+    structural layer (`layout_terms.sp_retained_layer_per_row`), against the fitted layer
+    (`fitted`): its retained activations (the larger) and its forward peak per row (0 without
+    the entry)."""
+    g, t = ctx.geometry, ctx.table
+    less = sp_layer_release(ctx, layer)
+    kw = dict(tp=ctx.tp, rope_per_row=rope_cache_per_row(g, [layer]),
+              sequence_parallel=ctx.sp_div > 1, at_tp1=ctx.tp1_structural)
+    sp_layer = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, **kw)
+    sp_layer = sp_layer - less + ctx.qk_structural_per_row if sp_layer else 0.0
+    sp_forward = layout_terms.sp_retained_layer_per_row(t, ctx.widths_r, forward=True, **kw)
+    sp_forward = sp_forward - less + ctx.qk_structural_per_row if sp_forward else 0.0
+    return max(fitted, sp_layer), sp_forward
+
+
+def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
+             moe_extra: float) -> tuple[float, float]:
+    """The layer's retained activations per row and its own structural forward peak (0 without
+    one); under full recompute what a multi-layer chunk re-materialises."""
+    if ctx.tp1_structural and not ctx.full:
+        # the TP1 structural layer in place of the fitted one (layout_terms.structural_at_tp1)
+        kept, forward = sp_retained(ctx, layer, fitted=0.0)
+        return kept + extra, forward + extra
+    fitted = fitted_retained(ctx, layer, extra=extra)
+    if not ctx.full and ctx.sp_div > 1:
+        return sp_retained(ctx, layer, fitted=fitted)
+    return fitted, 0.0
+
+
+def residual_covered(ctx: LayerContext, layer: LayerSpec) -> bool:
+    """Whether the structural layout terms cover the layer (it takes the layout residual
+    fitted with them): at TP1 only beside the TP1 structural layer or point."""
+    return ctx.tp1_structural if ctx.tp == 1 else True

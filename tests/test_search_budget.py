@@ -1,0 +1,136 @@
+"""What the time budget buys (docs/faq.md#time-budget): the default rule, clock mode never
+worse than the deterministic plan of the same budget, and a larger deterministic budget never
+giving more waves. No test here reads a timing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from search_fakes import FakePricer, grpo_step, make_step, real_model, real_pricer
+
+from waveplan.search import PackerKind, check_plan, default_time_budget_ms, pack
+from waveplan.search.options import DEFAULT_MS_PER_REQUEST, DEFAULT_TIME_BUDGET_MS
+from waveplan.search.packers import not_proven_why
+
+FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def steps(draw):
+    groups, slots, grads = [], [], []
+    for _ in range(draw(st.integers(1, 10))):
+        pre = draw(st.integers(0, 3000))
+        members = draw(st.lists(st.integers(1, 6000), min_size=1, max_size=8))
+        groups.append((pre, members))
+        slots.append(draw(st.sampled_from(["a", "b"])))
+        grads.append(draw(st.booleans()))
+    return make_step(groups, slots=slots, grads=grads)
+
+
+def _budget(step, pricer, factor: float) -> int:
+    worst = max(pricer.price([np.asarray([i])],
+                             first_slots=frozenset({r.slot}) if r.grad else frozenset()
+                             ).admitted_bytes for i, r in enumerate(step.requests))
+    return int(worst * factor)
+
+
+def test_the_default_rule():
+    assert default_time_budget_ms(1) == DEFAULT_TIME_BUDGET_MS == 5.0
+    assert default_time_budget_ms(200) == 5.0
+    assert default_time_budget_ms(2048) == DEFAULT_MS_PER_REQUEST * 2048 == 51.2
+    sizes = [1, 32, 128, 200, 201, 512, 2048, 10000]
+    budgets = [default_time_budget_ms(n) for n in sizes]
+    assert budgets == sorted(budgets)
+
+
+def test_no_budget_is_the_default_rule_and_an_explicit_one_wins():
+    step = grpo_step(0, 256)
+    pricer = FakePricer(step)
+    budget = _budget(step, pricer, 3.0)
+    plain = pack(step, pricer, budget_bytes=budget, deterministic=True)
+    ruled = pack(step, pricer, budget_bytes=budget, deterministic=True,
+                 time_budget_ms=default_time_budget_ms(256))
+    assert [list(w.requests) for w in plain.waves] == [list(w.requests) for w in ruled.waves]
+    timing = ("time_ms", "searches_ms")
+    assert {k: v for k, v in plain.stats.items() if k not in timing} == \
+        {k: v for k, v in ruled.stats.items() if k not in timing}
+    tiny = pack(step, pricer, budget_bytes=budget, deterministic=True, time_budget_ms=0.01)
+    assert tiny.stats["greedy_runs"] <= plain.stats["greedy_runs"]
+
+
+@settings(max_examples=25, **FAST)
+@given(step=steps(), factor=st.floats(1.0, 4.0), ms=st.sampled_from([0.05, 0.5, 2.0, 5.0]))
+def test_clock_mode_is_never_worse_than_deterministic(step, factor, ms):
+    pricer = FakePricer(step)
+    budget = _budget(step, pricer, factor)
+    det = pack(step, pricer, budget_bytes=budget, time_budget_ms=ms, deterministic=True)
+    clock = pack(step, pricer, budget_bytes=budget, time_budget_ms=ms)
+    check_plan(step, pricer, clock, budget_bytes=budget)
+    assert len(clock.waves) <= len(det.waves)
+    assert clock.lower_bound_waves == det.lower_bound_waves
+
+
+@settings(max_examples=25, **FAST)
+@given(step=steps(), factor=st.floats(1.0, 4.0),
+       budgets=st.lists(st.sampled_from([0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 20.0]), min_size=2,
+                        max_size=2, unique=True))
+def test_a_larger_deterministic_budget_never_gives_more_waves(step, factor, budgets):
+    pricer = FakePricer(step)
+    budget = _budget(step, pricer, factor)
+    small, large = sorted(budgets)
+    a = pack(step, pricer, budget_bytes=budget, time_budget_ms=small, deterministic=True)
+    b = pack(step, pricer, budget_bytes=budget, time_budget_ms=large, deterministic=True)
+    assert len(b.waves) <= len(a.waves), (small, len(a.waves), large, len(b.waves))
+
+
+def test_a_plan_not_proven_says_why():
+    if real_model() is None:
+        pytest.skip("needs waveplan.pricing's real model")
+    reasons = []
+    for seed in (1, 3):   # generated steps whose plans stay above their bound at 5 ms
+        step, pricer = real_pricer(grpo_step(seed, 128))
+        budget = _budget(step, pricer, 4.0)
+        for kind in (PackerKind.EXACT, PackerKind.AUTO):
+            res = pack(step, pricer, budget_bytes=budget, packer=kind, deterministic=True)
+            assert res.proven_optimal == (len(res.waves) <= res.lower_bound_waves)
+            if res.proven_optimal:
+                assert "not_proven" not in res.stats
+            else:
+                reasons.append(res.stats["not_proven"])
+                assert res.stats["not_proven"] == not_proven_why(res.stats["exact_status"])
+    assert reasons
+    assert not_proven_why("too-large") == "model size"
+    assert not_proven_why("optimal") == "bound"
+    assert not_proven_why("unknown") == not_proven_why("not-run") == "time"
+    assert not_proven_why("no-time") == "time"
+
+
+@pytest.mark.parametrize("n,seed", [(128, 1), (512, 0)])   # the multistart's rounds; annealing's
+def test_the_clock_left_improves_the_deterministic_plan_and_keeps_it_valid(n, seed):
+    """`_spend_the_rest` with a fixed 0.3 s of clock after the deterministic plan of a
+    real-priced step it leaves above its bound: rounds run (however fast the machine), the
+    plan is never worse and passes every invariant."""
+    import time
+
+    from waveplan.search import packers
+    from waveplan.search.contract import SearchPricer
+    from waveplan.search.options import SearchOptions
+
+    if real_model() is None:
+        pytest.skip("needs waveplan.pricing's real model")
+    step, pricer = real_pricer(grpo_step(seed, n))
+    budget = _budget(step, pricer, 4.0)
+    states = []
+    det = packers._search(step, SearchPricer.of(pricer), budget,
+                          SearchOptions(time_budget_ms=5.0), keep=states)
+    s = states[-1]
+    assert len(det.waves) > det.lower_bound_waves and s.nw > s.lower   # something to improve
+    s.tail_s = 0.0
+    end = time.perf_counter() + 0.3
+    res = packers._spend_the_rest(s, det, lambda: end)
+    check_plan(step, pricer, res, budget_bytes=budget)
+    assert len(res.waves) <= len(det.waves)
+    assert res.stats["clock_rounds"] >= 1
+    assert (res.stats["clock_multistart_iterations"] > 0) == (n < packers.EJECT_MIN_ATOMS)
