@@ -23,7 +23,8 @@ from waveplan.pricing.geometry import (  # noqa: E402
     MoeSpec,
 )
 from waveplan.pricing.measure import gpu_kernels as gk  # noqa: E402
-from waveplan.pricing.measure.trace import _tracker_class, trace_wave, uncounted  # noqa: E402
+from waveplan.pricing.measure.trace import _tracker_class, trace_wave  # noqa: E402
+from waveplan.pricing.measure.uncounted import uncounted  # noqa: E402
 from waveplan.pricing.parallel import Recompute  # noqa: E402
 
 BF16 = torch.bfloat16

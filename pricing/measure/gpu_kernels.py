@@ -5,8 +5,8 @@ the CPU tracer runs plain torch ops: TE's RMSNorm, the fused bias-SwiGLU/GeGLU, 
 RoPE, flash attention, TE's grouped GEMM of the experts, FLA's gated delta rule. Each kernel here is an autograd function that allocates what the GPU kernel
 allocates (its outputs, what its forward saves for the backward, its backward's gradients and
 workspaces, as `torch.empty` on the traced device, so `trace.StorageTracker` counts them) and
-computes its values with plain torch ops inside `trace.uncounted()` (standing for the kernel's
-registers and shared memory, which no allocator sees). The values are exact (the tests compare
+computes its values with plain torch ops inside `uncounted.uncounted()` (standing for the kernel's
+registers and shared memory, which no allocator sees; `uncounted.uncounted`). The values are exact (the tests compare
 losses and gradients with the torch-cpu kernels); only what is counted differs.
 
 `te_gpu_kernels(model)` installs them on a model `megatron_build.build_gpt` built (a context
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, bad
-from .trace import uncounted
+from .uncounted import uncounted
 
 KERNEL_SETS = ("torch-cpu", "te-gpu")
 

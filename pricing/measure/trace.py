@@ -44,24 +44,11 @@ from ..errors import ConfigError, bad
 from ..geometry import MixerKind, MlpKind, ModelGeometry
 from ..parallel import ParallelLayout, Recompute
 from .thd import packed_params, rope_patch
+from .uncounted import ACTIVE as _UNCOUNTED
 
 DEVICES = ("cpu-fake", "cpu", "cuda")
 HEADS = ("full-native", "full-te")
 KERNELS = ("torch-cpu", "te-gpu")
-
-# > 0 while `uncounted()` is active: storages created then are not counted
-_UNCOUNTED = [0]
-
-
-@contextlib.contextmanager
-def uncounted():
-    """Storages that aten ops create inside are not counted by any `StorageTracker` (an
-    allocation model's arithmetic, standing for a fused kernel's registers: `gpu_kernels`)."""
-    _UNCOUNTED[0] += 1
-    try:
-        yield
-    finally:
-        _UNCOUNTED[0] -= 1
 
 
 @dataclass(frozen=True)
@@ -165,7 +152,7 @@ def _tracker_class():
             self.current -= self.live.pop(key, 0)
 
         def _track(self, t) -> None:
-            if _UNCOUNTED[0]:
+            if _UNCOUNTED[0]:   # inside `uncounted.uncounted()`
                 return
             st = t.untyped_storage()
             key = id(st)
