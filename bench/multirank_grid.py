@@ -180,11 +180,12 @@ def class_of(cell: dict) -> str:
 # --- current estimate ----------------------------------------------------------------------
 
 
-def current_estimate(cell: dict) -> dict:
+def current_estimate(cell: dict, *, table: str = "torch-cpu", head: str = "full-native",
+                     geometry=None) -> dict:
     """Today's raw estimate of a cell's busiest rank: `WavePricer` prices the cell's
-    sequences as one first gradient wave (torch-cpu table, head full-native, 2-byte adapter
-    gradients, safety 1.0, no first-execution allowance). Returns raw bytes, basis and
-    reasons."""
+    sequences as one first gradient wave (the `table`, default torch-cpu; `head`, default
+    full-native; 2-byte adapter gradients, safety 1.0, no first-execution allowance) of
+    `geometry` (default the cell's inline one). Returns raw bytes, basis and reasons."""
     import dataclasses
 
     import numpy as np
@@ -197,13 +198,13 @@ def current_estimate(cell: dict) -> dict:
     from waveplan.pricing.step import Request, Step
     from waveplan.pricing.wave_pricer import WavePricer
 
-    g = ModelGeometry.from_dict(cell["geometry"])
+    g = geometry if geometry is not None else ModelGeometry.from_dict(cell["geometry"])
     g = dataclasses.replace(g, layers=g.layers[:cell["num_layers"]])
     lay = dict(cell["layout"])
     layout = ParallelLayout(**lay)
     model = PricingModel(geometry=g, parallel=layout, recompute=Recompute(mode=cell["recompute"]),
                          lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
-                         table=load_table("torch-cpu"), head="full-native", safety=1.0)
+                         table=load_table(table), head=head, safety=1.0)
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n))
                                for i, n in enumerate(cell["seq_lens"])])
     pricer = WavePricer.build(step, model, profiled=True)

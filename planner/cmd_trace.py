@@ -23,7 +23,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from waveplan.pricing.errors import ConfigError
+from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.presets import list_presets
 
 GIB = 1 << 30
@@ -86,6 +86,10 @@ def register(subparsers) -> None:
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                         help="--framework fsdp: attention implementation traced (flash_attention_2 "
                              "does not run on the CPU; it is priced by its allocation model)")
+    parser.add_argument("--kernels", choices=("torch-cpu", "te-gpu"), default="torch-cpu",
+                        help="kernel set on the CPU: torch's ops (default) or te-gpu, allocation "
+                             "models of the fused GPU kernels (TE RMSNorm, flash attention, fused "
+                             "RoPE and SwiGLU; pricing/measure/gpu_kernels.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -113,6 +117,10 @@ def run(args) -> int:
 
     check_schedule(args.virtual_stages, args.pp)
     if args.framework == "fsdp":
+        if args.kernels != "torch-cpu":
+            raise bad(ConfigError, "--kernels", args.kernels,
+                      "the fsdp tracer runs transformers' own kernels (flash_attention_2 is priced by "
+                      "its allocation model); trace te-gpu with --framework megatron")
         return _run_fsdp(args)
     geometry = load_model(args.model)
     step = _load_step(args.step)
@@ -135,6 +143,9 @@ def run(args) -> int:
     if layers is not None and layers >= geometry.num_layers:
         layers = None
     if args.pp > 1:
+        if args.kernels != "torch-cpu":
+            raise ConfigError(f"--kernels={args.kernels}: pipeline traces run the torch-cpu "
+                              "kernels; trace te-gpu without --pp")
         return _run_pipeline(args, geometry, step, seq_lens, layers)
     if args.pp != 1:
         raise ConfigError(f"--pp={args.pp}: must be a positive integer")
@@ -149,7 +160,7 @@ def run(args) -> int:
                         device=args.device or "cpu-fake", head=args.head,
                         recompute=Recompute(mode=args.recompute),
                         lora_rank=args.lora_rank or None,
-                        decoder_only=not args.no_decoder_pass)
+                        decoder_only=not args.no_decoder_pass, kernels=args.kernels)
     notes = list(result.notes)
     if any(not r.grad for r in step.requests):
         notes.append("requests with grad=false were traced with gradients like the others")
@@ -164,7 +175,8 @@ def run(args) -> int:
     print(f"trace {geometry.name}: {result.num_layers} of {result.model_layers} layers, "
           f"{result.tokens} tokens in {len(result.seq_lens)} sequences ({result.packed}), "
           f"device {result.device}, recompute {result.recompute['mode']}, "
-          f"LoRA rank {result.lora_rank or 'none'}, head {result.head}")
+          f"LoRA rank {result.lora_rank or 'none'}, head {result.head}"
+          + ("" if result.kernels == "torch-cpu" else f", kernels {result.kernels}"))
     rows = [("peak forward", result.peak_forward_bytes),
             ("peak backward", result.peak_backward_bytes),
             ("peak", result.peak_bytes),
@@ -199,7 +211,8 @@ def _run_multirank(args, geometry, step, seq_lens, layers) -> int:
     result = trace_multirank(geometry, layout=layout, seq_lens=seq_lens, num_layers=layers,
                              recompute=Recompute(mode=args.recompute),
                              lora_rank=args.lora_rank or None, routing=args.routing,
-                             decoder_only=not args.no_decoder_pass, timeout_s=args.timeout)
+                             decoder_only=not args.no_decoder_pass, timeout_s=args.timeout,
+                             kernels=args.kernels)
     preset = args.model.strip().lower() if args.model.strip().lower() in list_presets() else None
     record = trace_record(result, geometry, model=preset, step=Path(args.step).name)
     record["trace"]["notes"] = list(result.notes) + _step_notes(step)

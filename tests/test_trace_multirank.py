@@ -313,3 +313,24 @@ def test_cli_refuses_fake_tensors_for_a_multi_rank_trace(tmp_path, capsys):
                  "--device", "cpu-fake"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device=cpu-fake" in err[0], err
+
+
+@pytest.mark.slow
+def test_te_gpu_kernels_run_on_every_rank_with_the_same_loss():
+    """`kernels="te-gpu"` on TP2+SP: every rank runs the GPU kernels' allocation models
+    (gpu_kernels), the loss is the torch-cpu kernels' loss, the record names the kernel set and
+    the fused kernels hold less than torch's ops."""
+    from waveplan.pricing.measure.multirank import trace_multirank, trace_record
+
+    layout = ParallelLayout(tp=2, sequence_parallel=True)
+    kw = dict(layout=layout, seq_lens=LENS, recompute=Recompute(mode="none"), timeout_s=TIMEOUT_S)
+    cpu = trace_multirank(TINY, **kw)
+    te = trace_multirank(TINY, kernels="te-gpu", **kw)
+    assert [r.loss_sum for r in te.ranks] == pytest.approx([r.loss_sum for r in cpu.ranks], rel=1e-3)
+    rec = trace_record(te, TINY)
+    assert rec["cell"]["kernels"] == rec["trace"]["kernels"] == "te-gpu"
+    assert "kernels" not in trace_record(cpu, TINY)["cell"]
+    assert any(n.startswith("te-gpu kernel set") for n in te.notes)
+    assert te.peak_bytes < cpu.peak_bytes
+    with pytest.raises(ConfigError, match="kernels"):
+        trace_multirank(TINY, layout=layout, seq_lens=LENS, kernels="cudnn")

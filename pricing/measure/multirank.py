@@ -125,6 +125,7 @@ class MultiRankTrace:
     packed: str = "thd"
     counted: str = COUNTED
     notes: tuple[str, ...] = field(default=())
+    kernels: str = "torch-cpu"
 
     @property
     def world_size(self) -> int:
@@ -178,7 +179,7 @@ class MultiRankTrace:
             "routing": self.routing, "busiest_rank": self.busiest_rank,
             "decoder_busiest_rank": self.decoder_busiest_rank,
             "ranks": [r.to_dict() for r in self.ranks],
-        }
+        } | ({} if self.kernels == "torch-cpu" else {"kernels": self.kernels})
 
 
 # --- the layout's processes ----------------------------------------------------------------
@@ -243,31 +244,44 @@ def trace_multirank(geometry: ModelGeometry, *, layout: ParallelLayout, seq_lens
                     num_layers: int | None = None, recompute: Recompute | None = None,
                     lora_rank: int | None = 16, routing: str = "balanced",
                     decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    anatomy: bool = False, anatomy_top: int = 40) -> MultiRankTrace:
+                    anatomy: bool = False, anatomy_top: int = 40,
+                    kernels: str = "torch-cpu") -> MultiRankTrace:
     """Trace one wave of `seq_lens` sequences on every rank of `layout`; see the module doc.
     Spawns TP x CP x DP processes (`rank_world`). `anatomy=True` also records, per rank and
     pass, what is live at the peak (`RankPeak.anatomy`, see `live_anatomy`): its `anatomy_top`
-    largest groups, the rest summed in one row."""
+    largest groups, the rest summed in one row. `kernels="te-gpu"`: the fused GPU kernels'
+    allocation models (`gpu_kernels`) in place of torch's ops."""
     job = TraceJob(seq_lens=tuple(int(n) for n in seq_lens), recompute=recompute or Recompute(),
                    lora_rank=lora_rank)
     return trace_multirank_batch(geometry, layout=layout, jobs=[job], num_layers=num_layers,
                                  routing=routing, decoder_only=decoder_only,
-                                 timeout_s=timeout_s, anatomy=anatomy, anatomy_top=anatomy_top)[0]
+                                 timeout_s=timeout_s, anatomy=anatomy, anatomy_top=anatomy_top,
+                                 kernels=kernels)[0]
 
 
 def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jobs,
                           num_layers: int | None = None, routing: str = "balanced",
                           decoder_only: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                          anatomy: bool = False, anatomy_top: int = 40) -> list[MultiRankTrace]:
+                          anatomy: bool = False, anatomy_top: int = 40,
+                          kernels: str = "torch-cpu") -> list[MultiRankTrace]:
     """`trace_multirank` for several waves on one layout, in one set of rank processes (the
     model is rebuilt per job; process start and imports are paid once). O(jobs) traces."""
     jobs = list(jobs)
     if not jobs or not all(isinstance(j, TraceJob) for j in jobs):
         raise bad(ConfigError, "jobs", jobs, "must be a non-empty list of TraceJob")
     layers = _check(geometry, layout, num_layers, routing, timeout_s)
+    from .trace import KERNELS
+
+    if kernels not in KERNELS:
+        raise bad(ConfigError, "kernels", kernels, f"must be one of {', '.join(KERNELS)}")
     world = rank_world(layout)
     size = world.tp * world.cp * world.dp
     notes = []
+    if kernels == "te-gpu":
+        notes.append("te-gpu kernel set: allocation models of TE RMSNorm, flash attention "
+                     "(varlen), TE fused RoPE, the fused SwiGLU/GeGLU, the experts' grouped GEMM "
+                     "and FLA's gated delta rule where the model has them "
+                     "(pricing/measure/gpu_kernels.py)")
     if num_layers is not None and num_layers < geometry.num_layers:
         notes.append(f"layer count reduced: traced {len(layers)} of {geometry.num_layers} layers")
     has_moe = any(s.mlp == MlpKind.MOE for s in layers)
@@ -289,6 +303,7 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
         "num_layers": len(layers), "layout": world.to_dict(), "routing": routing,
         "decoder_only": bool(decoder_only), "timeout_s": float(timeout_s),
         "anatomy": bool(anatomy), "anatomy_top": int(anatomy_top), "packed": packed,
+        "kernels": kernels,
         "jobs": [{"seq_lens": list(padded_lens(j.seq_lens, layout)),
                   "recompute": j.recompute.to_dict(), "lora_rank": j.lora_rank} for j in jobs],
     }
@@ -304,7 +319,7 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
             layout=world, ranks=ranks, num_layers=len(layers), model_layers=geometry.num_layers,
             seq_lens=lens, recompute=job.recompute.to_dict(), lora_rank=job.lora_rank,
             routing=routing if has_moe else "none", packed="thd" if packed else "concatenated",
-            notes=tuple(job_notes)))
+            notes=tuple(job_notes), kernels=kernels))
     return out
 
 
@@ -421,6 +436,10 @@ def _trace_job(torch, geometry: ModelGeometry, layout: ParallelLayout, spec: dic
             from .ring_attention import install_ring_attention
 
             install_ring_attention(model)
+        if spec.get("kernels", "torch-cpu") == "te-gpu":
+            from .gpu_kernels import te_gpu_kernels
+
+            stack.enter_context(te_gpu_kernels(model))
         if spec["anatomy"]:
             stack.enter_context(module_stack(model, stack_names))
         if model.pre_process:
@@ -591,6 +610,8 @@ def trace_record(trace: MultiRankTrace, geometry: ModelGeometry, *, model: str |
     cell.update(num_layers=trace.num_layers, recompute=trace.recompute["mode"],
                 lora_rank=trace.lora_rank or 0, seq_lens=list(trace.seq_lens),
                 layout=trace.layout.to_dict(), routing=trace.routing)
+    if trace.kernels != "torch-cpu":
+        cell["kernels"] = trace.kernels
     if trace.recompute["mode"] == "selective":
         cell["recompute_modules"] = list(trace.recompute["modules"])
     if step is not None:

@@ -44,9 +44,11 @@ from ..errors import ConfigError, bad
 from ..geometry import MixerKind, MlpKind, ModelGeometry
 from ..parallel import ParallelLayout, Recompute
 from .thd import packed_params, rope_patch
+from .uncounted import ACTIVE as _UNCOUNTED
 
 DEVICES = ("cpu-fake", "cpu", "cuda")
 HEADS = ("full-native", "full-te")
+KERNELS = ("torch-cpu", "te-gpu")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class TraceResult:
     loss's saved tensors, adapter gradients as they appear); `peak_bytes` the larger.
     `decoder_peak_*`: the same wave without the output layer and loss (None if not run).
     `head_bytes`: peak minus decoder peak (what the full-native head adds at its peak).
+    `kernels`: the kernel set traced ("te-gpu": `gpu_kernels`' allocation models).
     """
 
     peak_forward_bytes: int
@@ -77,6 +80,7 @@ class TraceResult:
     packed: str
     counted: str
     notes: tuple[str, ...] = field(default=())
+    kernels: str = "torch-cpu"
 
     @property
     def decoder_peak_bytes(self) -> int | None:
@@ -103,7 +107,7 @@ class TraceResult:
             "tokens": self.tokens, "seq_lens": list(self.seq_lens), "device": self.device,
             "recompute": self.recompute, "lora_rank": self.lora_rank, "head": self.head,
             "packed": self.packed, "counted": self.counted, "notes": list(self.notes),
-        }
+        } | ({} if self.kernels == "torch-cpu" else {"kernels": self.kernels})
 
 
 def _tracker_class():
@@ -148,6 +152,8 @@ def _tracker_class():
             self.current -= self.live.pop(key, 0)
 
         def _track(self, t) -> None:
+            if _UNCOUNTED[0]:   # inside `uncounted.uncounted()`
+                return
             st = t.untyped_storage()
             key = id(st)
             if key in self.ignored:
@@ -401,16 +407,22 @@ def trace_wave(geometry: ModelGeometry, *, seq_lens: list[int], num_layers: int 
                device: str = "cpu-fake", recompute: Recompute | None = None,
                lora_rank: int | None = 16, head: str = "full-native",
                layout: ParallelLayout | None = None, decoder_only: bool = True,
-               packed: bool | None = None) -> TraceResult:
+               packed: bool | None = None, kernels: str = "torch-cpu") -> TraceResult:
     """Trace one forward + backward of a wave of `seq_lens` sequences; see the module doc.
 
     `num_layers` limits the model to its first layers (full size otherwise; the note says
     when it was reduced). `layout` may set TP (with or without sequence parallelism): rank
     0's shard runs with torch's fake process group (no communication is simulated); CP and
     PP must be 1, and MoE layers need TP = EP = 1. `packed=None` packs THD when the
-    model has no GDN layer. `decoder_only` adds the decoder-only pass.
+    model has no GDN layer. `decoder_only` adds the decoder-only pass. `kernels="te-gpu"`
+    runs the fused GPU kernels' allocation models (`gpu_kernels`) on the CPU.
     """
     lens = _check(geometry, seq_lens, num_layers, device, head)
+    if kernels not in KERNELS:
+        raise bad(ConfigError, "kernels", kernels, f"must be one of {', '.join(KERNELS)}")
+    if kernels != "torch-cpu" and device == "cuda":
+        raise bad(ConfigError, "kernels", kernels, "the te-gpu allocation models run on the CPU "
+                  "(a cuda trace runs the GPU's own kernels)")
     recompute = recompute or Recompute()
     layout = layout or ParallelLayout()
     layers = geometry.layers if num_layers is None else geometry.layers[:num_layers]
@@ -426,7 +438,7 @@ def trace_wave(geometry: ModelGeometry, *, seq_lens: list[int], num_layers: int 
     if not packed:
         notes.append("sequences concatenated into one causal row (batch 1, no THD)"
                      + (": GatedDeltaNet takes no packed input" if has_gdn else ""))
-    if has_gdn:
+    if has_gdn and kernels == "torch-cpu":
         notes.append("GDN runs Megatron's pure-torch chunked kernel (not FLA): its saved "
                      "tensors differ from a GPU run's")
     if has_moe and device != "cuda":
@@ -448,7 +460,7 @@ def trace_wave(geometry: ModelGeometry, *, seq_lens: list[int], num_layers: int 
         return _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout,
                            decoder_only, packed, notes)
     return _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layout,
-                      decoder_only, packed, has_moe, notes)
+                      decoder_only, packed, has_moe, notes, kernels)
 
 
 def _seed_function():
@@ -499,7 +511,7 @@ def _run_step(torch, model, lens, vocab, dev, packed, full_head, phase):
 
 
 def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layout,
-               decoder_only, packed, has_moe, notes):
+               decoder_only, packed, has_moe, notes, kernels="torch-cpu"):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import torch
 
@@ -532,6 +544,10 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
                          "max/sum/target; its fp32 chunk scratch, standing for TE's registers, is not counted)")
         if has_moe:
             _install_balanced_dispatch(model, layout)
+        if kernels == "te-gpu":
+            from .gpu_kernels import kernels_note, te_gpu_kernels
+
+            notes.append(kernels_note(stack.enter_context(te_gpu_kernels(model))))
         vocab = geometry.vocab
         baseline_weights = storage_bytes(list(model.parameters()) + list(model.buffers()))
         runs = [("full", True)] + ([("decoder", False)] if decoder_only else [])
@@ -566,6 +582,7 @@ def _trace_cpu(geometry, lens, layers, device, recompute, lora_rank, head, layou
     return _result(
         results, geometry=geometry, num_layers=len(layers), lens=lens, device=device,
         recompute=recompute, lora_rank=lora_rank, head=head, packed=packed, notes=notes,
+        kernels=kernels,
         counted=("live untyped storages created by aten ops during the step (fake tensors), "
                  "above weights, buffers and inputs" if fake else
                  "live untyped storages created by aten ops during the step (real CPU "
@@ -630,7 +647,7 @@ def _trace_cuda(geometry, lens, layers, recompute, lora_rank, head, layout, deco
 
 
 def _result(results: dict, *, geometry, num_layers, lens, device, recompute, lora_rank, head,
-            packed, notes, counted) -> TraceResult:
+            packed, notes, counted, kernels="torch-cpu") -> TraceResult:
     """A TraceResult from the per-pass peaks ("full", and "decoder" when it ran)."""
     full = results["full"]
     dec = results.get("decoder")
@@ -643,4 +660,4 @@ def _result(results: dict, *, geometry, num_layers, lens, device, recompute, lor
         num_layers=num_layers, model_layers=geometry.num_layers, tokens=sum(lens),
         seq_lens=lens, device=device, recompute=recompute.to_dict(), lora_rank=lora_rank,
         head=head, packed="thd" if packed else "concatenated", counted=counted,
-        notes=tuple(notes))
+        notes=tuple(notes), kernels=kernels)

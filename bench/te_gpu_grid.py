@@ -1,0 +1,237 @@
+"""The te-gpu grid: traces with the GPU kernels' allocation models, beside the te-gpu table.
+
+    python bench/te_gpu_grid.py trace     # trace the cells missing from traces_te_gpu.jsonl
+    python bench/te_gpu_grid.py report    # per class: te-gpu (and torch-cpu) estimate / trace
+
+`trace` runs each cell with `trace_wave(kernels="te-gpu")` (pricing/measure/gpu_kernels.py: TE
+RMSNorm, flash attention varlen, TE fused RoPE, fused bias-SwiGLU in place of torch's ops;
+the rest is the same Megatron-core code) on "cpu-fake" (full-size shapes at no memory cost),
+one rank: a TP layout runs rank 0's shard with torch's fake process group (every TP rank of a
+wave holds the same; the collectives' outputs Megatron allocates are allocated as on a GPU).
+It appends one record per cell (`{"cell", "trace"}`) to bench/results/traces_te_gpu.jsonl and
+rewrites the file sorted by cell key, so a re-run completes an interrupted one. `report`
+never traces: it prices each cell with today's tables (`multirank_grid.current_estimate`:
+WavePricer, one first gradient wave, 2-byte adapter gradients, safety 1.0) and writes
+bench/results/te_gpu_grid.txt. Context parallelism (CP2, the dense shape) runs on the multi-rank
+tracer (`multirank.trace_multirank_batch(kernels="te-gpu")`, the ring attention model, minutes
+on a 2-core machine); expert parallelism is not in this grid.
+
+Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
+hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
+(dense), qwen3-30b-a3b (MoE), deepseek-v2-lite (MLA, dense then MoE), qwen3.8-27b (the seed's
+GDN hybrid), gemma-2-9b (GeGLU, sandwich norms, soft-capping). One wave of 2048 tokens (1024, 640, 384).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gdn_grid import GDN  # noqa: E402
+from multirank_grid import DENSE, DENSE3, current_estimate  # noqa: E402
+
+from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TRACES = RESULTS / "traces_te_gpu.jsonl"
+SUMMARY = RESULTS / "te_gpu_grid.txt"
+WAVE = (1024, 640, 384)
+LORA_RANK = 16
+RECOMPUTES = ("full", "selective", "none")
+PRESETS = ("qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "deepseek-v2-lite",
+           "qwen3.8-27b", "gemma-2-9b")
+SHAPES = {s["name"]: s for s in (DENSE, DENSE3, GDN)}
+TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
+              {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
+
+
+def _cell(model: str, layout: dict, recompute: str, head: str = "full-native") -> dict:
+    return {"model": model, "kernels": "te-gpu", "num_layers": 2, "recompute": recompute,
+            "lora_rank": LORA_RANK, "seq_lens": list(WAVE), "layout": layout, "head": head}
+
+
+def planned() -> list[dict]:
+    """Every cell of the grid, in order (seq_lens before padding to the layout's rows)."""
+    cells = []
+    for model in PRESETS + tuple(SHAPES):
+        for rc in RECOMPUTES:
+            cells.append(_cell(model, {}, rc))
+    for model in ("qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", DENSE["name"]):
+        cells.append(_cell(model, {}, "full", head="full-te"))
+    for model in (DENSE["name"], DENSE3["name"]):
+        for lay in TP_LAYOUTS:
+            for rc in RECOMPUTES:
+                cells.append(_cell(model, lay, rc))
+    for lay in ({"tp": 2, "sequence_parallel": True}, {"tp": 4, "sequence_parallel": True}):
+        cells.append(_cell(GDN["name"], lay, "full"))
+    for rc in ("full", "selective"):
+        cells.append(_cell("qwen3.8-27b", {"tp": 4, "sequence_parallel": True}, rc))
+    for rc in RECOMPUTES:   # context parallelism: the multi-rank tracer (ring attention model)
+        cells.append(_cell(DENSE["name"], {"cp": 2}, rc))
+    return cells
+
+
+def geometry_of(model: str):
+    from waveplan.pricing.geometry import ModelGeometry
+    from waveplan.pricing.presets import load_preset
+
+    return load_preset(model) if model in PRESETS else ModelGeometry.from_dict(SHAPES[model])
+
+
+def cell_key(cell: dict) -> str:
+    """The cell's identity: model, layout (as `ParallelLayout` spells it), recompute, head."""
+    from waveplan.pricing.parallel import ParallelLayout
+
+    layout = ParallelLayout(**cell["layout"]).to_dict()
+    return json.dumps([cell["model"], layout, cell["recompute"], cell["head"],
+                       cell["lora_rank"], cell["num_layers"]], sort_keys=True)
+
+
+def _load(path: Path = TRACES) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write(records: list[dict], path: Path = TRACES) -> None:
+    records = sorted(records, key=lambda r: cell_key(r["cell"]))
+    write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+
+def cmd_trace(args) -> int:
+    from waveplan.pricing.measure.trace import trace_wave
+    from waveplan.pricing.parallel import ParallelLayout, Recompute
+
+    records = _load()
+    have = {cell_key(r["cell"]) for r in records}
+    todo = [c for c in planned() if cell_key(c) not in have
+            and (not args.only or c["model"] in args.only)]
+    t_all = time.monotonic()
+    multi = [c for c in todo if c["layout"].get("cp", 1) > 1]
+    if multi:
+        from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch, trace_record
+
+        t0 = time.monotonic()
+        layout = ParallelLayout(**multi[0]["layout"])
+        jobs = [TraceJob(seq_lens=tuple(c["seq_lens"]), recompute=Recompute(mode=c["recompute"]),
+                         lora_rank=LORA_RANK) for c in multi]
+        traces = trace_multirank_batch(geometry_of(multi[0]["model"]), layout=layout, jobs=jobs,
+                                       num_layers=2, kernels="te-gpu", timeout_s=3600.0)
+        for cell, tr in zip(multi, traces, strict=True):
+            rec = trace_record(tr, geometry_of(cell["model"]), model=cell["model"])
+            records.append({"cell": dict(cell, seq_lens=rec["cell"]["seq_lens"],
+                                         layout=rec["cell"]["layout"]), "trace": rec["trace"]})
+        _write(records)
+        print(f"{len(multi)} multi-rank cells, {time.monotonic() - t0:.0f} s", flush=True)
+    for cell in todo:
+        if cell in multi:
+            continue
+        t0 = time.monotonic()
+        layout = ParallelLayout(**cell["layout"])
+        tr = trace_wave(geometry_of(cell["model"]), seq_lens=cell["seq_lens"], num_layers=2,
+                        device="cpu-fake", recompute=Recompute(mode=cell["recompute"]),
+                        lora_rank=LORA_RANK, head=cell["head"], layout=layout, kernels="te-gpu")
+        rec_cell = dict(cell, seq_lens=list(tr.seq_lens), layout=layout.to_dict())
+        records.append({"cell": rec_cell, "trace": tr.to_dict()})
+        _write(records)
+        print(f"{cell['model']} {cell['layout']} {cell['recompute']} {cell['head']}: "
+              f"{tr.peak_bytes / 2**20:.1f} MiB, {time.monotonic() - t0:.0f} s", flush=True)
+    print(f"{len(todo)} cells traced in {time.monotonic() - t_all:.0f} s")
+    return 0
+
+
+def has_gdn(cell: dict) -> bool:
+    from waveplan.pricing.geometry import MixerKind
+
+    return any(s.mixer == MixerKind.GDN for s in geometry_of(cell["model"]).layers[:cell["num_layers"]])
+
+
+def class_of(cell: dict) -> str:
+    """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model)."""
+    if has_gdn(cell):
+        return "GDN hybrids (FLA model)"
+    lay = cell["layout"]
+    tp = lay["tp"]
+    if lay.get("cp", 1) > 1:
+        return "CP2 (multi-rank)"
+    if cell["recompute"] == "full":
+        if tp == 1:
+            return "TP1 full, " + ("TE cross entropy" if cell["head"] == "full-te" else "native CE")
+        return "TP2/4/8 full" + (" +SP" if lay["sequence_parallel"] else "")
+    return ("TP1" if tp == 1 else "TP2/4/8") + " selective/none"
+
+
+def estimates(cell: dict) -> dict:
+    """te-gpu and torch-cpu raw estimates of a cell."""
+    g = geometry_of(cell["model"])
+    return {t: current_estimate(cell, table=t, head=cell["head"], geometry=g)
+            for t in ("te-gpu", "torch-cpu")}
+
+
+def _summary(v: list[float]) -> str:
+    v = sorted(v)
+    return (f"{len(v):>3} {sum(1 for x in v if x < 1):>5}  {v[0]:.3f}  {v[len(v) // 2]:.3f}  "
+            f"{v[-1]:.3f}")
+
+
+def report_lines(records: list[dict]) -> list[str]:
+    lines = ["te-gpu grid: traces with the GPU kernels' allocation models (cpu-fake, one rank,",
+             "kernels te-gpu; bench/results/traces_te_gpu.jsonl) beside today's raw estimates",
+             "(WavePricer, one first gradient wave, safety 1.0). ratio = estimate / traced peak",
+             "(< 1: under). MiB = 2**20 bytes.", "",
+             f"{'model':<18} {'layout':<9} {'recompute':<9} {'head':<11} {'traced MiB':>10} "
+             f"{'te-gpu':>7} {'cpu':>7}  te-gpu basis"]
+    by_class: dict[str, dict[str, list[float]]] = {}
+    for rec in sorted(records, key=lambda r: (class_of(r["cell"]), cell_key(r["cell"]))):
+        cell, tr = rec["cell"], rec["trace"]
+        est = estimates(cell)
+        lay = cell["layout"]
+        ratios = {t: e["raw_bytes"] / tr["peak_bytes"] for t, e in est.items()}
+        for t, r in ratios.items():
+            by_class.setdefault(class_of(cell), {}).setdefault(t, []).append(r)
+        name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "") + (
+            f"+CP{lay['cp']}" if lay["cp"] > 1 else "")
+        lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "
+                     f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
+                     f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
+    lines += ["", "per class, estimate / traced: cells, under, min, median, max",
+              f"  {'class':<28} {'te-gpu table (before)':<36} torch-cpu table"]
+    for name in sorted(by_class):
+        c = by_class[name]
+        lines.append(f"  {name:<28} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
+    return lines
+
+
+def cmd_report(args) -> int:
+    records = _load()
+    if not records:
+        print(f"no traces in {TRACES}; run `trace` first", file=sys.stderr)
+        return 1
+    lines = report_lines(records)
+    write_text_atomic(SUMMARY, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trace")
+    t.add_argument("--only", nargs="*", default=None, help="models to trace (default all)")
+    t.set_defaults(func=cmd_trace)
+    r = sub.add_parser("report")
+    r.set_defaults(func=cmd_report)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
