@@ -28,13 +28,13 @@ import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
 from waveplan.pricing import rope_cache
 from waveplan.pricing.atomic_io import append_line_atomic
 from waveplan.pricing.coefficients import CoefficientTable, list_backends, load_table
+from waveplan.pricing.compat import StrEnum
 from waveplan.pricing.errors import ConfigError, WaveplanError, bad
 from waveplan.pricing.frameworks import model_from_dict
 from waveplan.pricing.model import PricingModel
@@ -160,7 +160,7 @@ def miss_record(model: PricingModel, wave: PlanWave, obs: WaveObservation) -> di
     terms = wave.breakdown.terms
     return {
         "kind": MISS_KIND, "schema": MISS_SCHEMA,
-        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "miss": obs.kind.value, "peak_bytes": obs.peak_bytes, "raw_bytes": obs.raw_bytes,
         "admitted_bytes": obs.admitted_bytes, "ratio": obs.ratio,
         "wave": {"index": wave.index, "requests": list(wave.request_ids),

@@ -57,7 +57,8 @@ def test_inspect_subprocess(tmp_path):
     assert json.loads(ok.stdout)["requests"] == 64
     path = tmp_path / "bad.jsonl"
     path.write_text("{not json\n")
-    bad = subprocess.run([sys.executable, "-m", "waveplan.planner.cli", "inspect", "--step", str(path)],
+    bad = subprocess.run([sys.executable, "-m", "waveplan.planner.cli", "inspect", "--model", "qwen3.8-27b",
+                          "--step", str(path)],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2
     assert bad.stderr.strip() == f"waveplan: error: {path}:1: invalid JSON: " \
