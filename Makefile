@@ -13,11 +13,11 @@ $(BIN)/.installed-core: pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-# Everything the test suite imports: OR-Tools, torch, megatron-core, veRL, pytest.
+# Everything the test suite imports: OR-Tools, torch, megatron-core, transformers + PEFT, veRL, pytest.
 $(BIN)/.installed: $(BIN)/.installed-core
 	# torch is pinned to the CPU wheel that lies on disk; any other spec pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[solver,megatron,dev]'
+	$(BIN)/pip install -q -e '.[solver,megatron,fsdp,dev]'
 	touch $@
 
 install-core: $(BIN)/.installed-core
