@@ -330,13 +330,18 @@ class PricingModel:
     @classmethod
     def from_dict(cls, data: dict) -> PricingModel:
         """Inverse of `to_dict` (no preset or coefficient file needed; reports, misses files)."""
-        if not isinstance(data, dict):
-            raise bad(ConfigError, "model", type(data).__name__, "must be an object")
-        recompute = dict(data["recompute"])
-        recompute["modules"] = tuple(recompute.get("modules", ()))
-        return cls(geometry=ModelGeometry.from_dict(data["geometry"]),
-                   parallel=ParallelLayout(**data["parallel"]),
-                   recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
-                   table=table_from_dict(data["coefficients"]), head=data["head"],
-                   safety=data["safety"], moe_load=data.get("moe_load"))
+        return cls(**common_fields(data), moe_load=data.get("moe_load"))
+
+
+def common_fields(data: object) -> dict:
+    """The fields every framework's model dict carries (`PricingModel.to_dict`), rebuilt."""
+    if not isinstance(data, dict):
+        raise bad(ConfigError, "model", type(data).__name__, "must be an object")
+    recompute = dict(data["recompute"])
+    recompute["modules"] = tuple(recompute.get("modules", ()))
+    return dict(geometry=ModelGeometry.from_dict(data["geometry"]),
+                parallel=ParallelLayout(**data["parallel"]),
+                recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
+                table=table_from_dict(data["coefficients"]), head=data["head"],
+                safety=data["safety"])
 

@@ -19,7 +19,7 @@ from ..charges import Charges, ForwardParts, HeadParts
 from ..coverage import Coverage, Gap, GapKind
 from ..errors import ConfigError, bad
 from ..geometry import MixerKind
-from ..model import PricingModel
+from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import WalkCharges
 from . import terms
@@ -214,22 +214,11 @@ class FsdpPricingModel(PricingModel):
         """Inverse of `to_dict` (the family travels as `model_type`, the geometry does not carry it)."""
         import dataclasses
 
-        from ..coefficients import table_from_dict
-        from ..geometry import ModelGeometry
-        from ..lora import LoraConfig
-        from ..parallel import Recompute
-
-        if not isinstance(data, dict):
-            raise bad(ConfigError, "model", type(data).__name__, "must be an object")
-        recompute = dict(data["recompute"])
-        recompute["modules"] = tuple(recompute.get("modules", ()))
-        geometry = ModelGeometry.from_dict(data["geometry"])
-        geometry = dataclasses.replace(geometry, extra={**(geometry.extra or {}),
-                                                        "model_type": data.get("model_type", "")})
-        return cls(geometry=geometry, parallel=ParallelLayout(**data["parallel"]),
-                   recompute=Recompute(**recompute), lora=LoraConfig.from_dict(data["lora"]),
-                   table=table_from_dict(data["coefficients"]), head=data["head"],
-                   safety=data["safety"], fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
+        fields = common_fields(data)
+        g = fields["geometry"]
+        fields["geometry"] = dataclasses.replace(g, extra={**(g.extra or {}),
+                                                           "model_type": data.get("model_type", "")})
+        return cls(**fields, fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
                    attn_rows=int(data.get("attn_rows", 0)))
 
     def with_attn_rows(self, rows: int) -> FsdpPricingModel:
