@@ -184,3 +184,14 @@ def _fsdp_model_from_args(args: argparse.Namespace, geometry) -> PricingModel:
         backend=getattr(args, "backend", DEFAULT_BACKEND),
         safety=getattr(args, "safety", DEFAULT_SAFETY), ulysses=args.ulysses,
         attn_rows=0 if args.attn == "flash" else 65536)
+
+
+def fsdp_words(model: PricingModel) -> str | None:
+    """'FSDP2 x8, attn flash, checkpointing' for an fsdp-framework model (the header its tables
+    print in place of Megatron's TP/CP layout); None for Megatron-core."""
+    layout = getattr(model, "fsdp_layout", None)
+    if layout is None:
+        return None
+    words = f"FSDP2 x{layout.fsdp}, attn {layout.attn}, "
+    words += "checkpointing" if layout.checkpointing else "no checkpointing"
+    return words + ("" if layout.reshard_after_forward else ", no reshard after forward")

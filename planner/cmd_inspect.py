@@ -14,7 +14,7 @@ from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
 
-from .cli_common import add_model_args, model_from_args
+from .cli_common import add_model_args, fsdp_words, model_from_args
 from .ep_peers import single_rank_note
 
 DEFAULT_MODEL = "qwen3.8-27b"
@@ -153,6 +153,9 @@ def step_lines(step: Step, source: str, stats: dict) -> list[str]:
 
 def layout_words(model) -> str:
     """'TP4 SP CP2, full recompute, te-gpu': the layout, recompute and table a basis is for."""
+    fsdp = fsdp_words(model)
+    if fsdp is not None:
+        return f"{fsdp}, {model.table.backend}"
     p = model.parallel
     words = f"TP{p.tp}{' SP' if p.sequence_parallel else ''} CP{p.cp}"
     words += f" PP{p.pp}" if p.pp > 1 else ""

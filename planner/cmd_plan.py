@@ -19,6 +19,7 @@ from .cli_common import (
     STEP_HELP,
     add_model_args,
     check_output,
+    fsdp_words,
     gib,
     model_from_args,
     parse_gib,
@@ -173,10 +174,14 @@ def _basis(breakdown) -> str:
 
 def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> None:
     m = planner.model
-    print(f"model {m.geometry.name}  TP{m.parallel.tp} CP{m.parallel.cp}"
-          f"{f' PP{m.parallel.pp}' if m.parallel.pp > 1 else ''}{f' EP{m.parallel.ep}' if m.parallel.ep > 1 else ''}"
-          f"{' SP' if m.parallel.sequence_parallel else ''}  {m.recompute.mode.value} recompute  "
-          f"head {m.head}  backend {m.table.backend}  safety x{m.safety}")
+    fsdp = fsdp_words(m)
+    if fsdp is not None:
+        print(f"model {m.geometry.name}  {fsdp}  backend {m.table.backend}  safety x{m.safety}")
+    else:
+        print(f"model {m.geometry.name}  TP{m.parallel.tp} CP{m.parallel.cp}"
+              f"{f' PP{m.parallel.pp}' if m.parallel.pp > 1 else ''}{f' EP{m.parallel.ep}' if m.parallel.ep > 1 else ''}"
+              f"{' SP' if m.parallel.sequence_parallel else ''}  {m.recompute.mode.value} recompute  "
+              f"head {m.head}  backend {m.table.backend}  safety x{m.safety}")
     print(f"{'wave':>4} {'requests':>8} {'packed':>9} {'logical':>9} {'admitted GiB':>12} "
           f"{'budget GiB':>10}  binding")
     for w in plan.waves:

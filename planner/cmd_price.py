@@ -11,7 +11,7 @@ from waveplan.pricing.fsdp.model import for_step
 from waveplan.pricing.step import list_bundled_steps
 from waveplan.pricing.wave_pricer import WavePricer
 
-from .cli_common import STEP_HELP, add_model_args, gib, model_from_args, read_step
+from .cli_common import STEP_HELP, add_model_args, fsdp_words, gib, model_from_args, read_step
 
 
 def register(sub) -> None:
@@ -38,11 +38,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(breakdown.to_dict(), indent=1))
         return 0
-    print(f"model {model.geometry.name}  TP{model.parallel.tp} CP{model.parallel.cp} "
-          f"{'SP ' if model.parallel.sequence_parallel else ''}"
-          f"{f'EP{model.parallel.ep} ' if model.parallel.ep > 1 else ''}"
-          f"{f'ETP{model.parallel.etp} ' if model.parallel.etp is not None else ''}{model.recompute.mode.value} recompute  "
-          f"head {model.head}  backend {model.table.backend}")
+    fsdp = fsdp_words(model)
+    if fsdp is not None:
+        print(f"model {model.geometry.name}  {fsdp}  backend {model.table.backend}")
+    else:
+        print(f"model {model.geometry.name}  TP{model.parallel.tp} CP{model.parallel.cp} "
+              f"{'SP ' if model.parallel.sequence_parallel else ''}"
+              f"{f'EP{model.parallel.ep} ' if model.parallel.ep > 1 else ''}"
+              f"{f'ETP{model.parallel.etp} ' if model.parallel.etp is not None else ''}{model.recompute.mode.value} recompute  "
+              f"head {model.head}  backend {model.table.backend}")
     print(f"{len(step.requests)} requests as one wave; binding point: {breakdown.binding}")
     for name, value in breakdown.terms.items():
         print(f"  {name:<20} {gib(value):>10} GiB")
