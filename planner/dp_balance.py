@@ -4,7 +4,7 @@ veRL's driver (`RayPPOTrainer._balance_batch`) hands each data-parallel rank an 
 sequences, balanced by `calculate_workload` (24576 x s + s^2, attention FLOPs of a 7B model)
 with Karmarkar-Karp (`get_seqlen_balanced_partitions`; with the prefix grouper, whole uid
 groups: `get_group_balanced_partitions`). `karmarkar_karp` is the same algorithm, tie-breaks
-included, so the partitions are veRL's own (`tests/test_group_plan.py` checks it against
+included, so the partitions are veRL's own (`tests/planner/test_group_plan.py` checks it against
 verl 0.9.1).
 """
 

@@ -27,7 +27,7 @@ its share left to the plans.
 `python -m waveplan.planner.parallel_compile --record` rewrites the manifest: it runs the
 warm-up's plans in a fresh process with an empty cache folder and lists the kernels they
 compile from Python (nested kernels compile with their callers). Rerun it after adding a
-kernel or changing a kernel's argument types; `tests/test_parallel_warmup.py` fails while the
+kernel or changing a kernel's argument types; `tests/planner/test_parallel_warmup.py` fails while the
 manifest misses a kernel the warm-up compiles.
 """
 

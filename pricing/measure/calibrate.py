@@ -342,7 +342,7 @@ def model_points(model, rows: float, segments: float) -> np.ndarray:
     no chunk padding, its longest sequence unknown) and `segments` that carries its slot's
     pending gradients, in raw bytes without the first execution: `pricing.walk`'s schedule in
     numpy, the head's backward split in its logits and final-norm moments (calibration fits
-    against these). Its maximum is `price_groups`' raw price (tests/test_schedule_forms.py).
+    against these). Its maximum is `price_groups`' raw price (tests/pricing/test_schedule_forms.py).
     O(layers)."""
     a, c = model.charges.walk, model.charges
     ret, ws, gdn = a.retained, a.workspace, a.gdn_state

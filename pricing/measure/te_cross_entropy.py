@@ -18,7 +18,7 @@ TE computes each row in registers; this stand-in computes a chunk of rows at a t
 `CHUNK_ELEMENTS` logits) in two fp32 scratch buffers allocated before the tracer starts counting,
 so, like TE, it adds no vocabulary-wide transient.
 The numbers are real: the loss equals torch's cross entropy on the same logits and the gradient
-is softmax - one-hot (tests/test_trace_te_head.py). Imports torch.
+is softmax - one-hot (tests/measure/test_trace_te_head.py). Imports torch.
 """
 
 from __future__ import annotations

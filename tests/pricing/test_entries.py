@@ -15,7 +15,7 @@ from waveplan.pricing.coefficients import list_backends, load_table
 from waveplan.pricing.errors import ConfigError
 from waveplan.pricing.kernel_set import FRAMEWORKS, Framework, KernelSet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("backend", list_backends())

@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lora_fsdp_cpu.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lora_fsdp_cpu.py"
 
 
 def test_fsdp_example_runs_every_wave_within_its_price():

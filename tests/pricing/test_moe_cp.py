@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pricing_fixtures import one_group_raw, wave_raw
 
 from waveplan.pricing import moe_terms
 from waveplan.pricing.coefficients import load_table
@@ -19,11 +20,8 @@ from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
-from waveplan.pricing.price import GroupLoad, price_groups
-from waveplan.pricing.step import Request, Step
-from waveplan.pricing.wave_pricer import WavePricer
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def _cp_cells() -> list[dict]:
@@ -41,12 +39,6 @@ def _model(cell: dict, table, load: float | None) -> PricingModel:
                         table=table, head="full-native", safety=1.0, moe_load=load)
 
 
-def _raw(cell: dict, model: PricingModel) -> int:
-    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
-    return WavePricer.build(step, model, profiled=True).price(
-        [np.arange(len(step.requests))], first_slots=frozenset({"default"})).raw_bytes
-
-
 def test_every_moe_cp_cell_is_priced_at_or_over_its_trace():
     """torch-cpu, at the cell's own layout: never under, credited as its own layout; per class and
     recompute mode the median within 3 % and the worst within 10 % (EP cells at the load 1 they
@@ -60,7 +52,7 @@ def test_every_moe_cp_cell_is_priced_at_or_over_its_trace():
         lay = cell["layout"]
         for load in [None] + ([1.0] if lay["ep"] > 1 else []):
             model = _model(cell, table, load)
-            ratio = _raw(cell, model) / trace["peak_bytes"]
+            ratio = wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"]
             key = (cell["model"], lay["tp"], lay["cp"], lay["ep"], cell["recompute"])
             assert ratio >= 1.0, (key, load, ratio)
             c = model.credit
@@ -82,12 +74,7 @@ def test_te_gpu_prices_the_moe_cp_cells_at_or_over_them_too():
         cell, trace = rec["cell"], rec["trace"]
         model = _model(cell, table, 1.0 if cell["layout"]["ep"] > 1 else None)
         assert model.credit.cp == cell["layout"]["cp"]
-        assert _raw(cell, model) >= trace["peak_bytes"], (cell["model"], cell["layout"], cell["recompute"])
-
-
-def _price(model: PricingModel, rows: int = 8192) -> int:
-    group = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows, segments=8)
-    return price_groups(model, [group], first_slots=frozenset({"default"})).raw_bytes
+        assert wave_raw(model, cell["seq_lens"]) >= trace["peak_bytes"], (cell["model"], cell["layout"], cell["recompute"])
 
 
 @pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
@@ -108,7 +95,7 @@ def test_qwen3_30b_a3b_under_cp_is_credited_as_its_layout(backend):
             else:
                 assert m.basis == "conservative"
             assert (c.tp, c.sequence_parallel, c.cp) == (tp, sp, cp), (tp, sp, cp, mode)
-            assert _price(m) <= _price(PricingModel.build(g, parallel=base, recompute=rc, backend=backend))
+            assert one_group_raw(m, 8192) <= one_group_raw(PricingModel.build(g, parallel=base, recompute=rc, backend=backend), 8192)
 
 
 def test_the_retained_tp_sp_moe_layer_keeps_the_rope_cache_entry_once():

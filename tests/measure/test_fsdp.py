@@ -19,7 +19,7 @@ from waveplan.pricing.model_source import load_model
 from waveplan.pricing.step import Step, bundled_step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
 
-TRACES = Path(__file__).resolve().parents[1] / "bench" / "results" / "fsdp_traces.jsonl"
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp_traces.jsonl"
 SMALL = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
              tie_word_embeddings=False)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pricing_fixtures import wave_raw
 
 from waveplan.pricing import gdn_terms
 from waveplan.pricing.coefficients import load_table
@@ -23,13 +24,7 @@ from waveplan.pricing.presets import load_preset
 from waveplan.pricing.step import Request, Step
 from waveplan.pricing.wave_pricer import WavePricer
 
-TRACES = Path(__file__).resolve().parent.parent / "bench" / "results" / "traces_multirank_gdn.jsonl"
-
-
-def _raw(model: PricingModel, seq_lens) -> int:
-    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(seq_lens)])
-    return WavePricer.build(step, model, profiled=True).price(
-        [np.arange(len(step.requests))], first_slots=frozenset({"default"})).raw_bytes
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "traces_multirank_gdn.jsonl"
 
 
 def test_traced_gdn_cells_are_on_evidence_never_under_and_within_ten_percent():
@@ -49,7 +44,7 @@ def test_traced_gdn_cells_are_on_evidence_never_under_and_within_ten_percent():
         model = PricingModel(geometry=g, parallel=ParallelLayout(**lay), recompute=Recompute(),
                              lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
                              table=table, head="full-native", safety=1.0)
-        ratio = _raw(model, cell["seq_lens"]) / trace["peak_bytes"]
+        ratio = wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"]
         assert model.basis == "evidence", model.gaps
         assert 1.0 <= ratio <= 1.10, (lay, trace["tokens"], ratio)
         seen.add((lay["tp"], lay["sequence_parallel"], trace["tokens"]))
@@ -77,7 +72,7 @@ def _ratios_above_tp1(path: Path, table, *, recomputes, moe: bool = False) -> di
         if cell["recompute"] not in recomputes or lay["tp"] == 1 or bool(cell["geometry"]["moe"]) != moe:
             continue
         model = _cell_model(cell, table)
-        ratio = _raw(model, cell["seq_lens"]) / trace["peak_bytes"]
+        ratio = wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"]
         assert model.basis == "evidence" and model.credit == model.parallel, model.gaps
         assert ratio >= 1.0, (lay, cell["recompute"], trace["tokens"], ratio)
         per.setdefault((lay["tp"], lay["sequence_parallel"], cell["recompute"]), []).append(ratio)
@@ -125,7 +120,7 @@ def test_the_27b_hybrid_at_tp2_and_tp4_is_sharded_and_on_evidence():
     def price(**kw):
         rc = kw.pop("recompute", "full")
         m = PricingModel.build(g, parallel=ParallelLayout(**kw), recompute=Recompute(mode=rc))
-        return m, _raw(m, lens)
+        return m, wave_raw(m, lens)
 
     _, tp1 = price()
     _, tp4sp = price(tp=4, sequence_parallel=True)
@@ -211,7 +206,7 @@ def test_a_padded_gdn_wave_keeps_its_padding_rows_and_the_envelope_covers_it():
     bare = dataclasses.replace(table, terms={k: v for k, v in table.terms.items() if k != gdn_terms.PADDING_ENTRY})
     with_pad, without = _cell_model(cell, table), _cell_model(cell, bare)
     kernel = gdn_terms.gdn_kernel_per_row(with_pad.geometry.gdn, tp=2)
-    assert _raw(with_pad, cell["seq_lens"]) - _raw(without, cell["seq_lens"]) == pytest.approx(60 * kernel, abs=2)
+    assert wave_raw(with_pad, cell["seq_lens"]) - wave_raw(without, cell["seq_lens"]) == pytest.approx(60 * kernel, abs=2)
     assert without.charges.walk.chunk == 1.0 and not without.charges.walk.pad_retained.any()
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
     pricer = WavePricer.build(step, with_pad, profiled=True)
@@ -251,7 +246,7 @@ def test_traced_gdn_moe_cells_are_on_evidence_and_never_under():
         model = PricingModel(geometry=g, parallel=ParallelLayout(**lay), recompute=Recompute(mode=cell["recompute"]),
                              lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
                              table=table, head="full-native", safety=1.0)
-        ratio = _raw(model, cell["seq_lens"]) / trace["peak_bytes"]
+        ratio = wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"]
         assert model.basis == "evidence" and model.credit == model.parallel, model.gaps
         assert 1.0 <= ratio <= 1.03, (lay, trace["tokens"], ratio)
         seen.add((lay["tp"], trace["tokens"]))
@@ -275,7 +270,7 @@ def _full_cells():
             assert model.basis == "evidence" and model.credit == model.parallel, model.gaps
             lay = cell["layout"]
             key = (cell["geometry"]["name"], lay["tp"], lay["sequence_parallel"])
-            yield key, _raw(model, cell["seq_lens"]) / trace["peak_bytes"], trace["tokens"]
+            yield key, wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"], trace["tokens"]
 
 
 def test_every_gdn_full_cell_is_at_or_over_its_trace_at_its_structural_point():
@@ -364,7 +359,7 @@ def test_tp1_retained_gdn_cells_of_both_geometries_are_at_or_over_their_trace():
             if cell["recompute"] == "full" or cell["layout"]["tp"] != 1 or cell["geometry"]["moe"]:
                 continue
             model = _cell_model(cell, table)
-            ratio = _raw(model, cell["seq_lens"]) / trace["peak_bytes"]
+            ratio = wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"]
             assert model.basis == "evidence", model.gaps
             assert ratio >= 1.0, (cell["geometry"]["name"], cell["recompute"], trace["tokens"], ratio)
             per.setdefault((cell["geometry"]["name"], cell["recompute"]), []).append(ratio)
@@ -477,8 +472,8 @@ def test_gdn_moe_layer_under_sp_counts_its_anatomy_and_te_gpu_stays_unsharded():
     for rc in ("selective", "none"):
         m = PricingModel.build(hybrid, parallel=ParallelLayout(tp=2, sequence_parallel=True),
                                recompute=Recompute(mode=rc), backend="te-gpu")
-        credited = _raw(m, lens)
-        tp1 = _raw(PricingModel.build(hybrid, recompute=Recompute(mode=rc), backend="te-gpu"), lens)
+        credited = wave_raw(m, lens)
+        tp1 = wave_raw(PricingModel.build(hybrid, recompute=Recompute(mode=rc), backend="te-gpu"), lens)
         object.__setattr__(m, "coverage", dataclasses.replace(m.coverage, credit=ParallelLayout(tp=2)))
         object.__setattr__(m, "charges", m._build_charges())
-        assert _raw(m, lens) <= credited < tp1, rc
+        assert wave_raw(m, lens) <= credited < tp1, rc

@@ -19,7 +19,7 @@ import pytest
 from waveplan.planner import Planner
 from waveplan.pricing.atomic_io import write_json_atomic
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 WRITER = textwrap.dedent("""
     import sys

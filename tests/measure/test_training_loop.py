@@ -39,7 +39,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lora_cpu.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lora_cpu.py"
 
 
 def _example():

@@ -73,7 +73,7 @@ def test_full_te_trace_holds_two_bytes_per_logit_and_is_priced_over_it(rc):
 def test_committed_full_te_cells_are_never_under():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "traces_full_te.jsonl"
+    path = Path(__file__).resolve().parents[2] / "bench" / "results" / "traces_full_te.jsonl"
     if not path.exists():
         pytest.skip("bench/results/traces_full_te.jsonl not present")
     records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -29,7 +29,7 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HF = Path(__file__).parent / "data" / "hf"
+HF = Path(__file__).resolve().parents[1] / "data" / "hf"
 FAMILIES = ("qwen2.5-7b", "mistral-7b", "mixtral-8x7b", "gemma-2-9b", "gemma-3-27b",
             "deepseek-v2-lite", "deepseek-v3", "phi-4", "gpt-oss-20b", "gpt-oss-120b")
 MOE_LAYERS = 5

@@ -216,7 +216,7 @@ def test_two_gloo_dp_ranks_agree_on_the_wave_count(setup, tmp_path):
     planner.plan(StepData.from_sequences(seqs, prompt_lengths=plens).step, 3 * MIB)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    tests_dir = str(Path(__file__).resolve().parent)
+    tests_dir = str(Path(__file__).resolve().parents[1])
     res = run_ranks(script, tmp_path, 2, lambda r, port, out: [str(r), str(port), str(out), tests_dir],
                     TIMEOUT_S)
     assert res[0]["alone"] < res[1]["alone"], res  # on its own, rank 0 would run fewer waves

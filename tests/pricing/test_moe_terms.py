@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pricing_fixtures import one_group_raw
 
 from waveplan.pricing import moe_terms, terms
 from waveplan.pricing.coefficients import load_table
@@ -22,7 +23,7 @@ from waveplan.pricing.price import GroupLoad, price_groups
 from waveplan.pricing.step import Request, Step
 from waveplan.pricing.wave_pricer import WavePricer
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def test_worst_case_load_is_every_rank_sending_its_most_to_one_rank():
@@ -60,11 +61,6 @@ def test_dispatch_buffer_only_with_an_all_to_all():
     assert moe_terms.permutation_per_routed_row(load_table("te-gpu"), w) == 0.0
 
 
-def _price(model: PricingModel, rows: int = 4096) -> int:
-    group = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows, segments=4)
-    return price_groups(model, [group], first_slots=frozenset({"default"})).raw_bytes
-
-
 @pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
 def test_assumed_load_is_opt_in_named_in_the_basis_and_never_above_the_default(backend):
     g = load_preset("qwen3-30b-a3b")
@@ -72,12 +68,12 @@ def test_assumed_load_is_opt_in_named_in_the_basis_and_never_above_the_default(b
     for ep in (1, 2, 4, 8):
         default = PricingModel.build(g, parallel=ParallelLayout(ep=ep), backend=backend)
         assumed = PricingModel.build(g, parallel=ParallelLayout(ep=ep), backend=backend, moe_load=1.0)
-        prices[ep] = _price(default)
+        prices[ep] = one_group_raw(default)
         assert default.basis == "evidence" and default.reasons == ()
-        assert _price(assumed) <= prices[ep]
+        assert one_group_raw(assumed) <= prices[ep]
         if ep == 1:
             assert assumed.basis == "evidence"   # nothing to assume without an all-to-all
-            assert _price(assumed) == prices[1]
+            assert one_group_raw(assumed) == prices[1]
         else:
             assert assumed.basis == "assumed"
             assert len(assumed.reasons) == 1 and "MoE load 1 assumed (opt-in" in assumed.reasons[0]
@@ -199,7 +195,7 @@ def test_an_expert_tp_below_tp_prices_its_share_of_the_rows(backend):
     sp4 = dict(tp=4, sequence_parallel=True)
     default = PricingModel.build(g, parallel=ParallelLayout(**sp4), backend=backend)
     same = PricingModel.build(g, parallel=ParallelLayout(**sp4, etp=4), backend=backend)
-    assert _price(same) == _price(default) and same.reasons == default.reasons
+    assert one_group_raw(same) == one_group_raw(default) and same.reasons == default.reasons
     assert default.expert_row_share == 1.0
     # ETP1 / ETP2 at TP4+SP (traced, EP1): the experts 1/ETP wide on ETP / TP of the routed rows
     for etp in (1, 2):
@@ -213,11 +209,11 @@ def test_an_expert_tp_below_tp_prices_its_share_of_the_rows(backend):
     assert ep.basis == "conservative" and ep.expert_row_share == 1.0 and ep.width_tp == 4
     assert [r for r in ep.reasons
             if r.startswith("ETP2 at TP4 with EP2 (no trace: an expert TP between 1 and TP is traced at EP1 only)")]
-    assert _price(ep) > _price(PricingModel.build(g, parallel=ParallelLayout(**sp4, ep=2), backend=backend))
+    assert one_group_raw(ep) > one_group_raw(PricingModel.build(g, parallel=ParallelLayout(**sp4, ep=2), backend=backend))
     # a dense model has no experts: etp changes nothing and adds no gap
     dense = load_preset("qwen3-8b")
-    assert (_price(PricingModel.build(dense, parallel=ParallelLayout(**sp4, etp=1), backend=backend))
-            == _price(PricingModel.build(dense, parallel=ParallelLayout(**sp4), backend=backend)))
+    assert (one_group_raw(PricingModel.build(dense, parallel=ParallelLayout(**sp4, etp=1), backend=backend))
+            == one_group_raw(PricingModel.build(dense, parallel=ParallelLayout(**sp4), backend=backend)))
 
 
 @pytest.mark.parametrize("kwargs, needle", [

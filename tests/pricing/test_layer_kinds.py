@@ -11,7 +11,7 @@ from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import list_presets, load_preset
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_kind_has_a_pricer_with_its_three_figures():

@@ -2,7 +2,7 @@
 names the field and the value (and file:line where there is one).
 
 Already covered elsewhere (not repeated): --free-gib 0 / nan / -3, an unknown preset, a request
-that fits no budget (--free-gib 0.5), --packer / --num-waves (tests/test_cli_plan.py); a
+that fits no budget (--free-gib 0.5), --packer / --num-waves (tests/planner/test_cli_plan.py); a
 truncated report and another schema for `replay` (test_cli_plan.py, test_report.py); a corrupt
 profiles file set aside (test_cli_plan.py)."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from waveplan.planner.cli import main
 
-HF = Path(__file__).parent / "data" / "hf"
+HF = Path(__file__).resolve().parents[1] / "data" / "hf"
 FAST = ["--model", "qwen3-8b", "--tp", "1", "--no-sp", "--packer", "greedy"]
 
 

@@ -15,7 +15,7 @@ from waveplan.pricing.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from waveplan.pricing.model_source import load_model
 from waveplan.pricing.presets import list_presets, load_preset
 
-HF = Path(__file__).parent / "data" / "hf"
+HF = Path(__file__).resolve().parents[1] / "data" / "hf"
 FIXTURES = sorted(p.stem for p in HF.glob("*.json"))
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integration.md"
-HF_CONFIG = Path(__file__).resolve().parent / "data" / "hf" / "qwen3-8b.json"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integration.md"
+HF_CONFIG = Path(__file__).resolve().parents[1] / "data" / "hf" / "qwen3-8b.json"
 TIMEOUT_S = 600
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -79,7 +79,7 @@ def test_verl_config_keys_are_verls_own():
             assert name in plugin, f"the plugin does not read {name}"
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_verl_plugin_block_is_the_example_plugin():

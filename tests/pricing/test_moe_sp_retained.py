@@ -8,8 +8,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
+from pricing_fixtures import one_group_raw, wave_raw
 
 from waveplan.pricing import moe_terms
 from waveplan.pricing.coefficients import load_table
@@ -18,11 +18,8 @@ from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel, layer_widths
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
-from waveplan.pricing.price import GroupLoad, price_groups
-from waveplan.pricing.step import Request, Step
-from waveplan.pricing.wave_pricer import WavePricer
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def _cells() -> list[dict]:
@@ -44,12 +41,6 @@ def _model(cell: dict, table, *, credit: bool = True) -> PricingModel:
                         moe_load=1.0 if lay.get("ep", 1) > 1 else None)
 
 
-def _raw(cell: dict, model: PricingModel) -> int:
-    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(cell["seq_lens"])])
-    return WavePricer.build(step, model, profiled=True).price(
-        [np.arange(len(step.requests))], first_slots=frozenset({"default"})).raw_bytes
-
-
 def test_retained_tp_sp_moe_is_credited_and_never_under_its_traces():
     """Both MoE shapes at TP2+SP and TP4+SP (EP1) and the wide one at TP2+SP+EP2 (at the load it
     ran), at the default expert TP and below it (ETP1 at TP2+SP and TP4+SP, ETP2 at TP4+SP, EP1),
@@ -61,7 +52,7 @@ def test_retained_tp_sp_moe_is_credited_and_never_under_its_traces():
     for rec in _cells():
         cell, trace = rec["cell"], rec["trace"]
         model = _model(cell, table)
-        ratio = _raw(cell, model) / trace["peak_bytes"]
+        ratio = wave_raw(model, cell["seq_lens"]) / trace["peak_bytes"]
         assert 1.0 <= ratio <= 1.03, (cell["model"], cell["layout"], cell["recompute"], ratio)
         assert model.credit.tp == cell["layout"]["tp"] and model.credit.sequence_parallel
         assert model.basis == ("assumed" if model.moe_load else "evidence"), model.reasons
@@ -100,11 +91,6 @@ def test_the_structural_layer_is_zero_at_tp1_and_adds_the_combine_point():
     assert shared_fwd - fwd == 10 * 256 + 2 * 512 / 2
 
 
-def _price(model: PricingModel, rows: int = 4096) -> int:
-    group = GroupLoad(packed_rows=rows, padded_rows=rows, logical_rows=rows, segments=4)
-    return price_groups(model, [group], first_slots=frozenset({"default"})).raw_bytes
-
-
 @pytest.mark.parametrize("backend", ["te-gpu", "torch-cpu"])
 @pytest.mark.parametrize("mode", ["selective", "none"])
 def test_credit_only_at_the_traced_classes_and_expert_tps(backend, mode):
@@ -118,20 +104,20 @@ def test_credit_only_at_the_traced_classes_and_expert_tps(backend, mode):
         m = PricingModel.build(g, parallel=ParallelLayout(tp=tp, sequence_parallel=True), recompute=rc,
                                backend=backend)
         assert m.basis == basis and m.credit.tp == tp and m.credit.sequence_parallel
-        prices[tp] = _price(m)
+        prices[tp] = one_group_raw(m)
     # more TP never prices higher, and every credited class below the uncredited TP1 price
-    assert _price(tp1) > prices[2] >= prices[4]
+    assert one_group_raw(tp1) > prices[2] >= prices[4]
     # an expert TP below TP at EP1 (traced: TP2+SP ETP1, TP4+SP ETP1 and ETP2) keeps the credit,
     # priced on its ETP / TP share of the routed rows, below the uncredited price
     for tp, etp in ((2, 1), (4, 1), (4, 2)):
         m = PricingModel.build(g, parallel=ParallelLayout(tp=tp, sequence_parallel=True, etp=etp), recompute=rc,
                                backend=backend)
         assert m.basis == basis and m.credit.tp == tp and m.credit.sequence_parallel
-        assert m.expert_row_share == etp / tp and _price(m) < _price(tp1)
+        assert m.expert_row_share == etp / tp and one_group_raw(m) < one_group_raw(tp1)
     # below TP with EP (no retained trace) gets none
     ep = PricingModel.build(g, parallel=ParallelLayout(tp=4, sequence_parallel=True, ep=2, etp=1), recompute=rc,
                             backend=backend)
-    assert ep.credit.tp == 1 and _price(ep) >= prices[4]
+    assert ep.credit.tp == 1 and one_group_raw(ep) >= prices[4]
 
 
 def test_te_gpu_keeps_its_own_retained_moe_terms():
@@ -156,4 +142,4 @@ def test_an_untraced_tp_sp_class_is_credited_as_the_largest_traced_one():
     tp8 = PricingModel.build(g, parallel=ParallelLayout(tp=8, sequence_parallel=True), recompute=rc,
                              backend="torch-cpu")
     assert (tp8.credit.tp, tp8.credit.sequence_parallel) == (4, True)
-    assert _price(tp8) <= _price(tp4)
+    assert one_group_raw(tp8) <= one_group_raw(tp4)

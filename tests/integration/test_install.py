@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYENV = Path.home() / ".pyenv" / "versions"
 INSTALL_S = 900   # pip downloads numpy + numba (+ llvmlite) per venv
 PLAN_S = 900      # a cold numba compile on a busy 2-core machine

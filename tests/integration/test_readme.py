@@ -20,7 +20,7 @@ import pytest
 
 from waveplan.planner.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_LINES = 160
 

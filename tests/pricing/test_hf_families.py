@@ -21,8 +21,8 @@ from waveplan.pricing.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from waveplan.pricing.model import has_qk_norm
 from waveplan.pricing.presets import list_presets, load_preset
 
-HF = Path(__file__).parent / "data" / "hf"
-TF = Path(__file__).parent / "data" / "hf_transformers"
+HF = Path(__file__).resolve().parents[1] / "data" / "hf"
+TF = Path(__file__).resolve().parents[1] / "data" / "hf_transformers"
 
 NEW_TYPES = ("qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gemma3_text", "deepseek_v2",
              "deepseek_v3", "phi3", "gpt_oss")

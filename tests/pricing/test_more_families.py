@@ -28,7 +28,7 @@ from waveplan.pricing.model_source import load_model
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.step import load_step
 
-DATA = Path(__file__).parent / "data" / "hf_more"
+DATA = Path(__file__).resolve().parents[1] / "data" / "hf_more"
 FAMILIES = {   # fixture: (model_type, basis, words its reasons hold)
     "granite-4.0-micro": ("granite", "conservative", ("residual multiplier", "logits scaling")),
     "internlm2-chat-1_8b": ("internlm2", "evidence", ()),

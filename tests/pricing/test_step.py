@@ -21,7 +21,7 @@ from waveplan.pricing.step import (
     step_from_tree_form,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, *lines: str) -> Path:

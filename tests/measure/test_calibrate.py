@@ -13,7 +13,7 @@ from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.measure import calibrate
 from waveplan.pricing.measure.simplex import simplex
 
-TRACES = Path(__file__).resolve().parents[1] / "bench" / "results" / "traces_cpu_fake.jsonl"
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "traces_cpu_fake.jsonl"
 
 
 def _records() -> list[dict]:
@@ -182,7 +182,7 @@ def test_small_cells_carry_their_geometry_inline():
         calibrate.fit_table([bad], calibrate.load_base())
 
 
-MULTIRANK = Path(__file__).resolve().parents[1] / "bench" / "results" / "traces_multirank.jsonl"
+MULTIRANK = Path(__file__).resolve().parents[2] / "bench" / "results" / "traces_multirank.jsonl"
 
 
 def _multirank_dense() -> list[dict]:

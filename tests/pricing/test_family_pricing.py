@@ -22,7 +22,7 @@ from waveplan.pricing.presets import list_presets, load_preset
 from waveplan.pricing.step import bundled_step, load_step
 from waveplan.pricing.wave_pricer import WavePricer
 
-HF = Path(__file__).parent / "data" / "hf"
+HF = Path(__file__).resolve().parents[1] / "data" / "hf"
 STEP = load_step(bundled_step("grpo-8x8"))
 # presets whose families add nothing beyond the traced baseline
 # (q/k/v biases and GeGLU add nothing at the peak: cpu-fake ablations, bench/family_study.py)
