@@ -1,42 +1,20 @@
-"""Pricing terms of the model-family features (`geometry.ModelFeatures`, `geometry.MlaSpec`;
-evidence: docs/memory-model.md#family-features).
+"""Pricing terms of the model-family features (`geometry.ModelFeatures`, `geometry.MlaSpec`):
+docs/memory-model.md#family-features.
 
 Each term is the bytes per row (per routed row for experts) of the extra tensors one feature
-creates, on top of the baseline terms (`pricing.terms`, sized on the seeds' Qwen3/Llama
-traces); `pricing.model` adds them to the recomputed layer's workspace, to the no-grad
-forward transient and to a retained layer's activations, and the head terms to the head.
-Widths are per rank, as in `pricing.terms` (`widths` from `pricing.model.layer_widths`).
+creates, on top of the baseline terms (`pricing.terms`); `pricing.model` adds them to the
+recomputed layer's workspace, the no-grad forward transient and a retained layer's activations,
+and the head terms to the head. Widths are per rank (`pricing.model.layer_widths`); the extra
+tensors shard like the tensors they come from. Every term charges the feature's tensors at their
+full size, so an estimate does not fall under what the feature adds; `feature_gaps` names the
+features outside the traced evidence (basis "conservative", `pricing.coverage.assess`).
 
-No seed (GPU) traces these features. Every term charges the feature's extra tensors
-explicitly, at their full size (bf16, fp32 where the op computes in fp32), sized where
-possible by cpu-fake traces at real width (`bench/family_study.py`: one representative per
-family and one ablation per feature, bench/results/family_validation.txt), so an estimate
-does not fall under what the feature adds. A feature whose family's traced cells meet the
-targets (none under its trace, median within 3 % over, whole step and decoder only) needs
-no gap; `feature_gaps` names the others (untraced, or traced but missing the targets), and a
-model with any of them has basis "conservative" with those reasons
-(`pricing.coverage.assess`). They keep their TP and sequence-parallel credit: the extra
-tensors shard like the tensors they come from.
-
-Features that add no memory, and why (no term, no gap):
-- sliding windows (Mistral, Gemma, gpt-oss): flash-attention kernels keep O(rows) memory
-  (output and log-sum-exp) whatever the window; full causal attention, which the baseline
-  terms price, holds the same;
-- biases (Qwen2's q/k/v biases; gpt-oss's on every linear, its experts' and its router's):
-  Transformer Engine adds them inside the GEMM; Megatron's local linear adds them out of
-  place, a copy that replaces the GEMM output at once (an expert's FC2 bias in place,
-  `megatron_build._install_expert_bias_fix`); cpu-fake traces of Qwen2.5-7B with and
-  without q/k/v biases, and of GPT-OSS-20B with and without biases everywhere, peak at the
-  same bytes (bench/results/family_validation.txt);
-- GeGLU (Gemma): the tanh GELU saves its input, as SiLU does; cpu-fake traces of Gemma 3 with
-  GeGLU and with SwiGLU peak at the same bytes (bench/results/family_validation.txt);
-- tied embeddings: the output layer reads the embedding weight; activations are unchanged;
-- embedding scaling (Gemma, x sqrt(hidden)): one more [rows, H] copy that replaces the
-  embedding output before layer 0 runs, under the first layer's own forward transient
-  (at least 6H + 6F per row), so it never binds;
-- leading dense layers of a MoE model (DeepSeek's first_k_dense_replace): priced per layer by
-  the dense-MLP terms; shared experts: the baseline `moe_shared_expert` term (Qwen3.6's shared
-  expert is in the measured MoE cells, docs/memory-model.md#workspace).
+Features that add no memory (no term, no gap): sliding windows (flash attention keeps O(rows)
+whatever the window); biases (fused in the GEMM, or an out-of-place copy that replaces the GEMM
+output at once: `megatron_build._install_expert_bias_fix`); GeGLU (the tanh GELU saves its input,
+as SiLU does); tied embeddings; embedding scaling (one [rows, H] copy under the first layer's own
+forward transient); leading dense layers of a MoE model (the dense-MLP terms) and shared experts
+(the baseline `moe_shared_expert`).
 """
 
 from __future__ import annotations
@@ -49,38 +27,25 @@ BF16, FP32 = 2, 4
 def attention_sinks_per_row(widths: dict, heads_per_rank: float) -> float:
     """Attention sinks (gpt-oss): a learned logit z per head joins each row's softmax.
 
-    As the flash stand-in computes them (`megatron_build.SdpaAttention`: the flash output
-    rescaled by sigmoid(lse - z)): a rescaled bf16 copy of the core output and the per-head
-    gate, bf16 x core + fp32 x heads per row. A fused kernel (cuDNN, FlashAttention 3)
-    applies the sink in-kernel and holds neither, so this bounds it. Evidence: cpu-fake
-    traces of GPT-OSS-20B with and without sinks differ by bf16 x (core + heads) at the
-    decoder's peak (bench/results/family_validation.txt).
+    Formula: bf16 x core + fp32 x heads per row: the flash stand-in's rescaled copy of the core
+    output (sigmoid(lse - z)) and the per-head gate; a fused kernel holds neither, so this bounds
+    it. See docs/memory-model.md#family-features.
     """
     return BF16 * widths["core"] + FP32 * heads_per_rank
 
 
 def mla_stage_per_row(attention: AttentionSpec, *, tp: int) -> float:
     """A recomputed multi-latent-attention layer's attention stage (DeepSeek V2/V3), by its
-    true widths, in place of the fused-QKV `attention_stage` term (whose 6 x (qkv + core)
-    copies of one fused projection output MLA does not make: its up projections' outputs are
-    split, rotated and released).
+    true widths, in place of the fused-QKV `attention_stage` (MLA's up projections' outputs are
+    split, rotated and released, not kept as one fused output).
 
-    What the layer holds for its backward while the rest of it runs, per row and rank
-    (heads h = num_heads / TP; dqk = qk_nope + qk_rope, dv = v_head_dim): the queries and
-    keys, bf16 x h x dqk each (the rotated query is the up projection's output, rotated in
-    place by the fused YaRN RoPE on a GPU, a new tensor on Megatron's local path; keys are
-    new tensors either way, nope and rotated rope parts joined); the values and the
-    attention output, bf16 x h x dv each on a flash kernel that takes a narrower value head
-    (Transformer Engine), charged here at bf16 x h x dqk each, the width the CPU flash
-    stand-in pads them to (`megatron_build.SdpaAttention`), plus the bf16 x h x dv
-    contiguous copy of the output that the stand-in's slice makes; and the latent norms'
-    fp32 inputs and bf16 outputs, (fp32 + bf16) x (q_lora_rank + kv_lora_rank), replicated
-    over TP as the down projections are. So bf16 x h x (4 dqk + dv) + 6 x latents; on a GPU
-    the padding and the copy, bf16 x h x (2 (dqk - dv) + dv), are not held (conservative).
+    Terms, per row and rank (h = num_heads / TP, dqk = qk_nope + qk_rope, dv = v_head_dim): queries
+    and keys (bf16 x h x dqk each), values and output at the CPU flash stand-in's padded width
+    (bf16 x h x dqk each) and the output's contiguous copy (bf16 x h x dv), the latent norms' fp32
+    inputs and bf16 outputs, replicated over TP ((fp32 + bf16) x (q_lora_rank + kv_lora_rank)).
 
-    Evidence: the decoder-only peaks of cpu-fake traces of DeepSeek-V3 (4 layers) and
-    DeepSeek-V2-Lite (2 layers) hold exactly these tensors of the recomputed MLA layer
-    (bench/family_study.py anatomy; bench/results/family_validation.txt).
+    Formula: bf16 x h x (4 dqk + dv) + 6 x (q_lora_rank + kv_lora_rank); on a GPU the padding and
+    the copy are not held (conservative). See docs/memory-model.md#family-features.
     """
     mla = attention.mla
     heads = attention.num_heads / tp
@@ -91,12 +56,10 @@ def mla_stage_per_row(attention: AttentionSpec, *, tp: int) -> float:
 def sandwich_norms_per_row(widths: dict, *, sp_div: int) -> float:
     """Sandwich norms (Gemma 2, 3): a norm after attention and one after the MLP as well.
 
-    Each keeps its input for backward (a plain torch RMSNorm upcasts it to fp32, 4H) and
-    writes a bf16 output (2H): 2 x (fp32 + bf16) x H per row, hidden-wide (a shard under
-    sequence parallelism); a fused norm keeps only the bf16 input. Evidence: cpu-fake traces
-    of Gemma 3 and of Gemma 2 with and without them (modelled by `megatron_build`:
-    Megatron-core has none) differ by 11.85H to 11.97H per row at the decoder's peak
-    (bench/results/family_validation.txt)."""
+    Formula: 2 x (fp32 + bf16) x H / sp_div per row: each keeps its fp32 input for backward (a plain
+    torch RMSNorm) and writes a bf16 output; a fused norm keeps only the bf16 input. See
+    docs/memory-model.md#family-features.
+    """
     return 2 * (FP32 + BF16) * widths["H"] / sp_div
 
 
@@ -104,15 +67,19 @@ def post_norms_per_row(widths: dict, *, sp_div: int) -> float:
     """OLMo 2's norms on the attention and MLP outputs (`post_attention_layernorm`,
     `post_feedforward_layernorm`), priced as the two extra norms Gemma's sandwich norms
     measure: 2 x (fp32 + bf16) x H per row. The pre-norms they replace stay charged by the
-    baseline terms, so this counts the layer's norms twice. Conservative: no trace."""
+    baseline terms, so this counts the layer's norms twice. Conservative: no trace.
+    See docs/memory-model.md#family-features.
+    """
     return sandwich_norms_per_row(widths, sp_div=sp_div)
 
 
 def residual_scale_per_row(widths: dict, *, sp_div: int) -> float:
     """Granite's `residual_multiplier`: the attention and MLP outputs are scaled before each
-    residual add, each a new bf16 [rows, H] tensor beside the unscaled one until the add (a
-    constant scale saves nothing for backward): 2 x bf16 x H per row, charged as held.
-    Conservative: no trace."""
+    residual add, each a new bf16 [rows, H] tensor beside the unscaled one until the add.
+
+    Formula: 2 x bf16 x H / sp_div per row, charged as held. Conservative: no trace. See
+    docs/memory-model.md#family-features.
+    """
     return 2 * BF16 * widths["H"] / sp_div
 
 
@@ -134,12 +101,9 @@ def scales_logits(features) -> bool:
 def activation_per_ffn_row(activation: MlpActivation) -> float:
     """Extra bytes per F-wide unit of one gated MLP's activation, beyond SwiGLU's.
 
-    GeGLU (Gemma): 0, the tanh GELU saves its input as SiLU does (cpu-fake traces of Gemma 3
-    with either peak at the same bytes). Clamped SwiGLU (gpt-oss, as Megatron-core computes
-    it: clamp gate and up, gate x sigmoid(1.702 gate) x (up + 1)): the clamped gate and up
-    are two more bf16 F-wide tensors kept for backward, 2 x bf16. Evidence: cpu-fake traces
-    of GPT-OSS-20B with it and with plain SwiGLU differ by 4 B x expert F per routed row at
-    the decoder's peak (bench/results/family_validation.txt).
+    Formula: clamped SwiGLU (gpt-oss: the clamped gate and up, two more bf16 F-wide tensors kept for
+    backward) 2 x bf16; GeGLU and SwiGLU 0 (the tanh GELU saves its input as SiLU does). See
+    docs/memory-model.md#family-features.
     """
     if activation == MlpActivation.CLAMPED_SWIGLU:
         return 2 * BF16
@@ -148,10 +112,12 @@ def activation_per_ffn_row(activation: MlpActivation) -> float:
 
 def router_per_row(widths: dict, features) -> float:
     """Routers beyond a plain softmax top-k (DeepSeek-V3: sigmoid scores, top-k within the best
-    groups, a selection bias): the biased selection scores and the group-masked scores, two
-    more fp32 [rows, experts] tensors: 2 x fp32 x experts. Conservative (no trace). A router
-    bias (gpt-oss) adds nothing at the peak (see the module doc: biases). Evidence: none
-    traced; docs/memory-model.md#family-features says why it is charged."""
+    groups, a selection bias).
+
+    Formula: 2 x fp32 x experts per row (the biased selection scores and the group-masked scores);
+    0 for a softmax router. A router bias adds nothing at the peak. Conservative: no trace. See
+    docs/memory-model.md#family-features.
+    """
     extra = 0.0
     if features.router_score != RouterScore.SOFTMAX or features.router_groups > 1:
         extra += 2 * FP32 * widths["experts"]
@@ -201,20 +167,18 @@ def final_softcap_per_row(widths: dict) -> tuple[float, float]:
     """(retained, transient) bytes per row of final-logit soft-capping (Gemma 2:
     cap x tanh(logits / cap)) on a full-logits head.
 
-    The tanh output is kept for backward beside the capped logits the loss keeps: bf16 x
-    vocab/TP retained; the scaled logits and the gradients through the scale and the tanh
-    come and go below the loss's own peak. Evidence: cpu-fake traces of Gemma-2-9B with the
-    cap modelled as transformers computes it (`megatron_build`: Megatron-core has none) peak
-    exactly one bf16 [rows, vocab] tensor higher than without (bench/results/family_validation.txt).
+    Formula: (bf16 x vocab/TP, 0): the tanh output kept for backward beside the capped logits; the
+    scaled logits and the gradients through the scale and the tanh stay below the loss's own peak.
+    See docs/memory-model.md#family-features.
     """
     return BF16 * widths["vocab"], 0.0
 
 
 def final_softcap_chunk_per_row(widths: dict) -> float:
     """Final-logit soft-capping in a chunked head: the tanh output and the scaled logits of the
-    chunk, 2 x bf16 x vocab/TP per chunk row. Conservative (the chunked head is not traced;
-    the full-native head's soft-cap, 2.00V per row traced, is in
-    docs/memory-model.md#family-features)."""
+    chunk, 2 x bf16 x vocab/TP per chunk row. Conservative (the chunked head is not traced); see
+    docs/memory-model.md#family-features.
+    """
     return 2 * BF16 * widths["vocab"]
 
 

@@ -269,11 +269,10 @@ class StageParts(NamedTuple):
 
 def forward_charges(c: WalkCharges) -> WalkCharges:
     """A bound of a wave's forward at a stage: its walk without the backward's gradients
-    (input gradient, pending adapter gradients, the head's backward transient). The
-    recomputed layer's workspace stays: the no-grad forward holds no more than the same
-    layer's forward with autograd on, and the table's own no-grad transient is not
-    validated (the CPU traces' forwards peak about 1.5x above it; at PP1 a forward never
-    binds). Evidence: docs/memory-model.md#pipeline-traces. O(L)."""
+    (input gradient, pending adapter gradients, the head's backward transient). The recomputed
+    layer's workspace stays, since the table's own no-grad transient is not validated against the
+    CPU traces' forwards. See docs/memory-model.md#pipeline-traces. O(L).
+    """
     return c._replace(input_grad=0.0, pending=np.zeros_like(c.pending), head_transient=0.0)
 
 

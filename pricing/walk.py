@@ -87,14 +87,13 @@ class WalkGroups(NamedTuple):
 
 @njit(cache=True)
 def rope_credit(charges, rows, longest):
-    """What the CP RoPE cache bound in the arrays (`rope_cp` per rank row, a wave-long entry:
-    docs/memory-model.md#cp-rope-cache) over-charges a forward call whose longest padded
-    sequence is `longest` rows: the entry holds `longest` rows on every rank, the per-row
-    terms price `rows` of them, so the call holds rope_entry x max(0, longest - rows) beyond
-    them. Between 0 and rope_cp x rows (longest <= CP x rows). Evidence: the shortfall per rank
-    row of every TP+SP+CP class of the multi-rank grid grows with the wave's share in its longest
-    sequence at exactly rope_entry x CP, on packed waves and on one 12288-token sequence
-    (bench/results/layout_validation.txt, docs/layouts-evidence.md section 12). O(1)."""
+    """What the CP RoPE cache bound in the arrays (`rope_cp` per rank row, a wave-long entry)
+    over-charges a forward call whose longest padded sequence is `longest` rows.
+
+    Formula: max(0, rope_cp x rows - rope_entry x max(0, longest - rows)), at most rope_cp x rows
+    (longest <= CP x rows): the entry holds `longest` rows on every rank and the per-row terms price
+    `rows` of them. See docs/memory-model.md#cp-rope-cache. O(1).
+    """
     if charges.rope_cp <= 0.0:
         return 0.0
     bound = charges.rope_cp * rows
