@@ -2,15 +2,14 @@
 
 A planner is a fixed pricing configuration (geometry, parallel layout, recompute, LoRA,
 backend, head, safety) plus a mutable store of learned profiles (see `profiles`). The pricer
-it hands the search decides what the search may take for exact: without profiles the plain
-`WavePricer` (every capability of the contract, its fast admitted path included); with
-profiles a `_ProfiledPricer`, which has no fast path (a profile prices from the full
-breakdown), so the search keeps every full price it computes.
+it hands the search decides what the search may take for exact: without profiles every
+capability of the `WavePricer`, its fast admitted path included; with profiles the same pricer
+seen without its fast path (a profile prices from the full breakdown, so the search keeps every
+full price it computes), `Planner._search_view`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -23,7 +22,6 @@ import numpy as np
 from waveplan.pricing.atomic_io import write_json_atomic
 from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.compile_clock import CompileClock
-from waveplan.pricing.envelope import Envelope
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.fsdp import FRAMEWORKS, build_fsdp_model
 from waveplan.pricing.fsdp.model import for_step
@@ -33,7 +31,6 @@ from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
-from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.step import Request, Step, load_step
 from waveplan.pricing.time_model import WaveTimeModel, check_seconds, wave_work
 from waveplan.pricing.wave_pricer import WavePricer
@@ -42,6 +39,7 @@ from waveplan.search import (
     DEFAULT_SEED,
     PackerKind,
     SearchOptions,
+    SearchPricer,
     pack,
 )
 
@@ -57,75 +55,6 @@ from .profiles import (
 from .warmup import ensure_warm, warmup
 
 MAX_BUDGET_BYTES = 2**50  # 1 PiB: anything above is a unit mistake, not a GPU
-
-
-class _ProfiledPricer:
-    """A step's pricer with learned profiles: a `WavePricer` whose prices pass through the
-    profiles (`adjust`), seen through the search contract without the fast admitted path
-    (`contract.AdmittedPricer`): a profile prices from the full breakdown, so the search
-    keeps the full prices it computes instead of pricing each wave twice. Its envelope is
-    scaled by the largest learned ratio (> 1), so that the search still packs against an
-    upper bound when profiles raise prices. Every other capability is the WavePricer's."""
-
-    def __init__(self, pricer: WavePricer, envelope_scale: float) -> None:
-        self._pricer = pricer
-        self.envelope_scale = envelope_scale
-
-    @property
-    def num_classes(self) -> int:
-        return self._pricer.num_classes
-
-    @property
-    def class_of(self) -> np.ndarray:
-        return self._pricer.class_of
-
-    @property
-    def class_slot(self) -> tuple[str, ...]:
-        return self._pricer.class_slot
-
-    @property
-    def class_grad(self) -> tuple[bool, ...]:
-        return self._pricer.class_grad
-
-    def envelope(self) -> Envelope:
-        env = self._pricer.envelope()
-        if self.envelope_scale <= 1.0:
-            return env
-        s = self.envelope_scale
-        return dataclasses.replace(
-            env, const=env.const * s, presence=env.presence * s, coef=env.coef * s,
-            pad=None if env.pad is None else env.pad * s,
-            seg=None if env.seg is None else env.seg * s,
-            pending=None if env.pending is None else env.pending * s)
-
-    def price(self, children: Sequence[np.ndarray], *,
-              first_slots: frozenset[str] = frozenset()) -> Breakdown:
-        return self._pricer.price(children, first_slots=first_slots)
-
-    def group_loads(self, children: Sequence[np.ndarray]) -> list[GroupLoad]:
-        return self._pricer.group_loads(children)
-
-    def price_loads(self, loads: Sequence[GroupLoad], *,
-                    first_slots: frozenset[str] = frozenset()) -> Breakdown:
-        return self._pricer.price_loads(loads, first_slots=first_slots)
-
-    def earlier_entries(self, waves: Sequence[Sequence[GroupLoad]]) -> list[float]:
-        return self._pricer.earlier_entries(waves)
-
-    def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
-        return self._pricer.plus_earlier(price, extra)
-
-    def earlier_reserve_bytes(self) -> int:
-        return self._pricer.earlier_reserve_bytes()
-
-    def pending_bytes(self, slot: str) -> float:
-        return self._pricer.pending_bytes(slot)
-
-    def lower_bound_waves(self, budget_bytes: float, requests: np.ndarray | None = None) -> int:
-        return self._pricer.lower_bound_waves(budget_bytes, requests)
-
-    def stages(self):
-        return self._pricer.stages()
 
 
 def _check_bytes(field: str, value: object) -> float:
@@ -397,18 +326,26 @@ class Planner:
 
     # --- planning -----------------------------------------------------------------------
 
-    def pricer(self, step: Step, *, model: PricingModel | None = None) -> WavePricer | _ProfiledPricer:
+    def pricer(self, step: Step, *, model: PricingModel | None = None) -> WavePricer:
         """The step's pricer with the learned profiles applied: the plain `WavePricer` while
-        the planner has none (the search may use its fast admitted path), else one that
-        prices through them (no fast path; see `_ProfiledPricer`). `model`: price with it
-        instead of the planner's own, under the planner's profiles (`planner.ep_peers`: the
-        same model with its routed rows raised to the EP peers' calls)."""
+        the planner has none, else one that prices through them (`adjust`) with its envelope
+        scaled by their largest ratio. `model`: price with it instead of the planner's own,
+        under the planner's profiles (`planner.ep_peers`: the same model with its routed rows
+        raised to the EP peers' calls)."""
         model = self._model if model is None else model
         if not len(self._store):
             return WavePricer(step=step, model=model)
         adjust = ProfileAdjust(store=self._store, config=self._config, safety=model.safety)
-        return _ProfiledPricer(WavePricer(step=step, model=model, adjust=adjust),
-                               envelope_scale=self._store.max_ratio(self._config))
+        return WavePricer(step=step, model=model, adjust=adjust,
+                          envelope_scale=self._store.max_ratio(self._config))
+
+    @staticmethod
+    def _search_view(pricer: WavePricer) -> SearchPricer:
+        """What the search may use of the step's pricer: every capability, but with profiles
+        not the fast admitted path (a profile prices from the full breakdown, so the search
+        keeps the full prices it computes instead of pricing each wave twice)."""
+        view = SearchPricer.of(pricer)
+        return view if pricer.adjust is None else view.full_prices_only()
 
     def _stage_budgets(self, stage_free_bytes) -> tuple[int, ...]:
         """One budget per pipeline stage from `stage_free_bytes`. O(ranks)."""
@@ -460,7 +397,7 @@ class Planner:
             pricer = self.pricer(step, model=model)
             # the search charges the earlier waves' RoPE cache entries (the pricer's
             # `earlier_entries`, search.earlier) and reports the bound it packed against
-            result = pack(step, pricer, budget_bytes=budget, options=options)
+            result = pack(step, self._search_view(pricer), budget_bytes=budget, options=options)
             waves = self._waves(step, result, budget)
         # planning only: the warm-up and the time inside numba's compiler (compiling, or
         # loading from the cache) are reported apart, as compile_ms (compiling) and

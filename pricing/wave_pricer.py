@@ -16,6 +16,7 @@ slot's pending adapter gradients adds to a wave.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -145,6 +146,9 @@ class WavePricer:
     model: PricingModel
     adjust: Adjust | None = None
     profiled: bool = False
+    envelope_scale: float = 1.0
+    """The envelope's factor (>= 1): with learned profiles, their largest ratio, so that the
+    search still packs against an upper bound when profiles raise prices."""
     class_slot: tuple[str, ...] = field(init=False)
     class_grad: tuple[bool, ...] = field(init=False)
     class_of: np.ndarray = field(init=False)
@@ -181,8 +185,17 @@ class WavePricer:
         return len(self.class_slot)
 
     def envelope(self) -> Envelope:
+        """The step's envelope, scaled by `envelope_scale` when above 1. O(1) once built."""
         if self._envelope is None:
-            self._envelope = self._cached_envelope(lower=False)
+            env = self._cached_envelope(lower=False)
+            s = self.envelope_scale
+            if s > 1.0:
+                env = dataclasses.replace(
+                    env, const=env.const * s, presence=env.presence * s, coef=env.coef * s,
+                    pad=None if env.pad is None else env.pad * s,
+                    seg=None if env.seg is None else env.seg * s,
+                    pending=None if env.pending is None else env.pending * s)
+            self._envelope = env
         return self._envelope
 
     def _cached_envelope(self, *, lower: bool) -> Envelope:

@@ -82,8 +82,10 @@ def test_the_planner_offers_the_fast_path_only_without_profiles():
     for wave in plan.waves:
         planner.observe(wave, peak_bytes=1.2 * wave.static_raw_bytes)
     profiled = planner.pricer(step)
-    assert isinstance(profiled, Pricer) and not isinstance(profiled, AdmittedPricer)
+    view = Planner._search_view(profiled)   # what the search is handed: no fast path
+    assert isinstance(profiled, Pricer) and view.fast is None
     assert all(isinstance(profiled, cap) for cap in CAPABILITIES[1:])
+    assert all(getattr(view, c) is not None for c in ("pending", "bounded", "loads", "earlier", "staged"))
     again = planner.plan(step, free_bytes=30 * GIB)
     assert all(w.breakdown.basis == "profile" for w in again.waves)
     check_plan(step, profiled, again, budget_bytes=30 * GIB)
