@@ -25,16 +25,11 @@ flash-attn's varlen allocations from its source (`waveplan.pricing.fsdp.terms`).
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
-import os
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, bad
+from .gloo_launch import spawn
 
 DEVICES = ("cpu", "cuda")
 TRACE_ATTN = ("sdpa", "eager")
@@ -126,7 +121,8 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
             "lora_rank": int(lora_rank), "reshard_after_forward": bool(reshard_after_forward),
             "device": device, "fsdp": fsdp, "timeout_s": float(timeout_s),
             "jobs": [list(j.seq_lens) for j in jobs]}
-    per_rank = _spawn(spec, fsdp, timeout_s)
+    per_rank = spawn(spec, fsdp, timeout_s, entry=f"{__name__}:trace_rank",
+                     backend="nccl" if device == "cuda" else "gloo")
     notes = ("sequences packed in one row, position_ids restarting per sequence",
              "loss: transformers' ForCausalLMLoss on all logits (fp32 upcast)")
     out = []
@@ -139,72 +135,6 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
             peaks=tuple(r["peak"] for r in ranks), rest=tuple(r["rest"] for r in ranks),
             forward_peaks=tuple(r["forward_peak"] for r in ranks), notes=notes))
     return out
-
-
-def _spawn(spec: dict, size: int, timeout_s: float) -> list[list[dict]]:
-    """Run `_rank_main` on `size` processes; every rank's list of job results."""
-    import torch.multiprocessing as mp
-
-    from .gloo_launch import _child_env, _errors, _stop
-
-    with tempfile.TemporaryDirectory(prefix="waveplan-fsdp-") as tmp:
-        spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp)
-        with _child_env():
-            ctx = mp.start_processes(_rank_main, args=(spec,), nprocs=size, join=False,
-                                     start_method="spawn")
-        deadline = time.monotonic() + timeout_s + 60.0
-        try:
-            while not ctx.join(timeout=2.0):
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"fsdp trace: the {size} rank processes did not finish "
-                                      f"within timeout_s={timeout_s:g} s" + _errors(tmp, size))
-        except ConfigError:
-            _stop(ctx)
-            raise
-        except Exception as exc:  # a rank failed
-            _stop(ctx)
-            raise ConfigError(f"fsdp trace failed: {exc}".rstrip() + _errors(tmp, size)) from None
-        results = []
-        for r in range(size):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if not os.path.exists(path):
-                raise ConfigError(f"fsdp trace: rank {r} wrote no result" + _errors(tmp, size))
-            with open(path, encoding="utf-8") as fh:
-                results.append(json.load(fh))
-        return results
-
-
-# --- inside a rank process -----------------------------------------------------------------
-
-
-def _rank_main(rank: int, spec: dict) -> None:
-    """Entry point of rank `rank` (spawned): writes rank{r}.json (or rank{r}.error)."""
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    backend = "nccl" if spec["device"] == "cuda" else "gloo"
-    if spec["device"] == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{spec['init_file']}", rank=rank,
-                            world_size=spec["fsdp"],
-                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
-    try:
-        results = trace_rank(spec)
-    except BaseException:
-        with open(os.path.join(spec["out_dir"], f"rank{rank}.error"), "w", encoding="utf-8") as fh:
-            fh.write(traceback.format_exc())
-        raise
-    tmp = os.path.join(spec["out_dir"], f"rank{rank}.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(results, fh)
-    os.replace(tmp, os.path.join(spec["out_dir"], f"rank{rank}.json"))
-    dist.barrier()
-    os._exit(0)
 
 
 def build_fsdp_model(spec: dict):

@@ -1,6 +1,7 @@
-"""The gloo launcher of the multi-rank tracers (`multirank`, `pipeline_trace`): one spawned
-process per rank, each joining a gloo group through a file and running the tracer's rank
-entry (named 'module:function', imported in the rank), every rank's results as JSON.
+"""The launcher of the multi-rank tracers (`multirank`, `pipeline_trace`, `fsdp_trace`): one
+spawned process per rank, each joining a gloo (or, on GPUs, nccl) group through a file and
+running the tracer's rank entry (named 'module:function', imported in the rank), every rank's
+results as JSON.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ def _child_env():
                 os.environ[k] = v
 
 
-def spawn(spec: dict, size: int, timeout_s: float, *, entry: str) -> list[list[dict]]:
+def spawn(spec: dict, size: int, timeout_s: float, *, entry: str,
+          backend: str = "gloo") -> list[list[dict]]:
     """Run `entry` ('module:function', taking the spec and returning a rank's list of job
-    results) on `size` gloo ranks; every rank's list."""
+    results) on `size` ranks of a `backend` group (gloo; nccl puts rank r on GPU r);
+    every rank's list."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="waveplan-ranks-") as tmp:
-        spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp, entry=entry)
+        spec = dict(spec, init_file=os.path.join(tmp, "pg-init"), out_dir=tmp, entry=entry,
+                    world_size=size, backend=backend)
         with _child_env():
             ctx = mp.start_processes(_rank_main, args=(spec,), nprocs=size, join=False,
                                      start_method="spawn")
@@ -88,7 +92,7 @@ def _stop(ctx) -> None:
 
 
 def _rank_main(rank: int, spec: dict) -> None:
-    """Entry point of rank `rank` (spawned): joins the gloo group, runs `spec["entry"]`.
+    """Entry point of rank `rank` (spawned): joins the group, runs `spec["entry"]`.
     Writes rank{r}.json, or rank{r}.error and re-raises; leaves with os._exit after a final
     barrier (gloo's teardown can abort a process after its result is written)."""
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -100,11 +104,11 @@ def _rank_main(rank: int, spec: dict) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    layout = spec["layout"]
-    size = layout["tp"] * layout["cp"] * layout["dp"] * layout.get("pp", 1)
+    if spec["backend"] == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=rank,
-                            world_size=size, timeout=timeout)
+    dist.init_process_group(spec["backend"], init_method=f"file://{spec['init_file']}", rank=rank,
+                            world_size=spec["world_size"], timeout=timeout)
     try:
         module, func = spec["entry"].split(":")
         results = getattr(importlib.import_module(module), func)(spec)
