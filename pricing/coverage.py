@@ -191,7 +191,7 @@ def pipeline_gaps(parallel: ParallelLayout) -> list[Gap]:
 def dtype_scale(geometry: ModelGeometry) -> float:
     """What every charge is multiplied by: dtype bytes / 2 (fp32: 2; bf16 and fp16: 1). The
     traces are of bf16 models; an fp32 model at most doubles each tensor they hold, so the
-    scaled price is an upper bound (docs/memory-model.md#basis)."""
+    scaled price is an upper bound (docs/memory-model.md#dtype)."""
     return max(1.0, geometry.dtype_bytes / 2)
 
 

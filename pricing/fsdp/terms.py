@@ -63,7 +63,7 @@ def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, att
     product (4 x 2F), and the seven LoRA adapters' A outputs (7 x 2r) with the norms' fp32
     rsqrt (8); qk-norm adds the fp32 copies of q and k its norms keep (4Q + 4KV); eager keeps
     the key and value repeated to every query head (4Q) in place of the rotated key and the value
-    (4KV)."""
+    (4KV). Docs: docs/memory-model.md#fsdp-layer."""
     if checkpointing:
         return BF16 * w.H
     out = 8 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 14 * w.r + FP32 * w.nh + 8
@@ -80,7 +80,7 @@ def layer_forward_per_row(w: Widths, *, qk_norm: bool) -> tuple[float, float]:
     """A layer's forward transient above what it keeps, per row (#fsdp-layer): the larger of the
     MLP's (norm copies 8H, gate, up, SiLU and product 8F, LoRA A outputs 6r, output 2H) and the
     attention's (norm copies 8H, q/k/v and rotated copies 4Q + 6KV, output and LSE 2Q + 4nh,
-    projection 2H; qk-norm 6Q + 6KV), as (MLP, attention)."""
+    projection 2H; qk-norm 6Q + 6KV), as (MLP, attention). Docs: docs/memory-model.md#fsdp-layer."""
     mlp = 10 * w.H + 8 * w.F + 6 * w.r + (moe_per_row(w) if w.experts else 0.0)
     att = 10 * w.H + 6 * w.Q + 6 * w.KV + FP32 * w.nh + 6 * w.r
     if qk_norm:
@@ -96,7 +96,7 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
     6r. flash_attention_2 adds `flash_backward_per_row`.
-    Returns (MLP, attention): the S x S terms sit at the attention's point only."""
+    Returns (MLP, attention): the S x S terms sit at the attention's point only. Docs: docs/memory-model.md#fsdp-layer."""
     if checkpointing:
         mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
         # eager: the norm's fp32 input and output, the rotated q, one repeated k/v, the scores'
@@ -124,32 +124,32 @@ def flash_backward_per_row(w: Widths) -> float:
     (#fsdp-attention; flash-attn 2 `mha_varlen_bwd`): the fp32 dq accumulator
     [total_q + 128 b, nh, hd] (4Q), the fp32 softmax sums [nh, total_q + 128 b] (4nh), under GQA
     dk and dv expanded to every query head [total_k, nh, hd] (4Q), and the contiguous q, k, v
-    transformers' `_flash_attention_forward` hands the kernel on packed rows (2Q + 4KV)."""
+    transformers' `_flash_attention_forward` hands the kernel on packed rows (2Q + 4KV). Docs: docs/memory-model.md#fsdp-attention."""
     gqa = 4 * w.Q if w.KV < w.Q else 0.0
     return 4 * w.Q + FP32 * w.nh + gqa + 2 * w.Q + 4 * w.KV
 
 
 def flash_per_sequence(w: Widths) -> float:
     """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
-    in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention)."""
+    in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention). Docs: docs/memory-model.md#fsdp-attention."""
     return 128.0 * (4 * w.Q + FP32 * w.nh)
 
 
 def moe_per_row(w: Widths) -> float:
     """A routed row's extra tensors in a transformers MoE block, a bound (no trace): the router's
     fp32 logits, probabilities and their gradient (12 x experts) and each routed copy's gathered
-    input and weighted output in bf16 (4 x top_k x H)."""
+    input and weighted output in bf16 (4 x top_k x H). Docs: docs/memory-model.md#fsdp2-with-hugging-face-transformers."""
     return 3 * FP32 * w.experts + 4 * w.top_k * w.H
 
 
 def rotary_per_row(w: Widths) -> float:
     """The rotary cos and sin (bf16, head_dim wide), computed once per forward and kept by every
-    layer's recompute (#fsdp-layer)."""
+    layer's recompute (#fsdp-layer). Docs: docs/memory-model.md#fsdp-layer."""
     return 2 * BF16 * w.hd
 
 
 def input_gradient_per_row(w: Widths) -> float:
-    """The gradient flowing into a layer's backward (bf16 hidden)."""
+    """The gradient flowing into a layer's backward (bf16 hidden). Docs: docs/memory-model.md#fsdp-layer."""
     return BF16 * w.H
 
 
@@ -159,7 +159,7 @@ def head_per_row(w: Widths, *, final_softcap: bool) -> tuple[float, float, float
     log_softmax's fp32 output (4V); at the forward the bf16 logits (2V), their fp32 upcast (4V)
     and log_softmax's output (4V) are live; the backward holds NLL's fp32 gradient (4V) and
     log_softmax's (4V) beside the kept output. A final logit softcap (Gemma 2) keeps two more
-    fp32 copies (tanh input and output, 8V) and adds them at both points."""
+    fp32 copies (tanh input and output, 8V) and adds them at both points. Docs: docs/memory-model.md#fsdp-head."""
     norm = FP32 * w.H + FP32
     retained = FP32 * w.V + norm
     transient = 8 * w.V
@@ -183,7 +183,7 @@ def attention_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> tuple[f
     (2), and per head at a layer's points the scores, their fp32 softmax input, output and
     gradient (12 nh, recomputed under checkpointing); without checkpointing each layer keeps the
     fp32 softmax output and the bf16 probabilities (6 nh) and its backward adds the gradient's
-    fp32 copy and softmax's backward output beside them as they are released (6 nh). flash: none (varlen kernels take cu_seqlens, no mask)."""
+    fp32 copy and softmax's backward output beside them as they are released (6 nh). flash: none (varlen kernels take cu_seqlens, no mask). Docs: docs/memory-model.md#fsdp-attention."""
     if attn == "sdpa":
         return 1.0, 0.0, 2.0
     if attn == "eager":
@@ -199,7 +199,7 @@ def layer_param_counts(geometry: ModelGeometry, layer: int) -> tuple[int, int]:
     (with Qwen2's q/k/v biases), the gated (or plain) MLP or the experts and router, the norms
     (with qk-norm's and sandwich norms'); PEFT's all-linear LoRA adapts every nn.Linear
     (not fused 3-D expert weights): A (r x in) and B (out x r) each. The LoRA rank enters as 1
-    here: multiply the second entry by the rank. O(1)."""
+    here: multiply the second entry by the rank. O(1). Docs: docs/memory-model.md#fsdp-constants."""
     g = geometry
     att = g.attention
     h = g.hidden
@@ -231,11 +231,11 @@ def layer_param_counts(geometry: ModelGeometry, layer: int) -> tuple[int, int]:
 
 
 def root_param_count(geometry: ModelGeometry) -> int:
-    """The root FSDP group's parameters: the embedding, the final norm and (untied) the head."""
+    """The root FSDP group's parameters: the embedding, the final norm and (untied) the head. Docs: docs/memory-model.md#fsdp-constants."""
     g = geometry
     return g.vocab * g.hidden * (1 if g.tied_embeddings else 2) + g.hidden
 
 
 def shard(count: float, fsdp: int) -> float:
-    """One rank's share of `count` parameters under FSDP2 (dim-0 chunks, padded)."""
+    """One rank's share of `count` parameters under FSDP2 (dim-0 chunks, padded). Docs: docs/memory-model.md#fsdp-constants."""
     return math.ceil(count / fsdp)
