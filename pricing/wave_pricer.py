@@ -45,7 +45,7 @@ _CLASS_GRAD, _CLASS_SLOT = range(2)
 # entries of the scalar vector handed to the jitted walk
 _S_INPUT_GRAD, _S_HEAD_RET, _S_HEAD_TR, _S_HEAD_CONST, _S_CALLER, _S_FIRST_EXEC, _S_SAFETY, \
     _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK, _S_ROPE_CP, _S_ROPE_ENTRY, _S_ROPE_KEPT, \
-    _S_HEAD_FWD = range(15)
+    _S_HEAD_FWD, _S_RESIDENT = range(16)
 
 
 @njit(cache=True)
@@ -126,7 +126,9 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
         slot[j] = classes[k, _CLASS_SLOT]
         carries[j] = grad[j] and carry[slot[j]]
         any_grad = any_grad or grad[j]
-    first_exec = scal[_S_FIRST_EXEC] if any_grad else 0.0
+    # the first execution with a gradient group; the resident bytes (FSDP2's gathered
+    # parameters) in any wave, as `price_groups` charges them
+    first_exec = (scal[_S_FIRST_EXEC] if any_grad else 0.0) + (scal[_S_RESIDENT] if g > 0 else 0.0)
     charges = WalkCharges(layers[0], layers[1], layers[2], layers[3], pending,
                           scal[_S_INPUT_GRAD], scal[_S_HEAD_RET], scal[_S_HEAD_TR],
                           scal[_S_HEAD_CONST], scal[_S_CALLER], layers[4], layers[5], scal[_S_CHUNK],
@@ -221,11 +223,11 @@ class WavePricer:
                                               dtype=np.float64)
                 scal = np.asarray([a.input_grad, a.head_retained, a.head_transient,
                                    a.head_const, a.caller,
-                                   (0.0 if self.profiled else model.charges.first_exec)
-                                   + model.charges.resident, model.safety,
+                                   0.0 if self.profiled else model.charges.first_exec, model.safety,
                                    model.rows_cp, 0.0,
                                    model.parallel.row_multiple, a.chunk, a.rope_cp,
-                                   a.rope_entry, float(a.rope_kept), a.head_forward],
+                                   a.rope_entry, float(a.rope_kept), a.head_forward,
+                                   model.charges.resident],
                                   dtype=np.float64)
                 pending = np.ascontiguousarray(a.pending, dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))

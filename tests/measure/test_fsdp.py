@@ -127,3 +127,19 @@ def test_report_replays_the_fsdp_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["replay", str(path)]) == 0
     assert "replay identical" in capsys.readouterr().out
+
+
+def test_the_fast_admitted_path_charges_the_gathered_parameters_of_a_no_grad_wave():
+    """The search's fast path prices every wave as `price` does: a wave of no-grad requests
+    still holds the gathered parameters (`Charges.resident`), not only the first execution's
+    allowance of a gradient wave."""
+    from waveplan.pricing.step import Request
+
+    planner = Planner.from_preset("qwen3-8b", framework="fsdp", fsdp=8)
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=500 + 100 * i, grad=i % 2 == 0)
+                               for i in range(6)])
+    pricer = WavePricer(step=step, model=planner.model)
+    assert planner.model.charges.resident > 0
+    for idx in ([1, 3, 5], [0, 1], [2]):
+        children = [np.array(idx)]
+        assert pricer.admitted(children) == pricer.price(children).admitted_bytes, idx
