@@ -8,7 +8,10 @@ a wave no longer fits, searches again against the budget less a reserve: the lar
 growth seen, raised until every wave fits (RESERVE_TRIES searches), then the pricer's
 `earlier_reserve_bytes`, which always holds. The first reserve is measured on a probe plan
 (the search's greedy and fill stages at the whole budget, fast-path prices, `packers._probe`)
-instead of a first full search, so a step whose waves need the reserve is searched once. The result's lower bound and `proven_optimal`
+instead of a first full search: how far its fullest-first waves, charged, go over the budget
+(`probe_growth`); a wave with room needs no reserve, so this is tighter than the largest
+growth. A step whose waves need a reserve is then searched once, twice when the plan's
+charged waves still overflow (the reserve raised by that overflow), before the loop above. The result's lower bound and `proven_optimal`
 are those of the budget the final search packed against (the reserve set aside), and
 `stats["rope_reserve_bytes"]` says how much that was.
 Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x search).
@@ -61,16 +64,15 @@ def probe_growth(pricer: SearchPricer, waves: Sequence[tuple[Sequence, int]],
                  budget: int) -> int:
     """The reserve a probe plan asks for: its waves (parts, admitted bytes) run fullest first
     (`roomiest_last` without pending gradients), each charged the entries of those before it;
-    0 when every wave fits `budget` so, else the largest admitted growth. O(W log W + calls)."""
+    how far the most charged one goes over `budget` (0 when all fit). A full wave's growth
+    decides it, not the lightest wave's, which has room for its entries. O(W log W + calls)."""
     earlier = pricer.earlier
     if earlier is None or pricer.loads is None or len(waves) < 2:
         return 0
     order = sorted(waves, key=lambda w: (-w[1], int(min(int(p.min()) for p in w[0]))))
     extra = earlier.earlier_entries([pricer.loads.group_loads(parts) for parts, _ in order])
     growth = [earlier.plus_earlier(_ZERO, e).admitted_bytes for e in extra]
-    if all(a + g <= budget for (_, a), g in zip(order, growth, strict=True)):
-        return 0
-    return max(growth)
+    return max(0, max(a + g for (_, a), g in zip(order, growth, strict=True)) - budget)
 
 
 def with_earlier_entries(search: Callable[[int], SearchResult], pricer: SearchPricer,
@@ -96,7 +98,10 @@ def with_earlier_entries(search: Callable[[int], SearchResult], pricer: SearchPr
             return _note(charged, reserve), budget - reserve
         growth = max(w.price.admitted_bytes - old.price.admitted_bytes
                      for w, old in zip(charged.waves, roomiest_last(result.waves), strict=True))
-        if attempt < RESERVE_TRIES - 1:
+        over = max(w.price.admitted_bytes for w in charged.waves) - budget
+        if attempt == 0 and probe is not None:    # the probe's reserve, raised by the overflow
+            reserve += max(1, over)
+        elif attempt < RESERVE_TRIES - 1:
             reserve = max(reserve + 1, growth)
         else:
             reserve = int(earlier.earlier_reserve_bytes())
