@@ -329,8 +329,9 @@ def _search(step: SearchStep, pricer: SearchPricer, budget: int, options: Search
 def _probe(step: SearchStep, pricer: SearchPricer, budget: int,
            options: SearchOptions) -> tuple[int, float]:
     """The RoPE reserve measured on a probe plan (`earlier.probe_growth`): the search's first
-    stages at `budget` (one greedy run, then the fill where the search runs it: its
-    slot-mixed waves leave the entries a finished plan leaves), fast-path prices; and
+    stages at `budget` (one greedy run, then on steps of >= EJECT_MIN_ATOMS atoms the fill,
+    whose slot-mixed waves leave the entries a finished plan leaves), fast-path prices, the
+    same at any time budget; and
     the probe's estimated cost (`budget.probe_cost_us`), which the search's share of the time
     budget pays. (0, 0) for a step without requests. O(greedy run + fill + one exact price per
     wave)."""
@@ -338,9 +339,11 @@ def _probe(step: SearchStep, pricer: SearchPricer, budget: int,
         return 0, 0.0
     s = _bound(step, pricer, budget, options, "measured", time.perf_counter(),
                {"greedy_waves": 0, "greedy_runs": 0})
-    A, P, fills = len(s.active), s.num_points, s.fill_us > 0.0   # as the search will
+    # the same probe at every time budget (the reserve never changes with it)
+    A, P, fills = len(s.active), s.num_points, len(s.active) >= EJECT_MIN_ATOMS
     if A:
         s.left_us = 0.0   # one greedy run
+        s.fill_us = 1.0 if fills else 0.0
         blocks = blocks_for(s.items, s.active)
         assign, nw, _ = _greedy(s, blocks)
         assign, nw = _fill(s, blocks, assign, nw)
