@@ -11,9 +11,9 @@ growth seen, raised until every wave fits (RESERVE_TRIES searches), then the pri
 instead of a first full search: how far its fullest-first waves, charged, go over the budget
 (`probe_growth`); a wave with room needs no reserve, so this is tighter than the largest
 growth. A step whose waves need a reserve is then searched once, twice when the plan's
-charged waves still overflow (the reserve raised by that overflow), before the loop above. The result's lower bound and `proven_optimal`
-are those of the budget the final search packed against (the reserve set aside), and
-`stats["rope_reserve_bytes"]` says how much that was.
+charged waves still overflow (the reserve raised by that overflow), before the loop above.
+The result's lower bound and `proven_optimal` are those of the budget the final search packed
+against (the reserve set aside), and `stats["rope_reserve_bytes"]` says how much that was.
 Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x search).
 """
 

@@ -339,6 +339,8 @@ def _probe(step: SearchStep, pricer: SearchPricer, budget: int,
         return 0, 0.0
     s = _bound(step, pricer, budget, options, "measured", time.perf_counter(),
                {"greedy_waves": 0, "greedy_runs": 0})
+    if s.bound <= 1:   # a one-wave plan may exist: it carries no earlier waves' entries
+        return 0, 0.0
     # the same probe at every time budget (the reserve never changes with it)
     A, P, fills = len(s.active), s.num_points, len(s.active) >= EJECT_MIN_ATOMS
     if A:
