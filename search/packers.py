@@ -381,11 +381,12 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     if (kind == PackerKind.AUTO and options.num_waves is None
             and len(active) >= EJECT_MIN_ATOMS):
         one_run = run_cost_us(len(active), lower, len(items.points))
-        # the greedy's first run comes first, then the fill (`fill`)
+        # the greedy's first run comes first, then the fill (`fill`), at any budget: like the
+        # first run, part of the work every plan does (its slot-mixed waves save waves, and
+        # so exact prices, on large steps)
         fill_us = fill_cost_us(len(active), lower)
-        fill_us = fill_us if left_us >= one_run + fill_us else 0.0
         eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run - fill_us))
-        left_us -= eject_us + fill_us
+        left_us = max(0.0, left_us - eject_us - fill_us)
         swap_prices = int(SWAP_SHARE * eject_us // exact_price_us(len(active), lower + F))
         anneal_evals = int(ANNEAL_SHARE * eject_us / ANNEAL_US_PER_EVAL)
         eject_us *= 1.0 - SWAP_SHARE - ANNEAL_SHARE
