@@ -7,8 +7,8 @@ and bounds (PREP_US_PER_REQUEST a request), the exact re-pricing, merges, pendin
 order and full prices (POST_US_PER_WAVE a wave of the lower bound plus POST_US_PER_REQUEST a
 request) are set aside first, and, where the RoPE reserve's probe ran, its estimate
 (`probe_cost_us`); the rest goes to the greedy runs, then the multistart; on large steps AUTO
-first sets aside the wave-by-wave fill (`fill`, `fill_cost_us`, when the rest holds it and a
-greedy run) and up to EJECT_SHARE of it (at most what one greedy run and the fill leave,
+first sets aside the wave-by-wave fill (`fill`, `fill_cost_us`; it runs at any budget, like the
+first greedy run) and up to EJECT_SHARE of it (at most what one greedy run and the fill leave,
 `packers`) for annealing against the envelope (`anneal`, counted in evaluations,
 ANNEAL_US_PER_EVAL), exactly priced swaps (`swap`, counted in prices, `exact_price_us`) and
 the ejection chains (`eject`, counted in placements, `eject_cost_us`).

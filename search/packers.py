@@ -44,10 +44,12 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 (`exact_cpsat`: calibrated, reproducible), so EXACT stays near its budget. The baselines
 (`baselines`) replace steps 3-4.
 
-Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
-expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
-first sets aside one greedy run's estimate for `fill` (when the budget holds two runs), then
-up to EJECT_SHARE of it (at most what one greedy run and the fill leave): ANNEAL_SHARE of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
+Time budget (`budget`): the deterministic work is sized to `budget.WORK_SHARE` of it by
+estimate; the items, bounds and exact re-pricing are set aside per request and per expected
+wave (and the RoPE reserve's probe, `_probe`), the rest goes to the greedy runs, then the
+multistart; on large steps AUTO runs `fill` at any budget (its estimate set aside), then gives
+up to EJECT_SHARE of the rest (at most what one greedy run and the fill leave): ANNEAL_SHARE of
+that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
 ejection chains (placements), each counted by estimate in both modes (`budget`).
 
 Determinism and the clock: the stages above run the work the budget buys by estimated cost
@@ -275,7 +277,7 @@ class _Search:
     eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
     swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
     anneal_evals: int        # evaluations for `anneal` (same steps)
-    fill_us: float           # microseconds for `fill` (same steps, when the budget buys it)
+    fill_us: float           # microseconds for `fill` (same steps, at any budget)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
     assign: np.ndarray | None = None   # the envelope plan of stage 3 (AUTO, no wave count)
@@ -456,8 +458,8 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
 
 def _fill(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     """Waves filled one at a time so that the gradient slots mix (`fill`), then `eliminate`,
-    on large AUTO steps whose budget buys it (`fill_us`: about one greedy run), when the
-    greedy left a gap to the envelope bound; kept only when it has fewer waves than the
+    on large AUTO steps (`fill_us`, at any budget), when the greedy left a gap to the
+    envelope bound; kept only when it has fewer waves than the
     greedy's plan (ties keep the greedy's). Deterministic; the same work in both modes.
     Returns (assign, waves)."""
     if s.fill_us <= 0.0 or nw <= s.lower:
