@@ -2,8 +2,9 @@
 on the search benchmark's generated steps (`bench_search.bench_case`: qwen3-8b, three LoRA
 slots) at 32/128/512/2048 requests: the plan's wall time, its `planning_ms`, the budget it
 got (`search.default_time_budget_ms`) and the planner's overhead beside the search
-(`planning_ms` less `stats["searches_ms"]`, the wall time of every search the RoPE reserve
-ran and of the clock's improvement). Kernels are loaded before timing. No assertion on
+(`planning_ms` less `stats["searches_ms"]`, the wall time of the RoPE reserve's probe, of every
+search and of the clock's improvement). The stated rule: planning_ms <= budget + 1 ms + 0.025 ms
+x requests (docs/faq.md#overhead); results in bench/results/budget_overhead.txt. Kernels are loaded before timing. No assertion on
 time.
 
 Run: .venv/bin/pytest bench/bench_budget.py --benchmark-only

@@ -11,7 +11,9 @@ deterministic plan at the same budget, and the 200 ms clock plan; waves, bound, 
     .venv/bin/python bench/budget_study.py --scan [--out bench/results/budget_scan.txt]
 
 `--scan`: the deterministic plans of the large cases at 5-400 ms (waves never rise with the
-budget there, `docs/faq.md#time-budget`).
+budget there, `docs/faq.md#time-budget`). `--first`: the first and second default plans of a
+fresh process (no warm-up call: the first plan loads its kernels), per case, in a child
+process each.
 """
 
 from __future__ import annotations
@@ -66,7 +68,14 @@ def main(argv=None) -> int:
     ap.add_argument("--long-ms", type=float, default=200.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--scan", action="store_true", help="deterministic waves at 5-400 ms")
+    ap.add_argument("--first", action="store_true",
+                    help="first vs second default plan of a fresh process")
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)   # --first's child
     args = ap.parse_args(argv)
+    if args.case:
+        return _first_child(args.case)
+    if args.first:
+        return _first(args)
     Planner.warmup()
     if args.scan:
         return _scan(args)
@@ -100,6 +109,35 @@ def main(argv=None) -> int:
 
 
 SCAN_MS = (5, 10, 20, 50, 100, 200, 400)
+FIRST_CASES = ("grpo-32x8-s3", "grpo-48x8-s0", "bench-512-s0", "bench-2048-s0")
+
+
+def _first_child(case: str) -> int:
+    """Two default plans of `case` in this fresh process: waves, planning_ms, jit_ms."""
+    for name, planner, step, budget in _cases(5):
+        if name == case:
+            out = []
+            for _ in range(2):
+                plan = planner.plan(step, free_bytes=budget)
+                out.append(f"{plan.num_waves} waves {plan.planning_ms:.1f} ms "
+                           f"(jit {plan.stats['jit_ms']:.0f} ms)")
+            print(f"{case:<18} first: {out[0]:<32} second: {out[1]}")
+            return 0
+    raise SystemExit(f"no case {case}")
+
+
+def _first(args) -> int:
+    import subprocess
+
+    lines = ["first and second default plan of a fresh process (kernels loaded by the first)"]
+    for case in FIRST_CASES:
+        got = subprocess.run([sys.executable, __file__, "--case", case], check=True,
+                             capture_output=True, text=True).stdout.strip()
+        lines.append(got)
+        print(got, flush=True)
+    if args.out:
+        write_text_atomic(Path(args.out), "\n".join(lines) + "\n")
+    return 0
 
 
 def _scan(args) -> int:

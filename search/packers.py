@@ -44,10 +44,12 @@ breaks the size rule); CP-SAT turns its share into model sizes and deterministic
 (`exact_cpsat`: calibrated, reproducible), so EXACT stays near its budget. The baselines
 (`baselines`) replace steps 3-4.
 
-Time budget (`budget`): it covers the whole search; the exact re-pricing is set aside per
-expected wave, the rest goes to the greedy runs, then the multistart; on large steps AUTO
-first sets aside one greedy run's estimate for `fill` (when the budget holds two runs), then
-up to EJECT_SHARE of it (at most what one greedy run and the fill leave): ANNEAL_SHARE of that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
+Time budget (`budget`): the deterministic work is sized to `budget.WORK_SHARE` of it by
+estimate; the items, bounds and exact re-pricing are set aside per request and per expected
+wave (and the RoPE reserve's probe, `_probe`), the rest goes to the greedy runs, then the
+multistart; on large steps AUTO runs `fill` at any budget (its estimate set aside), then gives
+up to EJECT_SHARE of the rest (at most what one greedy run and the fill leave): ANNEAL_SHARE of
+that for `anneal` (evaluations), SWAP_SHARE for `swap` (exact prices), the rest for the
 ejection chains (placements), each counted by estimate in both modes (`budget`).
 
 Determinism and the clock: the stages above run the work the budget buys by estimated cost
@@ -80,14 +82,18 @@ from .anneal import anneal
 from .bounds import lower_bound
 from .budget import (
     ANNEAL_US_PER_EVAL,
+    MIN_SEARCH_MS,
+    WORK_SHARE,
     eject_cost_us,
     exact_price_us,
+    fill_cost_us,
+    probe_cost_us,
     run_cost_us,
     runs_within,
     search_us,
 )
 from .contract import Pricer, SearchPricer, SearchStep
-from .earlier import charge, fits, with_earlier_entries
+from .earlier import charge, fits, probe_growth, with_earlier_entries
 from .eject import eject
 from .exact_cpsat import fits_size_rule, solve_waves
 from .fill import fill_plan
@@ -206,16 +212,28 @@ def _run(step: SearchStep, pricer: Pricer, budget: int, options: SearchOptions) 
         states.clear()
         start = time.perf_counter()
         try:
-            return _search(step, sp, packed_budget, options, keep=states)
+            return _search(step, sp, packed_budget, probed[0], keep=states)
         finally:
             spent[0] += 1
             spent[1] += (time.perf_counter() - start) * 1e3
 
     # the clock leaves out the time inside numba's compiler (a process's first plan loads
     # its kernels from the cache there): the first plan gets the clock later ones get
+    probed = [options]   # the searches' options: the budget less the probe's estimate
+
+    def probe() -> int:
+        start = time.perf_counter()
+        try:
+            growth, cost_us = _probe(step, sp, budget, options)
+            probed[0] = dataclasses.replace(options, time_budget_ms=max(
+                options.time_budget_ms - cost_us / (1e3 * WORK_SHARE), MIN_SEARCH_MS))
+            return growth
+        finally:
+            spent[1] += (time.perf_counter() - start) * 1e3
+
     with CompileClock() as jit:
         if options.earlier_entries:
-            result, _ = with_earlier_entries(search, sp, budget)
+            result, _ = with_earlier_entries(search, sp, budget, probe)
         else:
             result = search(budget)
         if not (options.deterministic or not states):
@@ -259,7 +277,7 @@ class _Search:
     eject_us: float          # microseconds for the ejection chains (AUTO, large steps)
     swap_prices: int         # exact prices for the moves and swaps of `swap` (same steps)
     anneal_evals: int        # evaluations for `anneal` (same steps)
-    fill_us: float           # microseconds for `fill` (same steps, when the budget buys it)
+    fill_us: float           # microseconds for `fill` (same steps, at any budget)
     solver_s: float          # CP-SAT's share of the time budget, wall seconds
     exact_ok: bool           # CP-SAT may run (EXACT, or AUTO with a large enough budget)
     assign: np.ndarray | None = None   # the envelope plan of stage 3 (AUTO, no wave count)
@@ -310,6 +328,38 @@ def _search(step: SearchStep, pricer: SearchPricer, budget: int, options: Search
     return result
 
 
+def _probe(step: SearchStep, pricer: SearchPricer, budget: int,
+           options: SearchOptions) -> tuple[int, float]:
+    """The RoPE reserve measured on a probe plan (`earlier.probe_growth`): the search's first
+    stages at `budget` (one greedy run, then on steps of >= EJECT_MIN_ATOMS atoms the fill,
+    whose slot-mixed waves leave the entries a finished plan leaves), fast-path prices, the
+    same at any time budget; and
+    the probe's estimated cost (`budget.probe_cost_us`), which the search's share of the time
+    budget pays. (0, 0) for a step without requests. O(greedy run + fill + one exact price per
+    wave)."""
+    if not step.requests or options.packer in BASELINE_KINDS:
+        return 0, 0.0
+    s = _bound(step, pricer, budget, options, "measured", time.perf_counter(),
+               {"greedy_waves": 0, "greedy_runs": 0})
+    if s.bound <= 1:   # a one-wave plan may exist: it carries no earlier waves' entries
+        return 0, 0.0
+    # the same probe at every time budget (the reserve never changes with it)
+    A, P, fills = len(s.active), s.num_points, len(s.active) >= EJECT_MIN_ATOMS
+    if A:
+        s.left_us = 0.0   # one greedy run
+        s.fill_us = 1.0 if fills else 0.0
+        blocks = blocks_for(s.items, s.active)
+        assign, nw, _ = _greedy(s, blocks)
+        assign, nw = _fill(s, blocks, assign, nw)
+        drafts = drafts_from_assign(s.items, s.active, assign, nw) + s.fixed
+    else:
+        drafts = list(s.fixed)
+    drafts = reprice_all(drafts, s.items, pricer, step, budget)
+    growth = probe_growth(pricer, [(d.parts(s.items), d.price.admitted_bytes) for d in drafts],
+                          budget)
+    return growth, probe_cost_us(len(step.requests), A, s.lower, P, fills)
+
+
 def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchOptions,
            reserve: str, t0: float, stats: dict) -> _Search:
     """Stages 1-2: the items, the atoms that run alone (`_prepare`), the envelope bound, the
@@ -326,17 +376,19 @@ def _bound(step: SearchStep, pricer: SearchPricer, budget: int, options: SearchO
     # the valid bound first: a plan that meets it needs no exact-price merging
     bound = _valid_lower_bound(pricer, budget, lower + F, split, items)
     kind, ms = options.packer, options.time_budget_ms
-    left_us = search_us(ms, lower + F)
+    left_us = search_us(ms, lower + F, len(step.requests))
     eject_us = 0.0
     swap_prices = anneal_evals = 0
     fill_us = 0.0
     if (kind == PackerKind.AUTO and options.num_waves is None
             and len(active) >= EJECT_MIN_ATOMS):
         one_run = run_cost_us(len(active), lower, len(items.points))
-        # the greedy's first run comes first, then the fill (`fill`, about one greedy run)
-        fill_us = one_run if left_us >= 2 * one_run else 0.0
+        # the greedy's first run comes first, then the fill (`fill`), at any budget: like the
+        # first run, part of the work every plan does (its slot-mixed waves save waves, and
+        # so exact prices, on large steps)
+        fill_us = fill_cost_us(len(active), lower)
         eject_us = max(0.0, min(EJECT_SHARE * left_us, left_us - one_run - fill_us))
-        left_us -= eject_us + fill_us
+        left_us = max(0.0, left_us - eject_us - fill_us)
         swap_prices = int(SWAP_SHARE * eject_us // exact_price_us(len(active), lower + F))
         anneal_evals = int(ANNEAL_SHARE * eject_us / ANNEAL_US_PER_EVAL)
         eject_us *= 1.0 - SWAP_SHARE - ANNEAL_SHARE
@@ -406,8 +458,8 @@ def _greedy(s: _Search, blocks: Blocks) -> tuple[np.ndarray, int, int]:
 
 def _fill(s: _Search, blocks: Blocks, assign: np.ndarray, nw: int) -> tuple[np.ndarray, int]:
     """Waves filled one at a time so that the gradient slots mix (`fill`), then `eliminate`,
-    on large AUTO steps whose budget buys it (`fill_us`: about one greedy run), when the
-    greedy left a gap to the envelope bound; kept only when it has fewer waves than the
+    on large AUTO steps (`fill_us`, at any budget), when the greedy left a gap to the
+    envelope bound; kept only when it has fewer waves than the
     greedy's plan (ties keep the greedy's). Deterministic; the same work in both modes.
     Returns (assign, waves)."""
     if s.fill_us <= 0.0 or nw <= s.lower:
