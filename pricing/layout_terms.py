@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from . import entries
 from .coefficients import CoefficientTable
+from .kernel_set import KernelSet
 
 ENTRY = "layout_residual"
 
@@ -80,7 +81,7 @@ def layer_norm_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_
     """
     if not replicated or not table.kernels.norm_point:
         return 0.0
-    return table.per_row(NORM_POINT, widths) + 2.0 * rope_per_row
+    return table.per_row(NORM_POINT, widths) + table.kernels.rope_copies * rope_per_row
 
 
 SP_POINT = "sp_fc2_point"
@@ -102,7 +103,7 @@ def sp_fc2_point_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope
     if not sequence_parallel or tp <= 1 or not table.kernels.sp_point:
         return 0.0
     return (table.per_row(SP_POINT, widths, key="gathered") + table.per_row(SP_POINT, widths, key="sharded") / tp
-            + table.per_row(SP_POINT, widths) + 2.0 * rope_per_row)
+            + table.per_row(SP_POINT, widths) + table.kernels.rope_copies * rope_per_row)
 
 
 SP_RETAINED = "sp_retained_layer"
@@ -128,7 +129,7 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
         return 0.0
     out = (table.per_row(SP_RETAINED, widths, key="gathered")
            + table.per_row(SP_RETAINED, widths, key="sharded") / tp
-           + table.per_row(SP_RETAINED, widths) + 2.0 * rope_per_row)
+           + table.per_row(SP_RETAINED, widths) + table.kernels.rope_copies * rope_per_row)
     if forward:
         out += (table.per_row(SP_RETAINED, widths, key="forward_gathered")
                 + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp)
@@ -165,7 +166,7 @@ def sp_rope_entry_per_row(table: CoefficientTable, *, rope_per_row: float, tp: i
     replace absorbed the entry; `cp_rope_cache_per_row` charges only the rows CP adds. See
     docs/memory-model.md#sp-head-forward. O(1).
     """
-    if not structural_at(tp, sequence_parallel, at_tp1) or not table.kernels.sp_point:
+    if not structural_at(tp, sequence_parallel, at_tp1) or not (table.kernels.sp_point or at_tp1):
         return 0.0
     return rope_per_row
 
@@ -202,17 +203,21 @@ def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row
     """
     if not at_tp1 or not table.kernels.tp1_point:
         return 0.0
-    return table.per_row(TP1_POINT, widths) + 2.0 * rope_per_row
+    return table.per_row(TP1_POINT, widths) + table.kernels.rope_copies * rope_per_row
 
 
-def structural_qk_norm_per_row(widths: dict) -> float:
+def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
     """What an attention layer's query/key norms keep, beside the structural layer terms.
 
-    Formula: 2 x qkv + 2 x core bytes per row (the norms' fp32 input copies, per TP rank). The
-    TP1-fitted `qk_norm` entry charges only part of this, the rest absorbed by the fitted layer; the
-    structural terms absorb nothing, so they take the whole. See
-    docs/memory-model.md#tp1-structural. O(1).
+    Formula: plain PyTorch: 2 x qkv + 2 x core bytes per row (the norms' fp32 input copies, per TP
+    rank). The TP1-fitted `qk_norm` entry charges only part of this, the rest absorbed by the fitted
+    layer; the structural terms absorb nothing, so they take the whole. Fused kernels
+    (`KernelSet.fused`): TE's RMSNorm saves its input (a view of the projection output) and one fp32
+    rstdev per head and row, 4 / head_dim bytes per element, at most 0.0625 (qkv + core) for heads of
+    64 or more. See docs/memory-model.md#tp1-structural, #gpu-kernel-allocation-models. O(1).
     """
+    if kernels.fused:
+        return 0.0625 * (widths["qkv"] + widths["core"])
     return 2.0 * widths["qkv"] + 2.0 * widths["core"]
 
 

@@ -129,7 +129,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     layers = g.layers
     widths_r = dict(widths, rank=max_rank)
     qk = terms.qk_norm_per_row(t, widths) if qk_norm else 0.0
-    qk_structural = layout_terms.structural_qk_norm_per_row(widths) if qk_norm else 0.0
+    qk_structural = (layout_terms.structural_qk_norm_per_row(widths, t.kernels) if qk_norm
+                     else 0.0)
     # ring attention (CP > 1) releases the projection output the attention would keep;
     # traced for plain attention only (an output gate is a view of that output and keeps it)
     plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None

@@ -1,7 +1,9 @@
 """The TP1 structural layer and point (docs/memory-model.md#tp1-structural): a plain dense model's
 layers at TP1 (CP too) on torch-cpu are priced by what they hold (`layout_terms.structural_at_tp1`):
 retained by the SP structural terms at TP = 1, recomputed at their FC1 backward, with the q/k norms
-whole and the TP1 residual; te-gpu and every other model keep the TP1-fitted layer and stage."""
+whole and the TP1 residual; on te-gpu a plain dense model's recomputed TP1 layer is priced at the
+point written from the fused kernels' allocation models (docs/memory-model.md#gpu-kernel-allocation-models),
+its retained layer and every other model keep the TP1-fitted layer and stage."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
     kept = layout_terms.sp_retained_layer_per_row(t, widths, tp=1, rope_per_row=rope,
                                                    sequence_parallel=False, at_tp1=True)
     assert kept > 0
-    qk = layout_terms.structural_qk_norm_per_row(widths) if preset == "qwen3-8b" else 0.0
+    qk = layout_terms.structural_qk_norm_per_row(widths, t.kernels) if preset == "qwen3-8b" else 0.0
     discount = t.per_row("selective_core_attn_discount", widths) if mode == "selective" else 0.0
     residual = layout_terms.layout_residual_per_row(t, widths, tp=1, sequence_parallel=False, cp=1,
                                                     retained=True)
@@ -51,7 +53,7 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
 def test_the_fitted_layer_stays_elsewhere():
     """te-gpu, and models that are not plain dense attention, keep the TP1-fitted layer, no
     head-forward charge and no TP1 residual."""
-    for preset, backend, mode in (("llama-3.1-8b", "te-gpu", "full"), ("llama-3.1-8b", "te-gpu", "none"),
+    for preset, backend, mode in (("llama-3.1-8b", "te-gpu", "none"),
                                   ("qwen3-30b-a3b", "torch-cpu", "none"), ("deepseek-v2-lite", "torch-cpu", "none"),
                                   ("qwen3.8-27b", "torch-cpu", "selective")):
         g = load_preset(preset)
@@ -59,7 +61,8 @@ def test_the_fitted_layer_stays_elsewhere():
         assert model.charges.walk.head_forward == 0.0, (preset, backend, mode)
     t = load_table("torch-cpu")
     assert layout_terms.structural_at_tp1(t, retained=False, plain_dense=True)
-    assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=False, plain_dense=True)
+    # te-gpu: the recomputed TP1 layer at its kernel-model point, the retained one fitted
+    assert layout_terms.structural_at_tp1(load_table("te-gpu"), retained=False, plain_dense=True)
     assert not layout_terms.structural_at_tp1(t, retained=True, plain_dense=False)
     assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=True, plain_dense=True)
     assert layout_terms.structural_at_tp1(t, retained=True, plain_dense=True)
@@ -145,14 +148,17 @@ def test_recomputed_tp1_layer_is_priced_at_its_fc1_backward(preset):
     point = layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_cache_per_row(g, [g.layers[1]]),
                                                at_tp1=True)
     assert point > 0
-    qk = layout_terms.structural_qk_norm_per_row(widths) if preset == "qwen3-8b" else 0.0
+    qk = layout_terms.structural_qk_norm_per_row(widths, t.kernels) if preset == "qwen3-8b" else 0.0
     residual = layout_terms.layout_residual_per_row(t, widths, tp=1, sequence_parallel=False, cp=1,
                                                     retained=False)
     assert residual == pytest.approx(t.terms[layout_terms.ENTRY]["full"]["tp1-cp1"] * g.hidden)
     rope = rope_cache_per_row(g, g.layers)   # the RoPE entry, at every point under full recompute
     assert model.charges.walk.workspace[1] == pytest.approx(point + qk + residual + rope)
     assert model.charges.walk.head_forward > 0
-    assert layout_terms.tp1_fc1_point_per_row(load_table("te-gpu"), widths, rope_per_row=1.0, at_tp1=True) == 0.0
+    # te-gpu's point is its kernel-model entry alone: TE's fused RoPE keeps no rotary copies
+    te = load_table("te-gpu")
+    assert layout_terms.tp1_fc1_point_per_row(te, widths, rope_per_row=1.0, at_tp1=True) == pytest.approx(
+        te.per_row(layout_terms.TP1_POINT, widths))
     assert layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=1.0, at_tp1=False) == 0.0
 
 
