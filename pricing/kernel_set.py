@@ -98,11 +98,17 @@ class KernelSet:
         return bool(self.kernel_models)
 
     def priced_by_models(self, *, has_gdn: bool) -> bool:
-        """Whether the head and caller are priced by what the kernels hold (`fused`): not for a
-        GDN hybrid, whose layers keep the fitted GDN terms that FLA's allocation model shows short
-        without the seeds' head and caller margins (the entries' `gdn` values and every head's
-        caller; docs/memory-model.md#gpu-kernel-allocation-models)."""
+        """Whether the full-native head is priced by what the kernels hold (`fused`; Megatron's
+        native cross entropy is plain PyTorch): not for a GDN hybrid, whose layers keep the fitted
+        GDN terms that FLA's allocation model shows short without the seeds' head margin (the
+        entry's `gdn` values; docs/memory-model.md#gpu-kernel-allocation-models)."""
         return self.fused and not has_gdn
+
+    def caller_by_heads(self, *, fitted_layers: bool) -> bool:
+        """Whether the caller's memory is charged only with the head kinds its entry names
+        (`fused`): not where layers keep fitted terms no kernel model replaced (GDN and MoE
+        layers), which keep its margin with every head (docs/memory-model.md#caller)."""
+        return self.fused and not fitted_layers
 
     @property
     def rope_copies(self) -> float:

@@ -193,17 +193,33 @@ TP1_POINT = "tp1_fc1_point"
 
 
 def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row: float,
-                          at_tp1: bool) -> float:
+                          at_tp1: bool, tp: int = 1, sequence_parallel: bool = False) -> float:
     """The recomputed TP1 layer's workspace at its MLP's FC1 backward (full recompute).
 
     Formula: `tp1_fc1_point` (14 F: FC1 output, LoRA sum, gradient and SwiGLU tensors; 14 H: the norms'
     fp32 inputs, bf16 outputs and residual sum; 3 qkv + 5 core) + 2 x rope_per_row, when `at_tp1`;
-    0 otherwise or without the entry (te-gpu). Charged in place of the fitted stage. See
-    docs/memory-model.md#tp1-structural. O(1).
+    0 otherwise or without the entry. Charged in place of the fitted stage. The fused kernels'
+    entry (te-gpu, `LayerContext.fused_point`: any TP at CP1) prices the recomputed FC1's forward,
+    its hidden-wide part by layout: `replicated` without SP, `gathered` + `sharded` / TP with it,
+    and no rotary copies (`KernelSet.rope_copies`); the larger of that and the recomputed FC2's
+    forward (its row-parallel output full-row before the reduction; the `fc2_` keys). See docs/memory-model.md#tp1-structural and
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if not at_tp1 or not table.kernels.tp1_point:
         return 0.0
-    return table.per_row(TP1_POINT, widths) + table.kernels.rope_copies * rope_per_row
+
+    def point(prefix: str) -> float:
+        # the hidden-wide tensors by layout (fused kernels, `LayerContext.fused_point`): replicated
+        # over TP without SP, gathered and sequence-sharded with it; none apart on torch-cpu
+        if sequence_parallel and tp > 1:
+            hidden = (table.per_row(TP1_POINT, widths, key=prefix + "gathered")
+                      + table.per_row(TP1_POINT, widths, key=prefix + "sharded") / tp)
+        else:
+            hidden = table.per_row(TP1_POINT, widths, key=prefix + "replicated")
+        return table.per_row(TP1_POINT, widths, key=prefix + "per_row") + hidden
+
+    # the FC1 point, and where the entry has one the recomputed FC2's forward (`fc2_` keys)
+    return max(point(""), point("fc2_")) + table.kernels.rope_copies * rope_per_row
 
 
 def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:

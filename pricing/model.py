@@ -242,9 +242,10 @@ class PricingModel:
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
             pending[s] = counts * self.lora.grad_bytes
         kind, chunk = parse_head(self.head)
-        # the head and caller priced by what the kernels hold, or with the seeds' margins (a GDN
-        # hybrid on te-gpu: KernelSet.priced_by_models)
+        # the head and caller priced by what the kernels hold, or with the seeds' margins beside
+        # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet)
         margins = not t.kernels.priced_by_models(has_gdn=g.gdn is not None)
+        every_head = not t.kernels.caller_by_heads(fitted_layers=g.gdn is not None or g.moe is not None)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked",
                                                    margins=margins)
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
@@ -281,7 +282,7 @@ class PricingModel:
             gdn_state=decoder.gdn_state, pending=pending,
             input_grad=terms.input_gradient_per_row(t, widths, sp_div=sp_div),
             head_retained=head_ret, head_transient=head_tr, head_const=head_const,
-            caller=terms.caller_per_logical_token(t, kind, every_head=margins), pad_retained=decoder.pad_retained,
+            caller=terms.caller_per_logical_token(t, kind, every_head=every_head), pad_retained=decoder.pad_retained,
             pad_point=decoder.pad_point, chunk=float(decoder.gdn_chunk),
             # the CP RoPE cache bound above (per rank row, where the arrays carry it) and one
             # entry row: the walk credits what a call's longest sequence does not hold

@@ -312,7 +312,7 @@ def caller_per_logical_token(table: CoefficientTable, head_kind: str, *,
     Charged with the head kinds the entry's optional `heads` names (every kind without it): the
     te-gpu measurement is the chunked head's, whose logits and loss the caller computes; the
     full heads' logits and loss are Megatron's own, priced by the head terms. `every_head`: charged
-    with every head kind (`KernelSet.priced_by_models` false: a GDN hybrid on te-gpu).
+    with every head kind (`KernelSet.caller_by_heads` false: GDN or MoE layers on te-gpu).
     """
     heads = table.terms["caller_per_logical_token"].get("heads")
     if heads is not None and head_kind not in heads and not every_head:

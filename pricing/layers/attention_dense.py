@@ -25,9 +25,11 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     attention's), and whether it is a structural point (no layout residual beside it)."""
     t, widths = ctx.table, ctx.widths
     rope_rows = rope_cache_per_row(ctx.geometry, [layer])
-    if ctx.full and ctx.tp1_structural:
-        # a plain dense model's TP1 layer at its FC1 backward (layout_terms.tp1_fc1_point_per_row)
-        return (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True)
+    if ctx.full and (ctx.tp1_structural or ctx.fused_point):
+        # a plain dense model's TP1 layer at its FC1 backward, or with the fused kernels its
+        # recomputed FC1's forward at any TP (layout_terms.tp1_fc1_point_per_row)
+        return (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True,
+                                                   tp=ctx.tp, sequence_parallel=ctx.sp_div > 1)
                 + ctx.qk_structural_per_row - ctx.cp_release_per_row), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     fitted = mixer + mlp_stage(ctx, layer) + norms(ctx)

@@ -155,10 +155,13 @@ def test_recomputed_tp1_layer_is_priced_at_its_fc1_backward(preset):
     rope = rope_cache_per_row(g, g.layers)   # the RoPE entry, at every point under full recompute
     assert model.charges.walk.workspace[1] == pytest.approx(point + qk + residual + rope)
     assert model.charges.walk.head_forward > 0
-    # te-gpu's point is its kernel-model entry alone: TE's fused RoPE keeps no rotary copies
+    # te-gpu's point is its kernel-model entry alone, the larger of the recomputed FC1's and FC2's
+    # forward: TE's fused RoPE keeps no rotary copies (docs/memory-model.md#gpu-kernel-allocation-models)
     te = load_table("te-gpu")
+    f, h, qkv, core, rank = (widths[k] for k in ("F", "H", "qkv", "core", "rank"))
+    attention = 3 * qkv + 3.0625 * core
     assert layout_terms.tp1_fc1_point_per_row(te, widths, rope_per_row=1.0, at_tp1=True) == pytest.approx(
-        te.per_row(layout_terms.TP1_POINT, widths))
+        max(12 * f + 6 * h + 6 * rank, 6 * f + 12 * h + 8 * rank) + attention)
     assert layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=1.0, at_tp1=False) == 0.0
 
 
