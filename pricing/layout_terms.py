@@ -228,12 +228,13 @@ def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
     Formula: plain PyTorch: 2 x qkv + 2 x core bytes per row (the norms' fp32 input copies, per TP
     rank). The TP1-fitted `qk_norm` entry charges only part of this, the rest absorbed by the fitted
     layer; the structural terms absorb nothing, so they take the whole. Fused kernels
-    (`KernelSet.fused`): TE's RMSNorm saves its input (a view of the projection output) and one fp32
-    rstdev per head and row, 4 / head_dim bytes per element, at most 0.0625 (qkv + core) for heads of
-    64 or more. See docs/memory-model.md#tp1-structural, #gpu-kernel-allocation-models. O(1).
+    (`KernelSet.fused`): TE's RMSNorm saves its input made contiguous (q and k are strided views of
+    the projection output: 2 core + 2 x key width = qkv + core bytes) and one fp32 rstdev per head
+    and row (4 / head_dim bytes per element, at most 0.0625 (qkv + core) for heads of 64 or more).
+    See docs/memory-model.md#tp1-structural, #gpu-kernel-allocation-models. O(1).
     """
     if kernels.fused:
-        return 0.0625 * (widths["qkv"] + widths["core"])
+        return 1.0625 * (widths["qkv"] + widths["core"])
     return 2.0 * widths["qkv"] + 2.0 * widths["core"]
 
 

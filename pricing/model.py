@@ -167,6 +167,25 @@ class PricingModel:
                 f"rank's routed rows over rows x top_k; without it the worst case {worst:g} is priced)",)
 
     @property
+    def kernel_basis(self) -> tuple[str, ...]:
+        """Which figures rest on the fused kernels' allocation models rather than GPU traces
+        (`KernelSet.kernel_models`; empty for plain PyTorch kernels): one 'kernel-model: ...'
+        line each (docs/memory-model.md#gpu-kernel-allocation-models). O(layers)."""
+        kernels = self.table.kernels
+        if not kernels.fused:
+            return ()
+        ctx = self.layer_context()
+        names = ", ".join(kernels.kernel_models)
+        lines = ["kernel-model: the final norm's saved input and backward (te-rmsnorm)"]
+        if ctx.fused_point:
+            lines.append(f"kernel-model: the recomputed layers' peak, FC1's or FC2's recomputed forward "
+                         f"({names}; tp1_fc1_point)")
+        if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
+            lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
+                         "(te-rmsnorm; sp_head_forward)")
+        return tuple(lines)
+
+    @property
     def reasons(self) -> tuple[str, ...]:
         """Why the basis is not "evidence": the gaps, then the opt-in assumptions."""
         return self.gaps + self.assumptions
