@@ -2,8 +2,9 @@
 (docs/memory-model.md#calibration).
 
 Two kernel sets ship: Transformer Engine's fused GPU kernels (te-gpu: the TP1-fitted stage and
-retained terms, nothing structural) and plain PyTorch CPU kernels (torch-cpu: the fitted terms
-plus the structural ones read off the traces, which price layers by what they hold). A user's
+retained terms, and for recomputed plain dense layers and the head the structural entries written
+from the kernels' allocation models, `kernel_models`) and plain PyTorch CPU kernels (torch-cpu: the
+fitted terms plus the structural ones read off the traces, which price layers by what they hold). A user's
 table may carry any subset of the optional entries; `KernelSet.of` reads which, through the
 entry registry (`entries.has`), so no term function probes the table. The framework is
 Megatron-core's; `FRAMEWORKS` is where a second one registers.
