@@ -2,6 +2,8 @@
 
     python bench/te_gpu_grid.py trace     # trace the cells missing from traces_te_gpu.jsonl
     python bench/te_gpu_grid.py report    # per class: te-gpu (and torch-cpu) estimate / trace
+    python bench/te_gpu_grid.py trace --heldout    # the held-out cells (traces_te_gpu_heldout.jsonl)
+    python bench/te_gpu_grid.py report --heldout   # ... bench/results/te_gpu_heldout.txt
 
 `trace` runs each cell with `trace_wave(kernels="te-gpu")` (pricing/measure/gpu_kernels.py: TE
 RMSNorm, flash attention varlen, TE fused RoPE, fused bias-SwiGLU in place of torch's ops;
