@@ -83,6 +83,15 @@ def planned_heldout() -> list[dict]:
     for lay in ({"tp": 2}, {"tp": 4, "sequence_parallel": True}, {"tp": 8, "sequence_parallel": True}):
         cells.append(_cell("qwen3-32b", lay, "full", wave=HELDOUT_WAVE))
     cells.append(_cell("qwen3-8b", {"tp": 2}, "full", head="full-te", wave=HELDOUT_WAVE))
+    # traced after the retained layer's kernel-model terms (fused_retained_layer) were written
+    for model in ("mistral-7b", "qwen3-32b"):
+        for rc in ("selective", "none"):
+            cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
+    for lay in ({}, {"tp": 2}, {"tp": 4, "sequence_parallel": True}, {"tp": 8}):
+        for rc in ("selective", "none"):
+            cells.append(_cell(DENSE2["name"], lay, rc, wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3-8b", {"tp": 2, "sequence_parallel": True}, "selective", wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3-32b", {"tp": 8, "sequence_parallel": True}, "none", wave=HELDOUT_WAVE))
     return cells
 
 

@@ -70,6 +70,9 @@ class KernelSet:
     """A MoE layer's no-grad forward transient (`moe_nograd`)."""
     moe_expert_backward: bool
     """The routed experts' backward (`moe_expert_backward`)."""
+    fused_retained: bool = False
+    """A plain dense layer retained (selective, none) priced by what the fused kernels keep
+    (`fused_retained_layer`), with its backward transient and own forward peak."""
     kernel_models: tuple[str, ...] = ()
     """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
     table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).
@@ -89,6 +92,7 @@ class KernelSet:
                    retained_backward=h(table, "retained_backward"),
                    moe_nograd=h(table, "moe_nograd"),
                    moe_expert_backward=h(table, "moe_expert_backward"),
+                   fused_retained=h(table, "fused_retained_layer"),
                    kernel_models=tuple(entries.entry(table, "kernel_models", {}).get("kernels", ())))
 
     @property

@@ -222,6 +222,40 @@ def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row
     return max(point(""), point("fc2_")) + table.kernels.rope_copies * rope_per_row
 
 
+FUSED_RETAINED = "fused_retained_layer"
+
+
+def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
+                                 sequence_parallel: bool, backward: bool = False) -> float:
+    """What a plain dense layer retained (selective or no recompute) keeps on the fused kernels,
+    or (`backward`) the larger transient of its backward (the fused SwiGLU's, FC2's, or flash's
+    workspaces).
+
+    Formula: entry `fused_retained_layer`: `per_row` (6F: the FC1 sum the fused SwiGLU saves and
+    its output; 3 qkv + 3.0625 core: the attention's saved tensors; 8 rank) + its hidden-wide part
+    by layout (`replicated` 8H without SP: the layer's input, residual sum and two norm outputs;
+    `gathered` + `sharded` / TP with it); `backward`: the larger of `backward_*` (the MLP's) and
+    `fc2_backward` (its incoming and adapter gradients, full-row) and `attention_backward`
+    (flash's). Selective recompute of core attention keeps the same tensors
+    (its checkpoint saves the inputs flash would). 0 without the entry. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    if not table.kernels.fused_retained:
+        return 0.0
+    pre = "backward_" if backward else ""
+
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=pre + key)
+
+    hidden = (part("gathered") + part("sharded") / tp if sequence_parallel and tp > 1
+              else part("replicated"))
+    out = part("per_row") + hidden
+    if backward:
+        out = max(out, table.per_row(FUSED_RETAINED, widths, key="fc2_backward"),
+                  table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
+    return out
+
+
 def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
     """What an attention layer's query/key norms keep, beside the structural layer terms.
 

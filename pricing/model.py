@@ -180,6 +180,9 @@ class PricingModel:
         if ctx.fused_point:
             lines.append(f"kernel-model: the recomputed layers' peak, FC1's or FC2's recomputed forward "
                          f"({names}; tp1_fc1_point)")
+        if ctx.fused_retained:
+            lines.append(f"kernel-model: the retained layers' tensors, backward and own forward peaks "
+                         f"({names}; fused_retained_layer)")
         if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
             lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
                          "(te-rmsnorm; sp_head_forward)")
@@ -291,8 +294,11 @@ class PricingModel:
         # what the full-native head holds at its forward under TP with SP (both logits copies, the
         # final norm's tensors, the embedding's output), charged where above head_ret; beside the
         # wave's RoPE cache charge (in the retained layers without full recompute, here with it)
-        head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-                                                         at_tp1=ctx.tp1_structural)
+        # (with the fused kernels' layer terms at any TP: `tp` is the SP divisor, so without SP the
+        # hidden-wide part is whole and the vocabulary the rank's share)
+        head_fwd = (layout_terms.sp_head_forward_per_row(
+            t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
+            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.fused_retained)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope

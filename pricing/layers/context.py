@@ -90,6 +90,10 @@ class LayerContext:
     tp1_structural: bool
     """A plain dense model's layers at a credited TP1 priced by what they hold
     (`KernelSet.structural_at_tp1`, docs/memory-model.md#tp1-structural)."""
+    fused_retained: bool = False
+    """A plain dense model's retained layers (selective, none) priced by what the fused kernels
+    keep (`KernelSet.fused_retained`), at any credited TP with CP1
+    (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -160,6 +164,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
     fused_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.tp1_point
                    and g.plain_dense and (width_tp == 1 or rows_cp == 1))
+    fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
+                      and kernels.tp1_point and g.plain_dense and rows_cp == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -167,7 +173,7 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         qk_norm_per_row=qk, qk_structural_per_row=qk_structural, cp_release_per_row=cp_release,
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
-        fused_point=fused_point)
+        fused_point=fused_point, fused_retained=fused_retained)
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:

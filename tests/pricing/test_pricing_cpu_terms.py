@@ -20,16 +20,18 @@ def test_te_gpu_carries_none_of_the_optional_terms():
     # te-gpu carries only the entries written from the fused kernels' allocation models
     # (docs/memory-model.md#gpu-kernel-allocation-models)
     assert set(OPTIONAL_TERMS) & set(table.terms) == {
-        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "kernel_models"}
+        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer",
+        "kernel_models"}
     cpu = load_table("torch-cpu")
-    plain = set(OPTIONAL_TERMS) - {"kernel_models"}   # plain PyTorch kernels: no kernel models
-    assert plain <= set(cpu.terms) and "kernel_models" not in cpu.terms
+    fused = {"kernel_models", "fused_retained_layer"}   # the fused kernels' entries only
+    plain = set(OPTIONAL_TERMS) - fused
+    assert plain <= set(cpu.terms) and not fused & set(cpu.terms)
     # each says where it comes from: a fit, or a structural form read off the traces
     assert all(any(word in cpu.source(name) for word in ("fitted", "structural", "set by trace"))
                for name in plain)
     # te-gpu's say which rest on the kernels' allocation models
-    assert all("kernel-model" in table.source(name) for name in ("final_norm", "final_norm_backward",
-                                                                 "tp1_fc1_point", "sp_head_forward"))
+    assert all("kernel-model" in table.source(name) for name in (
+        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer"))
 
 
 def test_qk_norm_follows_the_geometry():

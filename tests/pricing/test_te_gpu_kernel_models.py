@@ -21,7 +21,8 @@ from waveplan.pricing.price import GroupLoad, price_groups
 
 RESULTS = BENCH / "results"
 # the classes priced at the kernel-model point and head (bench/te_gpu_grid.py `class_of`)
-ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full", "TP2/4/8 full +SP")
+ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full", "TP2/4/8 full +SP",
+             "TP2/4/8 selective/none", "TP1 selective/none, plain dense")
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,18 @@ def grid():
 
 
 def _ratios(grid, path) -> dict[str, list[float]]:
+    """Estimate / trace per class; the TP1 retained class's plain dense cells also apart (its MoE
+    and MLA cells keep their fitted, conservative terms)."""
     out: dict[str, list[float]] = {}
     for rec in grid._load(path):
         cell = rec["cell"]
-        est = grid.current_estimate(cell, table="te-gpu", head=cell["head"],
-                                    geometry=grid.geometry_of(cell["model"]))
+        g = grid.geometry_of(cell["model"])
+        est = grid.current_estimate(cell, table="te-gpu", head=cell["head"], geometry=g)
         ratio = est["raw_bytes"] / rec["trace"]["peak_bytes"]
-        out.setdefault(grid.class_of(cell), []).append(ratio)
+        name = grid.class_of(cell)
+        out.setdefault(name, []).append(ratio)
+        if name == "TP1 selective/none" and g.plain_dense:
+            out.setdefault("TP1 selective/none, plain dense", []).append(ratio)
     return out
 
 
@@ -64,8 +70,10 @@ def test_the_kernel_set_decides_the_pricing_path():
         assert ctx.fused_point, par
         cpu = PricingModel.build(g, parallel=par, backend="torch-cpu").layer_context()
         assert not cpu.fused_point
-    # not for retained layers, MoE or GDN models, nor TP > 1 under CP
-    assert not PricingModel.build(g, recompute=Recompute(mode="none")).layer_context().fused_point
+    # retained layers: their own entry (fused_retained); not for MoE or GDN models, nor TP > 1 under CP
+    ctx = PricingModel.build(g, recompute=Recompute(mode="none")).layer_context()
+    assert ctx.fused_retained and not ctx.fused_point
+    assert not PricingModel.build(g, recompute=Recompute(mode="none"), backend="torch-cpu").layer_context().fused_retained
     assert not PricingModel.build(load_preset("qwen3-30b-a3b")).layer_context().fused_point
     assert not PricingModel.build(load_preset("qwen3.8-27b"),
                                   parallel=ParallelLayout(tp=4, sequence_parallel=True)).layer_context().fused_point
@@ -110,9 +118,12 @@ def test_the_basis_names_what_rests_on_kernel_models():
     assert te.basis == "evidence"
     assert len(te.kernel_basis) == 3 and all(line.startswith("kernel-model: ") for line in te.kernel_basis)
     assert any("tp1_fc1_point" in line for line in te.kernel_basis)
-    # retained layers keep the fitted terms: only the final norm rests on a kernel model there
-    none = PricingModel.build(g, recompute=Recompute(mode="none"))
-    assert none.kernel_basis == ("kernel-model: the final norm's saved input and backward (te-rmsnorm)",)
+    # retained layers: their own kernel-model entry
+    none = PricingModel.build(g, recompute=Recompute(mode="none"), head="full-native")
+    assert any("fused_retained_layer" in line for line in none.kernel_basis)
+    # a MoE model's layers keep their fitted terms: only the final norm rests on a kernel model
+    moe = PricingModel.build(load_preset("qwen3-30b-a3b"))
+    assert moe.kernel_basis == ("kernel-model: the final norm's saved input and backward (te-rmsnorm)",)
     assert PricingModel.build(g, backend="torch-cpu").kernel_basis == ()
 
 

@@ -51,9 +51,10 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
 
 
 def test_the_fitted_layer_stays_elsewhere():
-    """te-gpu, and models that are not plain dense attention, keep the TP1-fitted layer, no
-    head-forward charge and no TP1 residual."""
-    for preset, backend, mode in (("llama-3.1-8b", "te-gpu", "none"),
+    """Models that are not plain dense attention keep the TP1-fitted layer, no head-forward charge
+    and no TP1 residual (te-gpu too: its plain dense layers are priced by the fused kernels' terms,
+    tests/pricing/test_te_gpu_kernel_models.py)."""
+    for preset, backend, mode in (("qwen3-30b-a3b", "te-gpu", "none"),
                                   ("qwen3-30b-a3b", "torch-cpu", "none"), ("deepseek-v2-lite", "torch-cpu", "none"),
                                   ("qwen3.8-27b", "torch-cpu", "selective")):
         g = load_preset(preset)
@@ -72,14 +73,21 @@ def test_the_fitted_layer_stays_elsewhere():
                                                   at_tp1=True) == 0.0
 
 
-def test_te_gpu_tp1_retained_layer_is_unchanged_by_the_structural_entries():
+def test_te_gpu_tp1_retained_layer_is_what_the_fused_kernels_keep():
+    """te-gpu prices a plain dense layer retained at TP1 by its kernel-model entry (not the
+    torch-cpu structural layer, not the fitted one): kept tensors plus the TP1 retained residual."""
     g = load_preset("llama-3.1-8b")
     te = load_table("te-gpu")
     model = PricingModel.build(g, backend="te-gpu", recompute=Recompute(mode="none"))
     widths = dict(layer_widths(g, tp=1), rank=float(max(s.rank for s in model.lora.slots)))
+    kept = layout_terms.fused_retained_layer_per_row(te, widths, tp=1, sequence_parallel=False)
+    f, h, qkv, core, rank = (widths[k] for k in ("F", "H", "qkv", "core", "rank"))
+    assert kept == pytest.approx(6 * f + 8 * h + 3 * qkv + 3.0625 * core + 8 * rank)
+    residual = te.terms[layout_terms.ENTRY]["retained"]["tp1-cp1"] * g.hidden
+    assert model.charges.walk.retained[1] == pytest.approx(kept + residual)
     fitted = terms.retained_layer_per_row(te, widths, g.layers[1].mixer, g.layers[1].mlp, sp_div=1,
                                           selective=False, ep_skew=1.0)
-    assert model.charges.walk.retained[1] == pytest.approx(fitted)
+    assert model.charges.walk.retained[1] < fitted
 
 
 def test_every_tp1_calibration_cell_is_covered():
