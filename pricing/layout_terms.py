@@ -202,7 +202,8 @@ def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row
     entry (te-gpu, `LayerContext.fused_point`: any TP at CP1) prices the recomputed FC1's forward,
     its hidden-wide part by layout: `replicated` without SP, `gathered` + `sharded` / TP with it,
     and no rotary copies (`KernelSet.rope_copies`); the larger of that and the recomputed FC2's
-    forward (its row-parallel output full-row before the reduction; the `fc2_` keys). See docs/memory-model.md#tp1-structural and
+    forward (its row-parallel output full-row before the reduction; the `fc2_` keys) and its
+    attention's backward (flash's workspaces beside the saved tensors; the `attn_` keys). See docs/memory-model.md#tp1-structural and
     docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if not at_tp1 or not table.kernels.tp1_point:
@@ -218,8 +219,10 @@ def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row
             hidden = table.per_row(TP1_POINT, widths, key=prefix + "replicated")
         return table.per_row(TP1_POINT, widths, key=prefix + "per_row") + hidden
 
-    # the FC1 point, and where the entry has one the recomputed FC2's forward (`fc2_` keys)
-    return max(point(""), point("fc2_")) + table.kernels.rope_copies * rope_per_row
+    # the FC1 point, and where the entry has them the recomputed FC2's forward (`fc2_` keys) and
+    # the attention's backward (`attn_` keys)
+    return (max(point(""), point("fc2_"), point("attn_"))
+            + table.kernels.rope_copies * rope_per_row)
 
 
 FUSED_RETAINED = "fused_retained_layer"

@@ -169,7 +169,8 @@ def test_recomputed_tp1_layer_is_priced_at_its_fc1_backward(preset):
     f, h, qkv, core, rank = (widths[k] for k in ("F", "H", "qkv", "core", "rank"))
     attention = 3 * qkv + 3.0625 * core
     assert layout_terms.tp1_fc1_point_per_row(te, widths, rope_per_row=1.0, at_tp1=True) == pytest.approx(
-        max(12 * f + 6 * h + 6 * rank, 6 * f + 12 * h + 8 * rank) + attention)
+        max(12 * f + 6 * h + 6 * rank + attention, 6 * f + 12 * h + 8 * rank + attention,
+            4 * qkv + 15.1875 * core + 6 * rank + 4 * h))   # FC1's, FC2's forward; flash's backward
     assert layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=1.0, at_tp1=False) == 0.0
 
 
