@@ -2,6 +2,8 @@
 
     python bench/te_gpu_grid.py trace     # trace the cells missing from traces_te_gpu.jsonl
     python bench/te_gpu_grid.py report    # per class: te-gpu (and torch-cpu) estimate / trace
+    python bench/te_gpu_grid.py trace --heldout    # the held-out cells (traces_te_gpu_heldout.jsonl)
+    python bench/te_gpu_grid.py report --heldout   # ... bench/results/te_gpu_heldout.txt
 
 `trace` runs each cell with `trace_wave(kernels="te-gpu")` (pricing/measure/gpu_kernels.py: TE
 RMSNorm, flash attention varlen, TE fused RoPE, fused bias-SwiGLU in place of torch's ops;
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gdn_grid import GDN  # noqa: E402
-from multirank_grid import DENSE, DENSE3, current_estimate  # noqa: E402
+from multirank_grid import DENSE, DENSE2, DENSE3, current_estimate  # noqa: E402
 
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 
@@ -43,19 +45,54 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 RESULTS = Path(__file__).resolve().parent / "results"
 TRACES = RESULTS / "traces_te_gpu.jsonl"
 SUMMARY = RESULTS / "te_gpu_grid.txt"
+# held out (`--heldout`): traced after the te-gpu terms were final, never used to derive them
+HELDOUT_TRACES = RESULTS / "traces_te_gpu_heldout.jsonl"
+HELDOUT_SUMMARY = RESULTS / "te_gpu_heldout.txt"
+HELDOUT_WAVE = (1536, 1024, 440)
+HELDOUT_PRESETS = ("mistral-7b", "phi-4", "qwen3-32b", "llama-3.1-70b")
 WAVE = (1024, 640, 384)
 LORA_RANK = 16
 RECOMPUTES = ("full", "selective", "none")
 PRESETS = ("qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "deepseek-v2-lite",
            "qwen3.8-27b", "gemma-2-9b")
-SHAPES = {s["name"]: s for s in (DENSE, DENSE3, GDN)}
+SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
 
-def _cell(model: str, layout: dict, recompute: str, head: str = "full-native") -> dict:
+def _cell(model: str, layout: dict, recompute: str, head: str = "full-native",
+          wave: tuple = WAVE) -> dict:
     return {"model": model, "kernels": "te-gpu", "num_layers": 2, "recompute": recompute,
-            "lora_rank": LORA_RANK, "seq_lens": list(WAVE), "layout": layout, "head": head}
+            "lora_rank": LORA_RANK, "seq_lens": list(wave), "layout": layout, "head": head}
+
+
+def planned_heldout() -> list[dict]:
+    """The held-out cells: other presets, the hidden-768 multi-head shape and another wave
+    (3000 tokens), full recompute at TP1 (both heads) and TP2/4/8 with and without SP."""
+    cells = []
+    for model in HELDOUT_PRESETS:
+        for head in ("full-native", "full-te"):
+            cells.append(_cell(model, {}, "full", head=head, wave=HELDOUT_WAVE))
+    for model in (DENSE2["name"], DENSE["name"]):
+        cells.append(_cell(model, {}, "full", wave=HELDOUT_WAVE))
+        for lay in TP_LAYOUTS:
+            cells.append(_cell(model, lay, "full", wave=HELDOUT_WAVE))
+    for lay in ({"tp": 4, "sequence_parallel": True}, {"tp": 8}):
+        cells.append(_cell("qwen3-8b", lay, "full", wave=HELDOUT_WAVE))
+    # traced after the q/k norms' term was corrected on qwen3-32b's TP1 full-te cell above
+    for lay in ({"tp": 2}, {"tp": 4, "sequence_parallel": True}, {"tp": 8, "sequence_parallel": True}):
+        cells.append(_cell("qwen3-32b", lay, "full", wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3-8b", {"tp": 2}, "full", head="full-te", wave=HELDOUT_WAVE))
+    # traced after the retained layer's kernel-model terms (fused_retained_layer) were written
+    for model in ("mistral-7b", "qwen3-32b"):
+        for rc in ("selective", "none"):
+            cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
+    for lay in ({}, {"tp": 2}, {"tp": 4, "sequence_parallel": True}, {"tp": 8}):
+        for rc in ("selective", "none"):
+            cells.append(_cell(DENSE2["name"], lay, rc, wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3-8b", {"tp": 2, "sequence_parallel": True}, "selective", wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3-32b", {"tp": 8, "sequence_parallel": True}, "none", wave=HELDOUT_WAVE))
+    return cells
 
 
 def planned() -> list[dict]:
@@ -83,7 +120,7 @@ def geometry_of(model: str):
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.presets import load_preset
 
-    return load_preset(model) if model in PRESETS else ModelGeometry.from_dict(SHAPES[model])
+    return (ModelGeometry.from_dict(SHAPES[model]) if model in SHAPES else load_preset(model))
 
 
 def cell_key(cell: dict) -> str:
@@ -95,13 +132,15 @@ def cell_key(cell: dict) -> str:
                        cell["lora_rank"], cell["num_layers"]], sort_keys=True)
 
 
-def _load(path: Path = TRACES) -> list[dict]:
+def _load(path: Path | None = None) -> list[dict]:
+    path = path or TRACES
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _write(records: list[dict], path: Path = TRACES) -> None:
+def _write(records: list[dict], path: Path | None = None) -> None:
+    path = path or TRACES
     records = sorted(records, key=lambda r: cell_key(r["cell"]))
     write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
 
@@ -110,9 +149,10 @@ def cmd_trace(args) -> int:
     from waveplan.pricing.measure.trace import trace_wave
     from waveplan.pricing.parallel import ParallelLayout, Recompute
 
-    records = _load()
+    path = HELDOUT_TRACES if args.heldout else TRACES
+    records = _load(path)
     have = {cell_key(r["cell"]) for r in records}
-    todo = [c for c in planned() if cell_key(c) not in have
+    todo = [c for c in (planned_heldout() if args.heldout else planned()) if cell_key(c) not in have
             and (not args.only or c["model"] in args.only)]
     t_all = time.monotonic()
     multi = [c for c in todo if c["layout"].get("cp", 1) > 1]
@@ -129,7 +169,7 @@ def cmd_trace(args) -> int:
             rec = trace_record(tr, geometry_of(cell["model"]), model=cell["model"])
             records.append({"cell": dict(cell, seq_lens=rec["cell"]["seq_lens"],
                                          layout=rec["cell"]["layout"]), "trace": rec["trace"]})
-        _write(records)
+        _write(records, path)
         print(f"{len(multi)} multi-rank cells, {time.monotonic() - t0:.0f} s", flush=True)
     for cell in todo:
         if cell in multi:
@@ -141,7 +181,7 @@ def cmd_trace(args) -> int:
                         lora_rank=LORA_RANK, head=cell["head"], layout=layout, kernels="te-gpu")
         rec_cell = dict(cell, seq_lens=list(tr.seq_lens), layout=layout.to_dict())
         records.append({"cell": rec_cell, "trace": tr.to_dict()})
-        _write(records)
+        _write(records, path)
         print(f"{cell['model']} {cell['layout']} {cell['recompute']} {cell['head']}: "
               f"{tr.peak_bytes / 2**20:.1f} MiB, {time.monotonic() - t0:.0f} s", flush=True)
     print(f"{len(todo)} cells traced in {time.monotonic() - t_all:.0f} s")
@@ -203,7 +243,7 @@ def report_lines(records: list[dict]) -> list[str]:
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
     lines += ["", "per class, estimate / traced: cells, under, min, median, max",
-              f"  {'class':<28} {'te-gpu table (before)':<36} torch-cpu table"]
+              f"  {'class':<28} {'te-gpu table':<36} torch-cpu table"]
     for name in sorted(by_class):
         c = by_class[name]
         lines.append(f"  {name:<28} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
@@ -211,12 +251,15 @@ def report_lines(records: list[dict]) -> list[str]:
 
 
 def cmd_report(args) -> int:
-    records = _load()
+    path, out = (HELDOUT_TRACES, HELDOUT_SUMMARY) if args.heldout else (TRACES, SUMMARY)
+    records = _load(path)
     if not records:
-        print(f"no traces in {TRACES}; run `trace` first", file=sys.stderr)
+        print(f"no traces in {path}; run `trace` first", file=sys.stderr)
         return 1
     lines = report_lines(records)
-    write_text_atomic(SUMMARY, "\n".join(lines) + "\n")
+    if args.heldout:
+        lines[0] = "te-gpu held-out grid (traced after the te-gpu terms were final): " + lines[0]
+    write_text_atomic(out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
@@ -226,8 +269,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("trace")
     t.add_argument("--only", nargs="*", default=None, help="models to trace (default all)")
+    t.add_argument("--heldout", action="store_true", help="the held-out cells (planned_heldout)")
     t.set_defaults(func=cmd_trace)
     r = sub.add_parser("report")
+    r.add_argument("--heldout", action="store_true", help="report the held-out cells")
     r.set_defaults(func=cmd_report)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -185,10 +185,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         extra = {"ep_peers": ep_note} if ep_note is not None else {}
         print(json.dumps({"model": geometry.to_dict(), "step": source, **stats, "basis": model.basis,
-                          "reasons": list(model.gaps), "layout": model.parallel.to_dict(),
+                          "reasons": list(model.gaps), "kernel_models": list(model.kernel_basis), "layout": model.parallel.to_dict(),
                           "recompute": model.recompute.mode.value, **extra}, indent=2))
     else:
         notes = [f"ep peers   {ep_note}"] if ep_note is not None else []
+        # the figures resting on the fused kernels' allocation models, not GPU traces
+        notes += [f"kernels    {line}" for line in model.kernel_basis]
         print("\n".join(geometry_lines(geometry) + [basis_line(model)] + notes + [""]
                         + step_lines(step, source, stats)))
     return 0

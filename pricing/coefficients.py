@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import entries
 from .errors import ConfigError, bad
-from .kernel_set import KernelSet
+from .kernel_set import KERNEL_MODELS, KernelSet
 
 DEFAULT_BACKEND = "te-gpu"   # Transformer Engine on GPU: the shipped table a model prices with
 
@@ -55,6 +55,10 @@ class CoefficientTable:
             for key in _SCALAR_KEYS:
                 if key in entry:
                     _check_number(f"coefficients[{self.backend}].{name}.{key}", entry[key])
+        for kernel in self.terms.get("kernel_models", {}).get("kernels", ()):
+            if kernel not in KERNEL_MODELS:
+                raise bad(ConfigError, f"coefficients[{self.backend}].kernel_models.kernels", kernel,
+                          f"unknown kernel model; known: {', '.join(KERNEL_MODELS)}")
 
     @cached_property
     def kernels(self) -> KernelSet:

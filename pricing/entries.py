@@ -99,6 +99,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("tp1_fc1_point", _ROW, "tp1-structural", "the fitted stage at TP1 full recompute"),
     Entry("cp_attention_release", _ROW, "cp-attention-release",
           "0: ring attention releases nothing the stage keeps"),
+    Entry("fused_retained_layer", _ROW + ", replicated, gathered and TP-sharded parts",
+          "gpu-kernel-allocation-models",
+          "the fitted retained layer (plain dense layers retained on the fused kernels)"),
+    Entry("kernel_models", "names of the fused GPU kernels (`kernels`)", "gpu-kernel-allocation-models",
+          "none: the structural terms hold plain PyTorch's tensors (fp32 norm inputs, rotary copies)"),
 )
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in ENTRIES}

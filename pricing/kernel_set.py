@@ -2,8 +2,9 @@
 (docs/memory-model.md#calibration).
 
 Two kernel sets ship: Transformer Engine's fused GPU kernels (te-gpu: the TP1-fitted stage and
-retained terms, nothing structural) and plain PyTorch CPU kernels (torch-cpu: the fitted terms
-plus the structural ones read off the traces, which price layers by what they hold). A user's
+retained terms, and for recomputed plain dense layers and the head the structural entries written
+from the kernels' allocation models, `kernel_models`) and plain PyTorch CPU kernels (torch-cpu: the
+fitted terms plus the structural ones read off the traces, which price layers by what they hold). A user's
 table may carry any subset of the optional entries; `KernelSet.of` reads which, through the
 entry registry (`entries.has`), so no term function probes the table. The framework is
 Megatron-core's; `FRAMEWORKS` is where a second one registers.
@@ -27,6 +28,15 @@ class Framework(StrEnum):
 
 
 FRAMEWORKS: tuple[Framework, ...] = (Framework.MEGATRON, Framework.FSDP)
+
+KERNEL_MODELS: dict[str, str] = {
+    "te-rmsnorm": "Transformer Engine's RMSNorm (ops/basic/rmsnorm.py): saves its input and fp32 rstdevs",
+    "fused-swiglu": "Megatron's fused bias-SwiGLU (fused_bias_swiglu.py): saves its input",
+    "fused-rope": "Transformer Engine's fused RoPE (attention/rope.py FusedRoPEFunc): saves freqs",
+    "flash-varlen": "flash-attn 2 varlen (flash_api.cpp): out, fp32 lse; dq/dk/dv and fp32 workspaces",
+}
+"""The fused GPU kernels whose allocation models a table's `kernel_models` entry may name
+(pricing/measure/gpu_kernels.py; docs/memory-model.md#gpu-kernel-allocation-models)."""
 """The frameworks the memory model prices; a new framework adds its member and its pricer."""
 
 
@@ -60,6 +70,13 @@ class KernelSet:
     """A MoE layer's no-grad forward transient (`moe_nograd`)."""
     moe_expert_backward: bool
     """The routed experts' backward (`moe_expert_backward`)."""
+    fused_retained: bool = False
+    """A plain dense layer retained (selective, none) priced by what the fused kernels keep
+    (`fused_retained_layer`), with its backward transient and own forward peak."""
+    kernel_models: tuple[str, ...] = ()
+    """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
+    table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).
+    Such figures rest on the kernels' source, checked on CPU traces, not on GPU traces."""
     framework: Framework = Framework.MEGATRON
     """The framework the table's traces ran."""
 
@@ -74,11 +91,43 @@ class KernelSet:
                    retained_forward=h(table, "retained_forward"),
                    retained_backward=h(table, "retained_backward"),
                    moe_nograd=h(table, "moe_nograd"),
-                   moe_expert_backward=h(table, "moe_expert_backward"))
+                   moe_expert_backward=h(table, "moe_expert_backward"),
+                   fused_retained=h(table, "fused_retained_layer"),
+                   kernel_models=tuple(entries.entry(table, "kernel_models", {}).get("kernels", ())))
+
+    @property
+    def fused(self) -> bool:
+        """Whether the structural terms price the fused GPU kernels (`kernel_models`): TE's norms
+        keep their bf16 inputs and fp32 per-row statistics, TE's fused RoPE keeps no per-row
+        rotary copies (docs/memory-model.md#gpu-kernel-allocation-models)."""
+        return bool(self.kernel_models)
+
+    def priced_by_models(self, *, has_gdn: bool) -> bool:
+        """Whether the full-native head is priced by what the kernels hold (`fused`; Megatron's
+        native cross entropy is plain PyTorch): not for a GDN hybrid, whose layers keep the fitted
+        GDN terms that FLA's allocation model shows short without the seeds' head margin (the
+        entry's `gdn` values; docs/memory-model.md#gpu-kernel-allocation-models)."""
+        return self.fused and not has_gdn
+
+    def caller_by_heads(self, *, fitted_layers: bool) -> bool:
+        """Whether the caller's memory is charged only with the head kinds its entry names
+        (`fused`): not where layers keep fitted terms no kernel model replaced (GDN and MoE
+        layers), which keep its margin with every head (docs/memory-model.md#caller)."""
+        return self.fused and not fitted_layers
+
+    @property
+    def rope_copies(self) -> float:
+        """The rotary frequencies' copies per row a structural layer term holds, in units of the
+        RoPE cache row (`pipeline.rope_cache_per_row`): 2 with plain PyTorch's RoPE (gathered
+        bf16 copies), 0 with TE's fused RoPE, which saves only the cache entry."""
+        return 0.0 if self.fused else 2.0
 
     @property
     def name(self) -> str:
-        """'plain-cpu' (the structural terms) or 'fused-gpu' (the fitted terms alone)."""
+        """'fused-gpu-models' (structural terms from the fused kernels' allocation models),
+        'plain-cpu' (the structural terms) or 'fused-gpu' (the fitted terms alone)."""
+        if self.fused:
+            return "fused-gpu-models"
         return "plain-cpu" if self.structural else "fused-gpu"
 
     def structural_at_tp1(self, *, retained: bool, plain_dense: bool) -> bool:

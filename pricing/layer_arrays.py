@@ -103,10 +103,14 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     # a GDN layer charged unsharded under SP (`RetainedBy.GDN_UNSHARDED`; every layer of a GDN
     # hybrid with MoE MLPs, `ALL_UNSHARDED`) holds no more than without SP: it takes the
     # residual of the class without SP
+    # with the fused kernels' point (te-gpu, full recompute) only the layers it prices take the
+    # residual fitted beside it; every other layer the one fitted without it (`bare`)
+    beside_models = ctx.kernels.fused
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
         sequence_parallel=c.sequence_parallel and not charged_unsharded(ctx, layer),
-        bare=not pricer_for(g, layer).residual_covered(ctx, layer))
+        bare=not (ctx.fused_point or ctx.fused_retained if beside_models
+                  else pricer_for(g, layer).residual_covered(ctx, layer)))
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
 
@@ -126,9 +130,10 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     elif ctx.mode != RecomputeMode.FULL or (ctx.geometry.moe is None and ctx.geometry.gdn is None):
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
-        rope += layout_terms.sp_rope_entry_per_row(ctx.table, rope_per_row=entry, tp=ctx.tp,
-                                                   sequence_parallel=ctx.sp_div > 1,
-                                                   at_tp1=ctx.tp1_structural)
+        # (the fused kernels' point at any TP: the entry's rows once per wave)
+        rope += entry if ctx.fused_point or ctx.fused_retained else layout_terms.sp_rope_entry_per_row(
+            ctx.table, rope_per_row=entry, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1,
+            at_tp1=ctx.tp1_structural)
     return rope
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from . import entries
 from .coefficients import CoefficientTable
+from .kernel_set import KernelSet
 
 ENTRY = "layout_residual"
 
@@ -80,7 +81,7 @@ def layer_norm_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_
     """
     if not replicated or not table.kernels.norm_point:
         return 0.0
-    return table.per_row(NORM_POINT, widths) + 2.0 * rope_per_row
+    return table.per_row(NORM_POINT, widths) + table.kernels.rope_copies * rope_per_row
 
 
 SP_POINT = "sp_fc2_point"
@@ -102,7 +103,7 @@ def sp_fc2_point_per_row(table: CoefficientTable, widths: dict, *, tp: int, rope
     if not sequence_parallel or tp <= 1 or not table.kernels.sp_point:
         return 0.0
     return (table.per_row(SP_POINT, widths, key="gathered") + table.per_row(SP_POINT, widths, key="sharded") / tp
-            + table.per_row(SP_POINT, widths) + 2.0 * rope_per_row)
+            + table.per_row(SP_POINT, widths) + table.kernels.rope_copies * rope_per_row)
 
 
 SP_RETAINED = "sp_retained_layer"
@@ -128,7 +129,7 @@ def sp_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
         return 0.0
     out = (table.per_row(SP_RETAINED, widths, key="gathered")
            + table.per_row(SP_RETAINED, widths, key="sharded") / tp
-           + table.per_row(SP_RETAINED, widths) + 2.0 * rope_per_row)
+           + table.per_row(SP_RETAINED, widths) + table.kernels.rope_copies * rope_per_row)
     if forward:
         out += (table.per_row(SP_RETAINED, widths, key="forward_gathered")
                 + table.per_row(SP_RETAINED, widths, key="forward_sharded") / tp)
@@ -165,7 +166,7 @@ def sp_rope_entry_per_row(table: CoefficientTable, *, rope_per_row: float, tp: i
     replace absorbed the entry; `cp_rope_cache_per_row` charges only the rows CP adds. See
     docs/memory-model.md#sp-head-forward. O(1).
     """
-    if not structural_at(tp, sequence_parallel, at_tp1) or not table.kernels.sp_point:
+    if not structural_at(tp, sequence_parallel, at_tp1) or not (table.kernels.sp_point or at_tp1):
         return 0.0
     return rope_per_row
 
@@ -192,27 +193,85 @@ TP1_POINT = "tp1_fc1_point"
 
 
 def tp1_fc1_point_per_row(table: CoefficientTable, widths: dict, *, rope_per_row: float,
-                          at_tp1: bool) -> float:
+                          at_tp1: bool, tp: int = 1, sequence_parallel: bool = False) -> float:
     """The recomputed TP1 layer's workspace at its MLP's FC1 backward (full recompute).
 
     Formula: `tp1_fc1_point` (14 F: FC1 output, LoRA sum, gradient and SwiGLU tensors; 14 H: the norms'
     fp32 inputs, bf16 outputs and residual sum; 3 qkv + 5 core) + 2 x rope_per_row, when `at_tp1`;
-    0 otherwise or without the entry (te-gpu). Charged in place of the fitted stage. See
-    docs/memory-model.md#tp1-structural. O(1).
+    0 otherwise or without the entry. Charged in place of the fitted stage. The fused kernels'
+    entry (te-gpu, `LayerContext.fused_point`: any TP at CP1) prices the recomputed FC1's forward,
+    its hidden-wide part by layout: `replicated` without SP, `gathered` + `sharded` / TP with it,
+    and no rotary copies (`KernelSet.rope_copies`); the larger of that and the recomputed FC2's
+    forward (its row-parallel output full-row before the reduction; the `fc2_` keys) and its
+    attention's backward (flash's workspaces beside the saved tensors; the `attn_` keys). See docs/memory-model.md#tp1-structural and
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if not at_tp1 or not table.kernels.tp1_point:
         return 0.0
-    return table.per_row(TP1_POINT, widths) + 2.0 * rope_per_row
+
+    def point(prefix: str) -> float:
+        # the hidden-wide tensors by layout (fused kernels, `LayerContext.fused_point`): replicated
+        # over TP without SP, gathered and sequence-sharded with it; none apart on torch-cpu
+        if sequence_parallel and tp > 1:
+            hidden = (table.per_row(TP1_POINT, widths, key=prefix + "gathered")
+                      + table.per_row(TP1_POINT, widths, key=prefix + "sharded") / tp)
+        else:
+            hidden = table.per_row(TP1_POINT, widths, key=prefix + "replicated")
+        return table.per_row(TP1_POINT, widths, key=prefix + "per_row") + hidden
+
+    # the FC1 point, and where the entry has them the recomputed FC2's forward (`fc2_` keys) and
+    # the attention's backward (`attn_` keys)
+    return (max(point(""), point("fc2_"), point("attn_"))
+            + table.kernels.rope_copies * rope_per_row)
 
 
-def structural_qk_norm_per_row(widths: dict) -> float:
+FUSED_RETAINED = "fused_retained_layer"
+
+
+def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
+                                 sequence_parallel: bool, backward: bool = False) -> float:
+    """What a plain dense layer retained (selective or no recompute) keeps on the fused kernels,
+    or (`backward`) the larger transient of its backward (the fused SwiGLU's, FC2's, or flash's
+    workspaces).
+
+    Formula: entry `fused_retained_layer`: `per_row` (6F: the FC1 sum the fused SwiGLU saves and
+    its output; 3 qkv + 3.0625 core: the attention's saved tensors; 8 rank) + its hidden-wide part
+    by layout (`replicated` 8H without SP: the layer's input, residual sum and two norm outputs;
+    `gathered` + `sharded` / TP with it); `backward`: the larger of `backward_*` (the MLP's) and
+    `fc2_backward` (its incoming and adapter gradients, full-row) and `attention_backward`
+    (flash's). Selective recompute of core attention keeps the same tensors
+    (its checkpoint saves the inputs flash would). 0 without the entry. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    if not table.kernels.fused_retained:
+        return 0.0
+    pre = "backward_" if backward else ""
+
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=pre + key)
+
+    hidden = (part("gathered") + part("sharded") / tp if sequence_parallel and tp > 1
+              else part("replicated"))
+    out = part("per_row") + hidden
+    if backward:
+        out = max(out, table.per_row(FUSED_RETAINED, widths, key="fc2_backward"),
+                  table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
+    return out
+
+
+def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
     """What an attention layer's query/key norms keep, beside the structural layer terms.
 
-    Formula: 2 x qkv + 2 x core bytes per row (the norms' fp32 input copies, per TP rank). The
-    TP1-fitted `qk_norm` entry charges only part of this, the rest absorbed by the fitted layer; the
-    structural terms absorb nothing, so they take the whole. See
-    docs/memory-model.md#tp1-structural. O(1).
+    Formula: plain PyTorch: 2 x qkv + 2 x core bytes per row (the norms' fp32 input copies, per TP
+    rank). The TP1-fitted `qk_norm` entry charges only part of this, the rest absorbed by the fitted
+    layer; the structural terms absorb nothing, so they take the whole. Fused kernels
+    (`KernelSet.fused`): TE's RMSNorm saves its input made contiguous (q and k are strided views of
+    the projection output: 2 core + 2 x key width = qkv + core bytes) and one fp32 rstdev per head
+    and row (4 / head_dim bytes per element, at most 0.0625 (qkv + core) for heads of 64 or more).
+    See docs/memory-model.md#tp1-structural, #gpu-kernel-allocation-models. O(1).
     """
+    if kernels.fused:
+        return 1.0625 * (widths["qkv"] + widths["core"])
     return 2.0 * widths["qkv"] + 2.0 * widths["core"]
 
 

@@ -167,6 +167,28 @@ class PricingModel:
                 f"rank's routed rows over rows x top_k; without it the worst case {worst:g} is priced)",)
 
     @property
+    def kernel_basis(self) -> tuple[str, ...]:
+        """Which figures rest on the fused kernels' allocation models rather than GPU traces
+        (`KernelSet.kernel_models`; empty for plain PyTorch kernels): one 'kernel-model: ...'
+        line each (docs/memory-model.md#gpu-kernel-allocation-models). O(layers)."""
+        kernels = self.table.kernels
+        if not kernels.fused:
+            return ()
+        ctx = self.layer_context()
+        names = ", ".join(kernels.kernel_models)
+        lines = ["kernel-model: the final norm's saved input and backward (te-rmsnorm)"]
+        if ctx.fused_point:
+            lines.append(f"kernel-model: the recomputed layers' peak, FC1's or FC2's recomputed forward "
+                         f"({names}; tp1_fc1_point)")
+        if ctx.fused_retained:
+            lines.append(f"kernel-model: the retained layers' tensors, backward and own forward peaks "
+                         f"({names}; fused_retained_layer)")
+        if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
+            lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
+                         "(te-rmsnorm; sp_head_forward)")
+        return tuple(lines)
+
+    @property
     def reasons(self) -> tuple[str, ...]:
         """Why the basis is not "evidence": the gaps, then the opt-in assumptions."""
         return self.gaps + self.assumptions
@@ -242,7 +264,12 @@ class PricingModel:
             counts = adapter_param_counts(g, self.lora, slot.name, self.width_tp)[:n]
             pending[s] = counts * self.lora.grad_bytes
         kind, chunk = parse_head(self.head)
-        logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked")
+        # the head and caller priced by what the kernels hold, or with the seeds' margins beside
+        # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet)
+        margins = not t.kernels.priced_by_models(has_gdn=g.gdn is not None)
+        every_head = not t.kernels.caller_by_heads(fitted_layers=g.gdn is not None or g.moe is not None)
+        logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked",
+                                                   margins=margins)
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0
         if feature_terms.scales_logits(g.features):
             if kind == "chunked":
@@ -267,8 +294,11 @@ class PricingModel:
         # what the full-native head holds at its forward under TP with SP (both logits copies, the
         # final norm's tensors, the embedding's output), charged where above head_ret; beside the
         # wave's RoPE cache charge (in the retained layers without full recompute, here with it)
-        head_fwd = (layout_terms.sp_head_forward_per_row(t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-                                                         at_tp1=ctx.tp1_structural)
+        # (with the fused kernels' layer terms at any TP: `tp` is the SP divisor, so without SP the
+        # hidden-wide part is whole and the vocabulary the rank's share)
+        head_fwd = (layout_terms.sp_head_forward_per_row(
+            t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
+            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.fused_retained)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope
@@ -277,7 +307,7 @@ class PricingModel:
             gdn_state=decoder.gdn_state, pending=pending,
             input_grad=terms.input_gradient_per_row(t, widths, sp_div=sp_div),
             head_retained=head_ret, head_transient=head_tr, head_const=head_const,
-            caller=terms.caller_per_logical_token(t), pad_retained=decoder.pad_retained,
+            caller=terms.caller_per_logical_token(t, kind, every_head=every_head), pad_retained=decoder.pad_retained,
             pad_point=decoder.pad_point, chunk=float(decoder.gdn_chunk),
             # the CP RoPE cache bound above (per rank row, where the arrays carry it) and one
             # entry row: the walk credits what a call's longest sequence does not hold

@@ -272,7 +272,8 @@ def final_norm_per_row(table: CoefficientTable, widths: dict, *, sp_div: int) ->
     return saved / sp_div, backward / sp_div
 
 
-def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[float, float]:
+def head_per_row(table: CoefficientTable, widths: dict, head: str, *,
+                 margins: bool = False) -> tuple[float, float]:
     """(retained, transient) bytes per gathered row of the output head and loss, by head mode.
 
     `full-native`: Megatron's cross entropy keeps bf16 logits and an fp32 copy, 6 x vocab/TP
@@ -290,8 +291,11 @@ def head_per_row(table: CoefficientTable, widths: dict, head: str) -> tuple[floa
     else:
         return 0.0, 0.0
     beside = table.per_row(entry, widths) if head == "full-te" else 0.0
-    return (table.scalar(entry, "retained_per_row_vocab") * widths["vocab"] + beside,
-            table.scalar(entry, "transient_per_row_vocab") * widths["vocab"])
+    # `margins`: the entry's `gdn` values where it has them (te-gpu: the seeds' head, whose margin
+    # the fitted GDN layers need; KernelSet.priced_by_models)
+    coef = table.terms[entry].get("gdn", table.terms[entry]) if margins else table.terms[entry]
+    return (float(coef["retained_per_row_vocab"]) * widths["vocab"] + beside,
+            float(coef["transient_per_row_vocab"]) * widths["vocab"])
 
 
 def head_chunk_bytes(table: CoefficientTable, widths: dict, chunk_rows: int) -> float:
@@ -300,11 +304,19 @@ def head_chunk_bytes(table: CoefficientTable, widths: dict, chunk_rows: int) -> 
     return chunk_rows * table.scalar("head_chunk", "per_row_vocab") * widths["vocab"]
 
 
-def caller_per_logical_token(table: CoefficientTable) -> float:
+def caller_per_logical_token(table: CoefficientTable, head_kind: str, *,
+                             every_head: bool = False) -> float:
     """Head buffers and the caller's loss memory per logical token: 6 KiB (docs/memory-model.md#caller).
 
     Kept live through the whole wave (conservative: its peak was measured, not its lifetime).
+    Charged with the head kinds the entry's optional `heads` names (every kind without it): the
+    te-gpu measurement is the chunked head's, whose logits and loss the caller computes; the
+    full heads' logits and loss are Megatron's own, priced by the head terms. `every_head`: charged
+    with every head kind (`KernelSet.caller_by_heads` false: GDN or MoE layers on te-gpu).
     """
+    heads = table.terms["caller_per_logical_token"].get("heads")
+    if heads is not None and head_kind not in heads and not every_head:
+        return 0.0
     return table.scalar("caller_per_logical_token")
 
 

@@ -122,6 +122,11 @@ class FsdpPricingModel(PricingModel):
         object.__setattr__(self, "memo", {})
 
     @property
+    def kernel_basis(self) -> tuple[str, ...]:
+        """None: FSDP's terms are its own (its flash allocation model is a gap above)."""
+        return ()
+
+    @property
     def bound_scale(self) -> float:
         """The factor on the layer terms of a family no trace covers."""
         return 1.0 if model_type_of(self.geometry) in EVIDENCE_FAMILIES else BOUND_SCALE

@@ -25,10 +25,16 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     attention's), and whether it is a structural point (no layout residual beside it)."""
     t, widths = ctx.table, ctx.widths
     rope_rows = rope_cache_per_row(ctx.geometry, [layer])
-    if ctx.full and ctx.tp1_structural:
-        # a plain dense model's TP1 layer at its FC1 backward (layout_terms.tp1_fc1_point_per_row)
-        return (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True)
+    if ctx.full and (ctx.tp1_structural or ctx.fused_point):
+        # a plain dense model's TP1 layer at its FC1 backward, or with the fused kernels its
+        # recomputed FC1's forward at any TP (layout_terms.tp1_fc1_point_per_row)
+        return (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True,
+                                                   tp=ctx.tp, sequence_parallel=ctx.sp_div > 1)
                 + ctx.qk_structural_per_row - ctx.cp_release_per_row), False
+    if ctx.fused_retained:
+        # a retained layer's backward transient on the fused kernels
+        return layout_terms.fused_retained_layer_per_row(
+            t, widths, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1, backward=True), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     fitted = mixer + mlp_stage(ctx, layer) + norms(ctx)
     if not ctx.full:
@@ -61,6 +67,15 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
              moe_extra: float) -> tuple[float, float]:
     """The layer's retained activations per row and its own structural forward peak (0 without
     one); under full recompute what a multi-layer chunk re-materialises."""
+    if ctx.fused_retained:
+        # what the fused kernels keep, and the layer's own forward peak: its recomputed point
+        sp = ctx.sp_div > 1
+        kept = layout_terms.fused_retained_layer_per_row(ctx.table, ctx.widths_r, tp=ctx.tp,
+                                                          sequence_parallel=sp)
+        forward = layout_terms.tp1_fc1_point_per_row(ctx.table, ctx.widths_r, rope_per_row=0.0,
+                                                     at_tp1=True, tp=ctx.tp, sequence_parallel=sp)
+        qk = ctx.qk_structural_per_row
+        return kept + qk + extra, max(kept, forward) + qk + extra
     if ctx.tp1_structural and not ctx.full:
         # the TP1 structural layer in place of the fitted one (layout_terms.structural_at_tp1)
         kept, forward = sp_retained(ctx, layer, fitted=0.0)

@@ -90,6 +90,15 @@ class LayerContext:
     tp1_structural: bool
     """A plain dense model's layers at a credited TP1 priced by what they hold
     (`KernelSet.structural_at_tp1`, docs/memory-model.md#tp1-structural)."""
+    fused_retained: bool = False
+    """A plain dense model's retained layers (selective, none) priced by what the fused kernels
+    keep (`KernelSet.fused_retained`), at any credited TP with CP1
+    (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    fused_point: bool = False
+    """A plain dense model's recomputed layers priced at the point written from the fused
+    kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
+    and at TP1 with CP; they take the layout residual fitted beside it, every other layer of the
+    table the one fitted without it (docs/memory-model.md#gpu-kernel-allocation-models)."""
 
     @property
     def mode(self) -> RecomputeMode:
@@ -129,7 +138,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     layers = g.layers
     widths_r = dict(widths, rank=max_rank)
     qk = terms.qk_norm_per_row(t, widths) if qk_norm else 0.0
-    qk_structural = layout_terms.structural_qk_norm_per_row(widths) if qk_norm else 0.0
+    qk_structural = (layout_terms.structural_qk_norm_per_row(widths, t.kernels) if qk_norm
+                     else 0.0)
     # ring attention (CP > 1) releases the projection output the attention would keep;
     # traced for plain attention only (an output gate is a view of that output and keeps it)
     plain = g.attention is not None and not g.attention.output_gate and g.attention.mla is None
@@ -152,13 +162,18 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     gdn_backward_point = mode == RecomputeMode.FULL and rows_cp == 1 and kernels.structural
     tp1_structural = width_tp == 1 and kernels.structural_at_tp1(
         retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
+    fused_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.tp1_point
+                   and g.plain_dense and (width_tp == 1 or rows_cp == 1))
+    fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
+                      and kernels.tp1_point and g.plain_dense and rows_cp == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
         rows_cp=rows_cp, ep_skew=ep_skew, routed_extra=routed_extra, local_experts=local_experts,
         qk_norm_per_row=qk, qk_structural_per_row=qk_structural, cp_release_per_row=cp_release,
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
-        gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural)
+        gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
+        fused_point=fused_point, fused_retained=fused_retained)
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:

@@ -378,11 +378,41 @@ def scaled_table(base: CoefficientTable, scales: dict[str, float], *, note: str 
                    backend=backend, cpu_zeroed=False)
 
 
+# the entries a fused-kernel table (`KernelSet.fused`) writes from the kernels' allocation models
+KERNEL_MODEL_ENTRIES = ("kernel_models", "fused_retained_layer", "tp1_fc1_point", "sp_head_forward",
+                        "final_norm", "final_norm_backward")
+
+
+def fitted_base(base: CoefficientTable) -> CoefficientTable:
+    """The fitted terms of a base table that CPU traces scale (`waveplan calibrate`): a table
+    priced by the fused kernels' allocation models (te-gpu, `KernelSet.fused`) without its
+    kernel-model entries, with its seeds' head (the `gdn` values), its layout residuals fitted
+    without the kernel-model terms (`full_bare`, `retained_bare`) and its caller for every head;
+    any other table as it is (docs/memory-model.md#gpu-kernel-allocation-models). O(terms)."""
+    if not base.kernels.fused:
+        return base
+    terms = {k: v for k, v in base.terms.items() if k not in KERNEL_MODEL_ENTRIES}
+    head = terms["head_full_native"]
+    if "gdn" in head:
+        terms["head_full_native"] = dict(head["gdn"], source=head["source"])
+    residual = terms.get("layout_residual")
+    if residual is not None and "full_bare" in residual:
+        terms["layout_residual"] = {"full": residual["full_bare"],
+                                    "retained": residual.get("retained_bare", residual["retained"]),
+                                    "source": residual["source"]}
+    terms["caller_per_logical_token"] = {k: v for k, v in terms["caller_per_logical_token"].items()
+                                         if k != "heads"}
+    return CoefficientTable(backend=base.backend, terms=terms, path=base.path)
+
+
 def _scaled(base: CoefficientTable, scales: dict[str, float], *, note: str | None,
             backend: str | None = None, cpu_zeroed: bool = True) -> CoefficientTable:
     """`base` with each group's coefficients multiplied by its scale (default 1) and each
     unit group's term set to factor x unit (default: the base's own entry, or none).
-    `cpu_zeroed`: first execution and caller set to 0, as CPU traces show them."""
+    `cpu_zeroed`: first execution and caller set to 0, as CPU traces show them, and the base's
+    fitted terms alone (`fitted_base`)."""
+    if cpu_zeroed:
+        base = fitted_base(base)
     terms = copy.deepcopy(base.terms)
     for group, names in GROUPS.items():
         s = scales.get(group, 1.0)

@@ -16,7 +16,9 @@ cross_entropy.py and triton/cross_entropy.py):
 
 TE computes each row in registers; this stand-in computes a chunk of rows at a time (about
 `CHUNK_ELEMENTS` logits) in two fp32 scratch buffers allocated before the tracer starts counting,
-so, like TE, it adds no vocabulary-wide transient.
+so, like TE, it adds no vocabulary-wide transient; the chunk loops run `uncounted()`, so the
+scratch's views are never counted either (before, the tracer counted both buffers, 8 MiB, in
+every full-te trace).
 The numbers are real: the loss equals torch's cross entropy on the same logits and the gradient
 is softmax - one-hot (tests/measure/test_trace_te_head.py). Imports torch.
 """
@@ -26,6 +28,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from .uncounted import uncounted
 
 CHUNK_ELEMENTS = 1 << 20   # logits per chunk of rows (4 MiB of fp32 scratch)
 
@@ -69,16 +73,17 @@ class TeCrossEntropy(torch.autograd.Function):
         owned = ((local >= 0) & (local < part)).to(torch.float32)
         local = local.clamp(0, part - 1)
         m_d_x = torch.zeros(rows, 3, dtype=torch.float32, device=logits.device)
-        for r0 in range(0, rows, chunk):
-            n = min(chunk, rows - r0)
-            x, e = buf_x[:n], buf_e[:n]
-            x.copy_(flat[r0:r0 + n])
-            m = x.amax(dim=1)
-            torch.sub(x, m[:, None], out=e)
-            e.exp_()
-            m_d_x[r0:r0 + n, 0] = m
-            m_d_x[r0:r0 + n, 1] = e.sum(dim=1)
-            m_d_x[r0:r0 + n, 2] = x.gather(1, local[r0:r0 + n, None])[:, 0]
+        with uncounted():   # the scratch's views and the chunk arithmetic: TE's registers
+            for r0 in range(0, rows, chunk):
+                n = min(chunk, rows - r0)
+                x, e = buf_x[:n], buf_e[:n]
+                x.copy_(flat[r0:r0 + n])
+                m = x.amax(dim=1)
+                torch.sub(x, m[:, None], out=e)
+                e.exp_()
+                m_d_x[r0:r0 + n, 0] = m
+                m_d_x[r0:r0 + n, 1] = e.sum(dim=1)
+                m_d_x[r0:r0 + n, 2] = x.gather(1, local[r0:r0 + n, None])[:, 0]
         m_d_x[:, 2] *= owned
         if size > 1:
             gathered = torch.empty(size, rows, 3, dtype=torch.float32, device=logits.device)
@@ -90,13 +95,14 @@ class TeCrossEntropy(torch.autograd.Function):
         loss = torch.log(big_d) + big_m - gathered[:, :, 2].sum(dim=0)
         del gathered
         # the gradient of each token's loss, softmax - one-hot, written into the logits in place
-        for r0 in range(0, rows, chunk):
-            n = min(chunk, rows - r0)
-            e = buf_e[:n]
-            e.copy_(flat[r0:r0 + n])
-            e.sub_(big_m[r0:r0 + n, None]).exp_().div_(big_d[r0:r0 + n, None])
-            e.scatter_add_(1, local[r0:r0 + n, None], -owned[r0:r0 + n, None])
-            flat[r0:r0 + n].copy_(e)
+        with uncounted():
+            for r0 in range(0, rows, chunk):
+                n = min(chunk, rows - r0)
+                e = buf_e[:n]
+                e.copy_(flat[r0:r0 + n])
+                e.sub_(big_m[r0:r0 + n, None]).exp_().div_(big_d[r0:r0 + n, None])
+                e.scatter_add_(1, local[r0:r0 + n, None], -owned[r0:r0 + n, None])
+                flat[r0:r0 + n].copy_(e)
         ctx.save_for_backward(logits)
         return loss.view(logits.shape[0], logits.shape[1])
 

@@ -17,12 +17,21 @@ from waveplan.pricing.presets import load_preset
 
 def test_te_gpu_carries_none_of_the_optional_terms():
     table = load_table("te-gpu")
-    assert not set(OPTIONAL_TERMS) & set(table.terms)
+    # te-gpu carries only the entries written from the fused kernels' allocation models
+    # (docs/memory-model.md#gpu-kernel-allocation-models)
+    assert set(OPTIONAL_TERMS) & set(table.terms) == {
+        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer",
+        "kernel_models"}
     cpu = load_table("torch-cpu")
-    assert set(OPTIONAL_TERMS) <= set(cpu.terms)
+    fused = {"kernel_models", "fused_retained_layer"}   # the fused kernels' entries only
+    plain = set(OPTIONAL_TERMS) - fused
+    assert plain <= set(cpu.terms) and not fused & set(cpu.terms)
     # each says where it comes from: a fit, or a structural form read off the traces
     assert all(any(word in cpu.source(name) for word in ("fitted", "structural", "set by trace"))
-               for name in OPTIONAL_TERMS)
+               for name in plain)
+    # te-gpu's say which rest on the kernels' allocation models
+    assert all("kernel-model" in table.source(name) for name in (
+        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer"))
 
 
 def test_qk_norm_follows_the_geometry():
@@ -38,13 +47,13 @@ def test_qk_norm_follows_the_geometry():
         plain = dataclasses.replace(geometry, extra={"qk_layernorm": False})
         # the TP1 structural layer and point (torch-cpu, plain dense) take them whole
         # (layout_terms.structural_qk_norm_per_row, docs/memory-model.md#tp1-structural)
-        whole = layout_terms.structural_qk_norm_per_row(widths)
+        whole = layout_terms.structural_qk_norm_per_row(widths, cpu.kernels)
         for mode, key, each in (("full", "workspace", whole), ("none", "retained", whole)):
             model = PricingModel.build(geometry, backend="torch-cpu", recompute=Recompute(mode=mode))
             without = PricingModel.build(plain, backend="torch-cpu", recompute=Recompute(mode=mode))
             diff = getattr(model.charges.walk, key) - getattr(without.charges.walk, key)
             assert np.allclose(diff, each if charged else 0.0), mode
-    assert layout_terms.structural_qk_norm_per_row(layer_widths(qwen, tp=1)) > terms.qk_norm_per_row(
+    assert layout_terms.structural_qk_norm_per_row(layer_widths(qwen, tp=1), cpu.kernels) > terms.qk_norm_per_row(
         cpu, layer_widths(qwen, tp=1))
     # beside the fitted layer (a MoE model at TP1) the fitted q/k norms
     moe = load_preset("qwen3-30b-a3b")
@@ -119,6 +128,13 @@ def test_te_gpu_prices_retained_layers_as_before():
                 terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=1.0))
             if layer.mixer == MixerKind.ATTENTION:
                 assert terms.qk_norm_per_row(t, widths) == 0.0
-    a = PricingModel.build(geometry, head="full-native").charges.walk
-    assert a.head_retained == pytest.approx(6 * geometry.vocab)
-    assert a.head_transient == pytest.approx(2 * geometry.vocab)
+    # a GDN hybrid keeps the seeds' full-native head (its `gdn` values) beside the final norm's
+    # kernel-model terms (TE RMSNorm: 2H saved, 2H in backward; KernelSet.priced_by_models)
+    h = geometry.hidden
+    model = PricingModel.build(geometry, head="full-native")
+    a = model.charges.walk
+    assert a.head_retained == pytest.approx(6 * geometry.vocab + 2 * h)
+    # the norm's 2H backward within the logits' 2 x vocab transient, beside the full-recompute
+    # wave's residual and RoPE entry
+    assert model.charges.head.norm_backward == pytest.approx(2 * h)
+    assert a.head_transient == pytest.approx(2 * geometry.vocab + model.charges.head.layout_residual)

@@ -1,7 +1,9 @@
 """The TP1 structural layer and point (docs/memory-model.md#tp1-structural): a plain dense model's
 layers at TP1 (CP too) on torch-cpu are priced by what they hold (`layout_terms.structural_at_tp1`):
 retained by the SP structural terms at TP = 1, recomputed at their FC1 backward, with the q/k norms
-whole and the TP1 residual; te-gpu and every other model keep the TP1-fitted layer and stage."""
+whole and the TP1 residual; on te-gpu a plain dense model's recomputed TP1 layer is priced at the
+point written from the fused kernels' allocation models (docs/memory-model.md#gpu-kernel-allocation-models),
+its retained layer and every other model keep the TP1-fitted layer and stage."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
     kept = layout_terms.sp_retained_layer_per_row(t, widths, tp=1, rope_per_row=rope,
                                                    sequence_parallel=False, at_tp1=True)
     assert kept > 0
-    qk = layout_terms.structural_qk_norm_per_row(widths) if preset == "qwen3-8b" else 0.0
+    qk = layout_terms.structural_qk_norm_per_row(widths, t.kernels) if preset == "qwen3-8b" else 0.0
     discount = t.per_row("selective_core_attn_discount", widths) if mode == "selective" else 0.0
     residual = layout_terms.layout_residual_per_row(t, widths, tp=1, sequence_parallel=False, cp=1,
                                                     retained=True)
@@ -49,9 +51,10 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
 
 
 def test_the_fitted_layer_stays_elsewhere():
-    """te-gpu, and models that are not plain dense attention, keep the TP1-fitted layer, no
-    head-forward charge and no TP1 residual."""
-    for preset, backend, mode in (("llama-3.1-8b", "te-gpu", "full"), ("llama-3.1-8b", "te-gpu", "none"),
+    """Models that are not plain dense attention keep the TP1-fitted layer, no head-forward charge
+    and no TP1 residual (te-gpu too: its plain dense layers are priced by the fused kernels' terms,
+    tests/pricing/test_te_gpu_kernel_models.py)."""
+    for preset, backend, mode in (("qwen3-30b-a3b", "te-gpu", "none"),
                                   ("qwen3-30b-a3b", "torch-cpu", "none"), ("deepseek-v2-lite", "torch-cpu", "none"),
                                   ("qwen3.8-27b", "torch-cpu", "selective")):
         g = load_preset(preset)
@@ -59,7 +62,8 @@ def test_the_fitted_layer_stays_elsewhere():
         assert model.charges.walk.head_forward == 0.0, (preset, backend, mode)
     t = load_table("torch-cpu")
     assert layout_terms.structural_at_tp1(t, retained=False, plain_dense=True)
-    assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=False, plain_dense=True)
+    # te-gpu: the recomputed TP1 layer at its kernel-model point, the retained one fitted
+    assert layout_terms.structural_at_tp1(load_table("te-gpu"), retained=False, plain_dense=True)
     assert not layout_terms.structural_at_tp1(t, retained=True, plain_dense=False)
     assert not layout_terms.structural_at_tp1(load_table("te-gpu"), retained=True, plain_dense=True)
     assert layout_terms.structural_at_tp1(t, retained=True, plain_dense=True)
@@ -69,14 +73,21 @@ def test_the_fitted_layer_stays_elsewhere():
                                                   at_tp1=True) == 0.0
 
 
-def test_te_gpu_tp1_retained_layer_is_unchanged_by_the_structural_entries():
+def test_te_gpu_tp1_retained_layer_is_what_the_fused_kernels_keep():
+    """te-gpu prices a plain dense layer retained at TP1 by its kernel-model entry (not the
+    torch-cpu structural layer, not the fitted one): kept tensors plus the TP1 retained residual."""
     g = load_preset("llama-3.1-8b")
     te = load_table("te-gpu")
     model = PricingModel.build(g, backend="te-gpu", recompute=Recompute(mode="none"))
     widths = dict(layer_widths(g, tp=1), rank=float(max(s.rank for s in model.lora.slots)))
+    kept = layout_terms.fused_retained_layer_per_row(te, widths, tp=1, sequence_parallel=False)
+    f, h, qkv, core, rank = (widths[k] for k in ("F", "H", "qkv", "core", "rank"))
+    assert kept == pytest.approx(6 * f + 8 * h + 3 * qkv + 3.0625 * core + 8 * rank)
+    residual = te.terms[layout_terms.ENTRY]["retained"]["tp1-cp1"] * g.hidden
+    assert model.charges.walk.retained[1] == pytest.approx(kept + residual)
     fitted = terms.retained_layer_per_row(te, widths, g.layers[1].mixer, g.layers[1].mlp, sp_div=1,
                                           selective=False, ep_skew=1.0)
-    assert model.charges.walk.retained[1] == pytest.approx(fitted)
+    assert model.charges.walk.retained[1] < fitted
 
 
 def test_every_tp1_calibration_cell_is_covered():
@@ -145,14 +156,21 @@ def test_recomputed_tp1_layer_is_priced_at_its_fc1_backward(preset):
     point = layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_cache_per_row(g, [g.layers[1]]),
                                                at_tp1=True)
     assert point > 0
-    qk = layout_terms.structural_qk_norm_per_row(widths) if preset == "qwen3-8b" else 0.0
+    qk = layout_terms.structural_qk_norm_per_row(widths, t.kernels) if preset == "qwen3-8b" else 0.0
     residual = layout_terms.layout_residual_per_row(t, widths, tp=1, sequence_parallel=False, cp=1,
                                                     retained=False)
     assert residual == pytest.approx(t.terms[layout_terms.ENTRY]["full"]["tp1-cp1"] * g.hidden)
     rope = rope_cache_per_row(g, g.layers)   # the RoPE entry, at every point under full recompute
     assert model.charges.walk.workspace[1] == pytest.approx(point + qk + residual + rope)
     assert model.charges.walk.head_forward > 0
-    assert layout_terms.tp1_fc1_point_per_row(load_table("te-gpu"), widths, rope_per_row=1.0, at_tp1=True) == 0.0
+    # te-gpu's point is its kernel-model entry alone, the larger of the recomputed FC1's and FC2's
+    # forward: TE's fused RoPE keeps no rotary copies (docs/memory-model.md#gpu-kernel-allocation-models)
+    te = load_table("te-gpu")
+    f, h, qkv, core, rank = (widths[k] for k in ("F", "H", "qkv", "core", "rank"))
+    attention = 3 * qkv + 3.0625 * core
+    assert layout_terms.tp1_fc1_point_per_row(te, widths, rope_per_row=1.0, at_tp1=True) == pytest.approx(
+        max(12 * f + 6 * h + 6 * rank + attention, 6 * f + 12 * h + 8 * rank + attention,
+            4 * qkv + 15.1875 * core + 6 * rank + 4 * h))   # FC1's, FC2's forward; flash's backward
     assert layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=1.0, at_tp1=False) == 0.0
 
 
