@@ -11,7 +11,8 @@ growth seen, raised until every wave fits (RESERVE_TRIES searches), then the pri
 instead of a first full search: how far its fullest-first waves, charged, go over the budget
 (`probe_growth`); a wave with room needs no reserve, so this is tighter than the largest
 growth. A step whose waves need a reserve is then searched once, twice when the plan's
-charged waves still overflow (the reserve raised by that overflow), before the loop above.
+charged waves still overflow (the reserve raised by that overflow, at least to the largest
+growth), before the loop above.
 The result's lower bound and `proven_optimal` are those of the budget the final search packed
 against (the reserve set aside), and `stats["rope_reserve_bytes"]` says how much that was.
 Evidence: docs/memory-model.md#rope-cache-earlier-waves. O(tries x search).
@@ -99,8 +100,8 @@ def with_earlier_entries(search: Callable[[int], SearchResult], pricer: SearchPr
         growth = max(w.price.admitted_bytes - old.price.admitted_bytes
                      for w, old in zip(charged.waves, roomiest_last(result.waves), strict=True))
         over = max(w.price.admitted_bytes for w in charged.waves) - budget
-        if attempt == 0 and probe is not None:    # the probe's reserve, raised by the overflow
-            reserve += max(1, over)
+        if attempt == 0 and probe is not None:    # the probe's reserve raised by the overflow, at least to the growth
+            reserve = max(reserve + max(1, over), growth)
         elif attempt < RESERVE_TRIES - 1:
             reserve = max(reserve + 1, growth)
         else:
