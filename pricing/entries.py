@@ -99,6 +99,16 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("tp1_fc1_point", _ROW, "tp1-structural", "the fitted stage at TP1 full recompute"),
     Entry("cp_attention_release", _ROW, "cp-attention-release",
           "0: ring attention releases nothing the stage keeps"),
+    # the fsdp framework's calibration factors (`waveplan calibrate` on `trace --framework fsdp`
+    # records or an FSDP model's observed peaks); a table without them prices the derived terms
+    Entry("fsdp_layer", "a factor on the fsdp decoder-layer terms (value)", "fsdp-calibration",
+          "1: the derived decoder-layer terms"),
+    Entry("fsdp_attention", "a factor on the fsdp packed-row S x S terms (value)", "fsdp-calibration",
+          "1: the derived S x S terms"),
+    Entry("fsdp_head", "a factor on the fsdp head terms (value)", "fsdp-calibration",
+          "1: the derived head terms"),
+    Entry("fsdp_constants", "a factor on the fsdp gathered parameters and gradient buffers (value)",
+          "fsdp-calibration", "1: the derived constants"),
 )
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in ENTRIES}
