@@ -128,7 +128,10 @@ def read_fsdp_traces(lines: list[str], source: str) -> list[dict] | None:
         return None
     if len(fsdp) != len(recs):
         i = next(i for i, o in recs if not (isinstance(o, dict) and o.get("framework") == "fsdp"))
-        raise bad(ConfigError, f"{source}:{i + 1}", "framework", "fsdp and Megatron records in one file")
+        other = recs[[j for j, _ in recs].index(i)][1]
+        raise bad(ConfigError, f"{source}:{i + 1}.framework",
+                  other.get("framework") if isinstance(other, dict) else None,
+                  "fsdp and Megatron records in one file")
     for i, o in fsdp:
         for key in ("config", "seq_lens", "fsdp", "attn", "checkpointing", "lora_rank", "peak_bytes"):
             if key not in o:
