@@ -114,9 +114,6 @@ class FsdpPricingModel(PricingModel):
             gaps_note = ("flash_attention_2 priced by its allocation model (flash-attn varlen "
                          "source); no GPU trace yet")
             gaps.append(gaps_note)
-        if not self.fsdp_layout.reshard_after_forward:
-            gaps.append("reshard_after_forward=False: every layer's gathered parameters charged "
-                        "at every point (no trace)")
         coverage = Coverage(parallel=self.parallel, credit=self.parallel,
                             gaps=tuple(Gap(GapKind.FSDP, g) for g in gaps))
         object.__setattr__(self, "coverage", coverage)
