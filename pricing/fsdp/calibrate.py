@@ -19,17 +19,13 @@ import statistics
 
 from ..coefficients import CoefficientTable
 from ..errors import ConfigError, bad
+from .terms import CALIBRATION_GROUPS as GROUPS
+from .terms import calibration_factors as factors
 
-GROUPS = ("fsdp_layer", "fsdp_attention", "fsdp_head", "fsdp_constants")
 MARGIN = 0.005          # every fitted estimate >= (1 + MARGIN) x its peak
 FACTOR_MAX = 8.0
 BISECTIONS = 24
 PASSES = 3
-
-
-def factors(table: CoefficientTable) -> dict[str, float]:
-    """The table's factor of every group (1 where it carries none)."""
-    return {g: float(table.terms[g]["value"]) if g in table.terms else 1.0 for g in GROUPS}
 
 
 def scaled_table(base: CoefficientTable, scales: dict[str, float], *, note: str | None = None,

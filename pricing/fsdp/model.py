@@ -22,7 +22,6 @@ from ..geometry import MixerKind, MlpKind
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import WalkCharges
-from . import calibrate as fsdp_calibrate
 from . import terms
 from .layout import FsdpLayout
 
@@ -144,7 +143,7 @@ class FsdpPricingModel(PricingModel):
         ckpt = lay.checkpointing
         qk = g.qk_norm
         # a calibrated table's factors (`fsdp.calibrate`; 1 for a table without them)
-        fac = fsdp_calibrate.factors(self.table)
+        fac = terms.calibration_factors(self.table)
         fitted = model_type_of(g) in FITTED_FAMILIES
         scale = self.bound_scale * fac["fsdp_layer"]
         held, kept_q, point_q = (fac["fsdp_attention"] * x for x in

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import entries
 from ..geometry import MlpKind, ModelGeometry
 
 BF16 = 2
@@ -313,3 +314,16 @@ def final_softcap_per_row(w: Widths) -> tuple[float, float, float]:
     live beside the logits (4V); its backward runs after log_softmax's has released more than it
     makes (nothing at the head's backward point). Docs: docs/memory-model.md#fsdp-families."""
     return BF16 * w.V, 0.0, 2 * BF16 * w.V
+
+
+# --- calibration factors (#fsdp-calibration) ------------------------------------------------
+
+CALIBRATION_GROUPS = ("fsdp_layer", "fsdp_attention", "fsdp_head", "fsdp_constants")
+"""The optional table entries (`pricing.entries`) whose `value` scales a group of the terms:
+decoder-layer bytes per row, packed-row S x S bytes, head bytes per row, constants."""
+
+
+def calibration_factors(table) -> dict[str, float]:
+    """The table's factor of every group (1 where it carries none: the derived terms).
+    Docs: docs/memory-model.md#fsdp-calibration."""
+    return {g: float(entries.entry(table, g, {"value": 1.0})["value"]) for g in CALIBRATION_GROUPS}
