@@ -117,10 +117,13 @@ def test_calibrate_refuses_mixed_frameworks(tmp_path, capsys):
     assert len(err) == 1 and "mixed.jsonl:2" in err[0]
 
 
-def test_calibrate_profiles_of_an_fsdp_model():
+def test_calibrate_profiles_of_an_fsdp_model(tmp_path, capsys):
     cfg = dict(BASE, model_type="llama", tie_word_embeddings=False, hidden_size=1024, intermediate_size=2816,
                num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000)
-    planner = Planner.from_hf_config(cfg, framework="fsdp", fsdp=4, attn="flash", recompute="full", lora_rank=8)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg))
+    planner = Planner.from_hf_config(str(config), framework="fsdp", fsdp=4, attn="flash", recompute="full",
+                                     lora_rank=8)
     plan = planner.plan("pricing/data/steps/grpo-8x8.jsonl", 16 * GIB, deterministic=True)
     for k, wave in enumerate(plan.waves):
         planner.observe(wave, peak_bytes=int(wave.static_raw_bytes * (0.9, 0.95)[k % 2]))
@@ -131,3 +134,11 @@ def test_calibrate_profiles_of_an_fsdp_model():
     fitted = dataclasses.replace(planner.model, table=fit.table)
     for cell in fit.cells:
         assert pf._price(fitted, cell) >= cell.peak_bytes
+    # the same through the CLI: the profiles saved, the model given as the planner had it
+    profiles = planner.save_profiles(tmp_path / "profiles.json")
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", "--profiles", str(profiles), "--model", str(config), "--framework", "fsdp",
+                 "--fsdp", "4", "--attn", "flash", "--recompute", "full", "--lora-rank", "8",
+                 "--out", str(out)]) == 0
+    assert "observed waves" in capsys.readouterr().out
+    assert set(fc.GROUPS) <= set(load_table(str(out)).terms)
