@@ -142,3 +142,28 @@ def test_calibrate_profiles_of_an_fsdp_model(tmp_path, capsys):
                  "--out", str(out)]) == 0
     assert "observed waves" in capsys.readouterr().out
     assert set(fc.GROUPS) <= set(load_table(str(out)).terms)
+
+
+def test_inspect_prints_the_fsdp_view(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MOE))
+    assert main(["inspect", "--model", str(config), "--framework", "fsdp", "--fsdp", "8", "--attn", "sdpa",
+                 "--recompute", "none", "--no-reshard-after-forward"]) == 0
+    out = capsys.readouterr().out
+    assert "shard      FSDP2 x8" in out and "no reshard after forward" in out
+    assert "experts.gate_up_proj" in out and "checkpoint none" in out and "TP1" not in out
+    assert main(["inspect", "--model", str(config), "--framework", "fsdp", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)["fsdp"]
+    assert view["shard_group"] == 1 and view["attn"] == "flash" and view["checkpointing"] is True
+    assert view["basis"] == "conservative" and any("Qwen3-MoE" in r for r in view["reasons"])
+    assert "router gate.weight" in view["lora_targets"]
+
+
+def test_no_reshard_after_forward_is_priced_on_evidence():
+    g = load_hf_config(dict(BASE, model_type="llama", tie_word_embeddings=False))
+    on = build_fsdp_model(g, fsdp=2, attn="sdpa", attn_rows=1)
+    off = build_fsdp_model(g, fsdp=2, attn="sdpa", attn_rows=1, reshard_after_forward=False)
+    assert off.basis == on.basis == "evidence"
+    # every layer's gathered parameters, the head's points included
+    assert off.charges.resident >= on.charges.resident
+    assert off.charges.resident + off.charges.walk.head_const > on.charges.resident + on.charges.walk.head_const
