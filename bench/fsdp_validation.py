@@ -7,10 +7,15 @@ shapes (hidden 160-192) were held out when first priced; its residuals then poin
 over-counted terms (qk-norm's kept copies, eager's repeated k/v, a second reduce buffer), which
 were corrected from the anatomy, so set 1 is no longer strictly held out. Set 2 (hidden 256,
 rank 16, vocabulary 4096) was traced after the terms were final: it is the held-out set.
+Sets 3 and 4 cover the families beyond Llama's shape (gemma2, gemma3_text, phi3, qwen3_moe,
+mixtral; docs/memory-model.md#fsdp-families): set 3 (hidden 128, 2 layers, vocabulary 1024,
+rank 8) showed what the terms missed and fits each family's factor; set 4 (hidden 192, 3
+layers, vocabulary 1536, rank 16) was traced after the terms and factors were final. Set 5 is
+reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing.
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5] [--classes N]
 """
 
 from __future__ import annotations
