@@ -107,7 +107,8 @@ def classes(which: int = 1):
                 ("gemma3_text", True, "sdpa", 2), ("mixtral", False, "eager", 2),
                 ("gemma2", False, "eager", 2), ("gemma3_text", False, "eager", 2), ("phi3", True, "sdpa", 2),
                 ("qwen3_moe", False, "sdpa", 2), ("mixtral", True, "sdpa", 2),
-                ("gemma2", True, "eager", 2), ("gemma3_text", True, "eager", 2), ("phi3", True, "sdpa", 1)]
+                ("gemma2", True, "eager", 2), ("gemma3_text", True, "eager", 2), ("phi3", True, "sdpa", 1),
+                ("qwen3_moe", True, "eager", 2), ("mixtral", True, "eager", 2), ("qwen3_moe", True, "sdpa", 4)]
     if which == 2:
         out = [(fam, ckpt, attn, 2) for fam in ("llama", "qwen3") for ckpt in (True, False)
                for attn in ("sdpa", "eager")]
