@@ -7,10 +7,15 @@ shapes (hidden 160-192) were held out when first priced; its residuals then poin
 over-counted terms (qk-norm's kept copies, eager's repeated k/v, a second reduce buffer), which
 were corrected from the anatomy, so set 1 is no longer strictly held out. Set 2 (hidden 256,
 rank 16, vocabulary 4096) was traced after the terms were final: it is the held-out set.
+Sets 3 and 4 cover the families beyond Llama's shape (gemma2, gemma3_text, phi3, qwen3_moe,
+mixtral; docs/memory-model.md#fsdp-families): set 3 (hidden 128, 2 layers, vocabulary 1024,
+rank 8) showed what the terms missed and fits each family's factor; set 4 (hidden 192, 3
+layers, vocabulary 1536, rank 16) was traced after the terms and factors were final. Set 5 is
+reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing.
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5] [--classes N]
 """
 
 from __future__ import annotations
@@ -49,7 +54,61 @@ WAVES2 = [(200, 120, 40, 40), (320,)]
 LORA_RANK2 = 16
 
 
+# sets 3 and 4: the families priced on Llama's terms with their own additions and a fitted
+# factor (pricing/fsdp/model.py FITTED_FAMILIES). Set 3 fits the factors (and showed what the
+# terms missed: the LoRA-folded expert stacks); set 4 was traced after they were final.
+_BASE3 = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=1024)
+FAMILIES3 = {
+    "gemma2": dict(_BASE3, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=64,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE3, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=64,
+                        tie_word_embeddings=True),
+    "phi3": dict(_BASE3, model_type="phi3", tie_word_embeddings=False, sliding_window=None,
+                 pad_token_id=0),
+    "qwen3_moe": dict(_BASE3, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=96, tie_word_embeddings=False),
+    "mixtral": dict(_BASE3, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False, sliding_window=None),
+}
+WAVES3 = [(96, 64, 32)]
+LORA_RANK3 = 8
+_BASE4 = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=32, vocab_size=1536)
+FAMILIES4 = {
+    "gemma2": dict(_BASE4, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=96,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE4, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=96,
+                        tie_word_embeddings=True),
+    "phi3": dict(_BASE4, model_type="phi3", tie_word_embeddings=False, sliding_window=None,
+                 pad_token_id=0),
+    "qwen3_moe": dict(_BASE4, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=128, tie_word_embeddings=False),
+    "mixtral": dict(_BASE4, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=384, tie_word_embeddings=False, sliding_window=None),
+}
+WAVES4 = [(160, 96, 64), (320,)]
+LORA_RANK4 = 16
+# set 5: reshard_after_forward=False on set 2's shapes (its pricing, every layer's gathered
+# parameters held from its forward to its backward, was written before these were traced)
+SETS = {1: (FAMILIES, WAVES, LORA_RANK), 2: (FAMILIES2, WAVES2, LORA_RANK2),
+        3: (FAMILIES3, WAVES3, LORA_RANK3), 4: (FAMILIES4, WAVES4, LORA_RANK4),
+        5: (FAMILIES2, WAVES2, LORA_RANK2)}
+
+
 def classes(which: int = 1):
+    if which == 3:
+        return [(fam, ckpt, attn, 2) for fam in FAMILIES3 for ckpt in (True, False)
+                for attn in ("sdpa", "eager")]
+    if which == 5:
+        return [("llama", True, "sdpa", 2), ("llama", False, "sdpa", 2), ("qwen3", False, "eager", 2)]
+    if which == 4:   # a subset (a loaded 2-core machine): every family, checkpointing on and off
+        return [("gemma2", True, "sdpa", 2), ("qwen3_moe", True, "sdpa", 2), ("phi3", False, "eager", 2),
+                ("gemma3_text", True, "sdpa", 2), ("mixtral", False, "eager", 2),
+                ("gemma2", False, "eager", 2), ("gemma3_text", False, "eager", 2), ("phi3", True, "sdpa", 2),
+                ("qwen3_moe", False, "sdpa", 2), ("mixtral", True, "sdpa", 2),
+                ("gemma2", True, "eager", 2), ("gemma3_text", True, "eager", 2), ("phi3", True, "sdpa", 1),
+                ("qwen3_moe", True, "eager", 2), ("mixtral", True, "eager", 2), ("qwen3_moe", True, "sdpa", 4)]
     if which == 2:
         out = [(fam, ckpt, attn, 2) for fam in ("llama", "qwen3") for ckpt in (True, False)
                for attn in ("sdpa", "eager")]
@@ -65,14 +124,14 @@ def classes(which: int = 1):
 
 
 def key(fam, ckpt, attn, fsdp, which: int = 1):
-    return f"{'set2:' if which == 2 else ''}{fam}/{'ckpt' if ckpt else 'nockpt'}/{attn}/fsdp{fsdp}"
+    return (f"{f'set{which}:' if which > 1 else ''}{fam}/{'ckpt' if ckpt else 'nockpt'}/{attn}/fsdp{fsdp}"
+            + ("/noreshard" if which == 5 else ""))
 
 
 def run_traces(limit: int | None, device: str, which: int) -> None:
     from waveplan.pricing.measure.fsdp_trace import trace_fsdp
 
-    families, waves, rank = ((FAMILIES2, WAVES2, LORA_RANK2) if which == 2 else
-                             (FAMILIES, WAVES, LORA_RANK))
+    families, waves, rank = SETS[which]
     done = set()
     if TRACES.exists():
         for line in TRACES.read_text().splitlines():
@@ -81,7 +140,7 @@ def run_traces(limit: int | None, device: str, which: int) -> None:
     for fam, ckpt, attn, fsdp in todo:
         name = key(fam, ckpt, attn, fsdp, which)
         traces = trace_fsdp(families[fam], jobs=waves, fsdp=fsdp, attn=attn, checkpointing=ckpt,
-                            lora_rank=rank, device=device)
+                            lora_rank=rank, device=device, reshard_after_forward=which != 5)
         with TRACES.open("a", encoding="utf-8") as fh:
             for t in traces:
                 fh.write(json.dumps(dict(t.to_dict(), family=fam, **{"class": name}),
@@ -98,20 +157,23 @@ def table() -> str:
         b = price_record(rec)
         r = b.raw_bytes / rec["peak_bytes"]
         ratios.setdefault(rec["class"], []).append(r)
-        rows.append(f"{rec['class']:<34} {str(rec['seq_lens']):<16} {rec['peak_bytes']:>11} "
+        rows.append(f"{rec['class']:<44} {str(rec['seq_lens']):<18} {rec['peak_bytes']:>11} "
                     f"{b.raw_bytes:>11} {100 * (r - 1):+6.1f}%  {b.binding}")
     lines = ["# fsdp framework: raw price vs traced peak above rest (busiest rank), CPU gloo traces",
              "# generated by bench/fsdp_validation.py; set 2 held out, set 1 used to correct terms",
-             f"{'class':<34} {'waves':<16} {'traced':>11} {'priced':>11} {'over':>7}  binding", *rows, "",
-             f"{'class':<34} {'cells':>5} {'under':>5} {'median':>8} {'worst':>8}"]
+             f"{'class':<44} {'waves':<18} {'traced':>11} {'priced':>11} {'over':>7}  binding", *rows, "",
+             f"{'class':<44} {'cells':>5} {'under':>5} {'median':>8} {'worst':>8}"]
     for c, v in sorted(ratios.items()):
-        lines.append(f"{c:<34} {len(v):>5} {sum(x < 1 for x in v):>5} "
+        lines.append(f"{c:<44} {len(v):>5} {sum(x < 1 for x in v):>5} "
                      f"{100 * (statistics.median(v) - 1):+7.1f}% {100 * (max(v) - 1):+7.1f}%")
-    for label, pick in (("set 1 (corrected after)", lambda c: not c.startswith("set2:")),
-                        ("set 2 (held out)", lambda c: c.startswith("set2:"))):
+    for label, pick in (("set 1 (corrected after)", lambda c: not c.startswith("set")),
+                        ("set 2 (held out)", lambda c: c.startswith("set2:")),
+                        ("set 3 (families: fitted on)", lambda c: c.startswith("set3:")),
+                        ("set 4 (families: held out)", lambda c: c.startswith("set4:")),
+                        ("set 5 (no reshard after forward)", lambda c: c.startswith("set5:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
-            lines.append(f"{label:<34} {len(part):>5} {sum(x < 1 for x in part):>5} "
+            lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
                          f"{100 * (statistics.median(part) - 1):+7.1f}% {100 * (max(part) - 1):+7.1f}%")
     return "\n".join(lines) + "\n"
 
@@ -126,11 +188,14 @@ def scatter() -> None:
     from waveplan.pricing.fsdp.check import price_record
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, pick, marker in (("set 1 (corrected after)", False, "o"), ("set 2 (held out)", True, "s")):
+    for label, prefix, marker in (("set 1 (corrected after)", "", "o"), ("set 2 (held out)", "set2:", "s"),
+                                  ("set 3 (families: fitted on)", "set3:", "^"),
+                                  ("set 4 (families: held out)", "set4:", "D"),
+                                  ("set 5 (no reshard after forward)", "set5:", "v")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)
-            if rec["class"].startswith("set2:") != pick:
+            if (rec["class"].split(":", 1)[0] + ":" if rec["class"].startswith("set") else "") != prefix:
                 continue
             xs.append(rec["peak_bytes"] / 2**20)
             ys.append(100 * (price_record(rec).raw_bytes / rec["peak_bytes"] - 1))
@@ -149,7 +214,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=None, help="trace at most N new classes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--table-only", action="store_true")
-    parser.add_argument("--set", type=int, choices=(1, 2), default=1, help="shape set to trace")
+    parser.add_argument("--set", type=int, choices=(1, 2, 3, 4, 5), default=1, help="shape set to trace")
     args = parser.parse_args()
     if not args.table_only:
         run_traces(args.classes, args.device, args.set)

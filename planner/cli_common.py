@@ -70,6 +70,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                              "flash_attention_2 on packed rows)")
     parser.add_argument("--ulysses", type=int, default=1, metavar="N",
                         help="--framework fsdp: Ulysses sequence parallel size (only 1 is priced)")
+    parser.add_argument("--no-reshard-after-forward", dest="no_reshard", action="store_true",
+                        help="--framework fsdp: FSDP2's reshard_after_forward=False (every layer's "
+                             "gathered parameters kept from its forward to its backward)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
                         help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
     if not table:
@@ -104,7 +107,8 @@ def model_from_args(args: argparse.Namespace) -> PricingModel:
         return _fsdp_model_from_args(args, geometry)
     for flag, value, default in (("--fsdp", getattr(args, "fsdp", 1), 1),
                                  ("--attn", getattr(args, "attn", "flash"), "flash"),
-                                 ("--ulysses", getattr(args, "ulysses", 1), 1)):
+                                 ("--ulysses", getattr(args, "ulysses", 1), 1),
+                                 ("--no-reshard-after-forward", getattr(args, "no_reshard", False), False)):
         if value != default:
             raise bad(ConfigError, flag, value, "applies to --framework fsdp only")
     if args.ep != 1 and geometry.moe is None:
@@ -183,6 +187,7 @@ def _fsdp_model_from_args(args: argparse.Namespace, geometry) -> PricingModel:
         lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
         backend=getattr(args, "backend", DEFAULT_BACKEND),
         safety=getattr(args, "safety", DEFAULT_SAFETY), ulysses=args.ulysses,
+        reshard_after_forward=not getattr(args, "no_reshard", False),
         attn_rows=0 if args.attn == "flash" else 65536)
 
 

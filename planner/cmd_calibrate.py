@@ -21,7 +21,9 @@ def register(subparsers) -> None:
                     "by `waveplan trace --json`, or records {cell, trace} as "
                     "bench/validation_study.py writes them): a linear programme that minimises "
                     "the mean estimate/trace ratio with every cell, whole peak and decoder-only, "
-                    "covered with a 0.5% margin. From --profiles (what `Planner.save_profiles` / "
+                    "covered with a 0.5% margin; `trace --framework fsdp --json` records fit "
+                    "the fsdp framework's four factors (docs/memory-model.md#fsdp-calibration). "
+                    "From --profiles (what `Planner.save_profiles` / "
                     "`plan --profiles` wrote during a training run): give the model flags the "
                     "planner used and BASE = the table it planned with; every observed wave is "
                     "re-priced to check it was learned with that model, then each group is "
@@ -50,6 +52,9 @@ def run(args) -> int:
                   "give either a TRACES file or --profiles FILE (one of them)")
     if args.profiles is not None:
         return _run_profiles(args)
+    fsdp = _fsdp_records(args.traces)
+    if fsdp is not None:
+        return _run_fsdp_traces(args, fsdp)
     records = calibrate.read_traces(args.traces)
     base = calibrate.load_base(args.base)
     devices = sorted({str(r["trace"].get("device", "cpu-fake")) for r in records})
@@ -61,6 +66,37 @@ def run(args) -> int:
     ratios = calibrate._ratios(table, {}, records)
     print(f"wrote {args.out}: {len(records)} cells, min estimate/trace {min(ratios):.4f}, "
           f"max {max(ratios):.4f}")
+    return 0
+
+
+def _fsdp_records(path: str) -> list[dict] | None:
+    """The file's `trace --framework fsdp` records, or None when it holds Megatron records."""
+    from waveplan.pricing.fsdp.calibrate import read_fsdp_traces
+
+    p = Path(path)
+    if not p.is_file():
+        raise bad(ConfigError, "traces", path, "no such file")
+    return read_fsdp_traces(p.read_text(encoding="utf-8").splitlines(), p.name)
+
+
+def _run_fsdp_traces(args: argparse.Namespace, records: list[dict]) -> int:
+    """Fit the fsdp framework's factors (`pricing.fsdp.calibrate`) to fsdp trace records."""
+    from waveplan.pricing.fsdp import calibrate as fsdp_calibrate
+    from waveplan.pricing.measure import calibrate
+
+    from .profile_fit import summary
+
+    base = calibrate.load_base(args.base)
+    name = Path(args.traces).name
+    devices = sorted({str(r.get("device", "cpu")) for r in records})
+    table, ratios = fsdp_calibrate.fit_traces(records, base, backend=args.backend or f"{base.backend}-fsdp",
+                                              source_label=f"{name} ({', '.join(devices)})")
+    calibrate.write_table(table, args.out, description=(
+        f"fitted by `waveplan calibrate` from {len(records)} fsdp traces of {name}, base table {args.base}"))
+    scales = getattr(table, "_fit_scales", {})
+    print(f"wrote {args.out}: {len(records)} fsdp traces, factors "
+          + ", ".join(f"{g} {scales.get(g, 1.0):.4f}" for g in fsdp_calibrate.GROUPS))
+    print(f"  fit: {summary(ratios)}")
     return 0
 
 

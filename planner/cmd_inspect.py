@@ -182,15 +182,25 @@ def run(args: argparse.Namespace) -> int:
     step, source = resolve_step(args.step)
     stats = step_stats(step)
     ep_note = single_rank_note(model)   # what a plan made on one rank assumes at EP > 1
+    fsdp = getattr(model, "fsdp_layout", None) is not None
     if args.json:
         extra = {"ep_peers": ep_note} if ep_note is not None else {}
+        if fsdp:
+            from waveplan.pricing.fsdp.describe import fsdp_view
+
+            extra["fsdp"] = fsdp_view(model)
         print(json.dumps({"model": geometry.to_dict(), "step": source, **stats, "basis": model.basis,
-                          "reasons": list(model.gaps), "kernel_models": list(model.kernel_basis), "layout": model.parallel.to_dict(),
+                          "reasons": list(model.gaps), "kernel_models": list(model.kernel_basis),
+                          "layout": model.parallel.to_dict(),
                           "recompute": model.recompute.mode.value, **extra}, indent=2))
     else:
         notes = [f"ep peers   {ep_note}"] if ep_note is not None else []
         # the figures resting on the fused kernels' allocation models, not GPU traces
         notes += [f"kernels    {line}" for line in model.kernel_basis]
+        if fsdp:
+            from waveplan.pricing.fsdp.describe import fsdp_lines
+
+            notes = fsdp_lines(model) + notes
         print("\n".join(geometry_lines(geometry) + [basis_line(model)] + notes + [""]
                         + step_lines(step, source, stats)))
     return 0

@@ -86,6 +86,8 @@ def register(subparsers) -> None:
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                         help="--framework fsdp: attention implementation traced (flash_attention_2 "
                              "does not run on the CPU; it is priced by its allocation model)")
+    parser.add_argument("--no-reshard-after-forward", dest="no_reshard", action="store_true",
+                        help="--framework fsdp: trace FSDP2's reshard_after_forward=False")
     parser.add_argument("--kernels", choices=("torch-cpu", "te-gpu"), default="torch-cpu",
                         help="kernel set on the CPU: torch's ops (default) or te-gpu, allocation "
                              "models of the fused GPU kernels (TE RMSNorm, flash attention, fused "
@@ -122,6 +124,8 @@ def run(args) -> int:
                       "the fsdp tracer runs transformers' own kernels (flash_attention_2 is priced by "
                       "its allocation model); trace te-gpu with --framework megatron")
         return _run_fsdp(args)
+    if args.no_reshard:
+        raise bad(ConfigError, "--no-reshard-after-forward", True, "applies to --framework fsdp only")
     geometry = load_model(args.model)
     step = _load_step(args.step)
     for name in ("torch", "megatron.core"):
@@ -325,6 +329,7 @@ def _run_fsdp(args) -> int:
     seq_lens = tuple(int(r.num_tokens) for r in step.requests)
     trace = trace_fsdp(config, jobs=[seq_lens], fsdp=args.fsdp, attn=args.attn,
                        checkpointing=args.recompute == "full", lora_rank=args.lora_rank,
+                       reshard_after_forward=not args.no_reshard,
                        device=device, timeout_s=args.timeout)[0]
     record = trace.to_dict()
     price = price_record(record)

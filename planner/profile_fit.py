@@ -131,9 +131,19 @@ def _table_ratios(model: PricingModel, table: CoefficientTable,
     return [_price(m, c) / c.peak_bytes for c in cells]
 
 
+def _groups(model: PricingModel):
+    """(groups, scaled_table) of the model's framework: Megatron-core's term groups
+    (`calibrate.GROUPS`), or the fsdp framework's four factors (`pricing.fsdp.calibrate`)."""
+    if getattr(model, "fsdp_layout", None) is not None:
+        from waveplan.pricing.fsdp import calibrate as fsdp_calibrate
+
+        return list(fsdp_calibrate.GROUPS), fsdp_calibrate.scaled_table
+    return list(calibrate.GROUPS), calibrate.scaled_table
+
+
 def _ratios(model: PricingModel, base: CoefficientTable, scales: dict[str, float],
             cells: Sequence[FitCell]) -> list[float]:
-    return _table_ratios(model, calibrate.scaled_table(base, scales), cells)
+    return _table_ratios(model, _groups(model)[1](base, scales), cells)
 
 
 def fit_scales(model: PricingModel, cells: Sequence[FitCell], *,
@@ -141,7 +151,7 @@ def fit_scales(model: PricingModel, cells: Sequence[FitCell], *,
     """(group factors, s0) covering every cell at (1 + margin) x its peak; see the module doc.
     The model's own table is the base. Deterministic."""
     base = model.table
-    groups = list(calibrate.GROUPS)
+    groups = _groups(model)[0]
     need = 1.0 + margin
 
     def covers(scales: dict[str, float]) -> bool:
@@ -196,13 +206,14 @@ def fit_profiles(store: ProfileStore, model: PricingModel, *, backend: str,
     scales, s0 = fit_scales(model, cells, margin=margin)
     note = (f"fitted by waveplan.planner.profile_fit to {len(cells)} observed waves of "
             f"{source_label}")
-    table = calibrate.scaled_table(model.table, scales, note=note, backend=backend)
+    scaled = _groups(model)[1]
+    table = scaled(model.table, scales, note=note, backend=backend)
     # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
     ratios = _table_ratios(model, table, cells)
     if min(ratios) < 1.0 + margin:
         raise_by = (1.0 + margin) / min(ratios) * 1.00001
         scales = {g: s * raise_by for g, s in scales.items()}
-        table = calibrate.scaled_table(model.table, scales, note=note, backend=backend)
+        table = scaled(model.table, scales, note=note, backend=backend)
         ratios = _table_ratios(model, table, cells)
     if min(ratios) < 1.0:  # pragma: no cover - one raise covers a rounding error
         raise bad(ConfigError, source_label, len(cells), "could not raise the fit above every peak")

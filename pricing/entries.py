@@ -104,6 +104,16 @@ ENTRIES: tuple[Entry, ...] = (
           "the fitted retained layer (plain dense layers retained on the fused kernels)"),
     Entry("kernel_models", "names of the fused GPU kernels (`kernels`)", "gpu-kernel-allocation-models",
           "none: the structural terms hold plain PyTorch's tensors (fp32 norm inputs, rotary copies)"),
+    # the fsdp framework's calibration factors (`waveplan calibrate` on `trace --framework fsdp`
+    # records or an FSDP model's observed peaks); a table without them prices the derived terms
+    Entry("fsdp_layer", "a factor on the fsdp decoder-layer terms (value)", "fsdp-calibration",
+          "1: the derived decoder-layer terms"),
+    Entry("fsdp_attention", "a factor on the fsdp packed-row S x S terms (value)", "fsdp-calibration",
+          "1: the derived S x S terms"),
+    Entry("fsdp_head", "a factor on the fsdp head terms (value)", "fsdp-calibration",
+          "1: the derived head terms"),
+    Entry("fsdp_constants", "a factor on the fsdp gathered parameters and gradient buffers (value)",
+          "fsdp-calibration", "1: the derived constants"),
 )
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in ENTRIES}

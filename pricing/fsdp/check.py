@@ -13,15 +13,20 @@ from ..wave_pricer import WavePricer
 from .model import build_fsdp_model, for_step
 
 
-def price_record(record: dict, *, backend: str = "torch-cpu") -> Breakdown:
+def price_record(record: dict, *, backend: str = "torch-cpu", table=None) -> Breakdown:
     """The raw price of a trace record's wave (its first gradient wave: the adapter gradients
-    allocated), on its configuration. O(layers + sequences)."""
+    allocated), on its configuration; `table` (a `CoefficientTable`) in place of `backend`'s, as
+    `waveplan calibrate` prices a fitted one. O(layers + sequences)."""
     geometry = load_hf_config(dict(record["config"]))
     model = build_fsdp_model(geometry, fsdp=int(record["fsdp"]), attn=record["attn"],
                              checkpointing=bool(record["checkpointing"]),
                              reshard_after_forward=bool(record.get("reshard_after_forward", True)),
                              lora=LoraConfig(slots=(LoraSlot(rank=int(record["lora_rank"])),)),
                              backend=backend, attn_rows=1)
+    if table is not None:
+        import dataclasses
+
+        model = dataclasses.replace(model, table=table)
     lens = [int(n) for n in record["seq_lens"]]
     step = Step.from_lengths([0] * len(lens), lens)
     model, step = for_step(model, step)

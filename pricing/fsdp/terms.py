@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import entries
 from ..geometry import MlpKind, ModelGeometry
 
 BF16 = 2
@@ -239,3 +240,90 @@ def root_param_count(geometry: ModelGeometry) -> int:
 def shard(count: float, fsdp: int) -> float:
     """One rank's share of `count` parameters under FSDP2 (dim-0 chunks, padded). Docs: docs/memory-model.md#fsdp-constants."""
     return math.ceil(count / fsdp)
+
+
+# --- families beyond Llama's shape (#fsdp-families) -----------------------------------------
+
+
+def moe_lora_stacks(geometry: ModelGeometry) -> tuple[float, float]:
+    """(gate_up, down) bytes of one MoE layer's expert stacks as PEFT LoRA runs them: PEFT's
+    all-linear targets transformers 5's fused 3-D expert parameters (`target_parameters`,
+    `ParamWrapper`) and folds the adapter in on every forward, W + s lhs @ rhs by one
+    `baddbmm`: a full-size bf16 copy of each stack, which the grouped matmul keeps for its
+    backward; the backward adds that copy's gradient, one stack at a time (#fsdp-families).
+    Docs: docs/memory-model.md#fsdp-families."""
+    moe = geometry.moe
+    if moe is None:
+        return 0.0, 0.0
+    up = BF16 * moe.num_experts * (2 if geometry.gated_mlp else 1) * moe.expert_ffn * geometry.hidden
+    down = BF16 * moe.num_experts * moe.expert_ffn * geometry.hidden
+    return float(up), float(down)
+
+
+def moe_lora_param_count(geometry: ModelGeometry) -> int:
+    """LoRA parameters per unit of rank PEFT's all-linear adds to one MoE layer beyond the
+    attention's: the expert stacks' (gate_up: A 2E x H, B 2F_e x 2E; down: A E x F_e, B H x E)
+    and the router's (A H, B E) (#fsdp-families). Docs: docs/memory-model.md#fsdp-families."""
+    moe = geometry.moe
+    if moe is None:
+        return 0
+    h, e, fe = geometry.hidden, moe.num_experts, moe.expert_ffn
+    n_up = 2 if geometry.gated_mlp else 1
+    return n_up * e * (h + n_up * fe) + e * (fe + h) + (h + e)
+
+
+@dataclass(frozen=True)
+class FamilyAdds:
+    """What a family's modeling code holds beyond the Llama-shaped terms, per row and per
+    (row x attention row) (#fsdp-families)."""
+
+    retained: float = 0.0       # per row, kept by each layer without checkpointing
+    forward: float = 0.0        # per row, at a layer's forward points
+    backward: float = 0.0       # per row, at a layer's backward points
+    masks: int = 1              # packed-row masks made per forward (one per attention kind)
+    kept_q: float = 0.0         # per (row x attention row), kept by each layer without checkpointing
+    point_q: float = 0.0        # per (row x attention row), at the attention's points
+
+
+def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn: str) -> FamilyAdds:
+    """A family's additions (#fsdp-families): Gemma's two extra (post) RMSNorms, each keeping
+    its fp32 input (4H + 4; their backward's fp32 temporaries come before the MLP's gradients
+    are in flight); one packed-row mask per attention kind (sliding and full layers: two);
+    Gemma 2's attention soft-cap under eager (the tanh and product outputs per head at the
+    attention's point, 4 nh; the tanh output kept, 2 nh). Docs: docs/memory-model.md#fsdp-families."""
+    f = geometry.features
+    retained = forward = backward = 0.0
+    kept_q = point_q = 0.0
+    if f.sandwich_norms:
+        norms = 2 * (FP32 * w.H + FP32)
+        retained += norms
+        forward += norms
+        backward += norms
+    kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}
+    if attn == "eager" and f.attention_softcap:
+        kept_q += 0.0 if checkpointing else 2 * w.nh
+        point_q += 4 * w.nh
+    return FamilyAdds(retained=retained, forward=forward, backward=backward, masks=len(kinds),
+                      kept_q=kept_q, point_q=point_q)
+
+
+def final_softcap_per_row(w: Widths) -> tuple[float, float, float]:
+    """(retained, backward transient, forward point) per row that a final logit soft-cap adds
+    as transformers' Gemma 2 runs it on the bf16 logits (#fsdp-families): division, tanh and
+    product outputs (2V each), the tanh output kept for its backward; at the forward two of them
+    live beside the logits (4V); its backward runs after log_softmax's has released more than it
+    makes (nothing at the head's backward point). Docs: docs/memory-model.md#fsdp-families."""
+    return BF16 * w.V, 0.0, 2 * BF16 * w.V
+
+
+# --- calibration factors (#fsdp-calibration) ------------------------------------------------
+
+CALIBRATION_GROUPS = ("fsdp_layer", "fsdp_attention", "fsdp_head", "fsdp_constants")
+"""The optional table entries (`pricing.entries`) whose `value` scales a group of the terms:
+decoder-layer bytes per row, packed-row S x S bytes, head bytes per row, constants."""
+
+
+def calibration_factors(table) -> dict[str, float]:
+    """The table's factor of every group (1 where it carries none: the derived terms).
+    Docs: docs/memory-model.md#fsdp-calibration."""
+    return {g: float(entries.entry(table, g, {"value": 1.0})["value"]) for g in CALIBRATION_GROUPS}

@@ -1,0 +1,161 @@
+"""Fit the fsdp framework's four calibration factors to peaks measured on the user's own
+hardware: `waveplan calibrate` on `trace --framework fsdp` records, and `calibrate --profiles`
+for an FSDP model (docs/memory-model.md#fsdp-calibration).
+
+A table's optional entries `fsdp_layer`, `fsdp_attention`, `fsdp_head` and `fsdp_constants`
+(`pricing.entries`) each carry a factor (`value`) on one group of the fsdp terms: the
+decoder-layer bytes per row, the packed-row S x S bytes, the head's bytes per row, and the
+gathered parameters, gradient buffers and pending adapter gradients. A table without them
+prices the derived terms (factor 1). Every price is monotone in every factor, so the fit is
+`planner.profile_fit`'s: the least uniform factor s0 that covers every peak with the margin
+(bisection), then each group lowered in turn as far as every peak stays covered.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+
+from ..coefficients import CoefficientTable
+from ..errors import ConfigError, bad
+from .terms import CALIBRATION_GROUPS as GROUPS
+from .terms import calibration_factors as factors
+
+MARGIN = 0.005          # every fitted estimate >= (1 + MARGIN) x its peak
+FACTOR_MAX = 8.0
+BISECTIONS = 24
+PASSES = 3
+
+
+def scaled_table(base: CoefficientTable, scales: dict[str, float], *, note: str | None = None,
+                 backend: str | None = None) -> CoefficientTable:
+    """`base` with each group's factor multiplied by its scale (groups not named kept); every
+    other entry kept. `note` says where the factors come from."""
+    terms = copy.deepcopy(base.terms)
+    have = factors(base)
+    for g, s in scales.items():
+        if g not in GROUPS:
+            continue
+        terms[g] = {"value": round(have[g] * s, 6),
+                    "source": note or f"fsdp calibration factor x {s:.4f}"}
+    return CoefficientTable(backend=backend or base.backend, terms=terms)
+
+
+def fit_scales(price, peaks, base: CoefficientTable, *, margin: float = MARGIN,
+               where=None) -> tuple[dict[str, float], float]:
+    """(group factors, s0): the least factors covering every peak at (1 + margin) x, where
+    `price(table)` gives each cell's raw price with `table` and `peaks` each cell's peak.
+    Deterministic. O(PASSES x groups x BISECTIONS) calls of `price`."""
+    need = 1.0 + margin
+
+    def ratios(scales):
+        return [p / k for p, k in zip(price(scaled_table(base, scales)), peaks, strict=True)]
+
+    def covers(scales):
+        return min(ratios(scales)) >= need
+
+    def uniform(s):
+        return {g: s for g in GROUPS}
+
+    if not covers(uniform(FACTOR_MAX)):
+        r = ratios(uniform(FACTOR_MAX))
+        i = min(range(len(r)), key=r.__getitem__)
+        raise bad(ConfigError, f"{where[i] if where else f'cells[{i}]'}.peak_bytes", peaks[i],
+                  f"even {FACTOR_MAX:g}x the fsdp terms price this wave at {r[i]:.3f}x its peak; "
+                  "the peak was not measured on the wave (or with other memory counted)")
+    lo, hi = 0.0, FACTOR_MAX
+    for _ in range(BISECTIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if covers(uniform(mid)) else (mid, hi)
+    s0 = hi
+    floor = min(1.0, s0)
+    scales = uniform(max(1.0, s0))
+    best = statistics.fmean(ratios(scales))
+    for _ in range(PASSES):
+        moved = False
+        for g in GROUPS:
+            if scales[g] <= floor:
+                continue
+            trial = dict(scales, **{g: floor})
+            if not covers(trial):
+                lo, hi = floor, scales[g]
+                for _ in range(BISECTIONS):
+                    mid = (lo + hi) / 2
+                    trial[g] = mid
+                    lo, hi = (lo, mid) if covers(trial) else (mid, hi)
+                trial[g] = hi
+            value = statistics.fmean(ratios(trial))
+            if value < best * (1 - 1e-9):
+                scales, best, moved = trial, value, True
+        if not moved:
+            break
+    return scales, s0
+
+
+def record_pricer(records: list[dict]):
+    """`price(table)` for `fit_scales`: each fsdp trace record's raw price with `table` (the
+    record's configuration, `check.price_record`)."""
+    from .check import price_record
+
+    def price(table: CoefficientTable) -> list[int]:
+        return [price_record(r, table=table).raw_bytes for r in records]
+
+    return price
+
+
+def read_fsdp_traces(lines: list[str], source: str) -> list[dict] | None:
+    """The fsdp trace records of a JSON Lines text (`trace --framework fsdp --json` lines or
+    bench/results/fsdp_traces.jsonl), or None when none of them is an fsdp record. A file that
+    mixes fsdp and Megatron records fails with one line."""
+    import json
+
+    recs = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise bad(ConfigError, f"{source}:{i + 1}", line[:40], "is not JSON") from None
+        recs.append((i, obj))
+    fsdp = [(i, o) for i, o in recs if isinstance(o, dict) and o.get("framework") == "fsdp"]
+    if not fsdp:
+        return None
+    if len(fsdp) != len(recs):
+        i = next(i for i, o in recs if not (isinstance(o, dict) and o.get("framework") == "fsdp"))
+        other = recs[[j for j, _ in recs].index(i)][1]
+        raise bad(ConfigError, f"{source}:{i + 1}.framework",
+                  other.get("framework") if isinstance(other, dict) else None,
+                  "fsdp and Megatron records in one file")
+    for i, o in fsdp:
+        for key in ("config", "seq_lens", "fsdp", "attn", "checkpointing", "lora_rank", "peak_bytes"):
+            if key not in o:
+                raise bad(ConfigError, f"{source}:{i + 1}.{key}", None, "missing in an fsdp trace record")
+        if not (isinstance(o["peak_bytes"], int) and o["peak_bytes"] > 0):
+            raise bad(ConfigError, f"{source}:{i + 1}.peak_bytes", o["peak_bytes"], "must be a positive integer")
+    return [o for _, o in fsdp]
+
+
+def fit_traces(records: list[dict], base: CoefficientTable, *, backend: str,
+               source_label: str, margin: float = MARGIN) -> tuple[CoefficientTable, list[float]]:
+    """A table named `backend`: `base` with the fsdp factors fitted to `records`, and each
+    record's fitted estimate / peak."""
+    price = record_pricer(records)
+    peaks = [int(r["peak_bytes"]) for r in records]
+    scales, _ = fit_scales(price, peaks, base, margin=margin,
+                           where=[f"{source_label}[{i}]" for i in range(len(records))])
+    note = f"fitted by waveplan calibrate to {len(records)} fsdp traces of {source_label}"
+    table = scaled_table(base, scales, note=note, backend=backend)
+    ratios = [p / k for p, k in zip(price(table), peaks, strict=True)]
+    if min(ratios) < 1.0 + margin:   # rounding to 6 digits: raise once
+        scales = {g: s * (1.0 + margin) / min(ratios) * 1.00001 for g, s in scales.items()}
+        table = scaled_table(base, scales, note=note, backend=backend)
+        ratios = [p / k for p, k in zip(price(table), peaks, strict=True)]
+    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    return table, ratios
+
+
+def with_table(model, table: CoefficientTable):
+    """`model` priced from `table` (its charges rebuilt with the table's factors)."""
+    return dataclasses.replace(model, table=table)

@@ -1,0 +1,169 @@
+"""The fsdp framework beyond Llama's shape (issue 30): family terms (docs/memory-model.md#fsdp-families),
+calibration factors (#fsdp-calibration: `waveplan calibrate` on fsdp traces and `--profiles` for an
+FSDP model) and `inspect --framework fsdp`.
+
+* transformers 5 MoE families: PEFT all-linear folds LoRA into the fused expert stacks, a
+  full-size bf16 copy per MoE layer: charged (one layer's with checkpointing, every layer's
+  without) and the expert adapters' gradients counted;
+* Gemma: two packed-row masks where sliding and full layers alternate, the final soft-cap's
+  bf16 copies;
+* a table without the fsdp factors prices exactly as before; each factor raises what it scales;
+* calibrate fits the factors to fsdp trace records (every record covered with the margin) and
+  to an FSDP model's observed peaks; a file mixing frameworks is refused with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waveplan.planner import Planner
+from waveplan.planner import profile_fit as pf
+from waveplan.planner.cli import main
+from waveplan.pricing.coefficients import load_table
+from waveplan.pricing.fsdp import build_fsdp_model, terms
+from waveplan.pricing.fsdp import calibrate as fc
+from waveplan.pricing.fsdp.check import price_record
+from waveplan.pricing.fsdp.model import FITTED_FAMILIES, for_step
+from waveplan.pricing.hf_config import load_hf_config
+from waveplan.pricing.step import Step
+from waveplan.pricing.wave_pricer import WavePricer
+
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp_traces.jsonl"
+BASE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=1024)
+MOE = dict(BASE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+           tie_word_embeddings=False)
+GEMMA2 = dict(BASE, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=64,
+              tie_word_embeddings=True)
+GIB = 2**30
+
+
+def _price(cfg, *, ckpt=True, attn="sdpa", table=None, lens=(96, 64, 32)):
+    model = build_fsdp_model(load_hf_config(dict(cfg)), fsdp=2, attn=attn, checkpointing=ckpt, attn_rows=1)
+    if table is not None:
+        model = dataclasses.replace(model, table=table)
+    model, step = for_step(model, Step.from_lengths([0] * len(lens), list(lens)))
+    return WavePricer.build(step, model).price([np.arange(len(lens))], first_slots=frozenset({"default"}))
+
+
+def test_moe_folded_expert_stacks_are_charged():
+    g = load_hf_config(dict(MOE))
+    up, down = terms.moe_lora_stacks(g)
+    assert up == 2 * 8 * 2 * 96 * 128 and down == 2 * 8 * 96 * 128
+    ck = _price(MOE, ckpt=True).terms["gathered_parameters"]
+    no = _price(MOE, ckpt=False).terms["gathered_parameters"]
+    # without checkpointing both MoE layers keep their copies, with it one layer's
+    assert no - ck == pytest.approx(up + down, abs=2)
+    # PEFT's expert adapters: A 2E x H and B 2F_e x 2E (gate_up), A E x F_e and B H x E (down), router
+    assert terms.moe_lora_param_count(g) == 2 * 8 * (128 + 2 * 96) + 8 * (96 + 128) + (128 + 8)
+
+
+def test_gemma_masks_and_final_softcap():
+    g = load_hf_config(dict(GEMMA2))
+    w = terms.widths(g, 8)
+    assert terms.family_adds(g, w, checkpointing=True, attn="sdpa").masks == 2   # sliding + full
+    assert terms.family_adds(g, w, checkpointing=True, attn="flash").masks == 1
+    one_kind = load_hf_config(dict(GEMMA2, model_type="gemma3_text", num_hidden_layers=2))
+    assert terms.family_adds(one_kind, terms.widths(one_kind, 8), checkpointing=True, attn="sdpa").masks == 1
+    assert terms.final_softcap_per_row(w) == (2 * 1024, 0.0, 4 * 1024)   # bf16, not fp32 copies
+    assert "gemma2" in FITTED_FAMILIES and _price(GEMMA2).basis in ("evidence", "conservative")
+
+
+def test_factors_default_to_the_derived_terms_and_raise_what_they_scale():
+    base = load_table("torch-cpu")
+    plain = _price(MOE, attn="eager").raw_bytes
+    assert _price(MOE, attn="eager", table=fc.scaled_table(base, {g: 1.0 for g in fc.GROUPS})).raw_bytes == plain
+    for group in fc.GROUPS:
+        assert _price(MOE, attn="eager", table=fc.scaled_table(base, {group: 2.0})).raw_bytes > plain, group
+
+
+def test_calibrate_fits_fsdp_traces(tmp_path, capsys):
+    records = [json.loads(line) for line in TRACES.read_text().splitlines()]
+    picked = [r for r in records if r["class"].startswith("set3:")][:4] + records[:2]
+    src = tmp_path / "traces.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", str(src), "--out", str(out)]) == 0
+    assert "fsdp traces" in capsys.readouterr().out
+    table = load_table(str(out))
+    assert set(fc.GROUPS) <= set(table.terms)
+    for rec in picked:   # the fitted table covers every record with the margin
+        assert price_record(rec, table=table).raw_bytes >= (1 + fc.MARGIN) * rec["peak_bytes"] * 0.99999
+    # a price with the fitted table, through the CLI's --backend
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(picked[0]["config"]))
+    step = tmp_path / "wave.jsonl"
+    step.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"p{i}", "prompt_tokens": n // 2,
+                                        "completion_tokens": n - n // 2}) + "\n"
+                            for i, n in enumerate(picked[0]["seq_lens"])))
+    assert main(["price", str(step), "--model", str(cfg), "--framework", "fsdp", "--fsdp", "2",
+                 "--attn", picked[0]["attn"], "--recompute", "full" if picked[0]["checkpointing"] else "none",
+                 "--lora-rank", str(picked[0]["lora_rank"]), "--backend", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["raw_bytes"] >= picked[0]["peak_bytes"] and "fsdp_layer" in load_table(str(out)).terms
+
+
+def test_calibrate_refuses_mixed_frameworks(tmp_path, capsys):
+    rec = json.loads(TRACES.read_text().splitlines()[0])
+    src = tmp_path / "mixed.jsonl"
+    src.write_text(json.dumps(rec) + "\n" + json.dumps({"cell": {}, "trace": {}}) + "\n")
+    assert main(["calibrate", str(src), "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mixed.jsonl:2" in err[0]
+
+
+def test_calibrate_profiles_of_an_fsdp_model(tmp_path, capsys):
+    cfg = dict(BASE, model_type="llama", tie_word_embeddings=False, hidden_size=1024, intermediate_size=2816,
+               num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg))
+    planner = Planner.from_hf_config(str(config), framework="fsdp", fsdp=4, attn="flash", recompute="full",
+                                     lora_rank=8)
+    plan = planner.plan("pricing/data/steps/grpo-8x8.jsonl", 16 * GIB, deterministic=True)
+    for k, wave in enumerate(plan.waves):
+        planner.observe(wave, peak_bytes=int(wave.static_raw_bytes * (0.9, 0.95)[k % 2]))
+    fit = pf.fit_profiles(planner.profiles, planner.model, backend="mine")
+    assert set(fit.scales) == set(fc.GROUPS)
+    assert min(fit.ratios) >= 1 + pf.MARGIN and fit.uniform < 1.0
+    assert fit.scales["fsdp_attention"] == 1.0   # flash: no S x S term, no evidence, kept
+    fitted = dataclasses.replace(planner.model, table=fit.table)
+    for cell in fit.cells:
+        assert pf._price(fitted, cell) >= cell.peak_bytes
+    # the same through the CLI: the profiles saved, the model given as the planner had it
+    profiles = planner.save_profiles(tmp_path / "profiles.json")
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", "--profiles", str(profiles), "--model", str(config), "--framework", "fsdp",
+                 "--fsdp", "4", "--attn", "flash", "--recompute", "full", "--lora-rank", "8",
+                 "--out", str(out)]) == 0
+    assert "observed waves" in capsys.readouterr().out
+    assert set(fc.GROUPS) <= set(load_table(str(out)).terms)
+
+
+def test_inspect_prints_the_fsdp_view(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MOE))
+    assert main(["inspect", "--model", str(config), "--framework", "fsdp", "--fsdp", "8", "--attn", "sdpa",
+                 "--recompute", "none", "--no-reshard-after-forward"]) == 0
+    out = capsys.readouterr().out
+    assert "shard      FSDP2 x8" in out and "no reshard after forward" in out
+    assert "experts.gate_up_proj" in out and "checkpoint none" in out and "TP1" not in out
+    assert main(["inspect", "--model", str(config), "--framework", "fsdp", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)["fsdp"]
+    assert view["shard_group"] == 1 and view["attn"] == "flash" and view["checkpointing"] is True
+    assert view["basis"] == "conservative" and any("Qwen3-MoE" in r for r in view["reasons"])
+    assert "router gate.weight" in view["lora_targets"]
+
+
+def test_no_reshard_after_forward_is_priced_on_evidence():
+    g = load_hf_config(dict(BASE, model_type="llama", tie_word_embeddings=False))
+    on = build_fsdp_model(g, fsdp=2, attn="sdpa", attn_rows=1)
+    off = build_fsdp_model(g, fsdp=2, attn="sdpa", attn_rows=1, reshard_after_forward=False)
+    assert off.basis == on.basis == "evidence"
+    # every layer's gathered parameters, the head's points included
+    assert off.charges.resident >= on.charges.resident
+    assert off.charges.resident + off.charges.walk.head_const > on.charges.resident + on.charges.walk.head_const
