@@ -20,6 +20,7 @@ def price_record(record: dict, *, backend: str = "torch-cpu") -> Breakdown:
     model = build_fsdp_model(geometry, fsdp=int(record["fsdp"]), attn=record["attn"],
                              checkpointing=bool(record["checkpointing"]),
                              reshard_after_forward=bool(record.get("reshard_after_forward", True)),
+                             ulysses=int(record.get("ulysses", 1)),
                              lora=LoraConfig(slots=(LoraSlot(rank=int(record["lora_rank"])),)),
                              backend=backend, attn_rows=1)
     lens = [int(n) for n in record["seq_lens"]]

@@ -28,7 +28,9 @@ class FsdpLayout:
     """FSDP2's `reshard_after_forward` on the decoder layers (False: every layer's gathered
     parameters stay from its forward to its backward)."""
     ulysses: int = 1
-    """veRL's `ulysses_sequence_parallel_size`; only 1 is priced."""
+    """veRL's `ulysses_sequence_parallel_size`: the ranks one packed row is split over
+    (docs/memory-model.md#fsdp-ulysses); it divides `fsdp` and the heads (checked against the
+    model's geometry by `fsdp.ulysses.validate`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or not 1 <= self.fsdp <= 1 << 16:
@@ -42,9 +44,6 @@ class FsdpLayout:
                       "must be true or false")
         if isinstance(self.ulysses, bool) or not isinstance(self.ulysses, int) or self.ulysses < 1:
             raise bad(ConfigError, "ulysses", self.ulysses, "must be a positive integer")
-        if self.ulysses != 1:
-            raise bad(ConfigError, "ulysses", self.ulysses,
-                      "Ulysses sequence parallelism is not priced under FSDP yet (no trace); use 1")
 
     def to_dict(self) -> dict:
         return {"fsdp": self.fsdp, "attn": self.attn, "checkpointing": self.checkpointing,

@@ -22,7 +22,7 @@ from ..geometry import MixerKind
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import WalkCharges
-from . import terms
+from . import terms, ulysses
 from .layout import FsdpLayout
 
 # model_types whose modeling code the terms count tensor by tensor (traced: llama, qwen2,
@@ -94,6 +94,7 @@ class FsdpPricingModel(PricingModel):
         if self.fsdp_layout.attn != "flash" and self.attn_rows == 0:
             raise bad(ConfigError, "attn_rows", 0,
                       f"attn={self.fsdp_layout.attn} needs the longest forward call's rows (S x S masks)")
+        ulysses.validate(g, self.fsdp_layout.fsdp, self.fsdp_layout.ulysses)
         if self.head != "full-native":
             raise bad(ConfigError, "head", self.head,
                       "under FSDP the head is transformers' loss on all logits: full-native")
@@ -122,6 +123,12 @@ class FsdpPricingModel(PricingModel):
         object.__setattr__(self, "memo", {})
 
     @property
+    def rows_cp(self) -> int:
+        """A wave's rows per rank: veRL's Ulysses gives each rank of its sp group ceil(S / N) of
+        the packed row (`fsdp.ulysses`); 1 without Ulysses."""
+        return self.fsdp_layout.ulysses
+
+    @property
     def bound_scale(self) -> float:
         """The factor on the layer terms of a family no trace covers."""
         return 1.0 if model_type_of(self.geometry) in EVIDENCE_FAMILIES else BOUND_SCALE
@@ -136,6 +143,11 @@ class FsdpPricingModel(PricingModel):
         qk = g.qk_norm
         scale = self.bound_scale
         held, kept_q, point_q = terms.attention_quadratic(w, attn=lay.attn, checkpointing=ckpt)
+        sp = lay.ulysses
+        if sp > 1:   # per rank row (`ulysses.quadratic_scale`)
+            held, kept_q, point_q = (a * b for a, b in zip((held, kept_q, point_q),
+                                                           ulysses.quadratic_scale(lay.attn, sp),
+                                                           strict=True))
         s = float(self.attn_rows)
         retained = np.full(n, scale * terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                    attn=lay.attn)
@@ -143,6 +155,9 @@ class FsdpPricingModel(PricingModel):
         # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
+        if sp > 1:   # veRL's all-to-all around the attention kernel, both passes
+            f_att += ulysses.all_to_all_per_row(w, sp)
+            b_att += ulysses.all_to_all_per_row(w, sp)
         nograd = np.full(n, max(scale * f_mlp, scale * f_att + point_q * s))
         workspace = np.full(n, max(scale * b_mlp, scale * b_att + point_q * s))
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
@@ -185,13 +200,16 @@ class FsdpPricingModel(PricingModel):
         # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
         # segment (one per sequence in an unshared step) at the layers' points, which the walk
         # carries in its per-segment column (reported under gdn_states)
-        per_seq = np.full(n, scale * terms.flash_per_sequence(w) if lay.attn == "flash" else 0.0)
+        per_seq = np.full(n, scale * terms.flash_per_sequence(w) / sp if lay.attn == "flash" else 0.0)
         walk = WalkCharges(
             retained=retained, workspace=workspace, nograd=nograd, gdn_state=per_seq,
             pending=pending, input_grad=terms.input_gradient_per_row(w),
             head_retained=head_ret, head_transient=head_tr, head_const=head_const,
-            caller=float(terms.CALLER_PER_ROW), pad_retained=zeros.copy(), pad_point=zeros.copy(),
+            caller=ulysses.caller_per_row(float(terms.CALLER_PER_ROW), sp) if sp > 1
+            else float(terms.CALLER_PER_ROW), pad_retained=zeros.copy(), pad_point=zeros.copy(),
             chunk=0.0, head_forward=head_fwd)
+        if sp > 1:   # the ceil(S / N) row a rank may hold above S / N
+            resident += ulysses.pad_row_bound(walk)
         return Charges(
             walk=walk,
             head=HeadParts(logits_retained=head_ret, logits_transient=head_tr, norm_saved=0.0,
@@ -241,7 +259,8 @@ def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: in
     held, _, _ = terms.attention_quadratic(w, attn=model.fsdp_layout.attn,
                                            checkpointing=model.fsdp_layout.checkpointing)
     walk = model.charges.walk
-    lin = walk.head_retained + walk.head_transient
+    # per logical row: the per-row charges are per rank row (Ulysses: S / N of them)
+    lin = (walk.head_retained + walk.head_transient) / model.fsdp_layout.ulysses
     room = max(0.0, budget_bytes / model.safety - model.charges.resident)
     # held R^2 + lin R <= room
     r = (-lin + (lin * lin + 4 * held * room) ** 0.5) / (2 * held) if held > 0 else room / lin
