@@ -69,7 +69,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                         help="--framework fsdp: attention implementation (default flash: "
                              "flash_attention_2 on packed rows)")
     parser.add_argument("--ulysses", type=int, default=1, metavar="N",
-                        help="--framework fsdp: Ulysses sequence parallel size (only 1 is priced)")
+                        help="--framework fsdp: veRL's Ulysses sequence parallel size (default 1; "
+                             "divides --fsdp and the attention heads)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
                         help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
     if not table:
@@ -194,4 +195,6 @@ def fsdp_words(model: PricingModel) -> str | None:
         return None
     words = f"FSDP2 x{layout.fsdp}, attn {layout.attn}, "
     words += "checkpointing" if layout.checkpointing else "no checkpointing"
+    if layout.ulysses != 1:
+        words += f", Ulysses {layout.ulysses}"
     return words + ("" if layout.reshard_after_forward else ", no reshard after forward")

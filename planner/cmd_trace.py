@@ -83,6 +83,9 @@ def register(subparsers) -> None:
                              "ranks (--model must be a config.json; real tensors: keep it small)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="N",
                         help="--framework fsdp: shard group size (one process per rank)")
+    parser.add_argument("--ulysses", type=int, default=1, metavar="N",
+                        help="--framework fsdp: veRL's Ulysses sequence parallel size (divides --fsdp; "
+                             "veRL's all-to-all around the traced sdpa/eager attention)")
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                         help="--framework fsdp: attention implementation traced (flash_attention_2 "
                              "does not run on the CPU; it is priced by its allocation model)")
@@ -323,9 +326,19 @@ def _run_fsdp(args) -> int:
 
     step = _load_step(args.step)
     seq_lens = tuple(int(r.num_tokens) for r in step.requests)
-    trace = trace_fsdp(config, jobs=[seq_lens], fsdp=args.fsdp, attn=args.attn,
-                       checkpointing=args.recompute == "full", lora_rank=args.lora_rank,
-                       device=device, timeout_s=args.timeout)[0]
+    ulysses = getattr(args, "ulysses", 1)
+    if ulysses != 1:
+        from waveplan.pricing.fsdp.ulysses import validate
+        from waveplan.pricing.measure.fsdp_verl_trace import trace_fsdp_verl
+
+        validate(load_hf_config(config), args.fsdp, ulysses)
+        trace = trace_fsdp_verl(config, jobs=[seq_lens], fsdp=args.fsdp, ulysses=ulysses,
+                                attn=args.attn, checkpointing=args.recompute == "full",
+                                lora_rank=args.lora_rank, device=device, timeout_s=args.timeout)[0]
+    else:
+        trace = trace_fsdp(config, jobs=[seq_lens], fsdp=args.fsdp, attn=args.attn,
+                           checkpointing=args.recompute == "full", lora_rank=args.lora_rank,
+                           device=device, timeout_s=args.timeout)[0]
     record = trace.to_dict()
     price = price_record(record)
     record["priced_raw_bytes"] = price.raw_bytes
@@ -333,7 +346,8 @@ def _run_fsdp(args) -> int:
         print(json.dumps(record, sort_keys=True))
         return 0
     print(f"fsdp trace: {path.name} ({config.get('model_type')}), {len(seq_lens)} sequences, "
-          f"{sum(seq_lens)} tokens, FSDP{args.fsdp}, attn {args.attn}, "
+          f"{sum(seq_lens)} tokens, FSDP{args.fsdp}, "
+          f"{f'Ulysses {ulysses}, ' if ulysses != 1 else ''}attn {args.attn}, "
           f"checkpointing {'on' if trace.checkpointing else 'off'}, LoRA rank {args.lora_rank}, {device}")
     for r, (peak, rest) in enumerate(zip(trace.peaks, trace.rest, strict=True)):
         print(f"  rank {r}: peak above rest {peak / GIB:.4f} GiB ({peak} B), at rest {rest} B")

@@ -217,14 +217,15 @@ class Planner:
 
     @classmethod
     def from_hf_model(cls, model: object, *, backend: str = DEFAULT_BACKEND,
-                      safety: float = DEFAULT_SAFETY, fsdp: int | None = None,
+                      safety: float = DEFAULT_SAFETY, fsdp: int | None = None, ulysses: int = 1,
                       profiles_path: str | os.PathLike | None = None,
                       misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a live Hugging Face transformers model under FSDP2 (framework "fsdp"):
         PEFT-wrapped, possibly `fully_shard`ed. Geometry from its config, LoRA slots and ranks
         from its PEFT adapters, attention from `config._attn_implementation`, checkpointing from
         `is_gradient_checkpointing`, the shard group from its sharded parameters' device mesh
-        (`fsdp` overrides it, e.g. before sharding) (`pricing.fsdp.live.read_live_model`)."""
+        (`fsdp` overrides it, e.g. before sharding) (`pricing.fsdp.live.read_live_model`);
+        `ulysses`: veRL's Ulysses sequence parallel size (a live model does not carry it)."""
         from waveplan.pricing.fsdp.live import read_live_model
 
         live = read_live_model(model)
@@ -233,7 +234,7 @@ class Planner:
                          recompute="full" if live["checkpointing"] else "none", lora=live["lora"],
                          backend=backend, safety=safety, profiles_path=profiles_path,
                          fsdp=live["fsdp"] if fsdp is None else fsdp, attn=live["attn"],
-                         reshard_after_forward=True, ulysses=1, misses_path=misses_path)
+                         reshard_after_forward=True, ulysses=ulysses, misses_path=misses_path)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,

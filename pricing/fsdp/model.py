@@ -148,6 +148,7 @@ class FsdpPricingModel(PricingModel):
             held, kept_q, point_q = (a * b for a, b in zip((held, kept_q, point_q),
                                                            ulysses.quadratic_scale(lay.attn, sp),
                                                            strict=True))
+            kept_q += ulysses.kept_mask_per_row(lay.attn, ckpt) * sp
         s = float(self.attn_rows)
         retained = np.full(n, scale * terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                    attn=lay.attn)

@@ -69,6 +69,14 @@ def quadratic_scale(attn: str, ulysses: int) -> tuple[float, float, float]:
     return 1.0, 1.0, 1.0
 
 
+def kept_mask_per_row(attn: str, checkpointing: bool) -> float:
+    """Bytes per (row x attention row) each layer keeps under Ulysses beyond
+    `terms.attention_quadratic`'s: sdpa without checkpointing keeps the kernel's bf16 copy of the
+    whole-row mask for its backward (2 S^2 per layer; torch's CPU kernel saves its converted
+    attn_mask), which the one-rank terms' per-row slack covers at N = 1 but not at S / N rows."""
+    return 2.0 if attn == "sdpa" and not checkpointing else 0.0
+
+
 def caller_per_row(base: float, ulysses: int) -> float:
     """The caller's int64 tensors per logical row: the full row's ids, position ids and labels
     (`base`), plus this rank's padded slices of them and the loss's shifted labels (base / N
