@@ -35,9 +35,18 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import ConfigError, bad
-from .fsdp_trace import (DEFAULT_TIMEOUT_S, DEVICES, TRACE_ATTN, FsdpTrace, FsdpTraceJob,
-                         _fsdp_params, _live_storages, _polled_tracker, build_fsdp_model,
-                         decoder_layers)
+from .fsdp_trace import (
+    DEFAULT_TIMEOUT_S,
+    DEVICES,
+    TRACE_ATTN,
+    FsdpTrace,
+    FsdpTraceJob,
+    _fsdp_params,
+    _live_storages,
+    _polled_tracker,
+    build_fsdp_model,
+    decoder_layers,
+)
 from .gloo_launch import spawn
 
 TRACE_HEADS = ("transformers", "verl", "verl-chunked")
@@ -54,11 +63,18 @@ class VerlFsdpTrace(FsdpTrace):
     """Ulysses sequence-parallel group size."""
     head: str = "transformers"
     """The loss traced (`TRACE_HEADS`)."""
+    losses: tuple[float, ...] = ()
+    """Each rank's loss of the traced wave."""
+    warmup_losses: tuple[float, ...] = ()
+    """Each rank's loss of the warm-up wave (the first job), before any optimizer step: with a
+    veRL head, the same for every Ulysses size (its log-probs are gathered over the sp group)."""
 
     def to_dict(self) -> dict:
         doc = super().to_dict()
         doc["ulysses"] = self.ulysses
         doc["head"] = self.head
+        doc["losses"] = list(self.losses)
+        doc["warmup_losses"] = list(self.warmup_losses)
         return doc
 
 
@@ -120,7 +136,8 @@ def trace_fsdp_verl(config: dict, *, jobs, fsdp: int = 2, ulysses: int = 1, head
             reshard_after_forward=bool(reshard_after_forward), device=device,
             peaks=tuple(r["peak"] for r in ranks), rest=tuple(r["rest"] for r in ranks),
             forward_peaks=tuple(r["forward_peak"] for r in ranks), notes=tuple(notes),
-            ulysses=ulysses, head=head))
+            ulysses=ulysses, head=head, losses=tuple(r["loss"] for r in ranks),
+            warmup_losses=tuple(r["warmup_loss"] for r in ranks)))
     return out
 
 
@@ -247,12 +264,14 @@ def trace_rank(spec: dict) -> list[dict]:
             loss = _verl_head(logits, rolled.squeeze(0), pad, head, sp)
             del logits
         out = None
+        value = float(loss.detach())
         if phase is not None:
             phase()
         loss.backward()
         del loss, ids, pos, rolled, mask, out
+        return value
 
-    run(spec["jobs"][0])
+    warmup = run(spec["jobs"][0])
     opt.step()
     opt.zero_grad(set_to_none=True)
     results = []
@@ -264,10 +283,11 @@ def trace_rank(spec: dict) -> list[dict]:
             rest = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             fwd = {}
-            run(lens, phase=lambda f=fwd: f.update(p=torch.cuda.max_memory_allocated()))
+            value = run(lens, phase=lambda f=fwd: f.update(p=torch.cuda.max_memory_allocated()))
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - rest
-            results.append({"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest)})
+            results.append({"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest),
+                            "loss": value, "warmup_loss": warmup})
             continue
         polled = []
         for fp in _fsdp_params(model):
@@ -283,9 +303,9 @@ def trace_rank(spec: dict) -> list[dict]:
         with tracker:
             tracker.reset_peak()
             base = tracker.peak
-            run(lens, phase=lambda f=fwd, t=tracker: f.update(p=t.peak))
+            value = run(lens, phase=lambda f=fwd, t=tracker: f.update(p=t.peak))
         results.append({"peak": int(tracker.peak - base), "rest": int(rest),
-                        "forward_peak": int(fwd["p"] - base)})
+                        "forward_peak": int(fwd["p"] - base), "loss": value, "warmup_loss": warmup})
         del tracker
     opt.zero_grad(set_to_none=True)
     return results
