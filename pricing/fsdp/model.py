@@ -22,7 +22,7 @@ from ..geometry import MixerKind
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import WalkCharges
-from . import terms, ulysses
+from . import terms, ulysses, verl_head
 from .layout import FsdpLayout
 
 # model_types whose modeling code the terms count tensor by tensor (traced: llama, qwen2,
@@ -107,6 +107,9 @@ class FsdpPricingModel(PricingModel):
             gaps_note = ("flash_attention_2 priced by its allocation model (flash-attn varlen "
                          "source); no GPU trace yet")
             gaps.append(gaps_note)
+        head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=self.table.backend != "torch-cpu")
+        if head_gap:
+            gaps.append(head_gap)
         if not self.fsdp_layout.reshard_after_forward:
             gaps.append("reshard_after_forward=False: every layer's gathered parameters charged "
                         "at every point (no trace)")
@@ -167,6 +170,10 @@ class FsdpPricingModel(PricingModel):
         retained[0] += once
         nograd[0] += once
         head_ret, head_tr, head_fwd = terms.head_per_row(w, final_softcap=bool(g.features.final_softcap))
+        verl_const = 0.0
+        if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
+            head_ret, head_tr, head_fwd, verl_const = verl_head.head_per_row(
+                w, lay.head, gpu=self.table.backend != "torch-cpu")
         pending = np.zeros((len(self.lora.slots), n))
         lora_counts = np.zeros(n)
         base_counts = np.zeros(n)
@@ -197,6 +204,7 @@ class FsdpPricingModel(PricingModel):
         else:
             resident = root + float(layer_gathered.sum()) + grads
             head_const = -grads
+        head_const += verl_const
         zeros = np.zeros(n)
         # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
         # segment (one per sequence in an unshared step) at the layers' points, which the walk
@@ -270,7 +278,8 @@ def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: in
 
 def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpointing: bool = True,
                      reshard_after_forward: bool = True, lora=None, backend: str = "torch-cpu",
-                     safety: float | None = None, attn_rows: int = 0, ulysses: int = 1) -> FsdpPricingModel:
+                     safety: float | None = None, attn_rows: int = 0, ulysses: int = 1,
+                     head: str = "transformers") -> FsdpPricingModel:
     """An `FsdpPricingModel` from its parts (the `PricingModel.build` of the fsdp framework)."""
     from ..coefficients import load_table
     from ..lora import LoraConfig
@@ -278,7 +287,7 @@ def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpoint
     from ..parallel import Recompute
 
     layout = FsdpLayout(fsdp=fsdp, attn=attn, checkpointing=checkpointing,
-                        reshard_after_forward=reshard_after_forward, ulysses=ulysses)
+                        reshard_after_forward=reshard_after_forward, ulysses=ulysses, head=head)
     return FsdpPricingModel(
         geometry=geometry, parallel=ParallelLayout(), lora=lora or LoraConfig(),
         recompute=Recompute(mode="full" if checkpointing else "none"), table=load_table(backend),

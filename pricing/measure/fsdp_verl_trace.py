@@ -53,6 +53,7 @@ TRACE_HEADS = ("transformers", "verl", "verl-chunked")
 ENTROPY_CHUNK = 2048
 """veRL's default `entropy_from_logits_chunk_size`."""
 ENTROPY_COEF = 0.01
+TEMPERATURE = 0.7
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,10 @@ def _verl_head(logits, rolled, pad_size: int, head: str, sp: int):
     from verl.utils.ulysses import gather_outputs_and_unpad
 
     logits_rmpad = logits.squeeze(0)
-    temperature = torch.ones(logits_rmpad.shape[0], 1, dtype=torch.float32, device=logits.device)
-    logits_rmpad = logits_rmpad / temperature      # `_scale_logits_by_temperature`, out of place
+    # `_scale_logits_by_temperature` at a temperature other than 1 (at 1 veRL skips it)
+    temperature = torch.full((logits_rmpad.shape[0], 1), TEMPERATURE, dtype=torch.float32,
+                             device=logits.device)
+    logits_rmpad = logits_rmpad / temperature.clamp(min=1e-8).to(logits_rmpad.dtype)
     del temperature
     if head == "verl-chunked":
         entropy = verl_F.entropy_from_logits_with_chunking(logits_rmpad, chunk_size=ENTROPY_CHUNK)
@@ -258,11 +261,13 @@ def trace_rank(spec: dict) -> list[dict]:
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids)
             loss = out.loss
         else:
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
-            logits = out.logits
-            del out
-            loss = _verl_head(logits, rolled.squeeze(0), pad, head, sp)
-            del logits
+            # veRL's `forward_step`: the model, its head and the loss under bf16 autocast
+            with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+                out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+                logits = out.logits
+                del out
+                loss = _verl_head(logits, rolled.squeeze(0), pad, head, sp)
+                del logits
         out = None
         value = float(loss.detach())
         if phase is not None:
