@@ -8,7 +8,10 @@ here (hidden 256, vocabulary 4096 and 3584, rank 16, Ulysses 2 and 4, an odd-len
 veRL pads) were traced after those terms were final: the held-out set. Writes
 bench/results/fsdp_ulysses_traces.jsonl (resumable) and bench/results/fsdp_ulysses_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_ulysses_validation.py [--classes N] [--table-only]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_ulysses_validation.py [--heads] [--classes N] [--table-only]
+
+`--heads` traces veRL's log-prob/entropy heads (`fsdp.verl_head`, read from one hidden-128
+Llama's isolated head anatomy) on the same shapes with longer waves.
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ def classes():
     return out
 
 
+# veRL's heads (`--heads`): traced after `fsdp.verl_head`'s terms were final, longer waves
+HEAD_WAVES = [(600, 400, 24), (1000,)]
+
+
+def head_classes():
+    """(family, checkpointing, attention, fsdp, ulysses, head) of the veRL head set."""
+    return [("llama", True, "sdpa", 2, 1, "verl"), ("llama", False, "sdpa", 2, 1, "verl"),
+            ("llama", True, "sdpa", 2, 1, "verl-chunked"), ("qwen3", True, "eager", 2, 2, "verl")]
+
+
 def key(fam, ckpt, attn, fsdp, ulysses, head):
     return (f"{fam}/{'ckpt' if ckpt else 'nockpt'}/{attn}/fsdp{fsdp}/ulysses{ulysses}"
             + ("" if head == HEAD else f"/{head}"))
@@ -58,7 +71,7 @@ def run_traces(limit: int | None, device: str, todo_classes) -> None:
     todo = [c for c in todo_classes if key(*c) not in done][:limit]
     for fam, ckpt, attn, fsdp, ulysses, head in todo:
         name = key(fam, ckpt, attn, fsdp, ulysses, head)
-        traces = trace_fsdp_verl(FAMILIES[fam], jobs=WAVES, fsdp=fsdp, ulysses=ulysses, head=head,
+        traces = trace_fsdp_verl(FAMILIES[fam], jobs=WAVES if head == HEAD else HEAD_WAVES, fsdp=fsdp, ulysses=ulysses, head=head,
                                  attn=attn, checkpointing=ckpt, lora_rank=LORA_RANK, device=device)
         with TRACES.open("a", encoding="utf-8") as fh:
             for t in traces:
@@ -86,10 +99,12 @@ def table() -> str:
     for c, v in sorted(ratios.items()):
         lines.append(f"{c:<40} {len(v):>5} {sum(x < 1 for x in v):>5} "
                      f"{100 * (statistics.median(v) - 1):+7.1f}% {100 * (max(v) - 1):+7.1f}%")
-    allr = [r for v in ratios.values() for r in v]
-    if allr:
-        lines.append(f"{'all (held out)':<40} {len(allr):>5} {sum(x < 1 for x in allr):>5} "
-                     f"{100 * (statistics.median(allr) - 1):+7.1f}% {100 * (max(allr) - 1):+7.1f}%")
+    for label, pick in (("Ulysses, transformers' loss (held out)", lambda c: "/verl" not in c),
+                        ("veRL heads (held out)", lambda c: "/verl" in c)):
+        part = [r for c, v in ratios.items() if pick(c) for r in v]
+        if part:
+            lines.append(f"{label:<40} {len(part):>5} {sum(x < 1 for x in part):>5} "
+                         f"{100 * (statistics.median(part) - 1):+7.1f}% {100 * (max(part) - 1):+7.1f}%")
     return "\n".join(lines) + "\n"
 
 
@@ -98,9 +113,10 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=None, help="trace at most N new classes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--heads", action="store_true", help="trace the veRL head set")
     args = parser.parse_args()
     if not args.table_only:
-        run_traces(args.classes, args.device, classes())
+        run_traces(args.classes, args.device, head_classes() if args.heads else classes())
     text = table()
     TABLE.write_text(text, encoding="utf-8")
     print(text)

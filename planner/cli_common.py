@@ -72,7 +72,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                         help="--framework fsdp: veRL's Ulysses sequence parallel size (default 1; "
                              "divides --fsdp and the attention heads)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
-                        help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
+                        help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD}); "
+                             "--framework fsdp: transformers (default), verl, verl-chunked or "
+                             "verl-fused (veRL's FSDP actor log-probs and entropy)")
     if not table:
         return
     parser.add_argument("--backend", "--coefficients", dest="backend", default=DEFAULT_BACKEND,
@@ -176,14 +178,17 @@ def _fsdp_model_from_args(args: argparse.Namespace, geometry) -> PricingModel:
     if args.recompute == "selective":
         raise bad(ConfigError, "--recompute", "selective",
                   "--framework fsdp: full (gradient checkpointing) or none")
-    if args.head != DEFAULT_HEAD:
+    from waveplan.pricing.fsdp.verl_head import FSDP_HEADS, fsdp_head
+
+    if args.head != DEFAULT_HEAD and args.head not in FSDP_HEADS:
         raise bad(ConfigError, "--head", args.head,
-                  "--framework fsdp prices transformers' own loss on all logits")
+                  f"--framework fsdp: one of {', '.join(FSDP_HEADS)} (default transformers)")
     return build_fsdp_model(
         geometry, fsdp=args.fsdp, attn=args.attn, checkpointing=args.recompute == "full",
         lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
         backend=getattr(args, "backend", DEFAULT_BACKEND),
         safety=getattr(args, "safety", DEFAULT_SAFETY), ulysses=args.ulysses,
+        head=fsdp_head(args.head),
         attn_rows=0 if args.attn == "flash" else 65536)
 
 
@@ -197,4 +202,6 @@ def fsdp_words(model: PricingModel) -> str | None:
     words += "checkpointing" if layout.checkpointing else "no checkpointing"
     if layout.ulysses != 1:
         words += f", Ulysses {layout.ulysses}"
+    if layout.head != "transformers":
+        words += f", head {layout.head}"
     return words + ("" if layout.reshard_after_forward else ", no reshard after forward")

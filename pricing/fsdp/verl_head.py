@@ -30,6 +30,20 @@ FUSED_BACKWARD_SPLIT = 9504
 d_logits buffer (the default backward method)."""
 
 
+def fsdp_head(head: str) -> str:
+    """The FSDP head a `head` argument names: Megatron's default head (what the planner and CLI
+    default to) means transformers' loss; an FSDP head is itself; anything else is refused
+    with one line."""
+    from ..errors import ConfigError, bad
+    from ..model import DEFAULT_HEAD
+
+    if head == DEFAULT_HEAD:
+        return "transformers"
+    if head not in FSDP_HEADS:
+        raise bad(ConfigError, "head", head, f"under --framework fsdp one of {', '.join(FSDP_HEADS)}")
+    return head
+
+
 def head_per_row(w: Widths, head: str, *, gpu: bool) -> tuple[float, float, float, float]:
     """(retained, backward transient, forward point) per rank row and the constant bytes at the
     head's backward, of veRL's head `head` (not "transformers"); the final norm's fp32 input
