@@ -224,7 +224,11 @@ class FsdpPricingModel(PricingModel):
             head=HeadParts(logits_retained=head_ret, logits_transient=head_tr, norm_saved=0.0,
                            norm_backward=0.0, layout_residual=0.0, logits_at_norm=0.0),
             forward=ForwardParts(nograd=nograd, retained_forward=retained),
-            first_exec=0.0, resident=resident)
+            first_exec=0.0, resident=resident,
+            # the forward's start: the root's and the first layer's all-gathers, each flat
+            # output beside its unsharded copy, before any layer runs (#fsdp-forward-start)
+            start=2.0 * (root + float(layer_gathered.max())),
+            start_row=terms.input_gradient_per_row(w) + once)
 
     def to_dict(self) -> dict:
         doc = super().to_dict()
