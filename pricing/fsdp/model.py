@@ -151,7 +151,8 @@ class FsdpPricingModel(PricingModel):
             held, kept_q, point_q = (a * b for a, b in zip((held, kept_q, point_q),
                                                            ulysses.quadratic_scale(lay.attn, sp),
                                                            strict=True))
-            kept_q += ulysses.kept_mask_per_row(lay.attn, ckpt) * sp
+        # sdpa without checkpointing: each layer keeps the kernel's bf16 mask (N x per rank row)
+        kept_q += ulysses.kept_mask_per_row(lay.attn, ckpt) * sp
         s = float(self.attn_rows)
         retained = np.full(n, scale * terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                    attn=lay.attn)
@@ -205,6 +206,16 @@ class FsdpPricingModel(PricingModel):
             resident = root + float(layer_gathered.sum()) + grads
             head_const = -grads
         head_const += verl_const
+        start = 2.0 * (root + float(layer_gathered.max()))
+        start_row = terms.input_gradient_per_row(w) + once
+        if lay.head in ("verl", "verl-chunked"):
+            # veRL's head runs after the module's forward, when FSDP2 has resharded the root:
+            # its points hold no root parameters; the backward gathers them again beside the
+            # logits' bf16 gradient and the layers' kept rows, a moment the start point bounds
+            # (#fsdp-verl-head)
+            head_const -= root
+            start = max(start, resident)
+            start_row = max(start_row, float(retained.sum()) + terms.BF16 * w.V)
         zeros = np.zeros(n)
         # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
         # segment (one per sequence in an unshared step) at the layers' points, which the walk
@@ -227,8 +238,7 @@ class FsdpPricingModel(PricingModel):
             first_exec=0.0, resident=resident,
             # the forward's start: the root's and the first layer's all-gathers, each flat
             # output beside its unsharded copy, before any layer runs (#fsdp-forward-start)
-            start=2.0 * (root + float(layer_gathered.max())),
-            start_row=terms.input_gradient_per_row(w) + once)
+            start=start, start_row=start_row)
 
     def to_dict(self) -> dict:
         doc = super().to_dict()

@@ -70,10 +70,10 @@ def quadratic_scale(attn: str, ulysses: int) -> tuple[float, float, float]:
 
 
 def kept_mask_per_row(attn: str, checkpointing: bool) -> float:
-    """Bytes per (row x attention row) each layer keeps under Ulysses beyond
-    `terms.attention_quadratic`'s: sdpa without checkpointing keeps the kernel's bf16 copy of the
-    whole-row mask for its backward (2 S^2 per layer; torch's CPU kernel saves its converted
-    attn_mask), which the one-rank terms' per-row slack covers at N = 1 but not at S / N rows."""
+    """Bytes per (row x attention row) each layer keeps beyond `terms.attention_quadratic`'s:
+    sdpa without checkpointing keeps the kernel's bf16 copy of the packed-row mask for its
+    backward (2 S^2 per layer; torch's CPU kernel saves its converted attn_mask), with or
+    without Ulysses (docs/memory-model.md#fsdp-ulysses)."""
     return 2.0 if attn == "sdpa" and not checkpointing else 0.0
 
 
