@@ -69,12 +69,15 @@ def add_model_args(parser: argparse.ArgumentParser, *, default_model: str | None
                         help="--framework fsdp: attention implementation (default flash: "
                              "flash_attention_2 on packed rows)")
     parser.add_argument("--ulysses", type=int, default=1, metavar="N",
-                        help="--framework fsdp: Ulysses sequence parallel size (only 1 is priced)")
+                        help="--framework fsdp: veRL's Ulysses sequence parallel size (default 1; "
+                             "divides --fsdp and the attention heads)")
     parser.add_argument("--no-reshard-after-forward", dest="no_reshard", action="store_true",
                         help="--framework fsdp: FSDP2's reshard_after_forward=False (every layer's "
                              "gathered parameters kept from its forward to its backward)")
     parser.add_argument("--head", default=DEFAULT_HEAD,
-                        help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD})")
+                        help=f"output head: chunked:N, full-native or full-te (default {DEFAULT_HEAD}); "
+                             "--framework fsdp: transformers (default), verl, verl-chunked or "
+                             "verl-fused (veRL's FSDP actor log-probs and entropy)")
     if not table:
         return
     parser.add_argument("--backend", "--coefficients", dest="backend", default=DEFAULT_BACKEND,
@@ -179,15 +182,18 @@ def _fsdp_model_from_args(args: argparse.Namespace, geometry) -> PricingModel:
     if args.recompute == "selective":
         raise bad(ConfigError, "--recompute", "selective",
                   "--framework fsdp: full (gradient checkpointing) or none")
-    if args.head != DEFAULT_HEAD:
+    from waveplan.pricing.fsdp.verl_head import FSDP_HEADS, fsdp_head
+
+    if args.head != DEFAULT_HEAD and args.head not in FSDP_HEADS:
         raise bad(ConfigError, "--head", args.head,
-                  "--framework fsdp prices transformers' own loss on all logits")
+                  f"--framework fsdp: one of {', '.join(FSDP_HEADS)} (default transformers)")
     return build_fsdp_model(
         geometry, fsdp=args.fsdp, attn=args.attn, checkpointing=args.recompute == "full",
         lora=LoraConfig(slots=(LoraSlot(rank=args.lora_rank),)),
         backend=getattr(args, "backend", DEFAULT_BACKEND),
         safety=getattr(args, "safety", DEFAULT_SAFETY), ulysses=args.ulysses,
         reshard_after_forward=not getattr(args, "no_reshard", False),
+        head=fsdp_head(args.head),
         attn_rows=0 if args.attn == "flash" else 65536)
 
 
@@ -199,4 +205,8 @@ def fsdp_words(model: PricingModel) -> str | None:
         return None
     words = f"FSDP2 x{layout.fsdp}, attn {layout.attn}, "
     words += "checkpointing" if layout.checkpointing else "no checkpointing"
+    if layout.ulysses != 1:
+        words += f", Ulysses {layout.ulysses}"
+    if layout.head != "transformers":
+        words += f", head {layout.head}"
     return words + ("" if layout.reshard_after_forward else ", no reshard after forward")

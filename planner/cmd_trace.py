@@ -74,15 +74,21 @@ def register(subparsers) -> None:
                         help="LoRA rank on every linear layer (default 16; 0: no adapters)")
     parser.add_argument("--no-decoder-pass", action="store_true",
                         help="skip the second, decoder-only pass (no head and loss)")
-    parser.add_argument("--head", choices=("full-native", "full-te"), default="full-native",
+    parser.add_argument("--head", choices=("full-native", "full-te", "transformers", "verl",
+                                           "verl-chunked"), default="full-native",
                         help="loss on the full logits: Megatron's native cross entropy (bf16 logits "
                              "and an fp32 copy; default) or Transformer Engine's (gradient written "
-                             "into the bf16 logits; on the CPU an allocation model of it); one rank")
+                             "into the bf16 logits; on the CPU an allocation model of it); one rank. "
+                             "--framework fsdp: transformers (default), verl or verl-chunked "
+                             "(veRL's FSDP actor log-probs and entropy)"),
     parser.add_argument("--framework", choices=("megatron", "fsdp"), default="megatron",
                         help="fsdp: Hugging Face transformers + PEFT LoRA under FSDP2 on --fsdp gloo "
                              "ranks (--model must be a config.json; real tensors: keep it small)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="N",
                         help="--framework fsdp: shard group size (one process per rank)")
+    parser.add_argument("--ulysses", type=int, default=1, metavar="N",
+                        help="--framework fsdp: veRL's Ulysses sequence parallel size (divides --fsdp; "
+                             "veRL's all-to-all around the traced sdpa/eager attention)")
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                         help="--framework fsdp: attention implementation traced (flash_attention_2 "
                              "does not run on the CPU; it is priced by its allocation model)")
@@ -126,6 +132,8 @@ def run(args) -> int:
         return _run_fsdp(args)
     if args.no_reshard:
         raise bad(ConfigError, "--no-reshard-after-forward", True, "applies to --framework fsdp only")
+    if args.head not in ("full-native", "full-te"):
+        raise bad(ConfigError, "--head", args.head, "--framework megatron: full-native or full-te")
     geometry = load_model(args.model)
     step = _load_step(args.step)
     for name in ("torch", "megatron.core"):
@@ -327,10 +335,27 @@ def _run_fsdp(args) -> int:
 
     step = _load_step(args.step)
     seq_lens = tuple(int(r.num_tokens) for r in step.requests)
-    trace = trace_fsdp(config, jobs=[seq_lens], fsdp=args.fsdp, attn=args.attn,
-                       checkpointing=args.recompute == "full", lora_rank=args.lora_rank,
-                       reshard_after_forward=not args.no_reshard,
-                       device=device, timeout_s=args.timeout)[0]
+    ulysses = getattr(args, "ulysses", 1)
+    head = "transformers" if args.head == "full-native" else args.head
+    if head not in ("transformers", "verl", "verl-chunked"):
+        raise bad(ConfigError, "--head", args.head,
+                  "--framework fsdp traces transformers, verl or verl-chunked (verl-fused is Triton)")
+    if ulysses != 1 or head != "transformers":
+        if args.no_reshard:
+            raise bad(ConfigError, "--no-reshard-after-forward", True,
+                      "traced with the default reshard only under --ulysses or a veRL head")
+        from waveplan.pricing.fsdp.ulysses import validate
+        from waveplan.pricing.measure.fsdp_verl_trace import trace_fsdp_verl
+
+        validate(load_hf_config(config), args.fsdp, ulysses)
+        trace = trace_fsdp_verl(config, jobs=[seq_lens], fsdp=args.fsdp, ulysses=ulysses, head=head,
+                                attn=args.attn, checkpointing=args.recompute == "full",
+                                lora_rank=args.lora_rank, device=device, timeout_s=args.timeout)[0]
+    else:
+        trace = trace_fsdp(config, jobs=[seq_lens], fsdp=args.fsdp, attn=args.attn,
+                           checkpointing=args.recompute == "full", lora_rank=args.lora_rank,
+                           reshard_after_forward=not args.no_reshard,
+                           device=device, timeout_s=args.timeout)[0]
     record = trace.to_dict()
     price = price_record(record)
     record["priced_raw_bytes"] = price.raw_bytes
@@ -338,7 +363,9 @@ def _run_fsdp(args) -> int:
         print(json.dumps(record, sort_keys=True))
         return 0
     print(f"fsdp trace: {path.name} ({config.get('model_type')}), {len(seq_lens)} sequences, "
-          f"{sum(seq_lens)} tokens, FSDP{args.fsdp}, attn {args.attn}, "
+          f"{sum(seq_lens)} tokens, FSDP{args.fsdp}, "
+          f"{f'Ulysses {ulysses}, ' if ulysses != 1 else ''}"
+          f"{f'head {head}, ' if head != 'transformers' else ''}attn {args.attn}, "
           f"checkpointing {'on' if trace.checkpointing else 'off'}, LoRA rank {args.lora_rank}, {device}")
     for r, (peak, rest) in enumerate(zip(trace.peaks, trace.rest, strict=True)):
         print(f"  rank {r}: peak above rest {peak / GIB:.4f} GiB ({peak} B), at rest {rest} B")

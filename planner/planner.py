@@ -152,7 +152,7 @@ class Planner:
                              lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                              backend=backend, safety=safety, profiles_path=profiles_path, fsdp=fsdp,
                              attn=attn, reshard_after_forward=reshard_after_forward, ulysses=ulysses,
-                             misses_path=misses_path)
+                             misses_path=misses_path, head=head)
         return cls(geometry=load_preset(name),
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
@@ -177,7 +177,9 @@ class Planner:
         opts an unsupported model_type into a supported family's reading, conservatively);
         the other arguments as `from_preset`. `framework="fsdp"`: the model as Hugging Face
         transformers with PEFT LoRA runs it under FSDP2 (`pricing.fsdp`): `fsdp` the shard group
-        size, `attn` flash/sdpa/eager, `recompute` full (gradient checkpointing) or none;
+        size, `attn` flash/sdpa/eager, `recompute` full (gradient checkpointing) or none,
+        `ulysses` veRL's Ulysses size, `head` transformers (default), verl, verl-chunked or
+        verl-fused;
         TP/CP/PP/EP refused."""
         geometry = load_hf_config(config, name=name, as_family=as_family)
         if framework != "megatron":
@@ -186,7 +188,7 @@ class Planner:
                              lora=lora or LoraConfig(slots=(LoraSlot(rank=lora_rank),)),
                              backend=backend, safety=safety, profiles_path=profiles_path, fsdp=fsdp,
                              attn=attn, reshard_after_forward=reshard_after_forward, ulysses=ulysses,
-                             misses_path=misses_path)
+                             misses_path=misses_path, head=head)
         return cls(geometry=geometry,
                    parallel=ParallelLayout(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                            etp=etp),
@@ -198,8 +200,12 @@ class Planner:
     def _fsdp(cls, geometry: ModelGeometry, *, framework: str, tp: int, cp: int, pp: int, ep: int,
               sequence_parallel: bool, recompute, lora: LoraConfig, backend: str, safety: float,
               profiles_path, fsdp: int, attn: str, reshard_after_forward: bool,
-              ulysses: int, misses_path: str | os.PathLike | None = None) -> Planner:
-        """A planner for the fsdp framework (`pricing.fsdp.build_fsdp_model`)."""
+              ulysses: int, misses_path: str | os.PathLike | None = None,
+              head: str = DEFAULT_HEAD) -> Planner:
+        """A planner for the fsdp framework (`pricing.fsdp.build_fsdp_model`); `head` the loss
+        (`pricing.fsdp.verl_head.fsdp_head`: Megatron's default means transformers')."""
+        from waveplan.pricing.fsdp.verl_head import fsdp_head
+
         if framework not in FRAMEWORKS:
             raise bad(ConfigError, "framework", framework, f"must be one of {', '.join(FRAMEWORKS)}")
         if (tp, cp, pp, ep, sequence_parallel) != (1, 1, 1, 1, False):
@@ -212,19 +218,23 @@ class Planner:
         model = build_fsdp_model(geometry, fsdp=fsdp, attn=attn, checkpointing=mode == "full",
                                  reshard_after_forward=reshard_after_forward, lora=lora,
                                  backend=backend, safety=safety, ulysses=ulysses,
+                                 head=fsdp_head(head),
                                  attn_rows=0 if attn == "flash" else 65536)
         return cls.from_model(model, profiles_path=profiles_path, misses_path=misses_path)
 
     @classmethod
     def from_hf_model(cls, model: object, *, backend: str = DEFAULT_BACKEND,
-                      safety: float = DEFAULT_SAFETY, fsdp: int | None = None,
+                      safety: float = DEFAULT_SAFETY, fsdp: int | None = None, ulysses: int = 1,
+                      head: str = DEFAULT_HEAD,
                       profiles_path: str | os.PathLike | None = None,
                       misses_path: str | os.PathLike | None = None) -> Planner:
         """A planner for a live Hugging Face transformers model under FSDP2 (framework "fsdp"):
         PEFT-wrapped, possibly `fully_shard`ed. Geometry from its config, LoRA slots and ranks
         from its PEFT adapters, attention from `config._attn_implementation`, checkpointing from
         `is_gradient_checkpointing`, the shard group from its sharded parameters' device mesh
-        (`fsdp` overrides it, e.g. before sharding) (`pricing.fsdp.live.read_live_model`)."""
+        (`fsdp` overrides it, e.g. before sharding) (`pricing.fsdp.live.read_live_model`);
+        `ulysses`: veRL's Ulysses sequence parallel size, `head` the loss (transformers, verl,
+        verl-chunked, verl-fused): a live model carries neither."""
         from waveplan.pricing.fsdp.live import read_live_model
 
         live = read_live_model(model)
@@ -233,7 +243,8 @@ class Planner:
                          recompute="full" if live["checkpointing"] else "none", lora=live["lora"],
                          backend=backend, safety=safety, profiles_path=profiles_path,
                          fsdp=live["fsdp"] if fsdp is None else fsdp, attn=live["attn"],
-                         reshard_after_forward=True, ulysses=1, misses_path=misses_path)
+                         reshard_after_forward=True, ulysses=ulysses, misses_path=misses_path,
+                         head=head)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,

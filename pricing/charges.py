@@ -59,6 +59,14 @@ class Charges:
     resident: float = 0.0
     """Constant bytes every point of a wave holds above rest: FSDP2's gathered parameters and
     gradient buffers (`fsdp.model`); 0 under Megatron-core."""
+    start: float = 0.0
+    """Constant bytes of the forward's start, a point before any layer runs: FSDP2's first
+    all-gathers, the root's and the first layer's flat outputs beside their unsharded
+    parameters (`fsdp.model`, docs/memory-model.md#fsdp-forward-start); 0: no such point
+    (Megatron-core). A wave's price is at least start + start_row x rank rows + the caller's."""
+    start_row: float = 0.0
+    """Bytes per rank row at the forward's start (`start`): the embedding output, the rotary
+    tables and a packed-row mask."""
     layers: WalkCharges | None = None
     """PP > 1: every layer's charges, unfolded (None at PP1)."""
     stages: tuple[StageCharges, ...] | None = None

@@ -150,6 +150,11 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
                                                           class_grad, float(model.charges.first_exec)
                                                           + float(model.charges.resident))
+    if model.charges.start:   # the forward's start (`price.forward_start`): one more point
+        const = np.append(const, float(model.charges.start))
+        row_c = np.vstack([row_c, np.full((1, k_classes), float(model.charges.start_row))])
+        seg_c = np.vstack([seg_c, np.zeros((1, k_classes))])
+        pres_c = np.vstack([pres_c, np.zeros((1, k_classes))])
     multiple = model.parallel.row_multiple
     cp_div = model.rows_cp
     coef = np.zeros((row_c.shape[0], k_classes, 3))

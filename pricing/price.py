@@ -127,6 +127,18 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
     raw = int(math.ceil(best[PEAK_BYTES]))
     code, layer = int(best[PEAK_POINT]), int(best[PEAK_LAYER])
     terms = {name: int(math.ceil(v)) for name, v in zip(TERM_NAMES, values, strict=True)}
+    start = forward_start(model, walk_groups)
+    if start > best[PEAK_BYTES]:
+        # FSDP2's first all-gathers bind before any layer runs (`Charges.start`)
+        raw = int(math.ceil(start))
+        caller = model.charges.walk.caller * float(walk_groups.logical.sum())
+        terms = dict.fromkeys(TERM_NAMES, 0)
+        terms["caller"] = int(math.ceil(caller))
+        terms["retained"] = int(math.ceil(model.charges.start_row * float(walk_groups.rows.sum())))
+        terms["gathered_parameters"] = int(math.ceil(model.charges.start))
+        return Breakdown(raw_bytes=raw, admitted_bytes=int(math.ceil(raw * model.safety)),
+                         terms=terms, binding="forward-start", basis=model.basis,
+                         reasons=model.reasons)
     if resident:
         # at the head's points the head constant takes back the layers FSDP has resharded there
         held = resident + (model.charges.walk.head_const if code in (POINT_HEAD_FORWARD, POINT_HEAD_BACKWARD,
@@ -142,6 +154,16 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
         basis=model.basis,
         reasons=model.reasons,
     )
+
+
+def forward_start(model: PricingModel, groups: WalkGroups) -> float:
+    """The forward's start (`Charges.start`): its constant, its bytes per rank row and the
+    caller's; 0 where the model has no such point (Megatron-core) or the wave is empty. O(groups)."""
+    c = model.charges
+    if not c.start or not groups.rows.size:
+        return 0.0
+    return (float(c.start) + float(c.start_row) * float(groups.rows.sum())
+            + c.walk.caller * float(groups.logical.sum()))
 
 
 def _binding_name(model: PricingModel, code: int, layer: int) -> str:

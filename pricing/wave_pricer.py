@@ -45,7 +45,7 @@ _CLASS_GRAD, _CLASS_SLOT = range(2)
 # entries of the scalar vector handed to the jitted walk
 _S_INPUT_GRAD, _S_HEAD_RET, _S_HEAD_TR, _S_HEAD_CONST, _S_CALLER, _S_FIRST_EXEC, _S_SAFETY, \
     _S_CP, _S_CONSERVATIVE, _S_MULTIPLE, _S_CHUNK, _S_ROPE_CP, _S_ROPE_ENTRY, _S_ROPE_KEPT, \
-    _S_HEAD_FWD, _S_RESIDENT = range(16)
+    _S_HEAD_FWD, _S_RESIDENT, _S_START, _S_START_ROW = range(18)
 
 
 @njit(cache=True)
@@ -135,7 +135,11 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
                           scal[_S_ROPE_CP], scal[_S_ROPE_ENTRY], scal[_S_ROPE_KEPT] > 0,
                           scal[_S_HEAD_FWD])
     best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries, longest))
-    raw = np.ceil(best[PEAK_BYTES])
+    peak = best[PEAK_BYTES]
+    if scal[_S_START] > 0 and g > 0:   # the forward's start (`price.forward_start`)
+        peak = max(peak, scal[_S_START] + scal[_S_START_ROW] * rows.sum()
+                   + scal[_S_CALLER] * logical.sum())
+    raw = np.ceil(peak)
     return np.int64(np.ceil(raw * scal[_S_SAFETY]))
 
 
@@ -227,7 +231,8 @@ class WavePricer:
                                    model.rows_cp, 0.0,
                                    model.parallel.row_multiple, a.chunk, a.rope_cp,
                                    a.rope_entry, float(a.rope_kept), a.head_forward,
-                                   model.charges.resident],
+                                   model.charges.resident, model.charges.start,
+                                   model.charges.start_row],
                                   dtype=np.float64)
                 pending = np.ascontiguousarray(a.pending, dtype=np.float64)
                 cache[self.profiled] = (layers, pending, scal, len(model.slot_names))

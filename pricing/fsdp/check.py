@@ -21,6 +21,8 @@ def price_record(record: dict, *, backend: str = "torch-cpu", table=None) -> Bre
     model = build_fsdp_model(geometry, fsdp=int(record["fsdp"]), attn=record["attn"],
                              checkpointing=bool(record["checkpointing"]),
                              reshard_after_forward=bool(record.get("reshard_after_forward", True)),
+                             ulysses=int(record.get("ulysses", 1)),
+                             head=record.get("head", "transformers"),
                              lora=LoraConfig(slots=(LoraSlot(rank=int(record["lora_rank"])),)),
                              backend=backend, attn_rows=1)
     if table is not None:

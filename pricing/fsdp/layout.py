@@ -28,7 +28,12 @@ class FsdpLayout:
     """FSDP2's `reshard_after_forward` on the decoder layers (False: every layer's gathered
     parameters stay from its forward to its backward)."""
     ulysses: int = 1
-    """veRL's `ulysses_sequence_parallel_size`; only 1 is priced."""
+    """veRL's `ulysses_sequence_parallel_size`: the ranks one packed row is split over
+    (docs/memory-model.md#fsdp-ulysses); it divides `fsdp` and the heads (checked against the
+    model's geometry by `fsdp.ulysses.validate`)."""
+    head: str = "transformers"
+    """The loss: transformers' ForCausalLMLoss ("transformers") or veRL's FSDP actor's log-probs
+    and entropy ("verl", "verl-chunked", "verl-fused"; docs/memory-model.md#fsdp-verl-head)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or not 1 <= self.fsdp <= 1 << 16:
@@ -40,19 +45,21 @@ class FsdpLayout:
         if not isinstance(self.reshard_after_forward, bool):
             raise bad(ConfigError, "reshard_after_forward", self.reshard_after_forward,
                       "must be true or false")
+        from .verl_head import FSDP_HEADS
+
+        if self.head not in FSDP_HEADS:
+            raise bad(ConfigError, "head", self.head, f"under FSDP one of {', '.join(FSDP_HEADS)}")
         if isinstance(self.ulysses, bool) or not isinstance(self.ulysses, int) or self.ulysses < 1:
             raise bad(ConfigError, "ulysses", self.ulysses, "must be a positive integer")
-        if self.ulysses != 1:
-            raise bad(ConfigError, "ulysses", self.ulysses,
-                      "Ulysses sequence parallelism is not priced under FSDP yet (no trace); use 1")
 
     def to_dict(self) -> dict:
         return {"fsdp": self.fsdp, "attn": self.attn, "checkpointing": self.checkpointing,
-                "reshard_after_forward": self.reshard_after_forward, "ulysses": self.ulysses}
+                "reshard_after_forward": self.reshard_after_forward, "ulysses": self.ulysses,
+                **({"head": self.head} if self.head != "transformers" else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> FsdpLayout:
-        known = {"fsdp", "attn", "checkpointing", "reshard_after_forward", "ulysses"}
+        known = {"fsdp", "attn", "checkpointing", "reshard_after_forward", "ulysses", "head"}
         for key in data:
             if key not in known:
                 raise bad(ConfigError, f"fsdp.{key}", data[key], f"unknown field; known: {sorted(known)}")

@@ -22,7 +22,7 @@ from ..geometry import MixerKind, MlpKind
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import WalkCharges
-from . import terms
+from . import terms, ulysses, verl_head
 from .layout import FsdpLayout
 
 # model_types whose modeling code the terms count tensor by tensor (traced: llama, qwen2,
@@ -106,6 +106,7 @@ class FsdpPricingModel(PricingModel):
         if self.fsdp_layout.attn != "flash" and self.attn_rows == 0:
             raise bad(ConfigError, "attn_rows", 0,
                       f"attn={self.fsdp_layout.attn} needs the longest forward call's rows (S x S masks)")
+        ulysses.validate(g, self.fsdp_layout.fsdp, self.fsdp_layout.ulysses)
         if self.head != "full-native":
             raise bad(ConfigError, "head", self.head,
                       "under FSDP the head is transformers' loss on all logits: full-native")
@@ -122,6 +123,9 @@ class FsdpPricingModel(PricingModel):
             gaps_note = ("flash_attention_2 priced by its allocation model (flash-attn varlen "
                          "source); no GPU trace yet")
             gaps.append(gaps_note)
+        head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=self.table.backend != "torch-cpu")
+        if head_gap:
+            gaps.append(head_gap)
         coverage = Coverage(parallel=self.parallel, credit=self.parallel,
                             gaps=tuple(Gap(GapKind.FSDP, g) for g in gaps))
         object.__setattr__(self, "coverage", coverage)
@@ -138,6 +142,12 @@ class FsdpPricingModel(PricingModel):
     def kernel_basis(self) -> tuple[str, ...]:
         """None: FSDP's terms are its own (its flash allocation model is a gap above)."""
         return ()
+
+    @property
+    def rows_cp(self) -> int:
+        """A wave's rows per rank: veRL's Ulysses gives each rank of its sp group ceil(S / N) of
+        the packed row (`fsdp.ulysses`); 1 without Ulysses."""
+        return self.fsdp_layout.ulysses
 
     @property
     def bound_scale(self) -> float:
@@ -162,6 +172,13 @@ class FsdpPricingModel(PricingModel):
         scale = self.bound_scale * fac["fsdp_layer"]
         held, kept_q, point_q = (fac["fsdp_attention"] * x for x in
                                  terms.attention_quadratic(w, attn=lay.attn, checkpointing=ckpt))
+        sp = lay.ulysses
+        if sp > 1:   # per rank row (`ulysses.quadratic_scale`)
+            held, kept_q, point_q = (a * b for a, b in zip((held, kept_q, point_q),
+                                                           ulysses.quadratic_scale(lay.attn, sp),
+                                                           strict=True))
+        # sdpa without checkpointing: each layer keeps the kernel's bf16 mask (N x per rank row)
+        kept_q += fac["fsdp_attention"] * ulysses.kept_mask_per_row(lay.attn, ckpt) * sp
         s = float(self.attn_rows)
         # a fitted family's additions (#fsdp-families; none for the Llama-shaped families)
         add = (terms.family_adds(g, w, checkpointing=ckpt, attn=lay.attn)
@@ -177,6 +194,9 @@ class FsdpPricingModel(PricingModel):
         # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
+        if sp > 1:   # veRL's all-to-all around the attention kernel, both passes
+            f_att += ulysses.all_to_all_per_row(w, sp)
+            b_att += ulysses.all_to_all_per_row(w, sp)
         nograd = np.full(n, max(scale * (f_mlp + add.forward), scale * (f_att + add.forward)
                                 + point_q_att * s))
         workspace = np.full(n, max(scale * (b_mlp + add.backward),
@@ -189,6 +209,9 @@ class FsdpPricingModel(PricingModel):
         head = terms.head_per_row(w, final_softcap=bool(g.features.final_softcap) and not fitted)
         if fitted and g.features.final_softcap:
             head = tuple(a + b for a, b in zip(head, terms.final_softcap_per_row(w), strict=True))
+        verl_const = 0.0
+        if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
+            *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=self.table.backend != "torch-cpu")
         head_ret, head_tr, head_fwd = (fac["fsdp_head"] * x for x in head)
         pending = np.zeros((len(self.lora.slots), n))
         lora_counts = np.zeros(n)
@@ -236,25 +259,43 @@ class FsdpPricingModel(PricingModel):
             kept = (1 if ckpt else moe_layers) * (up + down)
             resident += kept + grad
             head_const -= grad + (kept if ckpt else 0.0)
+        head_const += verl_const
+        start = 2.0 * (root + float(layer_gathered.max()))
+        start_row = fac["fsdp_layer"] * terms.input_gradient_per_row(w) + once
+        if lay.head in ("verl", "verl-chunked"):
+            # veRL's head runs after the module's forward, when FSDP2 has resharded the root:
+            # its points hold no root parameters; the backward gathers them again beside the
+            # logits' bf16 gradient and the layers' kept rows, a moment the start point bounds
+            # (#fsdp-verl-head)
+            head_const -= root
+            start = max(start, resident)
+            start_row = max(start_row, float(retained.sum()) + terms.BF16 * w.V)
         resident *= fac["fsdp_constants"]
         head_const *= fac["fsdp_constants"]
+        start *= fac["fsdp_constants"]
         zeros = np.zeros(n)
         # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
         # segment (one per sequence in an unshared step) at the layers' points, which the walk
         # carries in its per-segment column (reported under gdn_states)
-        per_seq = np.full(n, scale * terms.flash_per_sequence(w) if lay.attn == "flash" else 0.0)
+        per_seq = np.full(n, scale * terms.flash_per_sequence(w) / sp if lay.attn == "flash" else 0.0)
         walk = WalkCharges(
             retained=retained, workspace=workspace, nograd=nograd, gdn_state=per_seq,
             pending=pending, input_grad=fac["fsdp_layer"] * terms.input_gradient_per_row(w),
             head_retained=head_ret, head_transient=head_tr, head_const=head_const,
-            caller=fac["fsdp_head"] * float(terms.CALLER_PER_ROW), pad_retained=zeros.copy(), pad_point=zeros.copy(),
-            chunk=0.0, head_forward=head_fwd)
+            caller=fac["fsdp_head"] * (ulysses.caller_per_row(float(terms.CALLER_PER_ROW), sp) if sp > 1
+                                       else float(terms.CALLER_PER_ROW)),
+            pad_retained=zeros.copy(), pad_point=zeros.copy(), chunk=0.0, head_forward=head_fwd)
+        if sp > 1:   # the ceil(S / N) row a rank may hold above S / N
+            resident += ulysses.pad_row_bound(walk)
         return Charges(
             walk=walk,
             head=HeadParts(logits_retained=head_ret, logits_transient=head_tr, norm_saved=0.0,
                            norm_backward=0.0, layout_residual=0.0, logits_at_norm=0.0),
             forward=ForwardParts(nograd=nograd, retained_forward=retained),
-            first_exec=0.0, resident=resident)
+            first_exec=0.0, resident=resident,
+            # the forward's start: the root's and the first layer's all-gathers, each flat
+            # output beside its unsharded copy, before any layer runs (#fsdp-forward-start)
+            start=start, start_row=start_row)
 
     def to_dict(self) -> dict:
         doc = super().to_dict()
@@ -298,7 +339,8 @@ def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: in
     held, _, _ = terms.attention_quadratic(w, attn=model.fsdp_layout.attn,
                                            checkpointing=model.fsdp_layout.checkpointing)
     walk = model.charges.walk
-    lin = walk.head_retained + walk.head_transient
+    # per logical row: the per-row charges are per rank row (Ulysses: S / N of them)
+    lin = (walk.head_retained + walk.head_transient) / model.fsdp_layout.ulysses
     room = max(0.0, budget_bytes / model.safety - model.charges.resident)
     # held R^2 + lin R <= room
     r = (-lin + (lin * lin + 4 * held * room) ** 0.5) / (2 * held) if held > 0 else room / lin
@@ -307,7 +349,8 @@ def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: in
 
 def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpointing: bool = True,
                      reshard_after_forward: bool = True, lora=None, backend: str = "torch-cpu",
-                     safety: float | None = None, attn_rows: int = 0, ulysses: int = 1) -> FsdpPricingModel:
+                     safety: float | None = None, attn_rows: int = 0, ulysses: int = 1,
+                     head: str = "transformers") -> FsdpPricingModel:
     """An `FsdpPricingModel` from its parts (the `PricingModel.build` of the fsdp framework)."""
     from ..coefficients import load_table
     from ..lora import LoraConfig
@@ -315,7 +358,7 @@ def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpoint
     from ..parallel import Recompute
 
     layout = FsdpLayout(fsdp=fsdp, attn=attn, checkpointing=checkpointing,
-                        reshard_after_forward=reshard_after_forward, ulysses=ulysses)
+                        reshard_after_forward=reshard_after_forward, ulysses=ulysses, head=head)
     return FsdpPricingModel(
         geometry=geometry, parallel=ParallelLayout(), lora=lora or LoraConfig(),
         recompute=Recompute(mode="full" if checkpointing else "none"), table=load_table(backend),

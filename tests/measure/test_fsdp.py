@@ -76,7 +76,7 @@ def test_planner_from_hf_config_plans_deterministically():
 
 
 @pytest.mark.parametrize("argv, field", [
-    (["--ulysses", "2"], "ulysses"),
+    (["--fsdp", "8", "--ulysses", "3"], "num_attention_heads"),
     (["--tp", "2"], "--tp"),
     (["--recompute", "selective"], "--recompute"),
 ])
