@@ -52,6 +52,7 @@ from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.measure import calibrate
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import GroupLoad, price_groups
+from waveplan.pricing.tolerances import REL_GAIN_EPS
 
 from .profiles import ProfileStore, config_key
 
@@ -181,7 +182,7 @@ def fit_scales(model: PricingModel, cells: Sequence[FitCell], *,
                     lo, hi = (lo, mid) if covers(trial) else (mid, hi)
                 trial[g] = hi
             value = mean(trial)
-            if value < best * (1 - 1e-9):
+            if value < best * (1 - REL_GAIN_EPS):
                 scales, best, moved = trial, value, True
         if not moved:
             break

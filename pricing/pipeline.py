@@ -46,6 +46,7 @@ import numpy as np
 
 from . import gdn_terms
 from .errors import ConfigError, bad
+from .tolerances import CEIL_SLACK
 from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 
 
@@ -445,7 +446,7 @@ def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,
 
     def needs(k: int) -> int:
         v = retained_rows * (own + (k - 1) * r) / room - r / own * k * (k - 1) / 2
-        return max(1, math.ceil(v - 1e-9), math.ceil(retained_rows * own / room - 1e-9))
+        return max(1, math.ceil(v - CEIL_SLACK), math.ceil(retained_rows * own / room - CEIL_SLACK))
 
     for w in range(1, stage.window):
         if w >= needs(w):
