@@ -58,6 +58,13 @@ from .. import entries, layout_terms
 from ..atomic_io import write_text_atomic
 from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from ..errors import ConfigError, bad
+from ..tolerances import (
+    BINDING_RATIO_EPS,
+    DOMINANCE_EPS,
+    FIT_RATIO_EPS,
+    MOVE_GAIN_EPS,
+    SETTLE_GAIN_EPS,
+)
 from .simplex import simplex
 
 _RET_ATT, _RET_GDN = "retained_attention_layer:per_row", "retained_gdn_layer:per_row"
@@ -333,37 +340,43 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
 
     rows, segments = _wave(record)
     model = _model(table, record["cell"])
-    # the busiest CP rank's rows (all of them at CP1)
-    return model_points(model, rank_rows(model, rows), segments)
+    # the busiest CP rank's rows (all of them at CP1); the caller's tensors hold every row
+    return model_points(model, rank_rows(model, rows), segments, logical_rows=rows)
 
 
-def model_points(model, rows: float, segments: float) -> np.ndarray:
-    """Every walk point of a one-group gradient wave of `rows` rank rows (logical rows alike,
-    no chunk padding, its longest sequence unknown) and `segments` that carries its slot's
-    pending gradients, in raw bytes without the first execution: `pricing.walk`'s schedule in
-    numpy, the head's backward split in its logits and final-norm moments (calibration fits
-    against these). Its maximum is `price_groups`' raw price (tests/pricing/test_schedule_forms.py).
-    O(layers)."""
+def model_points(model, rows: float, segments: float, *, logical_rows: float) -> np.ndarray:
+    """Every walk point of a one-group gradient wave of `rows` rank rows, `logical_rows` logical
+    rows (all ranks) and `segments`, its longest sequence unknown, that carries its slot's pending
+    gradients: raw bytes without the first execution, `pricing.walk`'s schedule in numpy with the
+    head's backward split in its logits and final-norm moments (what calibration fits against).
+    Its maximum is `price_groups`' raw price (tests/pricing/test_schedule_forms.py). O(layers)."""
     a, c = model.charges.walk, model.charges
     ret, ws, gdn = a.retained, a.workspace, a.gdn_state
     cum = np.cumsum(ret)
     total = float(ret.sum())
+    # a GDN kernel's chunk padding rows (`walk`: the call's rows up to a multiple of the chunk)
+    pad = math.ceil(rows / a.chunk) * a.chunk - rows if a.chunk > 1.0 else 0.0
+    cum_pad = np.cumsum(a.pad_retained)
+    total_pad = float(a.pad_retained.sum())
     suffix = np.cumsum(a.pending[0][::-1])[::-1] if a.pending.size else np.zeros(len(ret))
     parts, ig, const = c.head, a.input_grad, a.head_const
     head_ret = parts.logits_retained + parts.norm_saved
     late = ig + parts.layout_residual   # beside the head's backward (the residual: full recompute)
     fwd = c.forward
+    held = rows * total + pad * total_pad   # every layer's retained rows, at the head
+    before = rows * (cum - ret) + pad * (cum_pad - a.pad_retained + a.pad_point)
     # in this order (`point_phases` says which pass each runs in)
-    points = [rows * (cum - ret + fwd.nograd) + segments * gdn,
-              rows * (cum - ret + fwd.retained_forward) + segments * gdn,
-              rows * (cum + ws + ig) + suffix + segments * gdn,
-              [rows * (total + max(head_ret, a.head_forward)) + const,
-               rows * (total + late + head_ret + parts.logits_transient) + const,
+    points = [before + rows * fwd.nograd + segments * gdn,
+              before + rows * fwd.retained_forward + segments * gdn,
+              rows * (cum + ws + ig) + pad * (cum_pad + a.pad_point) + suffix + segments * gdn,
+              [held + rows * max(head_ret, a.head_forward) + const,
+               held + rows * (late + head_ret + parts.logits_transient) + const,
                # the final norm's backward, with the logits still charged at TP1
                # (`layout_terms.head_point_transient`)
-               rows * (total + late + parts.norm_saved + parts.logits_at_norm
-                       + parts.norm_backward) + const]]
-    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a.caller * rows
+               held + rows * (late + parts.norm_saved + parts.logits_at_norm
+                              + parts.norm_backward) + const]]
+    # the caller's tensors: per logical row, as the walk charges them (not divided by CP)
+    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a.caller * logical_rows
 
 
 # --- scaling a table ------------------------------------------------------------------------
@@ -587,7 +600,7 @@ def _undominated(const: np.ndarray, coef: np.ndarray) -> list[int]:
     for p in range(flat.shape[0]):
         dominated = False
         for q in range(flat.shape[0]):
-            if q != p and np.all(flat[q] >= flat[p] - 1e-9) and (np.any(flat[q] > flat[p] + 1e-9) or q < p):
+            if q != p and np.all(flat[q] >= flat[p] - DOMINANCE_EPS) and (np.any(flat[q] > flat[p] + DOMINANCE_EPS) or q < p):
                 dominated = True
                 break
         if not dominated:
@@ -687,7 +700,7 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
         if sol is None:
             return None
         x = np.clip(sol, *FACTOR_BOUNDS)
-        return x if lin.ratios(x).min() >= 1.0 + margin - 1e-9 else None
+        return x if lin.ratios(x).min() >= 1.0 + margin - FIT_RATIO_EPS else None
 
     def settle(binding: list[int]) -> tuple[np.ndarray | None, list[int]]:
         best_x, best_b = None, binding
@@ -695,7 +708,7 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
             x = solve(binding)
             if x is None:
                 break
-            if best_x is None or value(x) < value(best_x) - 1e-12:
+            if best_x is None or value(x) < value(best_x) - SETTLE_GAIN_EPS:
                 best_x, best_b = x, binding
             nxt = lin.binding(x)
             if nxt == binding:
@@ -710,7 +723,7 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
             x0[start - 1] = 4.0
         for by_phase in (False, True):
             sx, sb = settle(lin.binding(x0, by_phase=by_phase))
-            if sx is not None and value(sx) < best - 1e-12:
+            if sx is not None and value(sx) < best - SETTLE_GAIN_EPS:
                 x, binding, best = sx, sb, value(sx)
     if x is None:
         # the base structure cannot cover the traces from its factors alone: raise them all
@@ -728,13 +741,13 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
             if all(binding[k] == p for k in ks):
                 continue
             if not any((lin.items[k][0][binding[k]] + lin.items[k][1][binding[k]] @ x) / lin.items[k][2]
-                       <= 1.0 + margin + 1e-6 for k in ks):
+                       <= 1.0 + margin + BINDING_RATIO_EPS for k in ks):
                 continue
             trial = list(binding)
             for k in ks:
                 trial[k] = p
             tx, tb = settle(trial)
-            if tx is not None and value(tx) < best - 1e-9:
+            if tx is not None and value(tx) < best - MOVE_GAIN_EPS:
                 x, binding, best, improved = tx, tb, value(tx), True
         if not improved:
             break
