@@ -1,47 +1,7 @@
-"""Fit a backend's coefficient table to traced wave peaks (`waveplan calibrate`).
-
-A trace record is one JSON object per line: `{"cell": {...}, "trace": TraceResult.to_dict()}`
-where the cell names the model (preset name; or a label, with the shapes inline as
-`geometry`, a `ModelGeometry.to_dict()` object), `num_layers` traced, `recompute` mode,
-`lora_rank` and `seq_lens` (what `bench/validation_study.py trace` writes).
-
-The fit keeps the base table's structure. Each *group* of terms (`GROUPS`) gets one factor:
-a scale of the base table's coefficients, or, for the terms a base table may lack (`UNITS`:
-query/key norms, the final norm, a retained layer's forward peak and backward transient, a
-MoE layer's forward transient; all neutral in te-gpu), a multiple of a structural unit read
-off cpu-fake traces (bench/results/validation_anatomy.txt). About twenty factors.
-
-Each cell is priced as the trace ran it: at its parallel layout (`cell.layout`, what the
-multi-rank tracer records; TP1 when absent; `cell_layout`), its busiest rank's rows against the
-trace's busiest rank, one gradient group of the wave's rows, head "full-native", `profiled=True`, the geometry cut to the traced layer count, adapter
-gradients of 2 bytes (bf16 parameters, plain autograd), and one GDN segment when the trace
-concatenated the sequences into one row. The decoder-only peak of a cell is priced the same
-way with the head's logits terms (per row x vocab) set to zero — the final norm stays, as the
-trace's decoder-only pass runs it — against the trace's decoder-only pass.
-
-Every walk point of a one-group wave is an affine function of the factors (`cell_points`), but
-for a recomputed MoE layer's routed point, the largest of the fitted point A and structural
-constants; such a cell's points are given once per side of that maximum
-(`moe_point_branches`), so calibrate's model of every cell is the pricer's price at any factors
-(`_Linear`), and the fit is a linear programme: minimise the mean over the fit cells, whole and
-decoder-only peaks, of estimate / measured, plus `TIE_BREAK` x the total distance of the
-factors from 1 (a factor leaves the base structure only where that buys a tighter fit), with
-every estimate at least `1 + margin` x its trace. An estimate is a maximum over points, so
-that constraint is imposed at one point per cell (a sufficient condition); `fit_scales`
-chooses the points by several starts and a local search. The programme is solved by OR-Tools'
-GLOP when it is installed (the `solver` extra), else by a small dense simplex
-(`measure.simplex`); no scipy. The fitted table never under-prices the cells it was fitted on, by
-construction, and a last check after rounding makes sure of it.
-
-`MARGIN` (0.5 %): cpu-fake cells that differ only in LoRA rank or in how the tokens split into
-sequences differ by up to about 0.4 % in ways the terms do not capture, so a fit held exactly
-at its cells left some held-out cells a few tenths of a percent under.
-
-CPU traces have no first-execution transients and no caller loss buffers (the full-native
-head is traced), so `first_execution` and `caller_per_logical_token` are set to 0. Their MoE
-layers run a stand-in dispatcher that makes no sort copy, so a single-rank cell (no
-`cell.layout`) is priced without `moe_permutation` (`traced_dispatcher_table`; the fitted
-table keeps the entry for Megatron's all-to-all dispatcher, which makes it).
+"""Fit a backend's coefficient table to traced wave peaks (`waveplan calibrate`): one factor per
+group of terms, minimising the mean estimate/measured with every estimate >= (1 + `MARGIN`) x
+its trace (a linear programme over the walk's points, `cell_points`).
+See docs/measurement.md#calibrate.
 """
 
 from __future__ import annotations
