@@ -197,17 +197,10 @@ def fit_profiles(store: ProfileStore, model: PricingModel, *, backend: str,
     scales, s0 = fit_scales(model, cells, margin=margin)
     note = (f"fitted by waveplan.planner.profile_fit to {len(cells)} observed waves of "
             f"{source_label}")
-    table = calibrate.scaled_table(model.table, scales, note=note, backend=backend)
-    # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
-    ratios = _table_ratios(model, table, cells)
-    if min(ratios) < 1.0 + margin:
-        raise_by = (1.0 + margin) / min(ratios) * 1.00001
-        scales = {g: s * raise_by for g, s in scales.items()}
-        table = calibrate.scaled_table(model.table, scales, note=note, backend=backend)
-        ratios = _table_ratios(model, table, cells)
-    if min(ratios) < 1.0:  # pragma: no cover - one raise covers a rounding error
-        raise bad(ConfigError, source_label, len(cells), "could not raise the fit above every peak")
-    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    table, scales, ratios = calibrate.covering_after_rounding(
+        scales, lambda s: calibrate.scaled_table(model.table, s, note=note, backend=backend),
+        lambda t: _table_ratios(model, t, cells), margin=margin, field=source_label,
+        value=len(cells), why="could not raise the fit above every peak")
     return ProfileFit(table=table, scales=scales, uniform=s0, cells=tuple(cells),
                       skipped=tuple(skipped), ratios=tuple(ratios))
 

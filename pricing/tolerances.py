@@ -66,3 +66,7 @@ BINDING_RATIO_EPS = 1e-6
 # SETTLE_GAIN_EPS (starts) or MOVE_GAIN_EPS (binding-point moves); the values are mean ratios.
 SETTLE_GAIN_EPS = 1e-12
 MOVE_GAIN_EPS = 1e-9
+
+# A fit whose rounded coefficients price a cell below its margin is raised by (1 + margin) / the
+# lowest ratio, times this (`calibrate.covering_after_rounding`), so one raise clears the rounding.
+ROUNDING_RAISE = 1.00001

@@ -23,6 +23,7 @@ from ..tolerances import (
     DOMINANCE_EPS,
     FIT_RATIO_EPS,
     MOVE_GAIN_EPS,
+    ROUNDING_RAISE,
     SETTLE_GAIN_EPS,
 )
 from .simplex import simplex
@@ -721,20 +722,31 @@ def fit_table(traces: list[dict], base_table: CoefficientTable, *, backend: str 
         _check_record(rec, f"record {n}")
     scales = fit_scales(traces, base_table, margin=margin)
     note = f"fitted by waveplan.pricing.measure.calibrate to {len(traces)} traced cells of {source_label}"
-    table = _scaled(base_table, scales, note=note, backend=backend)
-    # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check, by
-    # the pricer itself (`_ratios`: `price_groups`), that every cell stays over its margin
-    for _ in range(5):
-        lo = min(_ratios(table, {}, traces))
-        if lo >= 1.0 + margin:
-            break
-        raise_by = (1.0 + margin) / lo * 1.00001
-        scales = {g: s * raise_by for g, s in scales.items()}
-        table = _scaled(base_table, scales, note=note, backend=backend)
-    else:  # pragma: no cover - one raise covers a rounding error
-        raise bad(ConfigError, "traces", len(traces), "could not raise the fit above every trace")
-    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    # checked by the pricer itself (`_ratios`: `price_groups`)
+    table, _, _ = covering_after_rounding(
+        scales, lambda s: _scaled(base_table, s, note=note, backend=backend),
+        lambda t: _ratios(t, {}, traces), margin=margin, field="traces", value=len(traces),
+        why="could not raise the fit above every trace")
     return table
+
+
+def covering_after_rounding(scales: dict[str, float], build, ratios_of, *, margin: float,
+                            field: str, value: object, why: str):
+    """(table, scales, ratios): the table `build(scales)`, raised uniformly until every ratio
+    `ratios_of(table)` (estimate / measured) is at least 1 + margin after its coefficients were
+    rounded to 6 significant digits. Formula: scales x (1 + margin) / lowest ratio x
+    ROUNDING_RAISE, at most 5 times (one covers a rounding error); the table records its scales
+    (`_fit_scales`, 4 digits). Shared by `fit_table` and `planner.profile_fit`."""
+    table = build(scales)
+    for _ in range(5):
+        ratios = ratios_of(table)
+        if min(ratios) >= 1.0 + margin:
+            object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+            return table, scales, ratios
+        raise_by = (1.0 + margin) / min(ratios) * ROUNDING_RAISE
+        scales = {g: s * raise_by for g, s in scales.items()}
+        table = build(scales)
+    raise bad(ConfigError, field, value, why)  # pragma: no cover - one raise covers a rounding error
 
 
 def table_document(table: CoefficientTable, *, description: str = "") -> dict:
