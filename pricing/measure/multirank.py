@@ -525,8 +525,8 @@ def _standard_grad_strides(module, args, output):
 
     GatedDeltaNet transposes its input projection's output [s, 1, x] to [1, s, x], so the
     gradient reaching the projection's backward has the transposed strides, and its
-    `grad_output.matmul(weight)` broadcasts the weight over the s rows as in the forward (3 GB
-    at 768 rows of hidden 1024, TP2). The identity's forward is a view and it saves nothing,
+    `grad_output.matmul(weight)` broadcasts the weight over the s rows as in the forward
+    (docs/measurement.md#multirank). The identity's forward is a view and it saves nothing,
     so the counted bytes are unchanged."""
     global _GRAD_STRIDES
     import torch
