@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from waveplan.pricing.errors import ConfigError, InfeasibleError
+from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.step import Step, list_bundled_steps
 from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS, PackerKind
 from waveplan.search.options import DEFAULT_MS_PER_REQUEST
@@ -160,7 +160,7 @@ def plot_plan(plan_dict: dict, path: str) -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in ("waveplan.planner.plot", "matplotlib"):
             raise
-        raise ConfigError(f"plot={path!r}: plotting is unavailable ({exc.name} is not installed)") from None
+        raise bad(ConfigError, "plot", path, f"plotting is unavailable ({exc.name} is not installed)") from None
     module.plot_plan(plan_dict, path)
 
 

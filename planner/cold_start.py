@@ -40,11 +40,11 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from enum import Enum
 from importlib import metadata
 from pathlib import Path
 
 from waveplan.pricing import jit_cache
+from waveplan.pricing.compat import StrEnum
 from waveplan.pricing.errors import ConfigError, bad
 
 ENV_MODE = "WAVEPLAN_COLD_COMPILE"
@@ -53,7 +53,9 @@ INTERPRET_MAX_BUDGET_MS = 20.0   # --time-budget-ms above this compiles first
 LOG_NAME = "background-warmup.log"
 
 
-class ColdMode(str, Enum):
+class ColdMode(StrEnum):
+    """When the kernels compile on a cold cache (`WAVEPLAN_COLD_COMPILE`)."""
+
     BACKGROUND = "background"
     FOREGROUND = "foreground"
     NEVER = "never"

@@ -42,7 +42,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 
-from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError
+from waveplan.pricing.errors import ConfigError, InfeasibleError, StepError, WaveplanError, bad
 
 from .ep_peers import (
     concurrent_rows,
@@ -103,8 +103,8 @@ def _rank_lists(spec: object, field: str) -> list[list[int]] | None:
     lists = [list(r) for r in spec]
     if not lists or any(not r for r in lists) or any(
             isinstance(x, bool) or not isinstance(x, int) for r in lists for x in r):
-        raise ConfigError(f"{field}={spec!r}: must be a process group or a non-empty list of "
-                          f"non-empty lists of ranks")
+        raise bad(ConfigError, field, spec, "must be a process group or a non-empty list of "
+                  "non-empty lists of ranks")
     return lists
 
 
@@ -116,7 +116,7 @@ def _resolve(dist, spec, field: str, rank: int, world: int, world_group):
         return spec, None
     flat = sorted(x for r in lists for x in r)
     if flat != list(range(world)):
-        raise ConfigError(f"{field}={lists!r}: the lists must partition ranks 0..{world - 1}")
+        raise bad(ConfigError, field, lists, f"the lists must partition ranks 0..{world - 1}")
     mine = None
     for r in lists:
         g = dist.new_group(ranks=sorted(r)) if len(r) < world else world_group
@@ -223,8 +223,8 @@ def _groups(dist, rank: int, world: int, world_group, model_parallel_group, dp_g
         lists = _rank_lists(model_parallel_group, "model_parallel_group")
         sizes = {len(r) for r in lists}
         if len(sizes) != 1:
-            raise ConfigError(f"model_parallel_group={lists!r}: groups of different sizes; "
-                              f"give dp_group")
+            raise bad(ConfigError, "model_parallel_group", lists, "groups of different sizes; "
+                      "give dp_group")
         dp_spec = [[sorted(r)[i] for r in lists] for i in range(sizes.pop())]
     if dp_spec is None:
         dp = world_group if model_parallel_group is None else None
@@ -394,8 +394,8 @@ def _stage_budgets(dist, torch, mp, stage, budget: int, planner: Planner):
     def stage_budgets() -> list[int]:
         pp = planner.model.parallel.pp
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
-            raise ConfigError(f"pipeline_stage={stage!r}: must be an integer in [0, {pp}) "
-                              f"(the planner's pp={pp})")
+            raise bad(ConfigError, "pipeline_stage", stage, f"must be an integer in [0, {pp}) "
+                      f"(the planner's pp={pp})")
         budgets = [min((b for s, b in pairs if s == k), default=None) for k in range(pp)]
         missing = [k for k, b in enumerate(budgets) if b is None]
         if missing:

@@ -39,6 +39,7 @@ import numpy as np
 from waveplan.pricing.errors import ConfigError, InfeasibleError, bad
 from waveplan.pricing.step import Step
 from waveplan.pricing.time_model import wave_work
+from waveplan.pricing.tolerances import REL_GAIN_EPS
 from waveplan.search import DEFAULT_PACKER, DEFAULT_SEED, DEFAULT_TIME_BUDGET_MS
 
 from .dp_balance import karmarkar_karp, verl_workload
@@ -406,7 +407,7 @@ def plan_group(planner: Planner, step, dp: int, free_bytes, *, keep_groups: bool
             ta, tb = exact.trial(slow, b, [u], into)
             if ta[1] is None or tb[1] is None:
                 continue
-            if max(ta[3], tb[3]) < exact.secs[slow] * (1 - 1e-9):
+            if max(ta[3], tb[3]) < exact.secs[slow] * (1 - REL_GAIN_EPS):
                 exact.apply(slow, b, ta, tb)
                 stats["time_moves"] += 1
                 done = True

@@ -47,11 +47,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from waveplan.pricing.coefficients import CoefficientTable
+from waveplan.pricing.coefficients import CoefficientTable, covering_after_rounding
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.measure import calibrate
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import GroupLoad, price_groups
+from waveplan.pricing.tolerances import REL_GAIN_EPS
 
 from .profiles import ProfileStore, config_key
 
@@ -191,7 +192,7 @@ def fit_scales(model: PricingModel, cells: Sequence[FitCell], *,
                     lo, hi = (lo, mid) if covers(trial) else (mid, hi)
                 trial[g] = hi
             value = mean(trial)
-            if value < best * (1 - 1e-9):
+            if value < best * (1 - REL_GAIN_EPS):
                 scales, best, moved = trial, value, True
         if not moved:
             break
@@ -207,17 +208,10 @@ def fit_profiles(store: ProfileStore, model: PricingModel, *, backend: str,
     note = (f"fitted by waveplan.planner.profile_fit to {len(cells)} observed waves of "
             f"{source_label}")
     scaled = _groups(model)[1]
-    table = scaled(model.table, scales, note=note, backend=backend)
-    # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check
-    ratios = _table_ratios(model, table, cells)
-    if min(ratios) < 1.0 + margin:
-        raise_by = (1.0 + margin) / min(ratios) * 1.00001
-        scales = {g: s * raise_by for g, s in scales.items()}
-        table = scaled(model.table, scales, note=note, backend=backend)
-        ratios = _table_ratios(model, table, cells)
-    if min(ratios) < 1.0:  # pragma: no cover - one raise covers a rounding error
-        raise bad(ConfigError, source_label, len(cells), "could not raise the fit above every peak")
-    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    table, scales, ratios = covering_after_rounding(
+        scales, lambda s: scaled(model.table, s, note=note, backend=backend),
+        lambda t: _table_ratios(model, t, cells), margin=margin, field=source_label,
+        value=len(cells), why="could not raise the fit above every peak")
     return ProfileFit(table=table, scales=scales, uniform=s0, cells=tuple(cells),
                       skipped=tuple(skipped), ratios=tuple(ratios))
 

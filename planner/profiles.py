@@ -36,6 +36,7 @@ from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.rope_cache import TERM
+from waveplan.pricing.tolerances import ROUNDTRIP_REL_EPS
 
 PROFILE_SCHEMA = 1
 TRUST_FACTOR = 8  # at most 8x beyond what a profile observed (docs/memory-model.md#learned-profiles)
@@ -308,9 +309,9 @@ def _profile_from_dict(data: object, where: str) -> Profile:
         count=_number(f"{where}.count", data.get("count"), integer=True),
         observations=tuple(obs))
     # The aggregates cover every observation: a file that says less is inconsistent.
-    if any(o.ratio > profile.ratio * (1 + 1e-12) for o in obs) \
+    if any(o.ratio > profile.ratio * (1 + ROUNDTRIP_REL_EPS) for o in obs) \
             or any(o.size.padded_rows > profile.max_padded_rows for o in obs) \
-            or any(o.size.sharing > profile.max_sharing * (1 + 1e-12) for o in obs) \
+            or any(o.size.sharing > profile.max_sharing * (1 + ROUNDTRIP_REL_EPS) for o in obs) \
             or profile.count < len(obs):
         raise bad(ConfigError, where, "aggregates", "ratio/max_padded_rows/max_sharing/count "
                   "must cover the stored observations")
@@ -335,7 +336,7 @@ def load_profiles(path: str | Path) -> ProfileStore:
     except (TypeError, ValueError) as exc:  # ConfigError included; GroupLoad errors too
         if isinstance(exc, ConfigError) and str(path) in str(exc):
             raise
-        raise ConfigError(f"profiles={str(path)!r}: invalid profile file: {exc}") from None
+        raise bad(ConfigError, "profiles", str(path), f"invalid profile file: {exc}") from None
 
 
 # --- the pricer hook --------------------------------------------------------------------

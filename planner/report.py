@@ -92,11 +92,11 @@ def read_report(path: str | os.PathLike) -> LoadedReport:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a JSON object")
     if data.get("kind") != REPORT_KIND:
-        raise ConfigError(f"{where}: kind={data.get('kind')!r}: not a waveplan report "
-                          f"(expected {REPORT_KIND!r})")
+        raise bad(ConfigError, f"{where}: kind", data.get("kind"), "not a waveplan report "
+                  f"(expected {REPORT_KIND!r})")
     if data.get("schema") != REPORT_SCHEMA:
-        raise ConfigError(f"{where}: schema={data.get('schema')!r}: this waveplan reads report "
-                          f"schema {REPORT_SCHEMA} only")
+        raise bad(ConfigError, f"{where}: schema", data.get("schema"), "this waveplan reads report "
+                  f"schema {REPORT_SCHEMA} only")
     missing = sorted({"model", "profiles", "requests", "budget_bytes", "options", "plan"} - set(data))
     if missing:
         raise ConfigError(f"{where}: {missing[0]}: missing field")

@@ -1,41 +1,10 @@
 """The clique argument of the wave bound: prompt groups that cannot share a wave whole.
 
-A subgroup s is the requests of one prefix group (`Step.group_of`) and one class (the
-pricer's (slot, grad) pairs), of the requests bounded. Every member of s passes through the
-group's node (depth prefix_rows[g] tokens); the part of that stem no request of the class
-outside s shares, its private rows
-    priv_s = prefix_rows[g] - max LCP(member of s, class-k request outside s)
-(an upper estimate of that LCP: the largest LCP across a boundary between s and another
-subgroup in the class's tree order), is a set of tree nodes on the paths of s's members
-only. Class k's packed rows summed over the waves of a plan count each node once per wave
-that touches it, so every subgroup spread over t_s waves adds (t_s - 1) priv_s packed rows
-to the step's own (full-sharing) total: at each lower-envelope point p at least
-    excess[s, p] = coef[p, k, 0] priv_s
-per extra wave (`WavePricer._wave_bound` adds this mass to the step's).
-
-Conflicts. Any wave holding two subgroups whole prices at least, at every point p, the
-lower envelope of their union: their rows (class k's packed rows of s and t together are at
-least packed_s + packed_t - the stem they can share, min(shared_out_s, shared_out_t), since
-every node both trees hold lies on s's stem above shared_out_s, and t's likewise), the
-presence charge of each class present and the first-execution allowance when one holds a
-gradient request. Where that exceeds the budget at some point, s and t conflict: no wave
-holds both whole. A subgroup that does not fit whole even alone is split in every plan.
-
-Bound. In a plan of N waves at most N members of a clique C of the conflict graph are whole
-(two cannot share a wave), so at least |C| - N are split and the mass rises, at each point,
-by the sum of the |C| - N smallest excesses of C (a one-request subgroup cannot be split:
-infinite excess; more than N of them in C make N waves impossible). The raised mass is
-nonincreasing in N, so the least N whose raised bound does not exceed N is a valid bound,
-found by counting up from the plain bound (`WavePricer.lower_bound_waves`).
-
-The clique is greedy: from each of the CLIQUE_STARTS vertices of highest degree, add the
-vertices in order of degree (ties by index) that conflict with every member so far; the
-largest clique found is kept (ties: the earliest start). Deterministic.
-
-Complexity: O(n log n) for the subgroups and their stems, one tree count per subgroup
-(O(n log n) in all), O(S'^2 P') for the conflict graph over the S' candidate subgroups (those
-whose excess is positive or that cannot be split) and the P' undominated points, and
-O(CLIQUE_STARTS x S'^2) for the cliques.
+Formula: with N waves at least |C| - N subgroups of a clique C of the conflict graph are split,
+each adding at least excess[s, p] = coef[p, k, 0] x priv_s to the step's mass at every
+lower-envelope point p; the bound is the least N that this raised mass does not rule out. A
+greedy clique from the CLIQUE_STARTS highest-degree subgroups; deterministic.
+See docs/architecture.md#the-clique-bound.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pathlib import Path
 from . import entries
 from .errors import ConfigError, bad
 from .kernel_set import KERNEL_MODELS, KernelSet
+from .tolerances import ROUNDING_RAISE
 
 DEFAULT_BACKEND = "te-gpu"   # Transformer Engine on GPU: the shipped table a model prices with
 
@@ -113,3 +114,23 @@ def table_from_dict(data: dict, *, path: str = "") -> CoefficientTable:
     if not isinstance(data, dict) or "backend" not in data or not isinstance(data.get("terms"), dict):
         raise bad(ConfigError, "coefficients", path or "<dict>", "needs 'backend' and a 'terms' object")
     return CoefficientTable(backend=str(data["backend"]), terms=data["terms"], path=path)
+
+
+def covering_after_rounding(scales: dict[str, float], build, ratios_of, *, margin: float,
+                            field: str, value: object, why: str):
+    """(table, scales, ratios): the table `build(scales)`, raised uniformly until every ratio
+    `ratios_of(table)` (estimate / measured) is at least 1 + margin after its coefficients were
+    rounded to 6 significant digits. Formula: scales x (1 + margin) / lowest ratio x
+    ROUNDING_RAISE, at most 5 times (one covers a rounding error); the table records its scales
+    (`_fit_scales`, 4 digits). Shared by `measure.calibrate.fit_table`,
+    `fsdp.calibrate.fit_traces` and `planner.profile_fit`."""
+    table = build(scales)
+    for _ in range(5):
+        ratios = ratios_of(table)
+        if min(ratios) >= 1.0 + margin:
+            object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+            return table, scales, ratios
+        raise_by = (1.0 + margin) / min(ratios) * ROUNDING_RAISE
+        scales = {g: s * raise_by for g, s in scales.items()}
+        table = build(scales)
+    raise bad(ConfigError, field, value, why)  # pragma: no cover - one raise covers a rounding error

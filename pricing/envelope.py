@@ -1,27 +1,9 @@
 """The affine envelope: the schedule walk's points as linear functions of a wave's counts.
 
-For each walk point p: a constant, a presence charge per gradient class (paid once if the class
-has a request in the wave), and per class coefficients on packed rows, logical rows and
-segments, all in admitted bytes. "max of affine <= budget" is a set of linear constraints, so
-the search can pack with it as vector bin packing.
-
-Validity (tested on random waves): for a flat wave without pending gradients, the envelope at
-the search's two-level counts (each prefix group pays its prefix once per class, segments =
-groups + members) is never below the exact admitted price. The bounds used:
-- padded rows <= packed rows + (multiple - 1) x packed sequences, and sequences <= segments;
-- true radix-tree segments <= 2 x the two-level count (at most one inner node per leaf), plus
-  one root per padding row;
-- pending gradients are not in the envelope: the search prices the wave that carries them;
-- the CP RoPE cache is charged at its bound (a wave's longest sequence = CP x its rank rows);
-  the walk credits what each call's longest sequence does not hold (`walk.rope_credit`), so the
-  lower envelope leaves the bound out; the other calls' entries (at most their padded rows) are
-  charged per row of each class not running, and left out of the lower envelope.
-
-The per-segment coefficient is that sum of charges, coef[..., 2] = (multiple - 1) x pad + 2 x seg,
-with `pad` the price of one padding row (a row on the busiest rank plus one root segment) and
-`seg` the price of one true segment. Both are kept beside it, so a caller that knows more about
-a step's trees (how many packed sequences a group can form, its exact padding, its exact
-segments) can charge them instead of the generic bound (`waveplan.search.items` does).
+Formula: at point p, const[p] + sum over classes k present (presence[p, k] + coef[p, k] . (packed
+rows, logical rows, segments)), in admitted bytes; coef[..., 2] = (multiple - 1) x pad + 2 x seg.
+An upper bound of the exact admitted price of a flat wave without pending gradients, so the
+search packs against it as vector bin packing. See docs/architecture.md#the-envelope.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """Pipeline parallelism (PP > 1): what every stage holds under Megatron-core's 1F1B schedule.
 
-The model (docs/memory-model.md#pipeline; validated against CPU traces of Megatron's own
-schedule, docs/memory-model.md#pipeline-traces; basis "conservative": no GPU source yet):
-- Stages. Stage s of p holds layers [s*L//p, (s+1)*L//p) (Megatron's default even split).
-  The first stage also holds the embedding (its output is layer 0's saved input, as at PP1);
-  stages s > 0 keep the activation they received for the backward (under full recompute the
-  first layer's checkpointed input: `received_activation_per_row`); only the last stage
-  computes the output head.
-- In flight. Under `forward_backward_pipelining_without_interleaving` stage s runs p-s-1
-  warm-up forwards, then one forward and one backward in turn, so it holds at most
-  k_s = min(p - s, waves) micro-batches (waves) whose forward ran and whose backward has not,
-  always consecutive ones. The last stage holds one (k = 1), with the head.
-- A wave w at stage s has a retained part r_s(w): what its forward keeps until its backward
-  (the stage's layers' retained rows, on the last stage the loss's saved tensors), a peak:
-  the schedule walk (`walk.walk`) over the stage's layers alone, its pending adapter
-  gradients (the stage's layers' share) included when it carries them, with the received
-  output gradient below the top layer; and a forward bound (`forward_charges`). The
-  caller's head and loss buffers (`caller`) live on the last stage only.
-- A stage's peak over a sequence of waves is its highest 1F1B operation
-  (`schedule_points`): a backward beside the retained parts of the waves after it in
-  flight, a forward beside those before it, each with what the schedule still holds (the
-  last backward's gradients, the carriers' adapter gradients and their accumulation, the
-  RoPE cache entries of the waves that ran).
-- The interleaved schedule (virtual stages) is not priced: `check_schedule` refuses it with
-  its reason (the CLI's `--virtual-stages`, the pipeline tracer); `ParallelLayout` has no
-  virtual-stage setting, so a plan assumes the non-interleaved schedule.
-
-`stage_charges` restricts the per-layer arrays of `PricingModel` to each stage;
-`fold_stages` folds them into one walk's charges, the per-wave proxy the search packs against
-(each stage's layers with its other k_s - 1 in-flight waves' retained part, stage by stage the
-larger); `stage_peaks` prices the exact schedule points of a wave sequence, which decide.
-`window_peak` is the plain window bound (every wave's forward as high as its backward).
-Complexity: O(p x L) to build; O(W x (groups^2 + groups x L / p)) per stage to price W waves,
-plus O(W x k) for the schedule points.
+Formula: stage s of p holds layers [s*L//p, (s+1)*L//p) and at most k_s = min(p - s, waves)
+consecutive waves in flight; its peak is its highest 1F1B operation (`schedule_points`), a
+wave's backward walk (or forward bound) beside the retained parts r_s of the others in flight
+and what the schedule still holds. `stage_charges` restricts the model's per-layer arrays to
+each stage, `fold_stages` folds them into the per-wave proxy the search packs against,
+`stage_peaks` prices a wave sequence exactly and `window_peak` is the plain window bound; the
+interleaved schedule is refused (`check_schedule`). See docs/memory-model.md#pipeline.
+Complexity: O(p x L) to build; O(W x (groups^2 + groups x L / p) + W x k) to price W waves.
 """
 
 from __future__ import annotations
@@ -46,6 +21,7 @@ import numpy as np
 
 from . import gdn_terms
 from .errors import ConfigError, bad
+from .tolerances import CEIL_SLACK
 from .walk import PEAK_BYTES, WalkCharges, WalkGroups, walk
 
 
@@ -445,7 +421,7 @@ def window_lower_bound(retained_rows: float, stage: StageCharges, budget: int,
 
     def needs(k: int) -> int:
         v = retained_rows * (own + (k - 1) * r) / room - r / own * k * (k - 1) / 2
-        return max(1, math.ceil(v - 1e-9), math.ceil(retained_rows * own / room - 1e-9))
+        return max(1, math.ceil(v - CEIL_SLACK), math.ceil(retained_rows * own / room - CEIL_SLACK))
 
     for w in range(1, stage.window):
         if w >= needs(w):

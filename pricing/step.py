@@ -56,10 +56,10 @@ class Request:
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
-            raise StepError(f"request id={self.id!r}: must be a non-empty string")
+            raise bad(StepError, "request id", self.id, "must be a non-empty string")
 
         def fail(name: str, value: object, why: str) -> StepError:
-            return StepError(f"request {self.id!r}: {name}={value!r}: {why}")
+            return bad(StepError, f"request {self.id!r}: {name}", value, why)
 
         if not _is_int(self.num_tokens) or self.num_tokens <= 0:
             raise fail("num_tokens", self.num_tokens, "must be a positive integer")
@@ -373,9 +373,9 @@ class Step:
         prompt_len: dict[str, tuple[int, int]] = {}
         for i, req in enumerate(requests):
             if not isinstance(req, Request):
-                raise StepError(f"requests[{i}]={req!r}: must be a Request")
+                raise bad(StepError, f"requests[{i}]", req, "must be a Request")
             if req.id in seen:
-                raise StepError(f"requests[{i}].id={req.id!r}: duplicate id (first at requests[{seen[req.id]}])")
+                raise bad(StepError, f"requests[{i}].id", req.id, f"duplicate id (first at requests[{seen[req.id]}])")
             seen[req.id] = i
             if (req.tokens is None) != (requests[0].tokens is None):
                 raise StepError(f"requests[{i}].tokens: a step mixes token-form and length-form requests")
@@ -614,7 +614,7 @@ def _parse_line(where: str, data: object) -> tuple[Request, str]:
     """One JSON line -> (request, form). Raises StepError naming `where` and the field."""
 
     def fail(name: str, value: object, why: str) -> StepError:
-        return StepError(f"{where}: {name}={value!r}: {why}")
+        return bad(StepError, f"{where}: {name}", value, why)
 
     if not isinstance(data, dict):
         raise StepError(f"{where}: must be a JSON object, got {type(data).__name__}")
@@ -724,7 +724,7 @@ def parse_step(text: str, *, source: str = "<step>") -> Step:
             raise StepError(f"{where}: {name}: {form} form, but line {form_line[1]} is "
                             f"{form_line[0]} form (one file holds one form)")
         if req.id in id_line:
-            raise StepError(f"{where}: id={req.id!r}: duplicate id (first on line {id_line[req.id]})")
+            raise bad(StepError, f"{where}: id", req.id, f"duplicate id (first on line {id_line[req.id]})")
         id_line[req.id] = lineno
         if req.prompt is not None:
             first = prompt_line.setdefault(req.prompt, (req.num_prompt_tokens, lineno))
@@ -754,8 +754,8 @@ def bundled_step(name: str) -> Path:
     stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
     entry = _steps_dir() / f"{stem}.jsonl"
     if not entry.is_file():
-        raise StepError(f"step={name!r}: no bundled step of that name "
-                        f"(bundled: {', '.join(list_bundled_steps())})")
+        raise bad(StepError, "step", name, "no bundled step of that name "
+                  f"(bundled: {', '.join(list_bundled_steps())})")
     return Path(str(entry))
 
 
@@ -771,8 +771,8 @@ def materialize_tokens(step: Step, *, vocab_size: int = 151_936, seed: int = 0) 
         return step
     max_members = int(np.bincount(step.group_of).max())
     if isinstance(vocab_size, bool) or not _is_int(vocab_size) or vocab_size < max(step.num_groups, max_members):
-        raise StepError(f"vocab_size={vocab_size!r}: must be an integer >= the number of groups "
-                        f"({step.num_groups}) and of requests in a group ({max_members})")
+        raise bad(StepError, "vocab_size", vocab_size, "must be an integer >= the number of groups "
+                  f"({step.num_groups}) and of requests in a group ({max_members})")
     rng = np.random.default_rng(seed)
     first = rng.choice(vocab_size, size=step.num_groups, replace=False)
     prefixes = [np.concatenate(([first[g]], rng.integers(0, vocab_size, max(int(p) - 1, 0))))

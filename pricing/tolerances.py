@@ -39,3 +39,34 @@ TIE_EPS = 1e-15
 # `search.local.balance` moves an atom only when the largest load drops by more than this, so
 # rounding noise never counts as progress (equal loads are not traded back and forth).
 BALANCE_GAIN_EPS = 1e-12
+
+# `search.fill`'s placement keys closer than this are a tie, settled by the larger atom.
+FILL_TIE_EPS = 1e-12
+
+# --- improvement tests of the planner's and the calibration's local searches ----------------
+
+# A trial counts as an improvement only when it lowers the value by more than this fraction
+# (`planner.profile_fit.fit_scales`, `planner.group`'s time moves), so rounding is no progress.
+REL_GAIN_EPS = 1e-9
+
+# A stored aggregate (a profile's ratio, its largest sharing) may sit this fraction below the
+# largest observation it covers: JSON rounding of the stored numbers, not an inconsistency.
+ROUNDTRIP_REL_EPS = 1e-12
+
+# `calibrate`: two fitted points are equal up to this (bytes per unit, coefficient-wise) when one
+# is tested for dominating the other.
+DOMINANCE_EPS = 1e-9
+
+# `calibrate`: a clipped LP solution still covers every cell when its lowest ratio is at least
+# 1 + margin - FIT_RATIO_EPS; a cell at most 1 + margin + BINDING_RATIO_EPS is held at its bound.
+FIT_RATIO_EPS = 1e-9
+BINDING_RATIO_EPS = 1e-6
+
+# `calibrate`: a settled solution replaces the best one when its value is lower by more than
+# SETTLE_GAIN_EPS (starts) or MOVE_GAIN_EPS (binding-point moves); the values are mean ratios.
+SETTLE_GAIN_EPS = 1e-12
+MOVE_GAIN_EPS = 1e-9
+
+# A fit whose rounded coefficients price a cell below its margin is raised by (1 + margin) / the
+# lowest ratio, times this (`coefficients.covering_after_rounding`), so one raise clears the rounding.
+ROUNDING_RAISE = 1.00001

@@ -1,27 +1,12 @@
-"""The schedule walk: one wave's per-rank memory at every point of a full-recompute (or
-retained-activation) forward and backward, jitted with numba. The peak is their maximum.
+"""The schedule walk: one wave's per-rank bytes at every point of its forward and backward
+(jitted with numba); the peak is their maximum.
 
-Schedule (docs/memory-model.md#schedule; the #anchors below are sections of that file):
-- every gradient group runs its forward, saving per layer its retained rows (boundaries under
-  full recompute) and, after the head, what the loss keeps; the head's forward point holds the
-  larger of that and what the head holds at its forward (`head_forward`, #sp-head-forward);
-  no-grad groups run forward only, one after another (#nograd-transient);
-- then the gradient groups run their backward one after another (#other-groups): the head, then
-  layer L-1 down to 0, where the recomputed layer holds its stage workspace, one input
-  gradient, the GDN states of its segments (#gdn-states), the boundaries of layers 0..i and
-  the adapter gradients of layers >= i if the group carries its slot's pending gradients.
-- a GDN layer's chunked kernel runs each forward call's rows padded to a multiple of the chunk
-  (#gdn-sp-retained): its padding rows keep `pad_retained` from the layer's forward to its
-  backward, and `pad_point` more at the layer's own forward and backward points.
-- While group g runs, a group already run holds its pending gradients and a group not yet run
-  holds its retained memory; the worst order charges each other group max(gradients,
-  retained) (#other-groups, closed form; `brute_force_orders` in the tests checks it).
-Groups of a slot that has several gradient groups in the wave (split children) charge that
-slot's whole gradient once, in each of them, and none as "already run" (conservative).
-- The RoPE cache (#cp-rope-cache): each call keeps an entry of its longest sequence's rows; the
-  other calls' entries are charged at a call's points (`other_groups`), and under CP the arrays'
-  bound (the call as one sequence) is taken back to the call's own longest sequence
-  (`rope_credit`) where the arrays carry it.
+Points: every gradient group's forward (layer 0 to L-1, then the head), every no-grad group's
+forward, then every gradient group's backward (the head, then layer L-1 down to 0); every other
+group charges max(its pending gradients, its retained memory) (the worst order), a GDN call its
+chunk padding rows, a CP call its RoPE entries less `rope_credit`. See
+docs/memory-model.md#schedule (#other-groups, #pending-gradients, #gdn-sp-retained,
+#cp-rope-cache).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from waveplan.pricing.tolerances import FILL_TIE_EPS
+
 from .greedy import LIMIT, atom_args
 from .items import Blocks, Items
 from .kernels import add_atom, delta, grow, peak
@@ -36,8 +38,8 @@ FILL_PER_POINT = 1    # fitting candidates per dominant point and pick
 
 @njit(cache=True)
 def _better(key, size, best, best_key, best_size):
-    return best < 0 or key < best_key - 1e-12 or (abs(key - best_key) <= 1e-12
-                                                   and size > best_size)
+    return best < 0 or key < best_key - FILL_TIE_EPS or (abs(key - best_key) <= FILL_TIE_EPS
+                                                         and size > best_size)
 
 
 @njit(cache=True)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from waveplan.pricing.envelope import Envelope
-from waveplan.pricing.errors import InfeasibleError, StepError
+from waveplan.pricing.errors import InfeasibleError, StepError, bad
 from waveplan.pricing.step import Step
 
 from .contract import Pricer, SearchEnvelope, SearchPricer, SearchStep
@@ -153,8 +153,8 @@ def normalise_units(n: int, atomic_units, ids) -> list[np.ndarray]:
         if len(arr) == 0:
             raise StepError(f"atomic_units[{u}]=[]: an atomic unit must hold a request")
         if arr[0] < 0 or arr[-1] >= n:
-            raise StepError(f"atomic_units[{u}]={arr.tolist()!r}: request index out of range "
-                            f"0..{n - 1}")
+            raise bad(StepError, f"atomic_units[{u}]", arr.tolist(), f"request index out of range "
+                      f"0..{n - 1}")
         clash = arr[seen[arr] >= 0]
         if len(clash):
             raise StepError(f"atomic_units[{u}]: request {ids[int(clash[0])]!r} is already in "

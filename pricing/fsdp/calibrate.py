@@ -17,8 +17,9 @@ import copy
 import dataclasses
 import statistics
 
-from ..coefficients import CoefficientTable
+from ..coefficients import CoefficientTable, covering_after_rounding
 from ..errors import ConfigError, bad
+from ..tolerances import REL_GAIN_EPS
 from .terms import CALIBRATION_GROUPS as GROUPS
 from .terms import calibration_factors as factors
 
@@ -86,7 +87,7 @@ def fit_scales(price, peaks, base: CoefficientTable, *, margin: float = MARGIN,
                     lo, hi = (lo, mid) if covers(trial) else (mid, hi)
                 trial[g] = hi
             value = statistics.fmean(ratios(trial))
-            if value < best * (1 - 1e-9):
+            if value < best * (1 - REL_GAIN_EPS):
                 scales, best, moved = trial, value, True
         if not moved:
             break
@@ -146,13 +147,10 @@ def fit_traces(records: list[dict], base: CoefficientTable, *, backend: str,
     scales, _ = fit_scales(price, peaks, base, margin=margin,
                            where=[f"{source_label}[{i}]" for i in range(len(records))])
     note = f"fitted by waveplan calibrate to {len(records)} fsdp traces of {source_label}"
-    table = scaled_table(base, scales, note=note, backend=backend)
-    ratios = [p / k for p, k in zip(price(table), peaks, strict=True)]
-    if min(ratios) < 1.0 + margin:   # rounding to 6 digits: raise once
-        scales = {g: s * (1.0 + margin) / min(ratios) * 1.00001 for g, s in scales.items()}
-        table = scaled_table(base, scales, note=note, backend=backend)
-        ratios = [p / k for p, k in zip(price(table), peaks, strict=True)]
-    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    table, _, ratios = covering_after_rounding(
+        scales, lambda sc: scaled_table(base, sc, note=note, backend=backend),
+        lambda t: [p / k for p, k in zip(price(t), peaks, strict=True)], margin=margin,
+        field=source_label, value=len(records), why="could not raise the fit above every peak")
     return table, ratios
 
 

@@ -1,47 +1,7 @@
-"""Fit a backend's coefficient table to traced wave peaks (`waveplan calibrate`).
-
-A trace record is one JSON object per line: `{"cell": {...}, "trace": TraceResult.to_dict()}`
-where the cell names the model (preset name; or a label, with the shapes inline as
-`geometry`, a `ModelGeometry.to_dict()` object), `num_layers` traced, `recompute` mode,
-`lora_rank` and `seq_lens` (what `bench/validation_study.py trace` writes).
-
-The fit keeps the base table's structure. Each *group* of terms (`GROUPS`) gets one factor:
-a scale of the base table's coefficients, or, for the terms a base table may lack (`UNITS`:
-query/key norms, the final norm, a retained layer's forward peak and backward transient, a
-MoE layer's forward transient; all neutral in te-gpu), a multiple of a structural unit read
-off cpu-fake traces (bench/results/validation_anatomy.txt). About twenty factors.
-
-Each cell is priced as the trace ran it: at its parallel layout (`cell.layout`, what the
-multi-rank tracer records; TP1 when absent; `cell_layout`), its busiest rank's rows against the
-trace's busiest rank, one gradient group of the wave's rows, head "full-native", `profiled=True`, the geometry cut to the traced layer count, adapter
-gradients of 2 bytes (bf16 parameters, plain autograd), and one GDN segment when the trace
-concatenated the sequences into one row. The decoder-only peak of a cell is priced the same
-way with the head's logits terms (per row x vocab) set to zero — the final norm stays, as the
-trace's decoder-only pass runs it — against the trace's decoder-only pass.
-
-Every walk point of a one-group wave is an affine function of the factors (`cell_points`), but
-for a recomputed MoE layer's routed point, the largest of the fitted point A and structural
-constants; such a cell's points are given once per side of that maximum
-(`moe_point_branches`), so calibrate's model of every cell is the pricer's price at any factors
-(`_Linear`), and the fit is a linear programme: minimise the mean over the fit cells, whole and
-decoder-only peaks, of estimate / measured, plus `TIE_BREAK` x the total distance of the
-factors from 1 (a factor leaves the base structure only where that buys a tighter fit), with
-every estimate at least `1 + margin` x its trace. An estimate is a maximum over points, so
-that constraint is imposed at one point per cell (a sufficient condition); `fit_scales`
-chooses the points by several starts and a local search. The programme is solved by OR-Tools'
-GLOP when it is installed (the `solver` extra), else by a small dense simplex
-(`measure.simplex`); no scipy. The fitted table never under-prices the cells it was fitted on, by
-construction, and a last check after rounding makes sure of it.
-
-`MARGIN` (0.5 %): cpu-fake cells that differ only in LoRA rank or in how the tokens split into
-sequences differ by up to about 0.4 % in ways the terms do not capture, so a fit held exactly
-at its cells left some held-out cells a few tenths of a percent under.
-
-CPU traces have no first-execution transients and no caller loss buffers (the full-native
-head is traced), so `first_execution` and `caller_per_logical_token` are set to 0. Their MoE
-layers run a stand-in dispatcher that makes no sort copy, so a single-rank cell (no
-`cell.layout`) is priced without `moe_permutation` (`traced_dispatcher_table`; the fitted
-table keeps the entry for Megatron's all-to-all dispatcher, which makes it).
+"""Fit a backend's coefficient table to traced wave peaks (`waveplan calibrate`): one factor per
+group of terms, minimising the mean estimate/measured with every estimate >= (1 + `MARGIN`) x
+its trace (a linear programme over the walk's points, `cell_points`).
+See docs/measurement.md#calibrate.
 """
 
 from __future__ import annotations
@@ -56,8 +16,21 @@ import numpy as np
 
 from .. import entries, layout_terms
 from ..atomic_io import write_text_atomic
-from ..coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
+from ..coefficients import (
+    DEFAULT_BACKEND,
+    CoefficientTable,
+    covering_after_rounding,
+    load_table,
+    table_from_dict,
+)
 from ..errors import ConfigError, bad
+from ..tolerances import (
+    BINDING_RATIO_EPS,
+    DOMINANCE_EPS,
+    FIT_RATIO_EPS,
+    MOVE_GAIN_EPS,
+    SETTLE_GAIN_EPS,
+)
 from .simplex import simplex
 
 _RET_ATT, _RET_GDN = "retained_attention_layer:per_row", "retained_gdn_layer:per_row"
@@ -333,37 +306,43 @@ def cell_points(table: CoefficientTable, record: dict) -> np.ndarray:
 
     rows, segments = _wave(record)
     model = _model(table, record["cell"])
-    # the busiest CP rank's rows (all of them at CP1)
-    return model_points(model, rank_rows(model, rows), segments)
+    # the busiest CP rank's rows (all of them at CP1); the caller's tensors hold every row
+    return model_points(model, rank_rows(model, rows), segments, logical_rows=rows)
 
 
-def model_points(model, rows: float, segments: float) -> np.ndarray:
-    """Every walk point of a one-group gradient wave of `rows` rank rows (logical rows alike,
-    no chunk padding, its longest sequence unknown) and `segments` that carries its slot's
-    pending gradients, in raw bytes without the first execution: `pricing.walk`'s schedule in
-    numpy, the head's backward split in its logits and final-norm moments (calibration fits
-    against these). Its maximum is `price_groups`' raw price (tests/pricing/test_schedule_forms.py).
-    O(layers)."""
+def model_points(model, rows: float, segments: float, *, logical_rows: float) -> np.ndarray:
+    """Every walk point of a one-group gradient wave of `rows` rank rows, `logical_rows` logical
+    rows (all ranks) and `segments`, its longest sequence unknown, that carries its slot's pending
+    gradients: raw bytes without the first execution, `pricing.walk`'s schedule in numpy with the
+    head's backward split in its logits and final-norm moments (what calibration fits against).
+    Its maximum is `price_groups`' raw price (tests/pricing/test_schedule_forms.py). O(layers)."""
     a, c = model.charges.walk, model.charges
     ret, ws, gdn = a.retained, a.workspace, a.gdn_state
     cum = np.cumsum(ret)
     total = float(ret.sum())
+    # a GDN kernel's chunk padding rows (`walk`: the call's rows up to a multiple of the chunk)
+    pad = math.ceil(rows / a.chunk) * a.chunk - rows if a.chunk > 1.0 else 0.0
+    cum_pad = np.cumsum(a.pad_retained)
+    total_pad = float(a.pad_retained.sum())
     suffix = np.cumsum(a.pending[0][::-1])[::-1] if a.pending.size else np.zeros(len(ret))
     parts, ig, const = c.head, a.input_grad, a.head_const
     head_ret = parts.logits_retained + parts.norm_saved
     late = ig + parts.layout_residual   # beside the head's backward (the residual: full recompute)
     fwd = c.forward
+    held = rows * total + pad * total_pad   # every layer's retained rows, at the head
+    before = rows * (cum - ret) + pad * (cum_pad - a.pad_retained + a.pad_point)
     # in this order (`point_phases` says which pass each runs in)
-    points = [rows * (cum - ret + fwd.nograd) + segments * gdn,
-              rows * (cum - ret + fwd.retained_forward) + segments * gdn,
-              rows * (cum + ws + ig) + suffix + segments * gdn,
-              [rows * (total + max(head_ret, a.head_forward)) + const,
-               rows * (total + late + head_ret + parts.logits_transient) + const,
+    points = [before + rows * fwd.nograd + segments * gdn,
+              before + rows * fwd.retained_forward + segments * gdn,
+              rows * (cum + ws + ig) + pad * (cum_pad + a.pad_point) + suffix + segments * gdn,
+              [held + rows * max(head_ret, a.head_forward) + const,
+               held + rows * (late + head_ret + parts.logits_transient) + const,
                # the final norm's backward, with the logits still charged at TP1
                # (`layout_terms.head_point_transient`)
-               rows * (total + late + parts.norm_saved + parts.logits_at_norm
-                       + parts.norm_backward) + const]]
-    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a.caller * rows
+               held + rows * (late + parts.norm_saved + parts.logits_at_norm
+                              + parts.norm_backward) + const]]
+    # the caller's tensors: per logical row, as the walk charges them (not divided by CP)
+    return np.concatenate([np.asarray(p, dtype=np.float64) for p in points]) + a.caller * logical_rows
 
 
 # --- scaling a table ------------------------------------------------------------------------
@@ -617,7 +596,7 @@ def _undominated(const: np.ndarray, coef: np.ndarray) -> list[int]:
     for p in range(flat.shape[0]):
         dominated = False
         for q in range(flat.shape[0]):
-            if q != p and np.all(flat[q] >= flat[p] - 1e-9) and (np.any(flat[q] > flat[p] + 1e-9) or q < p):
+            if q != p and np.all(flat[q] >= flat[p] - DOMINANCE_EPS) and (np.any(flat[q] > flat[p] + DOMINANCE_EPS) or q < p):
                 dominated = True
                 break
         if not dominated:
@@ -717,7 +696,7 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
         if sol is None:
             return None
         x = np.clip(sol, *FACTOR_BOUNDS)
-        return x if lin.ratios(x).min() >= 1.0 + margin - 1e-9 else None
+        return x if lin.ratios(x).min() >= 1.0 + margin - FIT_RATIO_EPS else None
 
     def settle(binding: list[int]) -> tuple[np.ndarray | None, list[int]]:
         best_x, best_b = None, binding
@@ -725,7 +704,7 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
             x = solve(binding)
             if x is None:
                 break
-            if best_x is None or value(x) < value(best_x) - 1e-12:
+            if best_x is None or value(x) < value(best_x) - SETTLE_GAIN_EPS:
                 best_x, best_b = x, binding
             nxt = lin.binding(x)
             if nxt == binding:
@@ -740,7 +719,7 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
             x0[start - 1] = 4.0
         for by_phase in (False, True):
             sx, sb = settle(lin.binding(x0, by_phase=by_phase))
-            if sx is not None and value(sx) < best - 1e-12:
+            if sx is not None and value(sx) < best - SETTLE_GAIN_EPS:
                 x, binding, best = sx, sb, value(sx)
     if x is None:
         # the base structure cannot cover the traces from its factors alone: raise them all
@@ -758,13 +737,13 @@ def fit_scales(records: list[dict], base: CoefficientTable, *, margin: float = M
             if all(binding[k] == p for k in ks):
                 continue
             if not any((lin.items[k][0][binding[k]] + lin.items[k][1][binding[k]] @ x) / lin.items[k][2]
-                       <= 1.0 + margin + 1e-6 for k in ks):
+                       <= 1.0 + margin + BINDING_RATIO_EPS for k in ks):
                 continue
             trial = list(binding)
             for k in ks:
                 trial[k] = p
             tx, tb = settle(trial)
-            if tx is not None and value(tx) < best - 1e-9:
+            if tx is not None and value(tx) < best - MOVE_GAIN_EPS:
                 x, binding, best, improved = tx, tb, value(tx), True
         if not improved:
             break
@@ -778,19 +757,11 @@ def fit_table(traces: list[dict], base_table: CoefficientTable, *, backend: str 
         _check_record(rec, f"record {n}")
     scales = fit_scales(traces, base_table, margin=margin)
     note = f"fitted by waveplan.pricing.measure.calibrate to {len(traces)} traced cells of {source_label}"
-    table = _scaled(base_table, scales, note=note, backend=backend)
-    # rounding the coefficients to 6 significant digits may lower a ratio by ~1e-6: check, by
-    # the pricer itself (`_ratios`: `price_groups`), that every cell stays over its margin
-    for _ in range(5):
-        lo = min(_ratios(table, {}, traces))
-        if lo >= 1.0 + margin:
-            break
-        raise_by = (1.0 + margin) / lo * 1.00001
-        scales = {g: s * raise_by for g, s in scales.items()}
-        table = _scaled(base_table, scales, note=note, backend=backend)
-    else:  # pragma: no cover - one raise covers a rounding error
-        raise bad(ConfigError, "traces", len(traces), "could not raise the fit above every trace")
-    object.__setattr__(table, "_fit_scales", {g: round(s, 4) for g, s in scales.items()})
+    # checked by the pricer itself (`_ratios`: `price_groups`)
+    table, _, _ = covering_after_rounding(
+        scales, lambda s: _scaled(base_table, s, note=note, backend=backend),
+        lambda t: _ratios(t, {}, traces), margin=margin, field="traces", value=len(traces),
+        why="could not raise the fit above every trace")
     return table
 
 

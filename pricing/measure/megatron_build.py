@@ -1,41 +1,6 @@
-"""Build a Megatron-core `GPTModel` whose shapes match a waveplan `ModelGeometry`.
-
-Used to read geometry back (`live_geometry`) and to trace a wave's memory (`trace`). The
-model uses Megatron-core's local (pure torch) modules, with two substitutions:
-
-- core attention is `SdpaAttention` (torch's `scaled_dot_product_attention`, causal), a
-  flash-attention-like kernel that keeps no s x s tensor, instead of the local spec's
-  unfused `DotProductAttention`; packed THD input is run per sequence;
-- GDN layers (`GatedDeltaNet`) use Megatron's own pure-torch chunked kernel
-  (`torch_chunk_gated_delta_rule`) and a torch L2 norm, as flash-linear-attention (FLA)
-  needs Triton. Its memory is *not* FLA's: the torch kernel saves far more for backward.
-
-Family features map to Megatron's own settings where it has them: multi-latent attention
-(`MLATransformerConfig`, `MLASelfAttention` from the local spec, latent norms on), q/k/v
-biases (`add_qkv_bias`), biases everywhere (`add_bias_linear`), sliding windows
-(`window_size`, `window_attn_skip_freq`; the SDPA stand-in runs full causal attention, whose
-flash memory is the same), attention sinks (`softmax_type="learnable"`), GeGLU (a tanh GELU
-as `activation_func`), gpt-oss's clamped SwiGLU (`quick_gelu`, `glu_linear_offset=1`,
-`activation_func_clamp_value`), sigmoid and group-limited routing. Megatron-core 0.16.1 has
-no soft-capping, sandwich norms or embedding scaling: `build_gpt` adds them as Hugging Face
-computes them, by forward hooks (`_install_unmodelled`: the embedding output times
-sqrt(hidden); `cap x tanh(logits / cap)` on the output layer's logits; an RMSNorm on the
-attention output and one on the MLP output, before each residual add), so traces see their
-tensors; and records them in `model.waveplan_features`, which `live_geometry` reads back.
-Attention logit soft-capping is not run (flash attention applies it in-kernel; the SDPA
-stand-in has no cap). Attention sinks run in the stand-in on the CPU (the flash output
-rescaled by sigmoid(lse - sink): a rescaled copy a fused kernel does not make), not on CUDA.
-A biased expert MLP (gpt-oss) gets its FC2 output copied before Megatron-core 0.16.1's
-in-place bias add, which autograd refuses on the view the TP1 reduction returns
-(`_install_expert_bias_fix`; the peak is unchanged).
-
-LoRA adapters are `LoraLinear` wrappers around Megatron's linear modules: trainable A
-(rank x in) and B (out x rank), frozen base. Every base weight is frozen; MoE expert
-linears are not wrapped (as in `lora.adapter_param_counts`).
-
-Call inside `megatron_shim.init_single_process(...)`. This module imports torch (megatron
-lazily, inside the functions): only code that builds a model imports it, so importing
-`waveplan.pricing` or `waveplan.pricing.measure` never needs either.
+"""A Megatron-core `GPTModel` whose shapes match a waveplan `ModelGeometry`, with LoRA adapters
+and the CPU stand-ins for flash attention and FLA's GDN kernel (`build_gpt`).
+See docs/measurement.md#megatron-build.
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
-"""Run Megatron-core on a machine without CUDA: a small, idempotent shim.
-
-Megatron-core allocates parameters on `torch.cuda.current_device()`, keeps its RNG states
-in CUDA generators and opens CUDA streams in the MoE code. `install_cpu_shim()` routes all
-of that to the CPU (or to the device chosen with `shim_device`, e.g. "meta"):
-
-- `torch.cuda.current_device()` returns the shim's device ("cpu" unless overridden);
-- CUDA RNG get/set/seed calls and Megatron's `_get/_set_cuda_rng_state` use the CPU
-  generator, and the RNG tracker's `fork()` is a plain context (a tracer does not need
-  reproducible dropout, and the original compares RNG states with `.item()`, which fake
-  tensors cannot answer);
-- `torch.cuda.Stream/stream/current_stream/synchronize` are no-ops;
-- `moe_utils.te_general_gemm`, left undefined by megatron-core 0.16.1 without Transformer
-  Engine, is defined as None (the router then uses torch.mm);
-- `maybe_move_tensor_to_cpu` (the all-to-all dispatcher's device-to-host copy of its split
-  sizes) converts CPU tensors too, as it converts CUDA ones: gloo's `all_to_all_single`
-  rejects split sizes that are still tensors.
-
-Once installed, the process cannot use CUDA through Megatron: run GPU traces in another
-process. torch and megatron are imported lazily; importing this module needs neither.
-`TORCHDYNAMO_DISABLE=1` is set before torch is first imported (Megatron's jit fusers
-would otherwise compile with dynamo).
-
-`init_single_process` sets up Megatron's `parallel_state` in this one process: a gloo
-group when the world is 1, or torch's fake process group (collectives are no-ops, shapes
-are right) when a layout with TP/PP/EP/CP > 1 is asked for, so a model can be built and
-traced with the per-rank shapes of that layout.
+"""Run Megatron-core on a machine without CUDA: a small, idempotent shim (`install_cpu_shim`),
+and Megatron's `parallel_state` in one process (`init_single_process`).
+See docs/measurement.md#megatron-shim.
 """
 
 from __future__ import annotations

@@ -1,41 +1,6 @@
-"""Multi-rank traces on the CPU: one process per rank, real Megatron-core parallel layers,
-real collectives over gloo, every rank's peak.
-
-`trace_multirank(geometry, layout=..., seq_lens=...)` (or `trace_multirank_batch` for several
-runs of one layout) spawns world = TP x CP x DP processes (`torch.multiprocessing`, "spawn"),
-where DP is the smallest data-parallel size that lets EP divide DP x CP (Megatron carves
-expert-parallel ranks out of the data- and context-parallel ones; expert tensor parallelism
-is TP). Each process sets up a gloo process group and Megatron's `parallel_state` with the
-layout, builds the model (`megatron_build.build_gpt`: tensor-parallel column/row linears,
-vocabulary-parallel embedding and output layer, LoRA adapters around them, the all-to-all MoE
-dispatcher when EP > 1) with real tensors, and runs the wave as the single-rank tracer does
-(`trace._trace_cpu`): a full pass (forward, Megatron's vocabulary-parallel cross entropy,
-backward) and a decoder-only pass, counting live untyped storages created by aten ops above
-the weights, buffers and inputs (`trace.StorageTracker`). Every rank runs the same wave: the
-TP ranks of a group share it (under sequence parallelism each holds 1/TP of the rows between
-the layers); a CP rank holds its load-balanced 2 chunks of each sequence (`ring_attention`);
-the DP ranks an EP layout needs run the same wave as if it were theirs.
-
-What is counted is each rank's own storages: collective outputs that Megatron allocates
-(all-gather buffers, all-to-all outputs) count; gloo's internal staging does not (as NCCL's
-buffers are not in `max_memory_allocated`). The tracker runs each collective on copies
-(`trace._staged_collective`): gloo's worker thread would otherwise hold the rank's own
-tensors a moment after the op completes, and a storage would die whenever that thread let
-go of it rather than when the rank's code dropped it (a peak one tensor higher, at random).
-
-MoE routing is the single-rank tracer's balanced router by default (token t's j-th choice is
-expert (t x k + j) mod E, every rank's experts get the same load); `routing="router"` keeps
-Megatron's top-k router on the random weights (the load per rank then differs). Context
-parallelism runs the ring attention allocation model of `ring_attention` (Megatron-core
-needs Transformer Engine for CP). GDN layers are refused for CP (Megatron's GatedDeltaNet
-has no CP on the CPU). Megatron-core's GatedDeltaNet takes no packed (THD) input, so a wave of
-a model with GDN layers is concatenated into one causal row (batch 1, positions 0..rows-1), as
-the single-rank tracer runs it (`trace.trace_wave`, packed "concatenated").
-
-Rank processes: OMP_NUM_THREADS=1, TORCHDYNAMO_DISABLE=1; each writes its result to a file;
-the parent waits up to `timeout_s` (a hang guard, default 1800 s: cold imports of 8 ranks on
-a busy 2-core machine take minutes) and stops every rank if one fails, with that rank's
-traceback in the error. Rank processes import no numba kernel and price nothing.
+"""Multi-rank traces on the CPU: one process per rank of a TP/SP/CP/EP layout, real Megatron-core
+parallel layers and collectives over gloo, every rank's peak (`trace_multirank`).
+See docs/measurement.md#multirank.
 """
 
 from __future__ import annotations
@@ -560,8 +525,8 @@ def _standard_grad_strides(module, args, output):
 
     GatedDeltaNet transposes its input projection's output [s, 1, x] to [1, s, x], so the
     gradient reaching the projection's backward has the transposed strides, and its
-    `grad_output.matmul(weight)` broadcasts the weight over the s rows as in the forward (3 GB
-    at 768 rows of hidden 1024, TP2). The identity's forward is a view and it saves nothing,
+    `grad_output.matmul(weight)` broadcasts the weight over the s rows as in the forward
+    (docs/measurement.md#multirank). The identity's forward is a view and it saves nothing,
     so the counted bytes are unchanged."""
     global _GRAD_STRIDES
     import torch

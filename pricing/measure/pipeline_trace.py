@@ -1,27 +1,6 @@
 """Pipeline traces on the CPU: Megatron-core's own 1F1B schedule over gloo, every stage's peak
-and when it happened.
-
-`trace_pipeline(geometry, layout=..., waves=[...])` spawns TP x PP processes (the multi-rank
-tracer's launcher, `gloo_launch.spawn`). Each rank sets up Megatron's `parallel_state` with the
-layout, builds its stage of the model (`megatron_build.build_gpt`: the first stage has the
-embedding, the last the final norm and output layer, each its even share of the layers, LoRA
-adapters on every linear) and runs one training step through
-`get_forward_backward_func()` (`forward_backward_pipelining_without_interleaving`) with
-`variable_seq_lengths=True` and `deallocate_pipeline_outputs=True` (as Megatron's training
-loop sets it): one micro-batch per wave, each a packed THD batch of that wave's sequences, of
-different lengths. The p2p communication is Megatron's own (shapes exchange, then the
-tensors); `megatron_shim.install_pipeline_shim` lists what runs it on gloo.
-
-Counted as the multi-rank tracer counts (`trace.StorageTracker`): live untyped storages that
-aten ops create during the step on each rank, above the stage's weights and every
-micro-batch's inputs (made before the step). Megatron's receive buffers, the received
-activations kept for the backward and their gradients count. Each rank also reports when its
-peak happened: the micro-batch and phase ("forward", "backward", or "after forward" /
-"after backward": the schedule's communication and bookkeeping that follow that step), and
-the peak of every (micro-batch, phase) in schedule order.
-
-Only the non-interleaved schedule is traced (no virtual stages); CP and EP are refused (their
-traces are PP = 1, `multirank`). Rank processes import no numba kernel and price nothing.
+and when it happened (`trace_pipeline`).
+See docs/measurement.md#pipeline-trace.
 """
 
 from __future__ import annotations

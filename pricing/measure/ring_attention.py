@@ -1,45 +1,6 @@
-"""Context parallelism on the CPU: the load-balanced THD split and a ring attention that
-allocates as Transformer Engine's does.
-
-Megatron-core runs context parallelism (CP) only through Transformer Engine's attention
-(`TEDotProductAttention`, `cp_comm_type="p2p"`: `AttnFuncWithCPAndKVP2P`), which needs CUDA.
-The multi-rank tracer (`multirank`) stands in for it the way the single-rank tracer stands in
-for flash attention (`megatron_build.SdpaAttention`): a real attention over real gloo
-point-to-point messages, whose tensors are the ones the GPU kernel allocates.
-
-**The split** (`cp_split`). Each sequence is padded to a multiple of 2 x CP rows and cut into
-2 x CP chunks of c rows; CP rank r holds chunks r and 2CP-1-r (Megatron's load balancing for
-causal attention), so every rank holds 2c rows of each sequence: its rows are the padded
-rows / CP. `packed_seq_params` carries the *global* (padded) cu_seqlens, as in Megatron; the
-ring divides them by CP.
-
-**The ring** (`RingAttention`, the allocation model of `AttnFuncWithCPAndKVP2P` in bf16,
-`thd`, causal). Per rank, with q [t, h, d] and k, v [t, g, d] its t = padded/CP rows:
-
-- forward, CP steps. The rank's k and v are copied into one send buffer (`cat`, 2tgd
-  elements); at step i < CP-1 a buffer of that size is allocated and receives the previous
-  rank's k/v while step i computes, so CP k/v buffers are alive at the end of the forward.
-  Step 0 is causal over the rank's own rows; a step whose k/v come from a lower rank
-  attends all q rows to the first half of those k/v (read into half-size copies); a step
-  whose k/v come from a higher rank attends the second half of q (a half-size copy) to all
-  of them. Every step keeps its partial output (bf16, [t or t/2, h, d]) and its log-sum-exp
-  (fp32, [h, t or t/2]) until the merge, which writes the output (bf16 [t, h, d]) and the
-  merged log-sum-exp (fp32 [h, t]). Kept for the backward: q, the last received k/v buffer,
-  the output and the log-sum-exp (k and v themselves are released).
-- backward, CP steps in the reverse order: dq (bf16, q's size) and two buffers of
-  [2, k/v size] (k/v and their gradient travel together around the ring, to the previous
-  rank); each step allocates its own dq and dk/dv (the sizes of its q and k/v parts) and
-  the half copies of q, out, dout and the log-sum-exp (or of k/v) that its part needs. The
-  returned dk, dv are views into the last buffer.
-
-Each step's attention is torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`
-and its backward), run per sequence into the step's packed buffers: as in the single-rank
-stand-in, one sequence's output is alive beside the packed buffer it is copied into, and the
-merge corrects outputs in blocks of `BLOCK_ROWS` rows (fp32 scratch of that size). Kernel
-scratch is not counted (as on the GPU). The numbers are real: the ring's output and
-gradients equal one rank's causal attention over the whole sequence (tests check the loss).
-
-Imports torch and megatron-core: only the multi-rank tracer's rank processes load it.
+"""Context parallelism on the CPU: Megatron's load-balanced THD split (`cp_split`) and a ring
+attention that allocates as Transformer Engine's `AttnFuncWithCPAndKVP2P` does (`RingAttention`).
+See docs/measurement.md#ring-attention.
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
-"""Measure the activation peak of one wave on a Megatron-core model.
-
-`trace_wave` builds a `GPTModel` with the geometry's shapes (`megatron_build.build_gpt`,
-LoRA adapters trainable, base frozen), runs one forward and one backward of the wave, and
-reports the peak bytes *above the pre-step baseline* (weights, buffers, the inputs): a
-planner's budget is the memory left after weights, so the peaks here are what a wave adds.
-
-Devices:
-
-- "cpu-fake": full-size geometry at no memory cost. Parameters and activations are fake
-  tensors (`FakeTensorMode`); a `TorchDispatchMode` (`StorageTracker`) counts each untyped
-  storage once by its nbytes when an op creates it and drops it when its weakref dies; the
-  peak is the maximum of the live sum after each op. It sees every storage that aten ops
-  create (what a caching allocator would be asked for, without its rounding), not a
-  kernel's internal scratch.
-- "cpu": the same tracker on real tensors (use small models; it checks "cpu-fake").
-- "cuda": `torch.cuda.max_memory_allocated()` minus the allocation before the step.
-
-The wave's sequences are packed in one batch: THD with `PackedSeqParams` (per-sequence
-causal attention and RoPE positions) for attention-only models; GDN hybrids cannot take
-packed input in Megatron-core 0.16, so their sequences are concatenated into one causal
-row (batch 1) and a note says so. The loss is Megatron's own cross entropy
-(`vocab_parallel_cross_entropy`) on the full logits ("full-native" head: bf16 logits plus
-an fp32 copy), or, with `head="full-te"`, Megatron's Transformer Engine fusion path: on the CPU
-through `te_cross_entropy`'s allocation model of TE's parallel cross entropy (bf16 logits
-overwritten by their gradient, fp32 loss and per-row statistics). A second, decoder-only pass (the same wave without output layer and loss;
-the decoder output is released before the backward, which starts from one materialised
-gradient of its shape, as after the output layer's backward) gives the decoder's own peak.
-
-MoE layers route tokens data-dependently; fake tensors cannot follow that, so on
-"cpu-fake" (and, for agreement, on "cpu") the router is replaced by a balanced one: token
-t's j-th choice goes to expert (t * top_k + j) mod num_experts (see `_balanced_router`).
+"""One wave's activation peak above the pre-step baseline (weights, buffers, inputs) on a
+Megatron-core model, on fake tensors, real CPU tensors or CUDA (`trace_wave`).
+See docs/measurement.md#trace.
 """
 
 from __future__ import annotations
