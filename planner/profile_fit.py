@@ -35,7 +35,7 @@ Every estimate of the fitted table is >= (1 + margin) x its peak by construction
 after rounding). The held-out check (`held_out`) fits on every other observation and prices
 the rest, so a user sees how far the fit carries beyond what it saw.
 
-Complexity: O(passes x groups x BISECTIONS x observations) wave prices, each
+Complexity: O(passes x groups x bisections x observations) wave prices, each
 O(groups^2 + groups x layers) (`pricing.price.price_groups`).
 """
 
@@ -47,18 +47,15 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from waveplan.pricing.coefficients import CoefficientTable, covering_after_rounding
+from waveplan.pricing.coefficients import CoefficientTable, covering_after_rounding, covering_scales
 from waveplan.pricing.errors import ConfigError, bad
 from waveplan.pricing.measure import calibrate
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import GroupLoad, price_groups
-from waveplan.pricing.tolerances import REL_GAIN_EPS
 
 from .profiles import ProfileStore, config_key
 
 MARGIN = calibrate.MARGIN      # every fitted estimate >= (1 + MARGIN) x its peak
-BISECTIONS = 24                # factor resolution ~ 8 / 2^24
-PASSES = 3                     # rounds of group-by-group lowering
 REPRICE_SLACK_BYTES = 2        # ceil() of the walk's total vs of its parts: at most a byte or two
 FACTOR_MAX = calibrate.FACTOR_BOUNDS[1]
 
@@ -152,51 +149,15 @@ def fit_scales(model: PricingModel, cells: Sequence[FitCell], *,
     """(group factors, s0) covering every cell at (1 + margin) x its peak; see the module doc.
     The model's own table is the base. Deterministic."""
     base = model.table
-    groups = _groups(model)[0]
-    need = 1.0 + margin
 
-    def covers(scales: dict[str, float]) -> bool:
-        return min(_ratios(model, base, scales, cells)) >= need
-
-    def mean(scales: dict[str, float]) -> float:
-        return statistics.fmean(_ratios(model, base, scales, cells))
-
-    def uniform(s: float) -> dict[str, float]:
-        return {g: s for g in groups}
-
-    if not covers(uniform(FACTOR_MAX)):
-        worst = min(zip(_ratios(model, base, uniform(FACTOR_MAX), cells), cells, strict=True),
-                    key=lambda rc: rc[0])
+    def refuse(ratios: list[float]) -> None:
+        worst = min(zip(ratios, cells, strict=True), key=lambda rc: rc[0])
         raise bad(ConfigError, f"{worst[1].where}.peak_bytes", worst[1].peak_bytes,
                   f"even {FACTOR_MAX:g}x the base table prices this wave at {worst[0]:.3f}x its peak; "
                   "the peak was not measured on the wave (or with other memory counted)")
-    lo, hi = 0.0, FACTOR_MAX
-    for _ in range(BISECTIONS):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if covers(uniform(mid)) else (mid, hi)
-    s0 = hi
-    floor = min(1.0, s0)
-    scales = uniform(max(1.0, s0))
-    best = mean(scales)
-    for _ in range(PASSES):
-        moved = False
-        for g in groups:
-            if scales[g] <= floor:
-                continue
-            trial = dict(scales, **{g: floor})
-            if not covers(trial):
-                lo, hi = floor, scales[g]
-                for _ in range(BISECTIONS):
-                    mid = (lo + hi) / 2
-                    trial[g] = mid
-                    lo, hi = (lo, mid) if covers(trial) else (mid, hi)
-                trial[g] = hi
-            value = mean(trial)
-            if value < best * (1 - REL_GAIN_EPS):
-                scales, best, moved = trial, value, True
-        if not moved:
-            break
-    return scales, s0
+
+    return covering_scales(_groups(model)[0], lambda scales: _ratios(model, base, scales, cells),
+                           margin=margin, factor_max=FACTOR_MAX, refuse=refuse)
 
 
 def fit_profiles(store: ProfileStore, model: PricingModel, *, backend: str,

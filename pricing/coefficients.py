@@ -134,3 +134,56 @@ def covering_after_rounding(scales: dict[str, float], build, ratios_of, *, margi
         scales = {g: s * raise_by for g, s in scales.items()}
         table = build(scales)
     raise bad(ConfigError, field, value, why)  # pragma: no cover - one raise covers a rounding error
+
+
+FIT_BISECTIONS = 24   # factor resolution ~ FACTOR_MAX / 2^24
+FIT_PASSES = 3        # rounds of group-by-group lowering
+
+
+def covering_scales(groups, ratios_of, *, margin: float, factor_max: float, refuse):
+    """(group factors, s0): the least uniform factor s0 with every ratio `ratios_of(scales)`
+    (estimate / measured) >= 1 + margin, then each group lowered in turn (bisection) as far as
+    every ratio stays covered, never below min(1, s0), while the mean ratio falls. `refuse(ratios)`
+    raises when even `factor_max` does not cover. Shared by `planner.profile_fit` and
+    `fsdp.calibrate`. Deterministic. O(FIT_PASSES x groups x FIT_BISECTIONS) calls."""
+    import statistics
+
+    from .tolerances import REL_GAIN_EPS
+
+    need = 1.0 + margin
+
+    def covers(scales):
+        return min(ratios_of(scales)) >= need
+
+    def uniform(x):
+        return {g: x for g in groups}
+
+    if not covers(uniform(factor_max)):
+        refuse(ratios_of(uniform(factor_max)))
+    lo, hi = 0.0, factor_max
+    for _ in range(FIT_BISECTIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if covers(uniform(mid)) else (mid, hi)
+    s0 = hi
+    floor = min(1.0, s0)
+    scales = uniform(max(1.0, s0))
+    best = statistics.fmean(ratios_of(scales))
+    for _ in range(FIT_PASSES):
+        moved = False
+        for g in groups:
+            if scales[g] <= floor:
+                continue
+            trial = dict(scales, **{g: floor})
+            if not covers(trial):
+                lo, hi = floor, scales[g]
+                for _ in range(FIT_BISECTIONS):
+                    mid = (lo + hi) / 2
+                    trial[g] = mid
+                    lo, hi = (lo, mid) if covers(trial) else (mid, hi)
+                trial[g] = hi
+            value = statistics.fmean(ratios_of(trial))
+            if value < best * (1 - REL_GAIN_EPS):
+                scales, best, moved = trial, value, True
+        if not moved:
+            break
+    return scales, s0

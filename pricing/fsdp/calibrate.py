@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
 
-from ..coefficients import CoefficientTable, covering_after_rounding
+from ..coefficients import CoefficientTable, covering_after_rounding, covering_scales
 from ..errors import ConfigError, bad
-from ..tolerances import REL_GAIN_EPS
 from .terms import CALIBRATION_GROUPS as GROUPS
 from .terms import calibration_factors as factors
 
 MARGIN = 0.005          # every fitted estimate >= (1 + MARGIN) x its peak
 FACTOR_MAX = 8.0
-BISECTIONS = 24
-PASSES = 3
 
 
 def scaled_table(base: CoefficientTable, scales: dict[str, float], *, note: str | None = None,
@@ -47,51 +43,17 @@ def fit_scales(price, peaks, base: CoefficientTable, *, margin: float = MARGIN,
                where=None) -> tuple[dict[str, float], float]:
     """(group factors, s0): the least factors covering every peak at (1 + margin) x, where
     `price(table)` gives each cell's raw price with `table` and `peaks` each cell's peak.
-    Deterministic. O(PASSES x groups x BISECTIONS) calls of `price`."""
-    need = 1.0 + margin
-
+    Deterministic (`coefficients.covering_scales`)."""
     def ratios(scales):
         return [p / k for p, k in zip(price(scaled_table(base, scales)), peaks, strict=True)]
 
-    def covers(scales):
-        return min(ratios(scales)) >= need
-
-    def uniform(s):
-        return {g: s for g in GROUPS}
-
-    if not covers(uniform(FACTOR_MAX)):
-        r = ratios(uniform(FACTOR_MAX))
+    def refuse(r):
         i = min(range(len(r)), key=r.__getitem__)
         raise bad(ConfigError, f"{where[i] if where else f'cells[{i}]'}.peak_bytes", peaks[i],
                   f"even {FACTOR_MAX:g}x the fsdp terms price this wave at {r[i]:.3f}x its peak; "
                   "the peak was not measured on the wave (or with other memory counted)")
-    lo, hi = 0.0, FACTOR_MAX
-    for _ in range(BISECTIONS):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if covers(uniform(mid)) else (mid, hi)
-    s0 = hi
-    floor = min(1.0, s0)
-    scales = uniform(max(1.0, s0))
-    best = statistics.fmean(ratios(scales))
-    for _ in range(PASSES):
-        moved = False
-        for g in GROUPS:
-            if scales[g] <= floor:
-                continue
-            trial = dict(scales, **{g: floor})
-            if not covers(trial):
-                lo, hi = floor, scales[g]
-                for _ in range(BISECTIONS):
-                    mid = (lo + hi) / 2
-                    trial[g] = mid
-                    lo, hi = (lo, mid) if covers(trial) else (mid, hi)
-                trial[g] = hi
-            value = statistics.fmean(ratios(trial))
-            if value < best * (1 - REL_GAIN_EPS):
-                scales, best, moved = trial, value, True
-        if not moved:
-            break
-    return scales, s0
+
+    return covering_scales(list(GROUPS), ratios, margin=margin, factor_max=FACTOR_MAX, refuse=refuse)
 
 
 def record_pricer(records: list[dict]):
