@@ -384,7 +384,7 @@ class Planner:
         only): the free bytes of each pipeline stage (a number or one per rank of the stage);
         each stage's in-flight windows are checked against its own budget, each wave against
         the smallest of them and `free_bytes`'s. `time_budget_ms` None: the default rule
-        (`search.default_time_budget_ms`, 5 ms up to 25 requests, 0.2 ms a request above;
+        (`search.default_time_budget_ms`, 20 ms up to 100 requests, 0.2 ms a request above;
         docs/faq.md#time-budget)."""
         budget = budget_from_free_bytes(free_bytes)
         stage_budgets = None

@@ -27,7 +27,7 @@ class PackerKind(StrEnum):
 BASELINE_KINDS = frozenset({PackerKind.UNIFORM_WIDTH, PackerKind.FFD, PackerKind.KK})
 
 DEFAULT_PACKER = PackerKind.AUTO
-DEFAULT_TIME_BUDGET_MS = 5.0     # the default time budget's floor (the whole search, exact
+DEFAULT_TIME_BUDGET_MS = 20.0    # the default time budget's floor (the whole search, exact
                                  # re-pricing included) ...
 DEFAULT_MS_PER_REQUEST = 0.2     # ... and its share per request: 409.6 ms at 2048 requests
 DEFAULT_SEED = 0

@@ -37,8 +37,9 @@ def _budget(step, pricer, factor: float) -> int:
 
 
 def test_the_default_rule():
-    assert default_time_budget_ms(1) == DEFAULT_TIME_BUDGET_MS == 5.0
-    assert default_time_budget_ms(25) == 5.0
+    assert default_time_budget_ms(1) == DEFAULT_TIME_BUDGET_MS == 20.0
+    assert default_time_budget_ms(100) == 20.0
+    assert default_time_budget_ms(128) == pytest.approx(25.6)
     assert default_time_budget_ms(2048) == pytest.approx(DEFAULT_MS_PER_REQUEST * 2048)
     assert default_time_budget_ms(2048) == pytest.approx(409.6)
     sizes = [1, 32, 128, 200, 201, 512, 2048, 10000]
