@@ -55,7 +55,7 @@ def _plans():
     yield lambda: dense.plan(grpo, free_bytes=40 * gib)
     # the greedy leaves a gap here: the randomised multistart runs
     llama = Planner.from_preset("llama-3.1-8b", tp=2, recompute="selective", lora_rank=8)
-    yield lambda: llama.plan(grpo, free_bytes=80 * gib, deterministic=True, time_budget_ms=10)
+    yield lambda: llama.plan(grpo, free_bytes=60 * gib, deterministic=True, time_budget_ms=10)
     yield lambda: llama.plan(sft, free_bytes=60 * gib, packer="exact", time_budget_ms=10)
     yield lambda: dense.plan(sft, free_bytes=30 * gib, packer="greedy")
     yield lambda: hybrid.plan(grpo, free_bytes=[20 * gib, 24 * gib], deterministic=True)

@@ -8,6 +8,7 @@ import pytest
 
 from waveplan.pricing import layout_terms, terms
 from waveplan.pricing.coefficients import OPTIONAL_TERMS, load_table
+from waveplan.pricing.entries import ENTRIES
 from waveplan.pricing.geometry import MixerKind
 from waveplan.pricing.model import PricingModel, has_qk_norm, layer_widths
 from waveplan.pricing.parallel import Recompute
@@ -24,7 +25,8 @@ def test_te_gpu_carries_none_of_the_optional_terms():
         "kernel_models"}
     cpu = load_table("torch-cpu")
     fused = {"kernel_models", "fused_retained_layer"}   # the fused kernels' entries only
-    plain = set(OPTIONAL_TERMS) - fused
+    fsdp = {e.name for e in ENTRIES if e.anchor == "fsdp-calibration"}   # fitted by users, per GPU
+    plain = set(OPTIONAL_TERMS) - fused - fsdp
     assert plain <= set(cpu.terms) and not fused & set(cpu.terms)
     # each says where it comes from: a fit, or a structural form read off the traces
     assert all(any(word in cpu.source(name) for word in ("fitted", "structural", "set by trace"))

@@ -126,6 +126,12 @@ def test_tp_padding_per_sequence():
 
 
 def test_cp_busiest_rank_rows():
+    # on one kernel path: te-gpu prices CP1's retained dense layers by the fused kernels' model
+    # and CP2's by the fitted terms (docs/memory-model.md#gpu-kernel-allocation-models)
+    def model_for(preset, layout, mode, head):
+        return PricingModel.build(load_preset(preset), parallel=layout, recompute=Recompute(mode=mode),
+                                  lora=SLOTS, head=head, backend="torch-cpu")
+
     cp2 = model_for("qwen3-8b", ParallelLayout(cp=2), "selective", "chunked:512")
     step = Step.from_requests([Request(id="a", num_tokens=4097, slot="a")])
     (load,) = WavePricer.build(step, cp2).group_loads([np.array([0])])
