@@ -259,7 +259,6 @@ def _live_storages(torch):
 
 def trace_rank(spec: dict) -> list[dict]:
     """This rank's result for every job: peak above rest, rest, forward peak."""
-    import torch
 
     model, opt = build_fsdp_model(spec)
     vocab = int(spec["config"].get("vocab_size", 32000))
@@ -275,12 +274,21 @@ def trace_rank(spec: dict) -> list[dict]:
         loss.backward()
         del loss, ids, pos, labels
 
-    # warm-up step: lazy init, first all-gathers, optimizer states created
-    run(spec["jobs"][0])
+    return measure_waves(model, opt, spec["jobs"], run, dev)
+
+
+def measure_waves(model, opt, jobs, run, dev: str) -> list[dict]:
+    """Every job's peak above rest, rest and forward peak, after one warm-up step (lazy init,
+    first all-gathers, optimizer states created) of `run(jobs[0])`: CUDA peak statistics, or
+    the live-storage tracker with FSDP2's all-gather outputs polled by size. A `run` returning
+    its loss adds `loss` and `warmup_loss`. Shared by `fsdp_trace` and `fsdp_verl_trace`."""
+    import torch
+
+    warmup = run(jobs[0])
     opt.step()
     opt.zero_grad(set_to_none=True)
     results = []
-    for lens in spec["jobs"]:
+    for lens in jobs:
         opt.zero_grad(set_to_none=True)
         gc.collect()
         if dev == "cuda":
@@ -288,28 +296,31 @@ def trace_rank(spec: dict) -> list[dict]:
             rest = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             fwd = {}
-            run(lens, phase=lambda f=fwd: f.update(p=torch.cuda.max_memory_allocated()))
+            value = run(lens, phase=lambda f=fwd: f.update(p=torch.cuda.max_memory_allocated()))
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - rest
-            results.append({"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest)})
-            continue
-        polled = []
-        for fp in _fsdp_params(model):
-            polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
-        live = _live_storages(torch)
-        polled_ids = {id(st) for st in polled}
-        rest = sum(o.untyped_storage().nbytes() for k, o in live.items() if k not in polled_ids)
-        rest += sum(st.nbytes() for st in polled)
-        tracker = _polled_tracker()(polled)
-        tracker.ignore([o for k, o in live.items() if k not in polled_ids])
-        del live
-        fwd = {}
-        with tracker:
-            tracker.reset_peak()
-            base = tracker.peak
-            run(lens, phase=lambda f=fwd, t=tracker: f.update(p=t.peak))
-        results.append({"peak": int(tracker.peak - base), "rest": int(rest),
-                        "forward_peak": int(fwd["p"] - base)})
-        del tracker
+            record = {"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest)}
+        else:
+            polled = []
+            for fp in _fsdp_params(model):
+                polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
+            live = _live_storages(torch)
+            polled_ids = {id(st) for st in polled}
+            rest = sum(o.untyped_storage().nbytes() for k, o in live.items() if k not in polled_ids)
+            rest += sum(st.nbytes() for st in polled)
+            tracker = _polled_tracker()(polled)
+            tracker.ignore([o for k, o in live.items() if k not in polled_ids])
+            del live
+            fwd = {}
+            with tracker:
+                tracker.reset_peak()
+                base = tracker.peak
+                value = run(lens, phase=lambda f=fwd, t=tracker: f.update(p=t.peak))
+            record = {"peak": int(tracker.peak - base), "rest": int(rest),
+                      "forward_peak": int(fwd["p"] - base)}
+            del tracker
+        if value is not None:
+            record.update(loss=value, warmup_loss=warmup)
+        results.append(record)
     opt.zero_grad(set_to_none=True)
     return results

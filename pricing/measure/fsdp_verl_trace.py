@@ -30,7 +30,6 @@ changes is the wave:
 
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import dataclass
 
@@ -41,9 +40,6 @@ from .fsdp_trace import (
     TRACE_ATTN,
     FsdpTrace,
     FsdpTraceJob,
-    _fsdp_params,
-    _live_storages,
-    _polled_tracker,
     build_fsdp_model,
     decoder_layers,
 )
@@ -234,7 +230,7 @@ def trace_rank(spec: dict) -> list[dict]:
     import torch
     from verl.utils.ulysses import ulysses_pad_and_slice_inputs
 
-    from .fsdp_trace import wave_inputs
+    from .fsdp_trace import measure_waves, wave_inputs
 
     model, opt = build_fsdp_model(spec)
     sp = spec["ulysses"]
@@ -276,41 +272,4 @@ def trace_rank(spec: dict) -> list[dict]:
         del loss, ids, pos, rolled, mask, out
         return value
 
-    warmup = run(spec["jobs"][0])
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    results = []
-    for lens in spec["jobs"]:
-        opt.zero_grad(set_to_none=True)
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-            rest = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fwd = {}
-            value = run(lens, phase=lambda f=fwd: f.update(p=torch.cuda.max_memory_allocated()))
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - rest
-            results.append({"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest),
-                            "loss": value, "warmup_loss": warmup})
-            continue
-        polled = []
-        for fp in _fsdp_params(model):
-            polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
-        live = _live_storages(torch)
-        polled_ids = {id(st) for st in polled}
-        rest = sum(o.untyped_storage().nbytes() for k, o in live.items() if k not in polled_ids)
-        rest += sum(st.nbytes() for st in polled)
-        tracker = _polled_tracker()(polled)
-        tracker.ignore([o for k, o in live.items() if k not in polled_ids])
-        del live
-        fwd = {}
-        with tracker:
-            tracker.reset_peak()
-            base = tracker.peak
-            value = run(lens, phase=lambda f=fwd, t=tracker: f.update(p=t.peak))
-        results.append({"peak": int(tracker.peak - base), "rest": int(rest),
-                        "forward_peak": int(fwd["p"] - base), "loss": value, "warmup_loss": warmup})
-        del tracker
-    opt.zero_grad(set_to_none=True)
-    return results
+    return measure_waves(model, opt, spec["jobs"], run, dev)
