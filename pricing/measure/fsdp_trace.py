@@ -91,14 +91,9 @@ class FsdpTrace:
                 "forward_peaks": list(self.forward_peaks), "notes": list(self.notes)}
 
 
-def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
-               checkpointing: bool = True, lora_rank: int = 8,
-               reshard_after_forward: bool = True, device: str = "cpu",
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[FsdpTrace]:
-    """Trace each job's wave on `fsdp` gloo ranks (one process each); one `FsdpTrace` per job.
-
-    `config`: a transformers config as a dict with its `model_type` (small widths on the CPU:
-    every tensor is real). O(jobs) waves per rank, one model build."""
+def checked_jobs(jobs, config, attn: str, device: str) -> list[FsdpTraceJob]:
+    """`jobs` as `FsdpTraceJob`s, with the tracer's inputs checked (one line naming the field).
+    Shared by `trace_fsdp` and `fsdp_verl_trace.trace_fsdp_verl`."""
     jobs = [j if isinstance(j, FsdpTraceJob) else FsdpTraceJob(tuple(int(x) for x in j))
             for j in jobs]
     if not jobs:
@@ -113,6 +108,18 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
                   "(flash_attention_2 is priced by its allocation model)")
     if device not in DEVICES:
         raise bad(ConfigError, "device", device, f"must be one of {', '.join(DEVICES)}")
+    return jobs
+
+
+def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
+               checkpointing: bool = True, lora_rank: int = 8,
+               reshard_after_forward: bool = True, device: str = "cpu",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[FsdpTrace]:
+    """Trace each job's wave on `fsdp` gloo ranks (one process each); one `FsdpTrace` per job.
+
+    `config`: a transformers config as a dict with its `model_type` (small widths on the CPU:
+    every tensor is real). O(jobs) waves per rank, one model build."""
+    jobs = checked_jobs(jobs, config, attn, device)
     if not (isinstance(fsdp, int) and 1 <= fsdp <= 64):
         raise bad(ConfigError, "fsdp", fsdp, "must be an integer in [1, 64]")
     if not (isinstance(lora_rank, int) and lora_rank >= 1):

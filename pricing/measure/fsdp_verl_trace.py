@@ -36,11 +36,9 @@ from dataclasses import dataclass
 from ..errors import ConfigError, bad
 from .fsdp_trace import (
     DEFAULT_TIMEOUT_S,
-    DEVICES,
-    TRACE_ATTN,
     FsdpTrace,
-    FsdpTraceJob,
     build_fsdp_model,
+    checked_jobs,
     decoder_layers,
 )
 from .gloo_launch import spawn
@@ -81,19 +79,7 @@ def trace_fsdp_verl(config: dict, *, jobs, fsdp: int = 2, ulysses: int = 1, head
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> list[VerlFsdpTrace]:
     """Trace each job's wave on `fsdp` ranks with Ulysses group `ulysses` and head `head`; one
     `VerlFsdpTrace` per job. O(jobs) waves per rank, one model build."""
-    jobs = [j if isinstance(j, FsdpTraceJob) else FsdpTraceJob(tuple(int(x) for x in j))
-            for j in jobs]
-    if not jobs:
-        raise bad(ConfigError, "jobs", jobs, "must name at least one wave")
-    for j in jobs:
-        if not j.seq_lens or any(n < 2 for n in j.seq_lens):
-            raise bad(ConfigError, "seq_lens", list(j.seq_lens), "every sequence needs >= 2 tokens")
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise bad(ConfigError, "config", type(config).__name__, "must be a dict with model_type")
-    if attn not in TRACE_ATTN:
-        raise bad(ConfigError, "attn", attn, f"traceable on the CPU: {', '.join(TRACE_ATTN)}")
-    if device not in DEVICES:
-        raise bad(ConfigError, "device", device, f"must be one of {', '.join(DEVICES)}")
+    jobs = checked_jobs(jobs, config, attn, device)
     if head not in TRACE_HEADS:
         raise bad(ConfigError, "head", head, f"traceable: {', '.join(TRACE_HEADS)} "
                   "(verl-fused runs Triton; it is priced by its allocation model)")
