@@ -11,6 +11,7 @@ from pathlib import Path
 from waveplan.pricing.atomic_io import write_json_atomic  # noqa: F401  (re-exported for the subcommands)
 from waveplan.pricing.coefficients import DEFAULT_BACKEND
 from waveplan.pricing.errors import ConfigError, bad
+from waveplan.pricing.kernel_set import Framework
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import DEFAULT_HEAD, DEFAULT_SAFETY, PricingModel
 from waveplan.pricing.model_source import load_model
@@ -200,9 +201,9 @@ def _fsdp_model_from_args(args: argparse.Namespace, geometry) -> PricingModel:
 def fsdp_words(model: PricingModel) -> str | None:
     """'FSDP2 x8, attn flash, checkpointing' for an fsdp-framework model (the header its tables
     print in place of Megatron's TP/CP layout); None for Megatron-core."""
-    layout = getattr(model, "fsdp_layout", None)
-    if layout is None:
+    if model.framework is not Framework.FSDP:
         return None
+    layout = model.fsdp_layout
     words = f"FSDP2 x{layout.fsdp}, attn {layout.attn}, "
     words += "checkpointing" if layout.checkpointing else "no checkpointing"
     if layout.ulysses != 1:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.kernel_set import Framework
 from waveplan.pricing.layout import layout
 from waveplan.pricing.step import Step, bundled_step, list_bundled_steps, load_step
 
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     step, source = resolve_step(args.step)
     stats = step_stats(step)
     ep_note = single_rank_note(model)   # what a plan made on one rank assumes at EP > 1
-    fsdp = getattr(model, "fsdp_layout", None) is not None
+    fsdp = model.framework is Framework.FSDP
     if args.json:
         extra = {"ep_peers": ep_note} if ep_note is not None else {}
         if fsdp:

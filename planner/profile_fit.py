@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from waveplan.pricing.coefficients import CoefficientTable, covering_after_rounding, covering_scales
 from waveplan.pricing.errors import ConfigError, bad
+from waveplan.pricing.kernel_set import Framework
 from waveplan.pricing.measure import calibrate
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import GroupLoad, price_groups
@@ -132,7 +133,7 @@ def _table_ratios(model: PricingModel, table: CoefficientTable,
 def _groups(model: PricingModel):
     """(groups, scaled_table) of the model's framework: Megatron-core's term groups
     (`calibrate.GROUPS`), or the fsdp framework's four factors (`pricing.fsdp.calibrate`)."""
-    if getattr(model, "fsdp_layout", None) is not None:
+    if model.framework is Framework.FSDP:
         from waveplan.pricing.fsdp import calibrate as fsdp_calibrate
 
         return list(fsdp_calibrate.GROUPS), fsdp_calibrate.scaled_table

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from waveplan.pricing.errors import ConfigError, bad
+from waveplan.pricing.kernel_set import Framework
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.price import Breakdown, GroupLoad
 from waveplan.pricing.rope_cache import TERM
@@ -79,7 +80,7 @@ def config_dict(model: PricingModel) -> dict:
             "recompute": model.recompute.to_dict(),
             "lora": {s.name: s.rank for s in model.lora.slots},
             "head": model.head, "backend": model.table.backend,
-            **({"fsdp": model.fsdp_layout.to_dict()} if hasattr(model, "fsdp_layout") else {})}
+            **({"fsdp": model.fsdp_layout.to_dict()} if model.framework is Framework.FSDP else {})}
 
 
 def config_key_from_dict(data: dict) -> str:

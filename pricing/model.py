@@ -19,6 +19,7 @@ from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_f
 from .coverage import Coverage, assess, dtype_scale
 from .errors import ConfigError, bad
 from .geometry import ModelGeometry
+from .kernel_set import Framework
 from .layer_arrays import layer_arrays
 from .layers.context import LayerContext, layer_context
 from .lora import LoraConfig, adapter_param_counts
@@ -165,6 +166,12 @@ class PricingModel:
         used = moe_terms.busiest_rank_load(moe, ep, self.moe_load)
         return (f"MoE load {used:g} assumed (opt-in moe_load: the caller's bound on the busiest EP{ep} "
                 f"rank's routed rows over rows x top_k; without it the worst case {worst:g} is priced)",)
+
+    @property
+    def framework(self) -> Framework:
+        """The training framework this model prices (Megatron-core here; `FsdpPricingModel`:
+        FSDP), the one place callers learn it. docs/architecture.md."""
+        return Framework.MEGATRON
 
     @property
     def kernel_basis(self) -> tuple[str, ...]:

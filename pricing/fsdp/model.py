@@ -19,6 +19,7 @@ from ..charges import Charges, ForwardParts, HeadParts
 from ..coverage import Coverage, Gap, GapKind
 from ..errors import ConfigError, bad
 from ..geometry import MixerKind, MlpKind
+from ..kernel_set import Framework
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import WalkCharges
@@ -137,6 +138,11 @@ class FsdpPricingModel(PricingModel):
         object.__setattr__(self, "slot_names", tuple(s.name for s in self.lora.slots))
         object.__setattr__(self, "charges", self._build_charges())
         object.__setattr__(self, "memo", {})
+
+    @property
+    def framework(self) -> Framework:
+        """FSDP2 with Hugging Face transformers and PEFT."""
+        return Framework.FSDP
 
     @property
     def kernel_basis(self) -> tuple[str, ...]:
@@ -299,7 +305,7 @@ class FsdpPricingModel(PricingModel):
 
     def to_dict(self) -> dict:
         doc = super().to_dict()
-        doc["framework"] = "fsdp"
+        doc["framework"] = self.framework.value
         doc["fsdp"] = self.fsdp_layout.to_dict()
         # the family decides the basis; the geometry's dict does not carry its source
         doc["model_type"] = model_type_of(self.geometry)
