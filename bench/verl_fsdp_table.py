@@ -14,6 +14,7 @@ same model: the budget a careful user would have to set); waveplan's side: the a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,11 @@ from verl.utils import seqlen_balancing as vsb
 
 from waveplan.planner import Planner
 from waveplan.planner.integrations import verl as adapter
-from waveplan.pricing.step import Step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from verl_token_budget import memory_safe_token_budget  # noqa: E402
 
 GIB = 2**30
-FIRST = frozenset({"default"})
 OUT = Path(__file__).resolve().parent / "results" / "verl_fsdp_table.txt"
 # (name, sequences, shortest, longest, free GiB)
 BATCHES = [("long", 64, 4096, 8192, 40), ("mixed", 64, 128, 8192, 40), ("short", 256, 128, 1024, 40),
@@ -36,27 +38,6 @@ LO, HI = 128, 8192
 QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                 tie_word_embeddings=False)
-
-
-def first_fits(planner, lengths, free) -> bool:
-    step = Step.from_lengths(np.zeros(len(lengths), np.int64), lengths)
-    return planner.pricer(step).price([np.arange(len(lengths))], first_slots=FIRST).admitted_bytes <= free
-
-
-def token_budget(planner, free) -> int:
-    """The largest max_token_len for which any micro-batch of LO..HI-token sequences fits."""
-    best = []
-    for size in (LO, HI):
-        a, b = 1, 1 << 12
-        while a < b:
-            m = (a + b + 1) // 2
-            a, b = (m, b) if first_fits(planner, [size] * m, free) else (a, m - 1)
-        r0, r1 = 0, size - 1
-        while r0 < r1:
-            m = (r0 + r1 + 1) // 2
-            r0, r1 = (m, r1) if first_fits(planner, [size] * a + [m], free) else (r0, m - 1)
-        best.append(a * size + r0)
-    return min(best)
 
 
 def batch_of(lengths):
@@ -74,7 +55,7 @@ def main() -> None:
              "batch   n  tokens  free_GiB  token_budget  veRL  waveplan  lower_bound"]
     for seed, (name, n, lo, hi, gib) in enumerate(BATCHES):
         free = gib * GIB
-        budget = token_budget(planner, free)
+        budget = memory_safe_token_budget(planner, LO, HI, free)
         lengths = [int(x) for x in np.random.default_rng(100 + seed).integers(lo, hi + 1, n)]
         batch = batch_of(lengths)
         _, theirs = vsb.rearrange_micro_batches(batch, max_token_len=budget)

@@ -20,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 from gloo_ranks import run_ranks
+from verl_token_budget import FIRST, memory_safe_token_budget
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("verl")  # the dev extra installs verl==0.9.1
@@ -102,33 +103,6 @@ def test_micro_batches_cover_the_batch_once_and_verl_restores_the_order(planner,
     plan = adapter.plan_micro_batches(batch, planner=planner, free_bytes=12 * GIB)
     assert [list(w.request_indices) for w in plan.waves] == idx
     assert all(w.admitted_bytes <= 12 * GIB for w in plan.waves)
-
-
-FIRST = frozenset({"default"})
-
-
-def first_fits(planner, lengths, free) -> bool:
-    step = Step.from_lengths(np.zeros(len(lengths), np.int64), lengths)
-    return planner.pricer(step).price([np.arange(len(lengths))], first_slots=FIRST).admitted_bytes <= free
-
-
-def memory_safe_token_budget(planner, lo, hi, free) -> int:
-    """The largest max_token_len for which ANY micro-batch of sequences of lo..hi tokens fits
-    `free` as the step's first micro-batch (the one that also allocates the adapter
-    gradients): checked for micro-batches of long (hi) and of short (lo) sequences, topped
-    up with one partial sequence, by bisection on the same pricing model."""
-    best = []
-    for size in (lo, hi):
-        a, b = 1, 1 << 14
-        while a < b:
-            m = (a + b + 1) // 2
-            a, b = (m, b) if first_fits(planner, [size] * m, free) else (a, m - 1)
-        r0, r1 = 0, size - 1
-        while r0 < r1:
-            m = (r0 + r1 + 1) // 2
-            r0, r1 = (m, r1) if first_fits(planner, [size] * a + [m], free) else (r0, m - 1)
-        best.append(a * size + r0)
-    return min(best)
 
 
 def verl_fits(planner, lengths, idx, free) -> bool:

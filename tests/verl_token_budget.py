@@ -1,0 +1,37 @@
+"""veRL's memory-safe token budget, priced by waveplan's own model: the `max_token_len` a user
+could set once for a run (shared by tests/integration/test_integration_verl.py and
+bench/verl_fsdp_table.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from waveplan.pricing.step import Step
+
+FIRST = frozenset({"default"})
+
+
+def first_fits(planner, lengths, free) -> bool:
+    """Whether `lengths` as one step's first micro-batch (it also allocates the adapter
+    gradients) fits `free` bytes."""
+    step = Step.from_lengths(np.zeros(len(lengths), np.int64), lengths)
+    return planner.pricer(step).price([np.arange(len(lengths))], first_slots=FIRST).admitted_bytes <= free
+
+
+def memory_safe_token_budget(planner, lo, hi, free) -> int:
+    """The largest max_token_len for which ANY micro-batch of sequences of lo..hi tokens fits
+    `free` as the step's first micro-batch (the one that also allocates the adapter
+    gradients): checked for micro-batches of long (hi) and of short (lo) sequences, topped
+    up with one partial sequence, by bisection on the same pricing model."""
+    best = []
+    for size in (lo, hi):
+        a, b = 1, 1 << 14
+        while a < b:
+            m = (a + b + 1) // 2
+            a, b = (m, b) if first_fits(planner, [size] * m, free) else (a, m - 1)
+        r0, r1 = 0, size - 1
+        while r0 < r1:
+            m = (r0 + r1 + 1) // 2
+            r0, r1 = (m, r1) if first_fits(planner, [size] * a + [m], free) else (r0, m - 1)
+        best.append(a * size + r0)
+    return min(best)
