@@ -47,7 +47,7 @@ def kv_width(w: Widths, ulysses: int) -> float:
 
 def all_to_all_per_row(w: Widths, ulysses: int) -> float:
     """Bytes per rank row the all-to-all adds at an attention point, forward or backward
-    (#fsdp-ulysses): the gathered query, key and value beside the local ones (2Q + 4KV', KV'
+    (docs/memory-model.md#fsdp-ulysses): the gathered query, key and value beside the local ones (2Q + 4KV', KV'
     the repeated key width), and one all-to-all in flight: its contiguous input chunks and the
     output list beside the concatenated result (4 max(Q, KV')); repeated key and value copies
     (4KV') when kv heads < N. Backward: the gradients' all-to-alls, the same shapes."""
@@ -61,7 +61,8 @@ def all_to_all_per_row(w: Widths, ulysses: int) -> float:
 def quadratic_scale(attn: str, ulysses: int) -> tuple[float, float, float]:
     """Factors on `terms.attention_quadratic`'s (held, kept per layer, at a layer's points),
     which are per row of the call: per rank row a whole-row S x S mask is N times as much; the
-    per-head terms (eager's scores) are not (heads / N over S rows: the same per rank row)."""
+    per-head terms (eager's scores) are not (heads / N over S rows: the same per rank row).
+    Docs: docs/memory-model.md#fsdp-ulysses (traces: bench/results/fsdp_ulysses_traces.jsonl)."""
     if attn == "sdpa":
         return float(ulysses), 1.0, float(ulysses)
     if attn == "eager":
@@ -80,13 +81,15 @@ def kept_mask_per_row(attn: str, checkpointing: bool) -> float:
 def caller_per_row(base: float, ulysses: int) -> float:
     """The caller's int64 tensors per logical row: the full row's ids, position ids and labels
     (`base`), plus this rank's padded slices of them and the loss's shifted labels (base / N
-    per logical row, ceil'd slices covered by `pad_row_bound`)."""
+    per logical row, ceil'd slices covered by `pad_row_bound`). Docs:
+    docs/memory-model.md#fsdp-ulysses."""
     return base + base / ulysses
 
 
 def pad_row_bound(walk) -> float:
     """One rank row at the costliest point: the ceil(S / N) rows a rank gets above S / N, which
-    the search's linear envelopes (rows / N) do not see. O(layers)."""
+    the search's linear envelopes (rows / N) do not see. O(layers). Docs:
+    docs/memory-model.md#fsdp-ulysses."""
     return float(walk.retained.sum() + max(walk.workspace.max(), walk.nograd.max())
                  + walk.input_grad + walk.head_retained + walk.head_transient
                  + max(walk.head_forward, 0.0))
