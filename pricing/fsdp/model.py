@@ -124,7 +124,7 @@ class FsdpPricingModel(PricingModel):
             gaps_note = ("flash_attention_2 priced by its allocation model (flash-attn varlen "
                          "source); no GPU trace yet")
             gaps.append(gaps_note)
-        head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=self.table.backend != "torch-cpu")
+        head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=verl_head.gpu_dtypes(self.table))
         if head_gap:
             gaps.append(head_gap)
         coverage = Coverage(parallel=self.parallel, credit=self.parallel,
@@ -217,7 +217,7 @@ class FsdpPricingModel(PricingModel):
             head = tuple(a + b for a, b in zip(head, terms.final_softcap_per_row(w), strict=True))
         verl_const = 0.0
         if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
-            *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=self.table.backend != "torch-cpu")
+            *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=verl_head.gpu_dtypes(self.table))
         head_ret, head_tr, head_fwd = (fac["fsdp_head"] * x for x in head)
         pending = np.zeros((len(self.lora.slots), n))
         lora_counts = np.zeros(n)
