@@ -206,13 +206,16 @@ class FsdpPricingModel(PricingModel):
         # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
-        if sp > 1:   # veRL's all-to-all around the attention kernel, both passes
-            f_att += ulysses.all_to_all_per_row(w, sp)
-            b_att += ulysses.all_to_all_per_row(w, sp)
-        nograd = np.full(n, max(scale * (f_mlp + add.forward), scale * (f_att + add.forward)
-                                + point_q_att * s))
+        # veRL's all-to-all around the attention kernel, both passes: what is live beside the
+        # S x S terms, and what only instead of them (`ulysses.attention_points`)
+        (f_a2a, f_alone), (b_a2a, b_alone) = ulysses.attention_points(w, sp, lay.attn)
+        f_att += f_a2a
+        b_att += b_a2a
+        f_quad = max(point_q_att * s, scale * f_alone)
+        b_quad = max(point_q_att * s, scale * b_alone)
+        nograd = np.full(n, max(scale * (f_mlp + add.forward), scale * (f_att + add.forward) + f_quad))
         workspace = np.full(n, max(scale * (b_mlp + add.backward),
-                                   scale * (b_att + add.backward) + point_q_att * s))
+                                   scale * (b_att + add.backward) + b_quad))
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
