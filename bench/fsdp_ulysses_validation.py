@@ -31,6 +31,14 @@ FAMILIES = {
     "llama": dict(_BASE, model_type="llama"),
     "qwen3": dict(_BASE, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                   vocab_size=3584),
+    # the held-out shapes of `--held-out` (traced after the Ulysses all-to-all, kept-mask and
+    # veRL-head terms were final)
+    "llama-b": dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=5120,
+                    tie_word_embeddings=False),
+    "qwen3-b": dict(model_type="qwen3", hidden_size=160, intermediate_size=448, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=48, vocab_size=6144,
+                    tie_word_embeddings=False),
 }
 # the second wave's 251 tokens are not a multiple of 2 or 4: veRL pads the packed row
 WAVES = [(200, 120, 40, 40), (161, 90)]
@@ -48,6 +56,19 @@ def classes():
 
 # veRL's heads (`--heads`): traced after `fsdp.verl_head`'s terms were final, longer waves
 HEAD_WAVES = [(600, 400, 24), (1000,)]
+
+
+# `--held-out`: new shapes, LoRA rank 8, waves with one sequence and with three
+HELD_WAVES = [(500, 300, 40), (700,)]
+HELD_RANK = 8
+
+
+def held_out_classes():
+    """(family, checkpointing, attention, fsdp, ulysses, head) of the held-out set."""
+    return [("llama-b", True, "sdpa", 2, 1, "verl"), ("llama-b", False, "eager", 2, 1, "verl"),
+            ("llama-b", False, "sdpa", 2, 1, "verl-chunked"), ("llama-b", True, "eager", 2, 2, "verl-chunked"),
+            ("qwen3-b", True, "sdpa", 2, 2, "verl"), ("qwen3-b", False, "eager", 2, 2, "verl"),
+            ("llama-b", True, "eager", 2, 2, HEAD)]
 
 
 def head_classes():
@@ -71,8 +92,11 @@ def run_traces(limit: int | None, device: str, todo_classes) -> None:
     todo = [c for c in todo_classes if key(*c) not in done][:limit]
     for fam, ckpt, attn, fsdp, ulysses, head in todo:
         name = key(fam, ckpt, attn, fsdp, ulysses, head)
-        traces = trace_fsdp_verl(FAMILIES[fam], jobs=WAVES if head == HEAD else HEAD_WAVES, fsdp=fsdp, ulysses=ulysses, head=head,
-                                 attn=attn, checkpointing=ckpt, lora_rank=LORA_RANK, device=device)
+        held = fam.endswith("-b")
+        jobs = HELD_WAVES if held else WAVES if head == HEAD else HEAD_WAVES
+        traces = trace_fsdp_verl(FAMILIES[fam], jobs=jobs, fsdp=fsdp, ulysses=ulysses, head=head,
+                                 attn=attn, checkpointing=ckpt, device=device,
+                                 lora_rank=HELD_RANK if held else LORA_RANK)
         with TRACES.open("a", encoding="utf-8") as fh:
             for t in traces:
                 fh.write(json.dumps(dict(t.to_dict(), family=fam, **{"class": name}),
@@ -114,9 +138,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--heads", action="store_true", help="trace the veRL head set")
+    parser.add_argument("--held-out", action="store_true", help="trace the held-out set (new shapes)")
     args = parser.parse_args()
     if not args.table_only:
-        run_traces(args.classes, args.device, head_classes() if args.heads else classes())
+        todo = held_out_classes() if args.held_out else head_classes() if args.heads else classes()
+        run_traces(args.classes, args.device, todo)
     text = table()
     TABLE.write_text(text, encoding="utf-8")
     print(text)
