@@ -7,9 +7,9 @@ veRL pads the packed row to a multiple of N and gives each rank ceil(S / N) rows
 rows (`FsdpPricingModel.rows_cp`). Around the attention kernel veRL's all-to-all gathers the
 sequence and scatters the heads: the kernel runs on all S rows with heads / N, the same bytes per
 rank row as one rank's S / N rows with every head, so the attention terms stay per rank row,
-plus the all-to-all's copies (`all_to_all_parts`, placed by `attention_points`). What does not shrink with N: a packed-row
-mask (sdpa/eager) covers the whole S x S row on every rank, and flash-attn's per-sequence
-accumulator rows are per sequence of the whole row, with heads / N.
+plus the all-to-all's copies (`all_to_all_parts`, placed by `attention_points`). What does not
+shrink with N: a packed-row mask (sdpa/eager) covers the whole S x S row on every rank, and
+flash-attn's per-sequence accumulator rows are per sequence of the whole row, with heads / N.
 """
 
 from __future__ import annotations
