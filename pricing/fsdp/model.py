@@ -283,11 +283,6 @@ class FsdpPricingModel(PricingModel):
             # logits' bf16 gradient and the layers' kept rows, a moment the start point bounds
             # (#fsdp-verl-head)
             head_const -= root
-            if lay.reshard_after_forward:
-                # nor the prefetched layer: FSDP2's pre-backward hooks fire when the gradient
-                # reaches the module's outputs, after veRL's head's backward (the traces' head
-                # points hold none)
-                head_const -= prefetch * float(layer_gathered.max())
             start = max(start, resident)
             start_row = max(start_row, float(retained.sum()) + terms.BF16 * w.V)
         resident *= fac["fsdp_constants"]
