@@ -56,13 +56,29 @@ def fit_scales(price, peaks, base: CoefficientTable, *, margin: float = MARGIN,
     return covering_scales(list(GROUPS), ratios, margin=margin, factor_max=FACTOR_MAX, refuse=refuse)
 
 
+def device_table(table: CoefficientTable, device: str) -> CoefficientTable:
+    """`table`'s fsdp factors on the shipped table of the device a trace ran on: the head's
+    dtypes are the device's (`verl_head.gpu_dtypes`: a CPU trace of a veRL head holds bf16 where
+    a GPU holds fp32), whatever base the fit starts from; `table` itself when they agree."""
+    from ..coefficients import load_table
+    from .verl_head import gpu_dtypes
+
+    gpu = str(device).startswith("cuda")
+    if gpu_dtypes(table) == gpu:
+        return table
+    return scaled_table(load_table("te-gpu" if gpu else "torch-cpu"), factors(table),
+                        note="fsdp calibration factor", backend=table.backend)
+
+
 def record_pricer(records: list[dict]):
-    """`price(table)` for `fit_scales`: each fsdp trace record's raw price with `table` (the
-    record's configuration, `check.price_record`)."""
+    """`price(table)` for `fit_scales`: each fsdp trace record's raw price with `table`'s
+    factors on its own configuration and layout (shard group, attention, checkpointing,
+    Ulysses, head: `check.price_record`) and its device's head dtypes (`device_table`)."""
     from .check import price_record
 
     def price(table: CoefficientTable) -> list[int]:
-        return [price_record(r, table=table).raw_bytes for r in records]
+        return [price_record(r, table=device_table(table, r.get("device", "cpu"))).raw_bytes
+                for r in records]
 
     return price
 

@@ -79,6 +79,10 @@ class FsdpPricingModel(PricingModel):
     """sdpa/eager only: the forward call's rows at which the packed-row S x S terms are priced
     per row (exact for a call of this many rows, an upper bound for fewer; the planner sets it
     from the budget, `attn_rows_bound`). 0 with flash."""
+    one_sequence: bool = False
+    """Every forward call holds one sequence (a step of one request, `for_step`): transformers'
+    sdpa then builds no mask and runs `is_causal` (`maskless_sdpa`), so no packed-row S x S
+    terms; no effect on eager (its mask is always built) or flash."""
 
     def __post_init__(self) -> None:
         import math
@@ -124,7 +128,7 @@ class FsdpPricingModel(PricingModel):
             gaps_note = ("flash_attention_2 priced by its allocation model (flash-attn varlen "
                          "source); no GPU trace yet")
             gaps.append(gaps_note)
-        head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=self.table.backend != "torch-cpu")
+        head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=verl_head.gpu_dtypes(self.table))
         if head_gap:
             gaps.append(head_gap)
         coverage = Coverage(parallel=self.parallel, credit=self.parallel,
@@ -178,6 +182,7 @@ class FsdpPricingModel(PricingModel):
         scale = self.bound_scale * fac["fsdp_layer"]
         held, kept_q, point_q = (fac["fsdp_attention"] * x for x in
                                  terms.attention_quadratic(w, attn=lay.attn, checkpointing=ckpt))
+        masked = not (self.one_sequence and lay.attn == "sdpa")
         sp = lay.ulysses
         if sp > 1:   # per rank row (`ulysses.quadratic_scale`)
             held, kept_q, point_q = (a * b for a, b in zip((held, kept_q, point_q),
@@ -185,7 +190,8 @@ class FsdpPricingModel(PricingModel):
                                                            strict=True))
         # sdpa without checkpointing: each layer keeps the kernel's bf16 mask (N x per rank row)
         kept_q += fac["fsdp_attention"] * ulysses.kept_mask_per_row(lay.attn, ckpt) * sp
-        s = float(self.attn_rows)
+        # one sequence under sdpa: no mask, no S x S term (`maskless_sdpa`)
+        s = float(self.attn_rows) if masked else 0.0
         # a fitted family's additions (#fsdp-families; none for the Llama-shaped families)
         add = (terms.family_adds(g, w, checkpointing=ckpt, attn=lay.attn)
                if fitted else terms.FamilyAdds())
@@ -200,13 +206,16 @@ class FsdpPricingModel(PricingModel):
         # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
-        if sp > 1:   # veRL's all-to-all around the attention kernel, both passes
-            f_att += ulysses.all_to_all_per_row(w, sp)
-            b_att += ulysses.all_to_all_per_row(w, sp)
-        nograd = np.full(n, max(scale * (f_mlp + add.forward), scale * (f_att + add.forward)
-                                + point_q_att * s))
+        # veRL's all-to-all around the attention kernel, both passes: what is live beside the
+        # S x S terms, and what only instead of them (`ulysses.attention_points`)
+        (f_a2a, f_alone), (b_a2a, b_alone) = ulysses.attention_points(w, sp, lay.attn)
+        f_att += f_a2a
+        b_att += b_a2a
+        f_quad = max(point_q_att * s, scale * f_alone)
+        b_quad = max(point_q_att * s, scale * b_alone)
+        nograd = np.full(n, max(scale * (f_mlp + add.forward), scale * (f_att + add.forward) + f_quad))
         workspace = np.full(n, max(scale * (b_mlp + add.backward),
-                                   scale * (b_att + add.backward) + point_q_att * s))
+                                   scale * (b_att + add.backward) + b_quad))
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
@@ -217,7 +226,7 @@ class FsdpPricingModel(PricingModel):
             head = tuple(a + b for a, b in zip(head, terms.final_softcap_per_row(w), strict=True))
         verl_const = 0.0
         if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
-            *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=self.table.backend != "torch-cpu")
+            *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=verl_head.gpu_dtypes(self.table))
         head_ret, head_tr, head_fwd = (fac["fsdp_head"] * x for x in head)
         pending = np.zeros((len(self.lora.slots), n))
         lora_counts = np.zeros(n)
@@ -311,6 +320,8 @@ class FsdpPricingModel(PricingModel):
         doc["model_type"] = model_type_of(self.geometry)
         if self.attn_rows:
             doc["attn_rows"] = self.attn_rows
+        if self.one_sequence:
+            doc["one_sequence"] = True
         return doc
 
     @classmethod
@@ -323,7 +334,8 @@ class FsdpPricingModel(PricingModel):
         fields["geometry"] = dataclasses.replace(g, extra={**(g.extra or {}),
                                                            "model_type": data.get("model_type", "")})
         return cls(**fields, fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
-                   attn_rows=int(data.get("attn_rows", 0)))
+                   attn_rows=int(data.get("attn_rows", 0)),
+                   one_sequence=bool(data.get("one_sequence", False)))
 
     def with_attn_rows(self, rows: int) -> FsdpPricingModel:
         """This model with the S x S terms priced at `rows` (sdpa/eager; flash: itself)."""
@@ -396,4 +408,25 @@ def for_step(model, step, budget_bytes: float | None = None):
     if model.fsdp_layout.attn != "flash":
         rows = total if budget_bytes is None else attn_rows_bound(model, budget_bytes, total)
         model = model.with_attn_rows(max(1, rows))
+        one = maskless_sdpa(model, step)
+        if one != model.one_sequence:
+            import dataclasses
+
+            model = dataclasses.replace(model, one_sequence=one)
     return model, step
+
+
+def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
+    """Whether every forward call of `step` runs transformers' sdpa without a mask
+    (docs/memory-model.md#fsdp-attention): transformers 5.10's `create_causal_mask` builds none
+    when the position ids hold one sequence (`find_packed_sequence_indices` finds no restart), no
+    padding mask is passed and no sliding window is shorter than the row
+    (`_ignore_causal_mask_sdpa`). A wave's row packs the wave's requests (`unshared_step`), and
+    the planner may put any of them in one wave, so only a step of one request qualifies; not
+    under Ulysses, whose all-to-all attention is handed the whole row's mask. O(1)."""
+    g = model.geometry
+    if model.fsdp_layout.attn != "sdpa" or model.fsdp_layout.ulysses != 1 or len(step.requests) != 1:
+        return False
+    window = g.features.sliding_window
+    rows = int(step.requests[0].num_tokens)
+    return not (window and any(g.features.sliding_layers(g.num_layers)) and rows >= window)

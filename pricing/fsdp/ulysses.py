@@ -7,9 +7,9 @@ veRL pads the packed row to a multiple of N and gives each rank ceil(S / N) rows
 rows (`FsdpPricingModel.rows_cp`). Around the attention kernel veRL's all-to-all gathers the
 sequence and scatters the heads: the kernel runs on all S rows with heads / N, the same bytes per
 rank row as one rank's S / N rows with every head, so the attention terms stay per rank row,
-plus the all-to-all's copies (`all_to_all_per_row`). What does not shrink with N: a packed-row
-mask (sdpa/eager) covers the whole S x S row on every rank, and flash-attn's per-sequence
-accumulator rows are per sequence of the whole row, with heads / N.
+plus the all-to-all's copies (`all_to_all_parts`, placed by `attention_points`). What does not
+shrink with N: a packed-row mask (sdpa/eager) covers the whole S x S row on every rank, and
+flash-attn's per-sequence accumulator rows are per sequence of the whole row, with heads / N.
 """
 
 from __future__ import annotations
@@ -45,17 +45,34 @@ def kv_width(w: Widths, ulysses: int) -> float:
     return max(kv_heads, float(ulysses)) * w.hd
 
 
-def all_to_all_per_row(w: Widths, ulysses: int) -> float:
-    """Bytes per rank row the all-to-all adds at an attention point, forward or backward
-    (docs/memory-model.md#fsdp-ulysses): the gathered query, key and value beside the local ones (2Q + 4KV', KV'
-    the repeated key width), and one all-to-all in flight: its contiguous input chunks and the
-    output list beside the concatenated result (4 max(Q, KV')); repeated key and value copies
-    (4KV') when kv heads < N. Backward: the gradients' all-to-alls, the same shapes."""
+def all_to_all_parts(w: Widths, ulysses: int) -> tuple[float, float]:
+    """(gathered, in flight): bytes per rank row the all-to-all adds at an attention point,
+    forward or backward (docs/memory-model.md#fsdp-ulysses): the gathered query, key and value
+    beside the local ones (2Q + 4KV', KV' the repeated key width); and one all-to-all in flight:
+    its contiguous input chunks and the output list beside the concatenated result
+    (4 max(Q, KV')), with repeated key and value copies (4KV') when kv heads < N. Backward: the
+    gradients' all-to-alls, the same shapes."""
     kvr = kv_width(w, ulysses)
-    out = BF16 * w.Q + 2 * BF16 * kvr + 2 * BF16 * max(w.Q, kvr)
+    flight = 2 * BF16 * max(w.Q, kvr)
     if kvr > w.KV:
-        out += 2 * BF16 * kvr
-    return out
+        flight += 2 * BF16 * kvr
+    return BF16 * w.Q + 2 * BF16 * kvr, flight
+
+
+def attention_points(w: Widths, ulysses: int, attn: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((beside, alone) forward, (beside, alone) backward): bytes per rank row the all-to-all
+    adds at the attention's points, `beside` its S x S terms and `alone` the larger of the two
+    with them (docs/memory-model.md#fsdp-ulysses). sdpa and flash: all of it beside. eager
+    (anatomy of the wrapped eager attention on 2 gloo ranks): at the forward the gathered q, k,
+    v beside the scores, the all-to-all in flight before or after them; at the backward the
+    output gradient's all-to-all ends before the scores' gradients are made and the input
+    gradients' start after they are freed."""
+    if ulysses == 1:
+        return (0.0, 0.0), (0.0, 0.0)
+    gathered, flight = all_to_all_parts(w, ulysses)
+    if attn == "eager":
+        return (gathered, flight), (0.0, gathered + flight)
+    return (gathered + flight, 0.0), (gathered + flight, 0.0)
 
 
 def quadratic_scale(attn: str, ulysses: int) -> tuple[float, float, float]:

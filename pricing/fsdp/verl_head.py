@@ -79,6 +79,14 @@ def head_per_row(w: Widths, head: str, *, gpu: bool) -> tuple[float, float, floa
     raise ValueError(head)
 
 
+def gpu_dtypes(table) -> bool:
+    """Whether `table` prices the GPU's head dtypes: a table of fused GPU kernels (te-gpu, or one
+    calibrated from it); a table of plain CPU kernels (torch-cpu, or one `waveplan calibrate`
+    fitted from it, whatever its name) prices the CPU's traced bf16 head. Docs:
+    docs/memory-model.md#fsdp-verl-head."""
+    return table.kernels.name != "plain-cpu"
+
+
 def head_gap(head: str, *, gpu: bool) -> str | None:
     """The reason a head's price is conservative, or None (a traced CPU path)."""
     if head == "verl-fused":

@@ -185,3 +185,132 @@ def test_forward_start_prices_a_short_wave():
     rec = dict(config=cfg, fsdp=2, attn="sdpa", checkpointing=True, lora_rank=16, seq_lens=[16])
     price = price_record(rec)
     assert price.binding == "forward-start" and price.raw_bytes >= 11_650_432
+
+
+# --- the all-to-all at eager's points (pricing/fsdp/ulysses.py attention_points) ----------
+
+
+def test_eager_all_to_all_is_not_charged_beside_the_scores_gradients():
+    """sdpa: the whole all-to-all beside the S x S terms at both points; eager: the gathered
+    q/k/v beside the scores at the forward, the in-flight all-to-all and the backward's
+    all-to-alls instead of them (the larger of the two), so the eager price drops by at most
+    the all-to-all's bytes and only at the attention's points."""
+    from waveplan.pricing.fsdp import terms, ulysses
+
+    g = load_model("qwen3-8b")
+    m = build_fsdp_model(g, fsdp=8, ulysses=2, attn="eager", attn_rows=4096)
+    w = terms.widths(g, max(s.rank for s in m.lora.slots))
+    gathered, flight = ulysses.all_to_all_parts(w, 2)
+    assert ulysses.attention_points(w, 2, "sdpa") == ((gathered + flight, 0.0), (gathered + flight, 0.0))
+    assert ulysses.attention_points(w, 2, "eager") == ((gathered, flight), (0.0, gathered + flight))
+    assert ulysses.attention_points(w, 1, "eager") == ((0.0, 0.0), (0.0, 0.0))
+    walk = m.charges.walk
+    # the S x S gradients (12 nh per rank row and attention row) exceed the all-to-all here
+    f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=g.qk_norm)
+    assert walk.nograd[1] == pytest.approx(f_att + gathered + 12 * w.nh * 4096)
+    b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=True, qk_norm=g.qk_norm, attn="eager")
+    assert walk.workspace[1] == pytest.approx(max(b_mlp, b_att + 12 * w.nh * 4096))
+
+
+# --- sdpa without a mask on one sequence (pricing/fsdp/model.py maskless_sdpa) -------------
+
+
+def test_transformers_builds_no_sdpa_mask_for_one_sequence():
+    """What `maskless_sdpa` reads from transformers 5.10, checked on the CPU: position ids of one
+    sequence give no mask (sdpa runs is_causal); restarting position ids give the packed mask."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    cfg._attn_implementation = "sdpa"
+    embeds = torch.zeros(1, 12, 64)
+    one = torch.arange(12)[None]
+    two = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    assert create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=None,
+                              past_key_values=None, position_ids=one) is None
+    mask = create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=None,
+                              past_key_values=None, position_ids=two)
+    assert mask is not None and tuple(mask.shape) == (1, 1, 12, 12)
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_one_sequence_sdpa_prices_no_mask(ckpt):
+    """A step of one request under sdpa: no S x S term (held mask, kernel copy, kept mask); a
+    step of two keeps them for every wave the planner may form, eager and Ulysses keep them,
+    and so does a sliding window shorter than the row."""
+    g = load_model("qwen3-8b")
+    n = 6000
+    kw = dict(fsdp=8, checkpointing=ckpt, attn_rows=1)
+    sdpa = build_fsdp_model(g, attn="sdpa", **kw)
+    one_m, one_s = for_step(sdpa, Step.from_lengths([0], [n]))
+    assert one_m.one_sequence and one_m.to_dict()["one_sequence"] is True
+    two_m, _ = for_step(sdpa, Step.from_lengths([0, 0], [n // 2, n // 2]))
+    assert not two_m.one_sequence and "one_sequence" not in two_m.to_dict()
+    one = WavePricer.build(one_s, one_m).price([np.arange(1)]).raw_bytes
+    masked = WavePricer.build(one_s, dataclasses_replace(one_m, one_sequence=False)).price([np.arange(1)]).raw_bytes
+    # the held bool mask (S^2) at least, and without checkpointing each layer's kept bf16 copy
+    assert masked - one >= n * n * (1 + (2 * g.num_layers if not ckpt else 0))
+    planned, _ = for_step(sdpa, Step.from_lengths([0], [n]), budget_bytes=40 * 2**30)
+    assert planned.one_sequence
+    for other in (build_fsdp_model(g, attn="eager", **kw), build_fsdp_model(g, attn="sdpa", ulysses=2, **kw)):
+        assert not for_step(other, Step.from_lengths([0], [n]))[0].one_sequence
+    mistral = load_model_config(dict(SMALL, model_type="mistral", sliding_window=64))
+    slid = build_fsdp_model(mistral, attn="sdpa", **kw)
+    assert not for_step(slid, Step.from_lengths([0], [64]))[0].one_sequence
+    assert for_step(slid, Step.from_lengths([0], [63]))[0].one_sequence
+    # the model round-trips with the flag
+    from waveplan.pricing.fsdp.model import FsdpPricingModel
+
+    assert FsdpPricingModel.from_dict(one_m.to_dict()).one_sequence
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def load_model_config(cfg):
+    from waveplan.pricing.hf_config import load_hf_config
+
+    return load_hf_config(dict(cfg))
+
+
+# --- calibrate on Ulysses and veRL-head traces (pricing/fsdp/calibrate.py) -----------------
+
+
+def test_calibrate_fits_ulysses_and_verl_head_traces(tmp_path, capsys):
+    """`waveplan calibrate` on `trace --framework fsdp --ulysses N` / `--head verl...` records:
+    each record priced with its own layout and its device's head dtypes (a CPU record of a veRL
+    head against the default te-gpu base is not priced at the GPU's fp32 head), every record
+    covered with the margin, and the fit close to the records (worst under +20%)."""
+    from waveplan.pricing.coefficients import load_table
+    from waveplan.pricing.fsdp import calibrate as fc
+    from waveplan.pricing.fsdp.verl_head import gpu_dtypes
+
+    records = [json.loads(line) for line in TRACES.read_text().splitlines()]
+    picked = ([r for r in records if r["ulysses"] == 2 and r["head"] == "transformers"][:2]
+              + [r for r in records if r["head"] == "verl"][:2]
+              + [r for r in records if r["head"] == "verl-chunked"][:1])
+    assert {r["ulysses"] for r in picked} == {1, 2} and {r["head"] for r in picked} >= {"verl", "verl-chunked"}
+    src = tmp_path / "uly.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", str(src), "--out", str(out)]) == 0   # base: te-gpu
+    assert "5 fsdp traces" in capsys.readouterr().out
+    table = load_table(str(out))
+    assert gpu_dtypes(table)            # fitted from te-gpu: prices the GPU's head
+    ratios = []
+    for rec in picked:
+        cpu = fc.device_table(table, rec["device"])
+        assert not gpu_dtypes(cpu) and fc.factors(cpu) == fc.factors(table)
+        ratios.append(price_record(rec, table=cpu).raw_bytes / rec["peak_bytes"])
+    assert min(ratios) >= (1 + fc.MARGIN) * 0.99999 and max(ratios) < 1.2
+    # fitted from torch-cpu, whatever its name, a table keeps the CPU's head
+    assert main(["calibrate", str(src), "--base", "torch-cpu", "--out", str(out)]) == 0
+    capsys.readouterr()
+    table = load_table(str(out))
+    assert table.backend != "torch-cpu" and not gpu_dtypes(table)
+    assert fc.device_table(table, "cpu") is table
