@@ -22,7 +22,8 @@ from ..geometry import MixerKind, MlpKind
 from ..kernel_set import Framework
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
-from ..walk import WalkCharges
+from ..walk import (MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_ROWS, MLP_WORKSPACE,
+                    NO_MLP_POINTS, WalkCharges)
 from . import terms, ulysses, verl_head
 from .layout import FsdpLayout
 
@@ -207,6 +208,19 @@ class FsdpPricingModel(PricingModel):
                                 + point_q_att * s))
         workspace = np.full(n, max(scale * (b_mlp + add.backward),
                                    scale * (b_att + add.backward) + point_q_att * s))
+        moe = g.moe is not None
+        if moe:
+            # a MoE model's layers are priced at their attention's and their MLP's points apart
+            # (`walk.WalkCharges.mlp_points`, #fsdp-moe-points): the MLP's carry the folded
+            # expert stacks (below) and, under checkpointing, the S x S tensors the recomputed
+            # attention keeps for its backward
+            nograd = np.full(n, scale * (f_att + add.forward) + point_q_att * s)
+            workspace = np.full(n, scale * (b_att + add.backward) + point_q_att * s)
+            mlp_points = np.zeros((MLP_ROWS, n))
+            mlp_points[MLP_NOGRAD] = scale * (f_mlp + add.forward)
+            mlp_points[MLP_WORKSPACE] = (scale * (b_mlp + add.backward)
+                                         + fa * terms.recompute_kept_quadratic(w, attn=lay.attn,
+                                                                               checkpointing=ckpt) * s)
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
@@ -222,12 +236,10 @@ class FsdpPricingModel(PricingModel):
         pending = np.zeros((len(self.lora.slots), n))
         lora_counts = np.zeros(n)
         base_counts = np.zeros(n)
-        moe_layers = 0
         for i in range(n):
             base_counts[i], lora_counts[i] = terms.layer_param_counts(g, i)
             if g.moe is not None and g.layers[i].mlp == MlpKind.MOE:
                 # PEFT's all-linear adapts the fused expert stacks too (#fsdp-families)
-                moe_layers += 1
                 lora_counts[i] += terms.moe_lora_param_count(g) - (g.hidden + g.moe.num_experts)
         for k, slot in enumerate(self.lora.slots):
             chosen = np.zeros(n, dtype=bool)
@@ -255,16 +267,17 @@ class FsdpPricingModel(PricingModel):
         else:
             resident = root + float(layer_gathered.sum()) + grads
             head_const = -grads
-        if moe_layers:
-            # the LoRA-folded expert stacks (#fsdp-families): with checkpointing one layer's two
-            # copies and, at its backward, the down copy's gradient beside both (then the
-            # gate_up copy's beside it alone) at a layer's points, none at the head's; without,
-            # every MoE layer keeps its copies to its backward (all of them at the head's)
+        if moe:
+            # the LoRA-folded expert stacks (#fsdp-families), at a MoE layer's MLP points only:
+            # with checkpointing its two copies and, at its backward, the down copy's gradient
+            # beside both (then the gate_up copy's beside it alone); without, each MoE layer
+            # keeps its copies from its forward MLP to its backward one (#fsdp-moe-points)
             up, down = terms.moe_lora_stacks(g)
             grad = max(down, up - down)
-            kept = (1 if ckpt else moe_layers) * (up + down)
-            resident += kept + grad
-            head_const -= grad + (kept if ckpt else 0.0)
+            is_moe = np.array([spec.mlp == MlpKind.MOE for spec in g.layers], dtype=float)
+            row = MLP_FORWARD if ckpt else MLP_KEPT
+            mlp_points[row] = is_moe * (up + down) * fac["fsdp_constants"]
+            mlp_points[MLP_BACKWARD] = is_moe * ((up + down if ckpt else 0.0) + grad) * fac["fsdp_constants"]
         head_const += verl_const
         start = 2.0 * (root + float(layer_gathered.max()))
         start_row = fac["fsdp_layer"] * terms.input_gradient_per_row(w) + once
@@ -290,9 +303,13 @@ class FsdpPricingModel(PricingModel):
             head_retained=head_ret, head_transient=head_tr, head_const=head_const,
             caller=fac["fsdp_head"] * (ulysses.caller_per_row(float(terms.CALLER_PER_ROW), sp) if sp > 1
                                        else float(terms.CALLER_PER_ROW)),
-            pad_retained=zeros.copy(), pad_point=zeros.copy(), chunk=0.0, head_forward=head_fwd)
-        if sp > 1:   # the ceil(S / N) row a rank may hold above S / N
-            resident += ulysses.pad_row_bound(walk)
+            pad_retained=zeros.copy(), pad_point=zeros.copy(), chunk=0.0, head_forward=head_fwd,
+            mlp_points=mlp_points if moe else NO_MLP_POINTS)
+        if sp > 1:   # the ceil(S / N) row a rank may hold above S / N (either point of a layer)
+            bound = walk if not moe else walk._replace(
+                nograd=np.maximum(walk.nograd, mlp_points[MLP_NOGRAD]),
+                workspace=np.maximum(walk.workspace, mlp_points[MLP_WORKSPACE]))
+            resident += ulysses.pad_row_bound(bound)
         return Charges(
             walk=walk,
             head=HeadParts(logits_retained=head_ret, logits_transient=head_tr, norm_saved=0.0,
