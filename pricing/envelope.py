@@ -152,8 +152,11 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     others[cols, run] = False
     row_c = row_c + np.where(others, a.rope_entry * model.rows_cp, 0.0)
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
-                                                          class_grad, float(model.charges.first_exec)
-                                                          + float(model.charges.resident))
+                                                          class_grad, float(model.charges.first_exec))
+    # the resident bytes (FSDP2's gathered parameters) every point of any wave holds, as the
+    # walk charges them (`price.price_groups`), no-gradient waves included
+    if model.charges.resident:
+        const = const + float(model.charges.resident)
     if model.charges.start:   # the forward's start (`price.forward_start`): one more point
         const = np.append(const, float(model.charges.start))
         row_c = np.vstack([row_c, np.full((1, k_classes), float(model.charges.start_row))])
