@@ -15,7 +15,7 @@ import numpy as np
 
 from .model import PricingModel
 from .tolerances import ENVELOPE_ROUNDING_BYTES, LOWER_ENVELOPE_MARGIN
-from .walk import MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_WORKSPACE
+from .walk import LAYER_BACKWARD, MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_WORKSPACE
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     kept_c = mlp[MLP_KEPT] if split else np.zeros(ret.shape[0])
     cum_kept = np.cumsum(kept_c)
     total_kept = float(kept_c.sum())
+    layer_bwd = mlp[LAYER_BACKWARD] if split else np.zeros(ret.shape[0])
 
     # Each point: the running class, its row / segment / presence coefficients.
     running, row_own, seg_own, pres_own, pend_own = [], [], [], [], []
@@ -98,7 +99,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
                                        [total + head_fwd, total + head_ret + head_tr + ig]]))
         seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
         pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point) + cum_kept - kept_c,
-                                        most_pad * (cum_pad + pad_point) + cum_kept - kept_c,
+                                        most_pad * (cum_pad + pad_point) + cum_kept - kept_c + layer_bwd,
                                         [head_c + most_pad * total_pad + total_kept] * 2]))
         grads = a.pending[model.slot_index(class_slot[g])]
         suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
@@ -108,7 +109,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
             seg_own.append(np.concatenate([gdn, gdn]))
             pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point) + cum_kept
                                             + mlp[MLP_FORWARD],
-                                            most_pad * (cum_pad + pad_point) + cum_kept + mlp[MLP_BACKWARD]]))
+                                            most_pad * (cum_pad + pad_point) + cum_kept + mlp[MLP_BACKWARD]
+                                            + layer_bwd]))
             pend_own.append(np.concatenate([np.zeros(n), suffix]))
     if not running:
         empty = np.zeros((0, k_classes))

@@ -30,8 +30,8 @@ POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-f
  POINT_EMPTY) = range(len(POINT_NAMES))
 
 # Rows of `WalkCharges.mlp_points`, float64[MLP_ROWS, L] (L = 0: the layer points are not split).
-MLP_ROWS = 5
-MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD = range(MLP_ROWS)
+MLP_ROWS = 6
+MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD, LAYER_BACKWARD = range(MLP_ROWS)
 NO_MLP_POINTS = np.zeros((MLP_ROWS, 0))
 """The default `mlp_points`: every layer priced at one point per pass (Megatron-core)."""
 
@@ -66,7 +66,8 @@ class WalkCharges(NamedTuple):
     #   Given, each layer has an MLP point beside its attention point in each pass: nograd and
     #   workspace are then the attention's, MLP_NOGRAD / MLP_WORKSPACE the MLP's per row,
     #   MLP_FORWARD / MLP_BACKWARD constant bytes at the layer's MLP point of that pass only,
-    #   MLP_KEPT constant bytes layer i keeps from its forward MLP point to its backward one
+    #   MLP_KEPT constant bytes layer i keeps from its forward MLP point to its backward one,
+    #   LAYER_BACKWARD constant bytes (may be < 0) at both of layer i's backward points
     #   (docs/memory-model.md#fsdp-moe-points)
 
 
@@ -287,6 +288,7 @@ def walk(charges, first_exec, groups):
                 point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if shared_slot else suffix[s, i]
             point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
             if split:   # the MLP's backward first, then the attention's without its constants
+                point[TERM_WORKSPACE] += mlp[LAYER_BACKWARD, i]
                 point[TERM_RETAINED] += cum_kept[i]
                 ws = point[TERM_WORKSPACE]
                 point[TERM_WORKSPACE] += rows[g] * (mlp[MLP_WORKSPACE, i] - workspace[i]) + mlp[MLP_BACKWARD, i]

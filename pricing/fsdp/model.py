@@ -22,7 +22,7 @@ from ..geometry import MixerKind, MlpKind
 from ..kernel_set import Framework
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
-from ..walk import (MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_ROWS, MLP_WORKSPACE,
+from ..walk import (LAYER_BACKWARD, MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_ROWS, MLP_WORKSPACE,
                     NO_MLP_POINTS, WalkCharges)
 from . import terms, ulysses, verl_head
 from .layout import FsdpLayout
@@ -198,34 +198,35 @@ class FsdpPricingModel(PricingModel):
                                                                     attn=lay.attn)
                                        + (0.0 if ckpt else add.retained))
                            + kept_q * s)
-        # a layer's points: the larger of its MLP's and its attention's (with the S x S terms)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
         if sp > 1:   # veRL's all-to-all around the attention kernel, both passes
             f_att += ulysses.all_to_all_per_row(w, sp)
             b_att += ulysses.all_to_all_per_row(w, sp)
-        nograd = np.full(n, max(scale * (f_mlp + add.forward), scale * (f_att + add.forward)
-                                + point_q_att * s))
-        workspace = np.full(n, max(scale * (b_mlp + add.backward),
-                                   scale * (b_att + add.backward) + point_q_att * s))
+        # a layer's points: its attention's (with the S x S terms) and its MLP's, which under
+        # checkpointing also holds what the recomputed attention keeps for its backward
+        # (#fsdp-moe-points); a dense layer is charged the larger of the two at one point
+        ng_att = scale * (f_att + add.forward) + point_q_att * s
+        ng_mlp = scale * (f_mlp + add.forward)
+        ws_att = scale * (b_att + add.backward) + point_q_att * s
+        ws_mlp = (scale * (b_mlp + add.backward)
+                  + fa * terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt) * s)
         moe = g.moe is not None
         if moe:
-            # a MoE model's layers are priced at their attention's and their MLP's points apart
-            # (`walk.WalkCharges.mlp_points`, #fsdp-moe-points): the MLP's carry the folded
-            # expert stacks (below) and, under checkpointing, the S x S tensors the recomputed
-            # attention keeps for its backward
-            nograd = np.full(n, scale * (f_att + add.forward) + point_q_att * s)
-            workspace = np.full(n, scale * (b_att + add.backward) + point_q_att * s)
+            # a MoE model's layers are priced at the two points apart (`walk.WalkCharges.mlp_points`):
+            # the MLP's carry the folded expert stacks (below)
+            nograd, workspace = np.full(n, ng_att), np.full(n, ws_att)
             mlp_points = np.zeros((MLP_ROWS, n))
-            mlp_points[MLP_NOGRAD] = scale * (f_mlp + add.forward)
-            mlp_points[MLP_WORKSPACE] = (scale * (b_mlp + add.backward)
-                                         + fa * terms.recompute_kept_quadratic(w, attn=lay.attn,
-                                                                               checkpointing=ckpt) * s)
+            mlp_points[MLP_NOGRAD], mlp_points[MLP_WORKSPACE] = ng_mlp, ws_mlp
+        else:
+            nograd, workspace = np.full(n, max(ng_mlp, ng_att)), np.full(n, max(ws_mlp, ws_att))
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
         retained[0] += once
         nograd[0] += once
+        if moe:
+            mlp_points[MLP_NOGRAD, 0] += once
         head = terms.head_per_row(w, final_softcap=bool(g.features.final_softcap) and not fitted)
         if fitted and g.features.final_softcap:
             head = tuple(a + b for a, b in zip(head, terms.final_softcap_per_row(w), strict=True))
@@ -278,6 +279,13 @@ class FsdpPricingModel(PricingModel):
             row = MLP_FORWARD if ckpt else MLP_KEPT
             mlp_points[row] = is_moe * (up + down) * fac["fsdp_constants"]
             mlp_points[MLP_BACKWARD] = is_moe * ((up + down if ckpt else 0.0) + grad) * fac["fsdp_constants"]
+        if moe:
+            # FSDP2's backward prefetches nothing at layer 0 (the root is gathered) and holds no
+            # earlier layer's reduce-scatter buffers at the first layer it runs (#fsdp-moe-points)
+            if lay.reshard_after_forward:
+                mlp_points[LAYER_BACKWARD, 0] -= prefetch * float(layer_gathered.max())
+            mlp_points[LAYER_BACKWARD, n - 1] -= terms.FP32 * (top + terms.shard(top, lay.fsdp))
+            mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         head_const += verl_const
         start = 2.0 * (root + float(layer_gathered.max()))
         start_row = fac["fsdp_layer"] * terms.input_gradient_per_row(w) + once
