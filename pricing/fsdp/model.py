@@ -6,7 +6,9 @@ Megatron-core layer pricers, so the walk, envelope, `WavePricer`, search, planne
 CLI price it unchanged. The schedule is the walk's: with per-layer gradient checkpointing a
 layer keeps its input rows and the backward recomputes one layer at a time; without it every
 layer keeps its saved tensors. FSDP2's gathered parameters and gradient-reduce buffers are the
-constant `resident` bytes every point of a wave holds.
+constant `resident` bytes every point of a wave holds; a MoE model's layers are priced at their
+attention's and their MLP's points apart (`walk.WalkCharges.mlp_points`), the LoRA-folded expert
+stacks at the MLP's only (docs/memory-model.md#fsdp-moe-points).
 """
 
 from __future__ import annotations
@@ -22,8 +24,17 @@ from ..geometry import MixerKind, MlpKind
 from ..kernel_set import Framework
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
-from ..walk import (LAYER_BACKWARD, MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_ROWS, MLP_WORKSPACE,
-                    NO_MLP_POINTS, WalkCharges)
+from ..walk import (
+    LAYER_BACKWARD,
+    MLP_BACKWARD,
+    MLP_FORWARD,
+    MLP_KEPT,
+    MLP_NOGRAD,
+    MLP_ROWS,
+    MLP_WORKSPACE,
+    NO_MLP_POINTS,
+    WalkCharges,
+)
 from . import terms, ulysses, verl_head
 from .layout import FsdpLayout
 
@@ -44,11 +55,12 @@ FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.086, "gemma3_tex
                                      "qwen3_moe": 1.0, "mixtral": 1.0}
 # fitted families whose traces stay off the validation target (median <= 3%, worst <= 10% over):
 # priced on their terms, basis conservative with the reason
-_MOE_OVER = ("priced on its CPU traces (0 under) but up to {} above them: a MoE layer's "
-             "gathered experts (the prefetched layer's too) and its LoRA-folded expert stacks are "
-             "charged at every point of the layer, where they live at its MoE's points only")
-FITTED_GAPS: dict[str, str] = {"qwen3_moe": "Qwen3-MoE under FSDP: " + _MOE_OVER.format("18%"),
-                               "mixtral": "Mixtral under FSDP: " + _MOE_OVER.format("15%")}
+_MOE_OVER = ("priced at each layer's attention and MLP points apart (0 under its CPU traces) but "
+             "up to {} above them on 2-3 layer shapes: a MoE layer's MLP backward point charges "
+             "the recomputation's transients beside the backward's (the folded stacks' gradient, "
+             "the LoRA gradients), which do not all live at once (#fsdp-moe-points)")
+FITTED_GAPS: dict[str, str] = {"qwen3_moe": "Qwen3-MoE under FSDP: " + _MOE_OVER.format("10%"),
+                               "mixtral": "Mixtral under FSDP: " + _MOE_OVER.format("11%")}
 # Gemma under eager attention: never under its traces, but up to 16% over them (set 4), off
 # the target
 _GEMMA_EAGER = ("{} with eager attention: priced up to 16% above its CPU traces (the per-head "

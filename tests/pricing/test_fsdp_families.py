@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from waveplan.planner import Planner
 from waveplan.planner import profile_fit as pf
