@@ -4,7 +4,8 @@
 Points: every gradient group's forward (layer 0 to L-1, then the head), every no-grad group's
 forward, then every gradient group's backward (the head, then layer L-1 down to 0); every other
 group charges max(its pending gradients, its retained memory) (the worst order), a GDN call its
-chunk padding rows, a CP call its RoPE entries less `rope_credit`. See
+chunk padding rows, a CP call its RoPE entries less `rope_credit`; with `mlp_points` each layer
+has an MLP point beside its attention point in each pass (#fsdp-moe-points). See
 docs/memory-model.md#schedule (#other-groups, #pending-gradients, #gdn-sp-retained,
 #cp-rope-cache).
 """
