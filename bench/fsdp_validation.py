@@ -11,11 +11,14 @@ Sets 3 and 4 cover the families beyond Llama's shape (gemma2, gemma3_text, phi3,
 mixtral; docs/memory-model.md#fsdp-families): set 3 (hidden 128, 2 layers, vocabulary 1024,
 rank 8) showed what the terms missed and fits each family's factor; set 4 (hidden 192, 3
 layers, vocabulary 1536, rank 16) was traced after the terms and factors were final. Set 5 is
-reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing.
+reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing. Set 6
+holds out the MoE layers' split attention and MLP points (#fsdp-moe-points): new shapes traced
+after that pricing was written; set 7 holds out the final MoE pricing (its backward-layer steps
+came after set 6 was traced).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5|6|7] [--classes N]
 """
 
 from __future__ import annotations
@@ -91,15 +94,48 @@ WAVES4 = [(160, 96, 64), (320,)]
 LORA_RANK4 = 16
 # set 5: reshard_after_forward=False on set 2's shapes (its pricing, every layer's gathered
 # parameters held from its forward to its backward, was written before these were traced)
+# set 6: the MoE families after their layers were split into attention and MLP points
+# (#fsdp-moe-points), traced after that pricing was final: new shapes (hidden 160, 3 layers,
+# vocabulary 1280, rank 4), FSDP1, 2 and 4, checkpointing on and off, sdpa and eager
+_BASE6 = dict(hidden_size=160, intermediate_size=448, num_hidden_layers=3, num_attention_heads=5,
+              num_key_value_heads=1, head_dim=32, vocab_size=1280)
+FAMILIES6 = {
+    "qwen3_moe": dict(_BASE6, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=112, tie_word_embeddings=False),
+    "mixtral": dict(_BASE6, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=320, tie_word_embeddings=False, sliding_window=None),
+}
+WAVES6 = [(128, 64), (224,)]
+LORA_RANK6 = 4
+# set 7: the MoE families' final pricing (set 6's, plus the first and last backward layers'
+# gathered-parameter and reduce-buffer steps), traced after it: hidden 224, 4 layers, 4 experts,
+# vocabulary 1792, rank 8
+_BASE7 = dict(hidden_size=224, intermediate_size=576, num_hidden_layers=4, num_attention_heads=7,
+              num_key_value_heads=1, head_dim=32, vocab_size=1792)
+FAMILIES7 = {
+    "qwen3_moe": dict(_BASE7, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=160, tie_word_embeddings=False),
+    "mixtral": dict(_BASE7, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=288, tie_word_embeddings=False, sliding_window=None),
+}
+WAVES7 = [(200, 56), (256,)]
+LORA_RANK7 = 8
 SETS = {1: (FAMILIES, WAVES, LORA_RANK), 2: (FAMILIES2, WAVES2, LORA_RANK2),
         3: (FAMILIES3, WAVES3, LORA_RANK3), 4: (FAMILIES4, WAVES4, LORA_RANK4),
-        5: (FAMILIES2, WAVES2, LORA_RANK2)}
+        5: (FAMILIES2, WAVES2, LORA_RANK2), 6: (FAMILIES6, WAVES6, LORA_RANK6),
+        7: (FAMILIES7, WAVES7, LORA_RANK7)}
 
 
 def classes(which: int = 1):
     if which == 3:
         return [(fam, ckpt, attn, 2) for fam in FAMILIES3 for ckpt in (True, False)
                 for attn in ("sdpa", "eager")]
+    if which == 7:
+        return [("qwen3_moe", True, "eager", 2), ("mixtral", True, "sdpa", 2), ("qwen3_moe", False, "eager", 2),
+                ("mixtral", False, "sdpa", 4), ("qwen3_moe", True, "sdpa", 1)]
+    if which == 6:
+        return [("qwen3_moe", True, "sdpa", 2), ("mixtral", False, "eager", 2), ("qwen3_moe", False, "sdpa", 4),
+                ("mixtral", True, "eager", 2), ("qwen3_moe", True, "eager", 1), ("mixtral", True, "sdpa", 4)]
     if which == 5:
         return [("llama", True, "sdpa", 2), ("llama", False, "sdpa", 2), ("qwen3", False, "eager", 2)]
     if which == 4:   # a subset (a loaded 2-core machine): every family, checkpointing on and off
@@ -170,7 +206,9 @@ def table() -> str:
                         ("set 2 (held out)", lambda c: c.startswith("set2:")),
                         ("set 3 (families: fitted on)", lambda c: c.startswith("set3:")),
                         ("set 4 (families: held out)", lambda c: c.startswith("set4:")),
-                        ("set 5 (no reshard after forward)", lambda c: c.startswith("set5:"))):
+                        ("set 5 (no reshard after forward)", lambda c: c.startswith("set5:")),
+                        ("set 6 (MoE points: held out)", lambda c: c.startswith("set6:")),
+                        ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -191,7 +229,9 @@ def scatter() -> None:
     for label, prefix, marker in (("set 1 (corrected after)", "", "o"), ("set 2 (held out)", "set2:", "s"),
                                   ("set 3 (families: fitted on)", "set3:", "^"),
                                   ("set 4 (families: held out)", "set4:", "D"),
-                                  ("set 5 (no reshard after forward)", "set5:", "v")):
+                                  ("set 5 (no reshard after forward)", "set5:", "v"),
+                                  ("set 6 (MoE points: held out)", "set6:", "P"),
+                                  ("set 7 (MoE final: held out)", "set7:", "X")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)
@@ -214,7 +254,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=None, help="trace at most N new classes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--table-only", action="store_true")
-    parser.add_argument("--set", type=int, choices=(1, 2, 3, 4, 5), default=1, help="shape set to trace")
+    parser.add_argument("--set", type=int, choices=(1, 2, 3, 4, 5, 6, 7), default=1, help="shape set to trace")
     args = parser.parse_args()
     if not args.table_only:
         run_traces(args.classes, args.device, args.set)

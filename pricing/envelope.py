@@ -15,6 +15,7 @@ import numpy as np
 
 from .model import PricingModel
 from .tolerances import ENVELOPE_ROUNDING_BYTES, LOWER_ENVELOPE_MARGIN
+from .walk import LAYER_BACKWARD, MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_WORKSPACE
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,13 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     pad_ret, pad_point = a.pad_retained, a.pad_point
     cum_pad = np.cumsum(pad_ret)
     total_pad = float(pad_ret.sum()) if pad_ret.size else 0.0
+    # split layer points (`walk.WalkCharges.mlp_points`): the MLP's points, the kept constants
+    mlp = a.mlp_points
+    split = mlp.shape[1] > 0
+    kept_c = mlp[MLP_KEPT] if split else np.zeros(ret.shape[0])
+    cum_kept = np.cumsum(kept_c)
+    total_kept = float(kept_c.sum())
+    layer_bwd = mlp[LAYER_BACKWARD] if split else np.zeros(ret.shape[0])
 
     # Each point: the running class, its row / segment / presence coefficients.
     running, row_own, seg_own, pres_own, pend_own = [], [], [], [], []
@@ -77,18 +85,33 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
             seg_own.append(np.array([max_state]))
             pres_own.append(np.array([head_c + most_pad * (float(pad_point.max()) if ng.size else 0.0)]))
             pend_own.append(np.zeros(1))
+            if split:   # the MLP's no-grad point: at most its largest transient and constants
+                running.append(np.array([g]))
+                row_own.append(np.array([float(mlp[MLP_NOGRAD].max()) + head_fwd]))
+                seg_own.append(np.array([max_state]))
+                pres_own.append(np.array([head_c + most_pad * float(pad_point.max())
+                                          + float((mlp[MLP_FORWARD] + kept_c).max())]))
+                pend_own.append(np.zeros(1))
             continue
         n = ret.shape[0]
-        running.append(np.full(2 * n + 2, g))
+        running.append(np.full(2 * n + 2 + (2 * n if split else 0), g))
         row_own.append(np.concatenate([cum - ret + ng, cum + ws + ig,
                                        [total + head_fwd, total + head_ret + head_tr + ig]]))
         seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
-        pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point),
-                                        most_pad * (cum_pad + pad_point),
-                                        [head_c + most_pad * total_pad] * 2]))
+        pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point) + cum_kept - kept_c,
+                                        most_pad * (cum_pad + pad_point) + cum_kept - kept_c + layer_bwd,
+                                        [head_c + most_pad * total_pad + total_kept] * 2]))
         grads = a.pending[model.slot_index(class_slot[g])]
         suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
         pend_own.append(np.concatenate([np.zeros(n), suffix, [0.0, 0.0]]))
+        if split:   # each layer's MLP points (`walk.WalkCharges.mlp_points`)
+            row_own.append(np.concatenate([cum - ret + mlp[MLP_NOGRAD], cum + mlp[MLP_WORKSPACE] + ig]))
+            seg_own.append(np.concatenate([gdn, gdn]))
+            pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point) + cum_kept
+                                            + mlp[MLP_FORWARD],
+                                            most_pad * (cum_pad + pad_point) + cum_kept + mlp[MLP_BACKWARD]
+                                            + layer_bwd]))
+            pend_own.append(np.concatenate([np.zeros(n), suffix]))
     if not running:
         empty = np.zeros((0, k_classes))
         return Envelope(np.zeros(0), empty, np.zeros((0, k_classes, 3)), empty, empty,
@@ -102,7 +125,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     seg_c = np.zeros((num_points, k_classes))
     seg_c[cols, run] = np.concatenate(seg_own)
     # ... and their padding rows' (at most chunk - 1 per forward call)
-    pres_c = np.tile(np.where(np.asarray(class_grad, dtype=bool), most_pad * total_pad, 0.0), (num_points, 1))
+    pres_c = np.tile(np.where(np.asarray(class_grad, dtype=bool), most_pad * total_pad + total_kept, 0.0),
+                     (num_points, 1))
     pres_c[cols, run] = np.concatenate(pres_own)
     if lower:
         # Valid below the exact price of any flat wave in which some class is present: rows
@@ -130,8 +154,11 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     others[cols, run] = False
     row_c = row_c + np.where(others, a.rope_entry * model.rows_cp, 0.0)
     const, row_c, seg_c, pres_c = _first_execution_points(row_c, seg_c, pres_c, run,
-                                                          class_grad, float(model.charges.first_exec)
-                                                          + float(model.charges.resident))
+                                                          class_grad, float(model.charges.first_exec))
+    # the resident bytes (FSDP2's gathered parameters) every point of any wave holds, as the
+    # walk charges them (`price.price_groups`), no-gradient waves included
+    if model.charges.resident:
+        const = const + float(model.charges.resident)
     if model.charges.start:   # the forward's start (`price.forward_start`): one more point
         const = np.append(const, float(model.charges.start))
         row_c = np.vstack([row_c, np.full((1, k_classes), float(model.charges.start_row))])

@@ -12,9 +12,11 @@ from .errors import ConfigError, bad
 from .geometry import MixerKind
 from .model import PricingModel
 from .walk import (
+    LAYER_BACKWARD,
     PEAK_BYTES,
     PEAK_LAYER,
     PEAK_POINT,
+    POINT_BACKWARD,
     POINT_HEAD_BACKWARD,
     POINT_HEAD_FORWARD,
     POINT_NAMES,
@@ -143,6 +145,11 @@ def price_groups(model: PricingModel, groups: Sequence[GroupLoad], *,
         # at the head's points the head constant takes back the layers FSDP has resharded there
         held = resident + (model.charges.walk.head_const if code in (POINT_HEAD_FORWARD, POINT_HEAD_BACKWARD,
                                                        POINT_NOGRAD_FORWARD) else 0.0)
+        mlp = model.charges.walk.mlp_points
+        if code == POINT_BACKWARD and mlp.shape[1]:   # a layer's own gathered-parameter bytes
+            step = float(mlp[LAYER_BACKWARD, layer])
+            held += step
+            terms["workspace"] = int(math.ceil(values[TERM_NAMES.index("workspace")] - step))
         terms["first_execution"] = int(math.ceil(values[TERM_NAMES.index("first_execution")] - resident))
         terms["head"] = int(math.ceil(values[TERM_NAMES.index("head")] - (held - resident)))
         terms["gathered_parameters"] = int(math.ceil(held))

@@ -4,7 +4,8 @@
 Points: every gradient group's forward (layer 0 to L-1, then the head), every no-grad group's
 forward, then every gradient group's backward (the head, then layer L-1 down to 0); every other
 group charges max(its pending gradients, its retained memory) (the worst order), a GDN call its
-chunk padding rows, a CP call its RoPE entries less `rope_credit`. See
+chunk padding rows, a CP call its RoPE entries less `rope_credit`; with `mlp_points` each layer
+has an MLP point beside its attention point in each pass (#fsdp-moe-points). See
 docs/memory-model.md#schedule (#other-groups, #pending-gradients, #gdn-sp-retained,
 #cp-rope-cache).
 """
@@ -28,6 +29,12 @@ TERM_NAMES = ("retained", "workspace", "input_gradient", "pending_gradients", "g
 POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-forward", "empty")
 (POINT_BACKWARD, POINT_HEAD_BACKWARD, POINT_FORWARD, POINT_HEAD_FORWARD, POINT_NOGRAD_FORWARD,
  POINT_EMPTY) = range(len(POINT_NAMES))
+
+# Rows of `WalkCharges.mlp_points`, float64[MLP_ROWS, L] (L = 0: the layer points are not split).
+MLP_ROWS = 6
+MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD, LAYER_BACKWARD = range(MLP_ROWS)
+NO_MLP_POINTS = np.zeros((MLP_ROWS, 0))
+"""The default `mlp_points`: every layer priced at one point per pass (Megatron-core)."""
 
 # The peak record `walk` returns, float64[4]: bytes, point code, layer (-1: none), group (-1).
 PEAK_BYTES, PEAK_POINT, PEAK_LAYER, PEAK_GROUP = range(4)
@@ -56,6 +63,13 @@ class WalkCharges(NamedTuple):
     #                          workspace, no-grad transient and head transient: full recompute)
     head_forward: float = 0.0  # per row, what the head holds at its forward when more than
     #                            head_retained (`layout_terms.sp_head_forward_per_row`; 0: none)
+    mlp_points: np.ndarray = NO_MLP_POINTS  # float64[MLP_ROWS, L], or [MLP_ROWS, 0]: none.
+    #   Given, each layer has an MLP point beside its attention point in each pass: nograd and
+    #   workspace are then the attention's, MLP_NOGRAD / MLP_WORKSPACE the MLP's per row,
+    #   MLP_FORWARD / MLP_BACKWARD constant bytes at the layer's MLP point of that pass only,
+    #   MLP_KEPT constant bytes layer i keeps from its forward MLP point to its backward one,
+    #   LAYER_BACKWARD constant bytes (may be < 0) at both of layer i's backward points
+    #   (docs/memory-model.md#fsdp-moe-points)
 
 
 class WalkGroups(NamedTuple):
@@ -139,6 +153,8 @@ def walk(charges, first_exec, groups):
     slot = groups.slot
     carries = groups.carries
     kept = charges.rope_kept
+    mlp = charges.mlp_points
+    split = mlp.shape[1] > 0
     n_layers = retained.shape[0]
     n_groups = rows.shape[0]
     best = np.zeros(4)
@@ -152,6 +168,12 @@ def walk(charges, first_exec, groups):
 
     total_retained = retained.sum()
     cum = np.cumsum(retained)
+    # the MLP points' kept constants: before layer i's forward MLP point, through layer i's
+    cum_kept = np.zeros(n_layers)
+    total_kept = 0.0
+    if split:
+        cum_kept = np.cumsum(mlp[MLP_KEPT])
+        total_kept = cum_kept[n_layers - 1] if n_layers > 0 else 0.0
     total_pad = pad_ret.sum()
     cum_pad = np.cumsum(pad_ret)
     pad = np.zeros(n_groups)   # each forward call's padding rows (a GDN kernel's chunk)
@@ -183,6 +205,8 @@ def walk(charges, first_exec, groups):
     for g in range(n_groups):
         if grad[g]:
             keep[g] = rows[g] * (total_retained + head_ret) + pad[g] * total_pad
+            if split:
+                keep[g] += total_kept
             if kept:
                 keep[g] -= credit[g]
             if carries[g] and per_slot[slot[g]] == 1:
@@ -204,6 +228,9 @@ def walk(charges, first_exec, groups):
             for i in range(n_layers):
                 ng = max(ng, rows[g] * nograd[i] + pad[g] * pad_point[i]
                          - (credit[g] if (i == 0 or not kept) else 0.0))
+                if split:   # the MLP's point: its transient and constants
+                    ng = max(ng, rows[g] * mlp[MLP_NOGRAD, i] + mlp[MLP_FORWARD, i] + mlp[MLP_KEPT, i]
+                             + pad[g] * pad_point[i] - (credit[g] if (i == 0 or not kept) else 0.0))
             _start(point, others_all + entries - charges.rope_entry * groups.longest[g],
                    caller_bytes, first_exec)
             point[TERM_NOGRAD_TRANSIENT] = ng
@@ -224,14 +251,22 @@ def walk(charges, first_exec, groups):
             else:
                 point[TERM_WORKSPACE] -= credit[g]
             point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
+            if split:
+                point[TERM_RETAINED] += cum_kept[i] - mlp[MLP_KEPT, i]
             _offer(best, out, point, POINT_FORWARD, i, g)
+            if split:   # the layer's MLP: its own kept constant from here on
+                point[TERM_RETAINED] += mlp[MLP_KEPT, i]
+                point[TERM_WORKSPACE] += (rows[g] * (mlp[MLP_NOGRAD, i] - nograd[i])
+                                          + mlp[MLP_FORWARD, i])
+                _offer(best, out, point, POINT_FORWARD, i, g)
         _start(point, others, caller_bytes, first_exec)
-        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad - (credit[g] if kept else 0.0)
+        point[TERM_RETAINED] = (rows[g] * total_retained + pad[g] * total_pad - (credit[g] if kept else 0.0)
+                                + total_kept)
         point[TERM_HEAD] = rows[g] * head_fwd + head_const
         _offer(best, out, point, POINT_HEAD_FORWARD, -1, g)
         # backward of the head
         _start(point, others, caller_bytes, first_exec)
-        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad
+        point[TERM_RETAINED] = rows[g] * total_retained + pad[g] * total_pad + total_kept
         point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
         point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if (carries[g] and shared_slot) else 0.0
         point[TERM_HEAD] = rows[g] * (head_ret + head_tr) + head_const
@@ -253,5 +288,13 @@ def walk(charges, first_exec, groups):
             if carries[g]:
                 point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if shared_slot else suffix[s, i]
             point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
+            if split:   # the MLP's backward first, then the attention's without its constants
+                point[TERM_WORKSPACE] += mlp[LAYER_BACKWARD, i]
+                point[TERM_RETAINED] += cum_kept[i]
+                ws = point[TERM_WORKSPACE]
+                point[TERM_WORKSPACE] += rows[g] * (mlp[MLP_WORKSPACE, i] - workspace[i]) + mlp[MLP_BACKWARD, i]
+                _offer(best, out, point, POINT_BACKWARD, i, g)
+                point[TERM_RETAINED] -= mlp[MLP_KEPT, i]
+                point[TERM_WORKSPACE] = ws
             _offer(best, out, point, POINT_BACKWARD, i, g)
     return best, out

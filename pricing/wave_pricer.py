@@ -95,12 +95,13 @@ def _loads(rank, table, length_at, class_of, reqs, ptr, num_classes, multiple):
 
 @njit(cache=True)
 def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layers, pending,
-              scal):
+              scal, mlp):
     """Admitted bytes of one wave, exactly as `price_groups` computes them (its rank rows,
     segments = layout segments + padding rows, first execution only with a gradient group),
     or -status when `_loads` fails. `classes`: int64[K, 2] (grad, model slot index);
     `carry`: bool[model slots] in first_slots; `layers`: float64[6, L] (retained, workspace,
-    nograd, gdn_state, pad_retained, pad_point). O(requests x classes + groups^2 + groups x L)."""
+    nograd, gdn_state, pad_retained, pad_point); `mlp`: `WalkCharges.mlp_points`.
+    O(requests x classes + groups^2 + groups x L)."""
     status, lo = _loads(rank, table, length_at, class_of, reqs, ptr, classes.shape[0],
                         np.int64(scal[_S_MULTIPLE]))
     if status != 0:
@@ -133,7 +134,7 @@ def _admitted(rank, table, length_at, class_of, reqs, ptr, classes, carry, layer
                           scal[_S_INPUT_GRAD], scal[_S_HEAD_RET], scal[_S_HEAD_TR],
                           scal[_S_HEAD_CONST], scal[_S_CALLER], layers[4], layers[5], scal[_S_CHUNK],
                           scal[_S_ROPE_CP], scal[_S_ROPE_ENTRY], scal[_S_ROPE_KEPT] > 0,
-                          scal[_S_HEAD_FWD])
+                          scal[_S_HEAD_FWD], mlp)
     best, _ = walk(charges, first_exec, WalkGroups(rows, logical, segments, grad, slot, carries, longest))
     peak = best[PEAK_BYTES]
     if scal[_S_START] > 0 and g > 0:   # the forward's start (`price.forward_start`)
@@ -235,12 +236,13 @@ class WavePricer:
                                    model.charges.start_row],
                                   dtype=np.float64)
                 pending = np.ascontiguousarray(a.pending, dtype=np.float64)
-                cache[self.profiled] = (layers, pending, scal, len(model.slot_names))
-            layers, pending, scal, n_slots = cache[self.profiled]
+                mlp = np.ascontiguousarray(a.mlp_points, dtype=np.float64)
+                cache[self.profiled] = (layers, pending, scal, len(model.slot_names), mlp)
+            layers, pending, scal, n_slots, mlp = cache[self.profiled]
             classes = np.asarray([[int(g), model.slot_index(s)]
                                   for s, g in zip(self.class_slot, self.class_grad, strict=True)]
                                  or np.zeros((0, 2)), dtype=np.int64).reshape(-1, 2)
-            self._fast = (classes, layers, pending, scal, n_slots)
+            self._fast = (classes, layers, pending, scal, n_slots, mlp)
         return self._fast
 
     @staticmethod
@@ -259,14 +261,14 @@ class WavePricer:
         O(requests x classes + groups x layers), jitted."""
         if self.adjust is not None:
             return self.price(children, first_slots=first_slots).admitted_bytes
-        classes, layers, pending, scal, n_slots = self._fast_args()
+        classes, layers, pending, scal, n_slots, mlp = self._fast_args()
         carry = np.zeros(max(n_slots, 1), dtype=np.bool_)
         for name in first_slots:
             carry[self.model.slot_index(name)] = True
         reqs, ptr = self._flatten(children)
         st = self.step
         out = int(_admitted(st.rank, st.lcp_table, st.length_at, self.class_of, reqs, ptr,
-                            classes, carry, layers, pending, scal))
+                            classes, carry, layers, pending, scal, mlp))
         if out < 0:   # a bad index: let the full path raise its error
             return self.price(children, first_slots=first_slots).admitted_bytes
         return out

@@ -192,6 +192,21 @@ def attention_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> tuple[f
     return 0.0, 0.0, 0.0
 
 
+def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> float:
+    """Bytes per (row x attention row) the recomputed attention keeps for its backward while
+    the layer's MLP recomputes and runs its backward (checkpointing only; without, they are in
+    `attention_quadratic`'s kept term): eager's fp32 softmax output and bf16 probabilities per
+    head (6 nh), sdpa's converted float mask the CPU kernel saves (2). Charged at a split
+    layer's MLP points (#fsdp-moe-points). Docs: docs/memory-model.md#fsdp-moe-points."""
+    if not checkpointing:
+        return 0.0
+    if attn == "eager":
+        return 6 * w.nh
+    if attn == "sdpa":
+        return 2.0
+    return 0.0
+
+
 # --- parameters (counts; FSDP2 gathers them in bf16) ---------------------------------------
 
 

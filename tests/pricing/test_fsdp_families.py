@@ -3,8 +3,8 @@ calibration factors (#fsdp-calibration: `waveplan calibrate` on fsdp traces and 
 FSDP model) and `inspect --framework fsdp`.
 
 * transformers 5 MoE families: PEFT all-linear folds LoRA into the fused expert stacks, a
-  full-size bf16 copy per MoE layer: charged (one layer's with checkpointing, every layer's
-  without) and the expert adapters' gradients counted;
+  full-size bf16 copy per MoE layer: charged at the layer's MLP points (its own with
+  checkpointing, kept to its backward without) and the expert adapters' gradients counted;
 * Gemma: two packed-row masks where sliding and full layers alternate, the final soft-cap's
   bf16 copies;
 * a table without the fsdp factors prices exactly as before; each factor raises what it scales;
@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from waveplan.planner import Planner
 from waveplan.planner import profile_fit as pf
@@ -31,6 +30,7 @@ from waveplan.pricing.fsdp.check import price_record
 from waveplan.pricing.fsdp.model import FITTED_FAMILIES, for_step
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.step import Step
+from waveplan.pricing.walk import MLP_BACKWARD, MLP_FORWARD, MLP_KEPT
 from waveplan.pricing.wave_pricer import WavePricer
 
 TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp_traces.jsonl"
@@ -51,14 +51,34 @@ def _price(cfg, *, ckpt=True, attn="sdpa", table=None, lens=(96, 64, 32)):
     return WavePricer.build(step, model).price([np.arange(len(lens))], first_slots=frozenset({"default"}))
 
 
-def test_moe_folded_expert_stacks_are_charged():
+def test_moe_folded_expert_stacks_are_charged_at_the_mlp_points():
     g = load_hf_config(dict(MOE))
     up, down = terms.moe_lora_stacks(g)
     assert up == 2 * 8 * 2 * 96 * 128 and down == 2 * 8 * 96 * 128
-    ck = _price(MOE, ckpt=True).terms["gathered_parameters"]
-    no = _price(MOE, ckpt=False).terms["gathered_parameters"]
-    # without checkpointing both MoE layers keep their copies, with it one layer's
-    assert no - ck == pytest.approx(up + down, abs=2)
+    grad = max(down, up - down)
+    ck = build_fsdp_model(g, fsdp=2, attn="sdpa", checkpointing=True, attn_rows=64).charges
+    no = build_fsdp_model(g, fsdp=2, attn="sdpa", checkpointing=False, attn_rows=64).charges
+    # not in the constant every point holds: at each MoE layer's MLP points only
+    # (#fsdp-moe-points): with checkpointing its two copies (and a gradient at its backward),
+    # without, each layer keeps its copies from its forward MLP point to its backward one
+    assert ck.resident == no.resident
+    mc, mn = ck.walk.mlp_points, no.walk.mlp_points
+    np.testing.assert_allclose(mc[MLP_FORWARD], up + down)
+    np.testing.assert_allclose(mc[MLP_BACKWARD], up + down + grad)
+    np.testing.assert_allclose(mc[MLP_KEPT], 0.0)
+    np.testing.assert_allclose(mn[MLP_KEPT], up + down)
+    np.testing.assert_allclose(mn[MLP_BACKWARD], grad)
+    # the recomputed attention's S x S at the MLP's backward point: sdpa's kept float mask
+    w = terms.widths(g, 8)
+    assert terms.recompute_kept_quadratic(w, attn="sdpa", checkpointing=True) == 2.0
+    assert terms.recompute_kept_quadratic(w, attn="eager", checkpointing=True) == 6 * w.nh
+    assert terms.recompute_kept_quadratic(w, attn="eager", checkpointing=False) == 0.0
+    # without checkpointing the head holds every layer's copies, with it none
+    head_no = _price(MOE, ckpt=False, lens=(8,))
+    assert no.walk.mlp_points.shape[1] == g.num_layers and head_no.raw_bytes > 0
+    # a dense family keeps one point per layer and pass (the walk as before)
+    assert build_fsdp_model(load_hf_config(dict(BASE, model_type="llama")), fsdp=2, attn="sdpa",
+                            attn_rows=64).charges.walk.mlp_points.shape[1] == 0
     # PEFT's expert adapters: A 2E x H and B 2F_e x 2E (gate_up), A E x F_e and B H x E (down), router
     assert terms.moe_lora_param_count(g) == 2 * 8 * (128 + 2 * 96) + 8 * (96 + 128) + (128 + 8)
 

@@ -91,3 +91,85 @@ def test_the_envelope_never_prices_a_wave_below_the_walk(model, lens, prompt, da
     # carrying the slot's pending gradients adds at most `pending_bytes` (what the search adds)
     carried = pricer.price([sub], first_slots=frozenset({"default"})).admitted_bytes
     assert envelope + pricer.pending_bytes("default") >= carried
+
+
+# split layer points (`walk.WalkCharges.mlp_points`): FSDP MoE models, several classes a wave
+_MOE_CFG = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=1024, model_type="qwen3_moe",
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                tie_word_embeddings=False, mlp_only_layers=[1])
+_fsdp_models: dict = {}
+
+
+def _fsdp_moe(ckpt, attn, fsdp):
+    from waveplan.pricing.fsdp import build_fsdp_model
+    from waveplan.pricing.hf_config import load_hf_config
+
+    key = (ckpt, attn, fsdp)
+    if key not in _fsdp_models:
+        lora = LoraConfig(slots=(LoraSlot(name="a", rank=8), LoraSlot(name="b", rank=16)))
+        _fsdp_models[key] = build_fsdp_model(load_hf_config(dict(_MOE_CFG)), fsdp=fsdp, attn=attn,
+                                             checkpointing=ckpt, lora=lora, attn_rows=512)
+    return _fsdp_models[key]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=st.builds(_fsdp_moe, st.booleans(), st.sampled_from(("sdpa", "eager", "flash")),
+                       st.sampled_from((1, 2, 4))),
+       lens=st.lists(st.integers(2, 200), min_size=1, max_size=8), data=st.data())
+def test_split_layer_points_agree_in_every_form(model, lens, data):
+    from waveplan.pricing.envelope import build_envelope
+    from waveplan.pricing.walk import MLP_ROWS, NO_MLP_POINTS
+
+    assert model.charges.walk.mlp_points.shape == (MLP_ROWS, 3)
+    slots = data.draw(st.lists(st.sampled_from(("a", "b")), min_size=len(lens), max_size=len(lens)))
+    grads = data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=n, slot=s, grad=g)
+                               for i, (n, s, g) in enumerate(zip(lens, slots, grads, strict=True))])
+    pricer = WavePricer.build(step, model)
+    sub = np.arange(len(lens), dtype=np.int64)
+    for first in (frozenset(), frozenset({"a"})):
+        exact = pricer.price([sub], first_slots=first)
+        assert pricer.admitted([sub], first_slots=first) == exact.admitted_bytes
+    exact = pricer.price([sub])
+    present, counts = two_level_counts(step, pricer, sub)
+    assert pricer.envelope().value(present, counts) >= exact.admitted_bytes
+    lower = build_envelope(model, pricer.class_grad, pricer.class_slot, lower=True)
+    assert lower.value(present, counts) <= exact.admitted_bytes
+    # the split points are the unsplit ones with the MLP's moved apart: the larger per row at
+    # both points and the MLP's constants at every point never price lower
+    import dataclasses
+
+    a = model.charges.walk
+    m = a.mlp_points
+    every = dataclasses.replace(model)
+    merged = a._replace(nograd=np.maximum(a.nograd, m[0]), workspace=np.maximum(a.workspace, m[1]),
+                        mlp_points=NO_MLP_POINTS)
+    # every call keeps its own copies (a no-grad call's at its own MLP point)
+    const = pricer.num_classes * m[2].sum() + max(m[3].max(), m[4].max())
+    object.__setattr__(every, "charges", dataclasses.replace(model.charges, walk=merged,
+                                                             resident=model.charges.resident + const))
+    assert WavePricer.build(step, every).price([sub]).raw_bytes >= exact.raw_bytes
+
+
+def test_split_points_reduce_to_the_walk_when_the_mlp_adds_nothing():
+    """A Megatron model's walk with MLP points that repeat its layers' per-row charges and hold
+    no constant prices every wave exactly as without them."""
+    from waveplan.pricing.walk import MLP_NOGRAD, MLP_ROWS, MLP_WORKSPACE
+
+    model = _model("qwen3-30b-a3b", ParallelLayout(), "full", "chunked:512", "te-gpu")
+    a = model.charges.walk
+    m = np.zeros((MLP_ROWS, a.retained.shape[0]))
+    m[MLP_NOGRAD], m[MLP_WORKSPACE] = a.nograd, a.workspace
+    import dataclasses
+
+    split = dataclasses.replace(model)
+    object.__setattr__(split, "charges", dataclasses.replace(model.charges, walk=a._replace(mlp_points=m)))
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=n, grad=i % 3 != 0)
+                               for i, n in enumerate((900, 4000, 17, 2500))])
+    for sub in (np.arange(4, dtype=np.int64), np.array([1, 2], dtype=np.int64)):
+        for first in (frozenset(), frozenset({"default"})):
+            want = WavePricer.build(step, model).price([sub], first_slots=first)
+            got = WavePricer.build(step, split).price([sub], first_slots=first)
+            assert got.raw_bytes == want.raw_bytes
+            assert WavePricer.build(step, split).admitted([sub], first_slots=first) == want.admitted_bytes
