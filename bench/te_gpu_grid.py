@@ -14,9 +14,10 @@ It appends one record per cell (`{"cell", "trace"}`) to bench/results/traces_te_
 rewrites the file sorted by cell key, so a re-run completes an interrupted one. `report`
 never traces: it prices each cell with today's tables (`multirank_grid.current_estimate`:
 WavePricer, one first gradient wave, 2-byte adapter gradients, safety 1.0) and writes
-bench/results/te_gpu_grid.txt. Context parallelism (CP2, the dense shape) runs on the multi-rank
-tracer (`multirank.trace_multirank_batch(kernels="te-gpu")`, the ring attention model, minutes
-on a 2-core machine); expert parallelism is not in this grid.
+bench/results/te_gpu_grid.txt. Context parallelism (TP1 under CP2 and CP4, dense shapes) runs on
+the multi-rank tracer (`multirank.trace_multirank_batch(kernels="te-gpu")`, the ring attention
+model, one set of rank processes per model and layout, minutes on a 2-core machine); expert
+parallelism is not in this grid.
 
 Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
 hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
@@ -92,6 +93,11 @@ def planned_heldout() -> list[dict]:
             cells.append(_cell(DENSE2["name"], lay, rc, wave=HELDOUT_WAVE))
     cells.append(_cell("qwen3-8b", {"tp": 2, "sequence_parallel": True}, "selective", wave=HELDOUT_WAVE))
     cells.append(_cell("qwen3-32b", {"tp": 8, "sequence_parallel": True}, "none", wave=HELDOUT_WAVE))
+    # traced after the ring attention's release (fused_retained_layer ring_release) was written:
+    # TP1 under CP on the multi-rank tracer, the other dense shapes
+    for model, cp in ((DENSE2["name"], 2), (DENSE3["name"], 2), (DENSE2["name"], 4)):
+        for rc in RECOMPUTES:
+            cells.append(_cell(model, {"cp": cp}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
@@ -111,8 +117,9 @@ def planned() -> list[dict]:
         cells.append(_cell(GDN["name"], lay, "full"))
     for rc in ("full", "selective"):
         cells.append(_cell("qwen3.8-27b", {"tp": 4, "sequence_parallel": True}, rc))
-    for rc in RECOMPUTES:   # context parallelism: the multi-rank tracer (ring attention model)
-        cells.append(_cell(DENSE["name"], {"cp": 2}, rc))
+    for cp in (2, 4):   # context parallelism: the multi-rank tracer (ring attention model)
+        for rc in RECOMPUTES:
+            cells.append(_cell(DENSE["name"], {"cp": cp}, rc))
     return cells
 
 
@@ -156,21 +163,25 @@ def cmd_trace(args) -> int:
             and (not args.only or c["model"] in args.only)]
     t_all = time.monotonic()
     multi = [c for c in todo if c["layout"].get("cp", 1) > 1]
-    if multi:
+    groups: dict[str, list[dict]] = {}   # one set of rank processes per model and layout
+    for c in multi:
+        groups.setdefault(json.dumps([c["model"], c["layout"]], sort_keys=True), []).append(c)
+    for group in groups.values():
         from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch, trace_record
 
         t0 = time.monotonic()
-        layout = ParallelLayout(**multi[0]["layout"])
+        layout = ParallelLayout(**group[0]["layout"])
         jobs = [TraceJob(seq_lens=tuple(c["seq_lens"]), recompute=Recompute(mode=c["recompute"]),
-                         lora_rank=LORA_RANK) for c in multi]
-        traces = trace_multirank_batch(geometry_of(multi[0]["model"]), layout=layout, jobs=jobs,
+                         lora_rank=LORA_RANK) for c in group]
+        traces = trace_multirank_batch(geometry_of(group[0]["model"]), layout=layout, jobs=jobs,
                                        num_layers=2, kernels="te-gpu", timeout_s=3600.0)
-        for cell, tr in zip(multi, traces, strict=True):
+        for cell, tr in zip(group, traces, strict=True):
             rec = trace_record(tr, geometry_of(cell["model"]), model=cell["model"])
             records.append({"cell": dict(cell, seq_lens=rec["cell"]["seq_lens"],
                                          layout=rec["cell"]["layout"]), "trace": rec["trace"]})
         _write(records, path)
-        print(f"{len(multi)} multi-rank cells, {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"{group[0]['model']} {group[0]['layout']}: {len(group)} multi-rank cells, "
+              f"{time.monotonic() - t0:.0f} s", flush=True)
     for cell in todo:
         if cell in multi:
             continue
@@ -201,7 +212,7 @@ def class_of(cell: dict) -> str:
     lay = cell["layout"]
     tp = lay["tp"]
     if lay.get("cp", 1) > 1:
-        return "CP2 (multi-rank)"
+        return "TP1 under CP2/4 (multi-rank)"
     if cell["recompute"] == "full":
         if tp == 1:
             return "TP1 full, " + ("TE cross entropy" if cell["head"] == "full-te" else "native CE")

@@ -190,6 +190,9 @@ class PricingModel:
         if ctx.fused_retained:
             lines.append(f"kernel-model: the retained layers' tensors, backward and own forward peaks "
                          f"({names}; fused_retained_layer)")
+        if ctx.fused_moe_retained:
+            lines.append(f"kernel-model: the retained MoE layers' tensors and own forward peaks "
+                         f"({names}; fused_retained_layer moe_ keys)")
         if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
             lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
                          "(te-rmsnorm; sp_head_forward)")
@@ -305,7 +308,7 @@ class PricingModel:
         # hidden-wide part is whole and the vocabulary the rank's share)
         head_fwd = (layout_terms.sp_head_forward_per_row(
             t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.fused_retained)
+            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.kernel_retained)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope
