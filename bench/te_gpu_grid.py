@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gdn_grid import GDN  # noqa: E402
-from multirank_grid import DENSE, DENSE2, DENSE3, current_estimate  # noqa: E402
+from multirank_grid import DENSE, DENSE2, DENSE3, MOE, MOE_WIDE, current_estimate  # noqa: E402
 
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
 
@@ -56,7 +56,7 @@ LORA_RANK = 16
 RECOMPUTES = ("full", "selective", "none")
 PRESETS = ("qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "deepseek-v2-lite",
            "qwen3.8-27b", "gemma-2-9b")
-SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN)}
+SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -95,9 +95,15 @@ def planned_heldout() -> list[dict]:
     cells.append(_cell("qwen3-32b", {"tp": 8, "sequence_parallel": True}, "none", wave=HELDOUT_WAVE))
     # traced after the ring attention's release (fused_retained_layer ring_release) was written:
     # TP1 under CP on the multi-rank tracer, the other dense shapes
-    for model, cp in ((DENSE2["name"], 2), (DENSE3["name"], 2), (DENSE2["name"], 4)):
-        for rc in RECOMPUTES:
-            cells.append(_cell(model, {"cp": cp}, rc, wave=HELDOUT_WAVE))
+    for rc in RECOMPUTES:
+        cells.append(_cell(DENSE2["name"], {"cp": 2}, rc, wave=HELDOUT_WAVE))
+    for model, cp, rc in ((DENSE3["name"], 2, "none"), (DENSE3["name"], 2, "selective"),
+                          (DENSE2["name"], 4, "none")):
+        cells.append(_cell(model, {"cp": cp}, rc, wave=HELDOUT_WAVE))
+    # traced after the MoE layers' kernel-model retained term (fused_retained_layer moe_ keys)
+    for model in ("mixtral-8x7b", "qwen3-235b-a22b", MOE_WIDE["name"], MOE["name"]):
+        for rc in ("selective", "none"):
+            cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
     return cells
 
 

@@ -86,7 +86,10 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     if ctx.kernels.retained_backward:
         # the backward's all-to-all and un-sort copies of the routed gradients
         workspace += moe_extra
-    return LayerRow(retained=layer_retained, workspace=workspace, nograd=max(nograd, own),
+    # a MoE layer retained on the fused kernels: its forward point is its kernel models' (`own`,
+    # which holds more than its no-grad forward), not the fitted no-grad stage
+    forward = own if ctx.fused_moe_retained else max(nograd, own)
+    return LayerRow(retained=layer_retained, workspace=workspace, nograd=forward,
                     nograd_plain=nograd, retained_forward=own, gdn_state=gdn_state,
                     structural_point=structural)
 

@@ -289,7 +289,7 @@ def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: i
 
 
 def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, routed: float,
-                                     forward: bool = False) -> float:
+                                     forward: bool = False, backward: bool = False) -> float:
     """What an attention layer with a MoE MLP retained (selective or no recompute) keeps on the
     fused kernels at TP1, or (`forward`) its own forward peak.
 
@@ -299,11 +299,23 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
     (8H: the layer's input, residual sum and two norm outputs) + `routed` x `moe_per_routed_row`
     (the grouped FC1's saved input 2H, the FC1 output the fused weighted SwiGLU saves 4 expert_ffn,
     its output FC2 saves 2 expert_ffn); `forward` adds `routed` x `moe_forward_per_routed_row` (the
-    grouped FC2's output and the combine's copy, 4H). `routed`: top_k x the busiest rank's load.
-    0 without the entry's keys. See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    grouped FC2's output and the combine's copy, 4H); `backward`: the layer's backward transient, the
+    larger of the experts' (`moe_backward_per_row`: the layer output's and the combine's gradients
+    4H, the router's fp32 gradients 8 experts; + `routed` x the larger of
+    `moe_backward_per_routed_row`, FC1's input gradient beside the SwiGLU's input gradient, 2H +
+    4 expert_ffn, and `moe_backward_swiglu_per_routed_row`, the SwiGLU's incoming and input
+    gradients, 6 expert_ffn; FC2's output gradient, 2H + 2 expert_ffn beside its input gradient, is
+    freed before) and flash's (`attention_backward`, as the dense layer's).
+    `routed`: top_k x the busiest rank's load. 0 without the entry's keys. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if not table.kernels.fused_retained:
         return 0.0
+    if backward:
+        experts = max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_routed_row"),
+                      table.per_row(FUSED_RETAINED, widths, key="moe_backward_swiglu_per_routed_row"))
+        return max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_row") + routed * experts,
+                   table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
     out = (table.per_row(FUSED_RETAINED, widths, key="moe_per_row")
            + table.per_row(FUSED_RETAINED, widths, key="moe_replicated")
            + routed * table.per_row(FUSED_RETAINED, widths, key="moe_per_routed_row"))

@@ -275,9 +275,11 @@ class PricingModel:
             pending[s] = counts * self.lora.grad_bytes
         kind, chunk = parse_head(self.head)
         # the head and caller priced by what the kernels hold, or with the seeds' margins beside
-        # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet)
+        # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet); MoE layers
+        # retained by the kernel models (`LayerContext.fused_moe_retained`) keep no fitted term
         margins = not t.kernels.priced_by_models(has_gdn=g.gdn is not None)
-        every_head = not t.kernels.caller_by_heads(fitted_layers=g.gdn is not None or g.moe is not None)
+        fitted_moe = g.moe is not None and not ctx.fused_moe_retained
+        every_head = not t.kernels.caller_by_heads(fitted_layers=g.gdn is not None or fitted_moe)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked",
                                                    margins=margins)
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0

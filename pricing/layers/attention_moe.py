@@ -24,6 +24,11 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     """The layer's stage workspace per row (`mixer`: the mixer's stage, default the fused-QKV
     attention's), and whether it is a structural point (no layout residual beside it)."""
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
+    if ctx.fused_moe_retained:
+        # a retained layer's backward transient on the fused kernels: the experts' or flash's
+        routed = g.moe.top_k * ctx.ep_skew
+        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed,
+                                                             backward=True), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     if ctx.full and ctx.sp_div > 1 and ctx.kernels.sp_point:
         # the MoE backward point under TP with SP (moe_terms); the attention's own backward
