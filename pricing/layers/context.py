@@ -92,8 +92,8 @@ class LayerContext:
     (`KernelSet.structural_at_tp1`, docs/memory-model.md#tp1-structural)."""
     fused_retained: bool = False
     """A plain dense model's retained layers (selective, none) priced by what the fused kernels
-    keep (`KernelSet.fused_retained`), at any credited TP with CP1
-    (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    keep (`KernelSet.fused_retained`), at any credited TP with CP1 and at TP1 under CP (ring
+    attention's, `ring_saves`) (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_moe_retained: bool = False
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
