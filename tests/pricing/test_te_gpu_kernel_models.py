@@ -128,7 +128,8 @@ def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     ctx = none.layer_context()
     assert ctx.fused_moe_retained and ctx.kernel_retained and not ctx.fused_retained
     assert any("moe_" in line for line in none.kernel_basis)
-    for par in (ParallelLayout(ep=2), ParallelLayout(tp=2, sequence_parallel=True), ParallelLayout(cp=2)):
+    for par in (ParallelLayout(ep=2), ParallelLayout(tp=2, sequence_parallel=True), ParallelLayout(tp=2),
+                ParallelLayout(cp=2)):
         assert not PricingModel.build(g, parallel=par, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
     assert not PricingModel.build(g).layer_context().fused_moe_retained   # full recompute
     assert not PricingModel.build(g, recompute=Recompute(mode="none"), backend="torch-cpu").layer_context().fused_moe_retained
