@@ -265,7 +265,7 @@ def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: i
 
 
 def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: int,
-                                 backward: bool) -> float:
+                                 backward: bool, kept: bool = False) -> float:
     """A plain dense layer's ring attention (CP > 1, TE's P2P kernel as
     `pricing/measure/ring_attention.py` allocates it) at its forward merge, or (`backward`) its
     backward's transient.
@@ -276,14 +276,17 @@ def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: i
     received k/v buffer, partial output and log-sum-exp, kept until the merge: 2 qkv + 0.0625 core);
     backward `ring_backward` - `ring_backward_less` (the recomputed ring's saved tensors, 2 qkv +
     2.0625 core; its dq, two k/v + gradient buffers, a step's dq/dk/dv and half copies and the
-    kernel's gradients, 13 qkv - 5 core; the output's and the residual path's gradients, 2H);
-    0 at CP1 or without the keys. See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    kernel's gradients, 13 qkv - 5 core; the output's and the residual path's gradients, 2H),
+    less `ring_saved` (2 qkv + 2.0625 core) where the layer keeps the ring's saved tensors (`kept`:
+    no recompute, already in its retained term); 0 at CP1 or without the keys. See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if cp <= 1 or not table.kernels.fused_retained:
         return 0.0
     if backward:
-        return max(0.0, table.per_row(FUSED_RETAINED, widths, key="ring_backward")
-                   - table.per_row(FUSED_RETAINED, widths, key="ring_backward_less"))
+        less = table.per_row(FUSED_RETAINED, widths, key="ring_backward_less")
+        if kept:
+            less += table.per_row(FUSED_RETAINED, widths, key="ring_saved")
+        return max(0.0, table.per_row(FUSED_RETAINED, widths, key="ring_backward") - less)
     return (table.per_row(FUSED_RETAINED, widths, key="ring_forward")
             + cp * table.per_row(FUSED_RETAINED, widths, key="ring_forward_per_cp"))
 

@@ -38,7 +38,7 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
         back = layout_terms.fused_retained_layer_per_row(
             t, widths, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1, backward=True)
         return max(back, layout_terms.ring_attention_point_per_row(
-            t, widths, cp=ctx.rows_cp, backward=True)), False
+            t, widths, cp=ctx.rows_cp, backward=True, kept=ctx.ring_saves)), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     fitted = mixer + mlp_stage(ctx, layer) + norms(ctx)
     if not ctx.full:

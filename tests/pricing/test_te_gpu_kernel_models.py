@@ -115,6 +115,10 @@ def test_ring_attention_prices_tp1_under_cp_by_what_it_keeps():
     assert f4 - f2 == 2 * (2 * w["qkv"] + 0.0625 * w["core"])
     assert layout_terms.ring_attention_point_per_row(te, w, cp=2, backward=True) == (
         15 * w["qkv"] + 2 * w["H"] - 2.9375 * w["core"])
+    # without recompute the layer's retained term already holds the ring's saved tensors
+    assert (layout_terms.ring_attention_point_per_row(te, w, cp=2, backward=True)
+            - layout_terms.ring_attention_point_per_row(te, w, cp=2, backward=True, kept=True)
+            == 2 * w["qkv"] + 2.0625 * w["core"])
     cpu = load_table("torch-cpu")
     assert layout_terms.ring_attention_point_per_row(cpu, w, cp=2, backward=True) == 0.0
 
