@@ -71,8 +71,9 @@ class KernelSet:
     moe_expert_backward: bool
     """The routed experts' backward (`moe_expert_backward`)."""
     fused_retained: bool = False
-    """A plain dense layer retained (selective, none) priced by what the fused kernels keep
-    (`fused_retained_layer`), with its backward transient and own forward peak."""
+    """A plain dense layer retained (selective, none; TP1 under CP too) or a plain-attention MoE
+    layer retained at TP1 priced by what the fused kernels keep (`fused_retained_layer`), with its
+    backward transient and own forward peak."""
     kernel_models: tuple[str, ...] = ()
     """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
     table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).
@@ -111,8 +112,9 @@ class KernelSet:
 
     def caller_by_heads(self, *, fitted_layers: bool) -> bool:
         """Whether the caller's memory is charged only with the head kinds its entry names
-        (`fused`): not where layers keep fitted terms no kernel model replaced (GDN and MoE
-        layers), which keep its margin with every head (docs/memory-model.md#caller)."""
+        (`fused`): not where layers keep fitted terms no kernel model replaced (GDN layers, MoE
+        layers but where retained by the kernel models), which keep its margin with every head
+        (docs/memory-model.md#caller)."""
         return self.fused and not fitted_layers
 
     @property

@@ -86,7 +86,10 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     if ctx.kernels.retained_backward:
         # the backward's all-to-all and un-sort copies of the routed gradients
         workspace += moe_extra
-    return LayerRow(retained=layer_retained, workspace=workspace, nograd=max(nograd, own),
+    # a MoE layer retained on the fused kernels: its forward point is its kernel models' (`own`,
+    # which holds more than its no-grad forward), not the fitted no-grad stage
+    forward = own if ctx.fused_moe_retained else max(nograd, own)
+    return LayerRow(retained=layer_retained, workspace=workspace, nograd=forward,
                     nograd_plain=nograd, retained_forward=own, gdn_state=gdn_state,
                     structural_point=structural)
 
@@ -109,7 +112,7 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
         sequence_parallel=c.sequence_parallel and not charged_unsharded(ctx, layer),
-        bare=not (ctx.fused_point or ctx.fused_retained if beside_models
+        bare=not (ctx.fused_point or ctx.kernel_retained if beside_models
                   else pricer_for(g, layer).residual_covered(ctx, layer)))
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
@@ -131,7 +134,7 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
         # (the fused kernels' point at any TP: the entry's rows once per wave)
-        rope += entry if ctx.fused_point or ctx.fused_retained else layout_terms.sp_rope_entry_per_row(
+        rope += entry if ctx.fused_point or ctx.kernel_retained else layout_terms.sp_rope_entry_per_row(
             ctx.table, rope_per_row=entry, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1,
             at_tp1=ctx.tp1_structural)
     return rope

@@ -229,7 +229,8 @@ FUSED_RETAINED = "fused_retained_layer"
 
 
 def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: int,
-                                 sequence_parallel: bool, backward: bool = False) -> float:
+                                 sequence_parallel: bool, backward: bool = False,
+                                 ring: bool = False) -> float:
     """What a plain dense layer retained (selective or no recompute) keeps on the fused kernels,
     or (`backward`) the larger transient of its backward (the fused SwiGLU's, FC2's, or flash's
     workspaces).
@@ -240,7 +241,9 @@ def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: i
     `gathered` + `sharded` / TP with it); `backward`: the larger of `backward_*` (the MLP's) and
     `fc2_backward` (its incoming and adapter gradients, full-row) and `attention_backward`
     (flash's). Selective recompute of core attention keeps the same tensors
-    (its checkpoint saves the inputs flash would). 0 without the entry. See
+    (its checkpoint saves the inputs flash would). `ring` (no recompute under CP, TE's P2P ring
+    attention): less `ring_release` (qkv + core: the ring saves its own k/v buffer, so the qkv
+    projection sum and the rotated k go). 0 without the entry. See
     docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if not table.kernels.fused_retained:
@@ -253,9 +256,74 @@ def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: i
     hidden = (part("gathered") + part("sharded") / tp if sequence_parallel and tp > 1
               else part("replicated"))
     out = part("per_row") + hidden
+    if ring and not backward:
+        out -= table.per_row(FUSED_RETAINED, widths, key="ring_release")
     if backward:
         out = max(out, table.per_row(FUSED_RETAINED, widths, key="fc2_backward"),
                   table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
+    return out
+
+
+def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: int,
+                                 backward: bool, kept: bool = False) -> float:
+    """A plain dense layer's ring attention (CP > 1, TE's P2P kernel as
+    `pricing/measure/ring_attention.py` allocates it) at its forward merge, or (`backward`) its
+    backward's transient.
+
+    Formula: entry `fused_retained_layer`: forward `ring_forward` (its inputs, the qkv sum and the
+    rotated q and k, 3 qkv + core; the merged output and log-sum-exp, 2.0625 core; the layer's input
+    and norm output, 4H; the adapters' outputs, 6 rank) + CP x `ring_forward_per_cp` (every step's
+    received k/v buffer, partial output and log-sum-exp, kept until the merge: 2 qkv + 0.0625 core);
+    backward `ring_backward` - `ring_backward_less` (the recomputed ring's saved tensors, 2 qkv +
+    2.0625 core; its dq, two k/v + gradient buffers, a step's dq/dk/dv and half copies and the
+    kernel's gradients, 13 qkv - 5 core; the output's and the residual path's gradients, 2H),
+    less `ring_saved` (2 qkv + 2.0625 core) where the layer keeps the ring's saved tensors (`kept`:
+    no recompute, already in its retained term); 0 at CP1 or without the keys. See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    if cp <= 1 or not table.kernels.fused_retained:
+        return 0.0
+    if backward:
+        less = table.per_row(FUSED_RETAINED, widths, key="ring_backward_less")
+        if kept:
+            less += table.per_row(FUSED_RETAINED, widths, key="ring_saved")
+        return max(0.0, table.per_row(FUSED_RETAINED, widths, key="ring_backward") - less)
+    return (table.per_row(FUSED_RETAINED, widths, key="ring_forward")
+            + cp * table.per_row(FUSED_RETAINED, widths, key="ring_forward_per_cp"))
+
+
+def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, routed: float,
+                                     forward: bool = False, backward: bool = False) -> float:
+    """What an attention layer with a MoE MLP retained (selective or no recompute) keeps on the
+    fused kernels at TP1, or (`forward`) its own forward peak.
+
+    Formula: entry `fused_retained_layer`: `moe_per_row` (the attention's saved tensors 3 qkv +
+    3.0625 core, as the dense layer's; the attention's two adapters' rank-wide outputs 4 rank; the
+    router's fp32 tensors 8 experts; the permuted probabilities fp32 4 top_k) + `moe_replicated`
+    (8H: the layer's input, residual sum and two norm outputs) + `routed` x `moe_per_routed_row`
+    (the grouped FC1's saved input 2H, the FC1 output the fused weighted SwiGLU saves 4 expert_ffn,
+    its output FC2 saves 2 expert_ffn); `forward` adds `routed` x `moe_forward_per_routed_row` (the
+    grouped FC2's output and the combine's copy, 4H); `backward`: the layer's backward transient, the
+    larger of the experts' (`moe_backward_per_row`: the layer output's and the combine's gradients
+    4H, the router's fp32 gradients 8 experts; + `routed` x the larger of
+    `moe_backward_per_routed_row`, FC1's input gradient beside the SwiGLU's input gradient, 2H +
+    4 expert_ffn, and `moe_backward_swiglu_per_routed_row`, the SwiGLU's incoming and input
+    gradients, 6 expert_ffn; FC2's output gradient, 2H + 2 expert_ffn beside its input gradient, is
+    freed before) and flash's (`attention_backward`, as the dense layer's).
+    `routed`: top_k x the busiest rank's load. 0 without the entry's keys. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    if not table.kernels.fused_retained:
+        return 0.0
+    if backward:
+        experts = max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_routed_row"),
+                      table.per_row(FUSED_RETAINED, widths, key="moe_backward_swiglu_per_routed_row"))
+        return max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_row") + routed * experts,
+                   table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
+    out = (table.per_row(FUSED_RETAINED, widths, key="moe_per_row")
+           + table.per_row(FUSED_RETAINED, widths, key="moe_replicated")
+           + routed * table.per_row(FUSED_RETAINED, widths, key="moe_per_routed_row"))
+    if forward:
+        out += routed * table.per_row(FUSED_RETAINED, widths, key="moe_forward_per_routed_row")
     return out
 
 

@@ -27,14 +27,18 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     rope_rows = rope_cache_per_row(ctx.geometry, [layer])
     if ctx.full and (ctx.tp1_structural or ctx.fused_point):
         # a plain dense model's TP1 layer at its FC1 backward, or with the fused kernels its
-        # recomputed FC1's forward at any TP (layout_terms.tp1_fc1_point_per_row)
-        return (layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True,
+        # recomputed FC1's forward at any TP (layout_terms.tp1_fc1_point_per_row); under CP
+        # at least the ring attention's forward merge and backward (layout_terms.ring_attention_point_per_row)
+        point = layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True,
                                                    tp=ctx.tp, sequence_parallel=ctx.sp_div > 1)
-                + ctx.qk_structural_per_row - ctx.cp_release_per_row), False
+        ring = (ring_points(ctx, widths) if ctx.fused_point else 0.0)
+        return max(point, ring) + ctx.qk_structural_per_row - ctx.cp_release_per_row, False
     if ctx.fused_retained:
-        # a retained layer's backward transient on the fused kernels
-        return layout_terms.fused_retained_layer_per_row(
-            t, widths, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1, backward=True), False
+        # a retained layer's backward transient on the fused kernels (under CP at least the ring's)
+        back = layout_terms.fused_retained_layer_per_row(
+            t, widths, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1, backward=True)
+        return max(back, layout_terms.ring_attention_point_per_row(
+            t, widths, cp=ctx.rows_cp, backward=True, kept=ctx.ring_saves)), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     fitted = mixer + mlp_stage(ctx, layer) + norms(ctx)
     if not ctx.full:
@@ -45,6 +49,19 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
                                             sequence_parallel=ctx.sp_div > 1)
     points = max(norm_point(ctx, layer), fc2)
     return (max(fitted, points - ctx.cp_release_per_row) if points else fitted), False
+
+
+def ring_points(ctx: LayerContext, widths: dict) -> float:
+    """The larger of the ring attention's forward merge and backward points per row (0 at CP1):
+    the backward's transient beside the layer's input, norm output and adapters (as flash's
+    `attn_` point has them)."""
+    t, cp = ctx.table, ctx.rows_cp
+    forward = layout_terms.ring_attention_point_per_row(t, widths, cp=cp, backward=False)
+    if not forward:
+        return 0.0
+    beside = t.per_row(layout_terms.FUSED_RETAINED, widths, key="ring_point")
+    return max(forward, layout_terms.ring_attention_point_per_row(t, widths, cp=cp, backward=True)
+               + beside)
 
 
 def sp_retained(ctx: LayerContext, layer: LayerSpec, *, fitted: float) -> tuple[float, float]:
@@ -71,9 +88,11 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
         # what the fused kernels keep, and the layer's own forward peak: its recomputed point
         sp = ctx.sp_div > 1
         kept = layout_terms.fused_retained_layer_per_row(ctx.table, ctx.widths_r, tp=ctx.tp,
-                                                          sequence_parallel=sp)
-        forward = layout_terms.tp1_fc1_point_per_row(ctx.table, ctx.widths_r, rope_per_row=0.0,
-                                                     at_tp1=True, tp=ctx.tp, sequence_parallel=sp)
+                                                          sequence_parallel=sp, ring=ctx.ring_saves)
+        forward = max(layout_terms.tp1_fc1_point_per_row(ctx.table, ctx.widths_r, rope_per_row=0.0,
+                                                         at_tp1=True, tp=ctx.tp, sequence_parallel=sp),
+                      layout_terms.ring_attention_point_per_row(ctx.table, ctx.widths_r,
+                                                                cp=ctx.rows_cp, backward=False))
         qk = ctx.qk_structural_per_row
         return kept + qk + extra, max(kept, forward) + qk + extra
     if ctx.tp1_structural and not ctx.full:

@@ -6,7 +6,7 @@ retained MoE layer) (docs/memory-model.md#moe-tp-point, #moe-sp-retained).
 
 from __future__ import annotations
 
-from .. import moe_terms, terms
+from .. import layout_terms, moe_terms, terms
 from ..geometry import LayerSpec
 from ..pipeline import rope_cache_per_row
 from .common import (
@@ -24,6 +24,11 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     """The layer's stage workspace per row (`mixer`: the mixer's stage, default the fused-QKV
     attention's), and whether it is a structural point (no layout residual beside it)."""
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
+    if ctx.fused_moe_retained:
+        # a retained layer's backward transient on the fused kernels: the experts' or flash's
+        routed = g.moe.top_k * ctx.ep_skew
+        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed,
+                                                             backward=True), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     if ctx.full and ctx.sp_div > 1 and ctx.kernels.sp_point:
         # the MoE backward point under TP with SP (moe_terms); the attention's own backward
@@ -49,6 +54,14 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
     """The layer's retained activations per row and its own structural forward peak (0 without
     one; `index` 0 also holds the embedding's output); under full recompute what a multi-layer
     chunk re-materialises."""
+    if ctx.fused_moe_retained:
+        # what the fused kernels keep (TE's grouped GEMM, the fused weighted SwiGLU), at TP1
+        routed = ctx.geometry.moe.top_k * ctx.ep_skew
+        kept = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r, routed=routed)
+        forward = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r,
+                                                                routed=routed, forward=True)
+        qk = ctx.qk_structural_per_row
+        return kept + qk + extra, forward + qk + extra + moe_extra
     if not ctx.full and ctx.sp_div > 1 and ctx.kernels.structural:
         g = ctx.geometry
         less = sp_layer_release(ctx, layer)

@@ -12,7 +12,7 @@ from .. import layout_terms, moe_terms, terms
 from ..coefficients import CoefficientTable
 from ..compat import StrEnum
 from ..coverage import Coverage
-from ..geometry import LayerSpec, MixerKind, MlpKind, ModelGeometry
+from ..geometry import LayerSpec, MixerKind, MlpActivation, MlpKind, ModelGeometry
 from ..kernel_set import KernelSet
 from ..parallel import ParallelLayout, Recompute, RecomputeMode
 
@@ -92,8 +92,13 @@ class LayerContext:
     (`KernelSet.structural_at_tp1`, docs/memory-model.md#tp1-structural)."""
     fused_retained: bool = False
     """A plain dense model's retained layers (selective, none) priced by what the fused kernels
-    keep (`KernelSet.fused_retained`), at any credited TP with CP1
-    (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    keep (`KernelSet.fused_retained`), at any credited TP with CP1 and at TP1 under CP (ring
+    attention's, `ring_saves`) (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    fused_moe_retained: bool = False
+    """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
+    kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
+    experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout without EP (an uncredited TP > 1
+    keeps the fitted terms: no te-gpu MoE trace under TP) (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -104,6 +109,17 @@ class LayerContext:
     def mode(self) -> RecomputeMode:
         """The recompute mode (`recompute.mode`)."""
         return self.recompute.mode
+
+    @property
+    def kernel_retained(self) -> bool:
+        """Whether the retained layers are priced by what the fused kernels keep (dense or MoE)."""
+        return self.fused_retained or self.fused_moe_retained
+
+    @property
+    def ring_saves(self) -> bool:
+        """Whether the attention's saved tensors are ring attention's (no recompute under CP):
+        the ring keeps its own k/v buffer in place of the projection's output."""
+        return self.rows_cp > 1 and self.mode == RecomputeMode.NONE
 
     @property
     def full(self) -> bool:
@@ -165,7 +181,9 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     fused_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.tp1_point
                    and g.plain_dense and (width_tp == 1 or rows_cp == 1))
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                      and kernels.tp1_point and g.plain_dense and rows_cp == 1)
+                      and kernels.tp1_point and g.plain_dense and (rows_cp == 1 or width_tp == 1))
+    fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
+                          and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -173,7 +191,20 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         qk_norm_per_row=qk, qk_structural_per_row=qk_structural, cp_release_per_row=cp_release,
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
-        fused_point=fused_point, fused_retained=fused_retained)
+        fused_point=fused_point, fused_retained=fused_retained,
+        fused_moe_retained=fused_moe_retained)
+
+
+def plain_moe(g: ModelGeometry) -> bool:
+    """Whether every layer is plain attention (no output gate, no multi-latent attention) with a
+    MoE MLP whose experts run TE's grouped GEMM and the fused weighted SwiGLU (no biases, SwiGLU),
+    and the model has no GDN spec: the MoE layers the fused kernels' retained term was written for
+    (`layout_terms.fused_retained_moe_layer_per_row`). O(layers)."""
+    att, f = g.attention, g.features
+    return (att is not None and not att.output_gate and att.mla is None and g.gdn is None
+            and g.moe is not None and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
+            and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.MOE
+                    for layer in g.layers))
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:

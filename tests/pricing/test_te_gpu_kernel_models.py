@@ -13,6 +13,7 @@ from bench_modules import BENCH, bench_module
 
 from waveplan.pricing import layout_terms
 from waveplan.pricing.coefficients import load_table
+from waveplan.pricing.layers.context import plain_moe
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
@@ -21,8 +22,10 @@ from waveplan.pricing.price import GroupLoad, price_groups
 
 RESULTS = BENCH / "results"
 # the classes priced at the kernel-model point and head (bench/te_gpu_grid.py `class_of`)
+CP_CLASS = "TP1 under CP2/4 (multi-rank)"
 ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full", "TP2/4/8 full +SP",
-             "TP2/4/8 selective/none", "TP1 selective/none, plain dense")
+             "TP2/4/8 selective/none", "TP1 selective/none, plain dense or MoE",
+             "TP1 under CP2/4 (multi-rank)")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +34,8 @@ def grid():
 
 
 def _ratios(grid, path) -> dict[str, list[float]]:
-    """Estimate / trace per class; the TP1 retained class's plain dense cells also apart (its MoE
-    and MLA cells keep their fitted, conservative terms)."""
+    """Estimate / trace per class; the TP1 retained class's plain dense and plain-attention MoE
+    cells also apart (its MLA, GDN and feature cells keep fitted, conservative terms)."""
     out: dict[str, list[float]] = {}
     for rec in grid._load(path):
         cell = rec["cell"]
@@ -41,8 +44,8 @@ def _ratios(grid, path) -> dict[str, list[float]]:
         ratio = est["raw_bytes"] / rec["trace"]["peak_bytes"]
         name = grid.class_of(cell)
         out.setdefault(name, []).append(ratio)
-        if name == "TP1 selective/none" and g.plain_dense:
-            out.setdefault("TP1 selective/none, plain dense", []).append(ratio)
+        if name == "TP1 selective/none" and (g.plain_dense or plain_moe(g)):
+            out.setdefault("TP1 selective/none, plain dense or MoE", []).append(ratio)
     return out
 
 
@@ -51,10 +54,15 @@ def test_no_te_gpu_price_is_under_a_committed_te_gpu_trace(grid, which):
     """Every te-gpu trace (the grid and the held-out cells): the default table at or over it, and
     the classes priced by the kernel models within 3% (median) and 10% (worst)."""
     ratios = _ratios(grid, RESULTS / which)
-    assert sum(len(v) for v in ratios.values()) >= (70 if which == "traces_te_gpu.jsonl" else 20)
+    heldout = which != "traces_te_gpu.jsonl"
+    assert sum(len(v) for v in ratios.values()) >= (20 if heldout else 70)
     for name, r in ratios.items():
         assert min(r) >= 1.0, (name, min(r))
-        if name in ON_TARGET:
+        if name == CP_CLASS and heldout:
+            # held out, the ring attention's backward term (written from the ring model's source,
+            # conservative) binds on the other dense shapes: within 10%, over the 3% median target
+            assert max(r) <= 1.10, (name, max(r))
+        elif name in ON_TARGET:
             assert np.median(r) <= 1.03 and max(r) <= 1.10, (name, np.median(r), max(r))
 
 
@@ -93,6 +101,58 @@ def test_the_kernel_set_decides_the_pricing_path():
                             table=fitted).layer_context().fused_point
 
 
+def test_ring_attention_prices_tp1_under_cp_by_what_it_keeps():
+    """TP1 under CP: the retained dense layers take the fused kernels' term, less what the ring
+    releases without recompute (the qkv sum and the rotated k: qkv + core); selective keeps
+    them (the checkpoint saves q, k, v); the ring's forward merge grows with CP."""
+    te = load_table("te-gpu")
+    g = load_preset("qwen3-8b")
+    for mode in ("none", "selective"):
+        ctx = PricingModel.build(g, parallel=ParallelLayout(cp=2), recompute=Recompute(mode=mode)).layer_context()
+        assert ctx.fused_retained and ctx.ring_saves == (mode == "none")
+    assert not PricingModel.build(g, parallel=ParallelLayout(tp=2, sequence_parallel=True, cp=2),
+                                  recompute=Recompute(mode="none")).layer_context().fused_retained
+    w = PricingModel.build(g).layer_context().widths
+    kept = layout_terms.fused_retained_layer_per_row(te, w, tp=1, sequence_parallel=False)
+    ring = layout_terms.fused_retained_layer_per_row(te, w, tp=1, sequence_parallel=False, ring=True)
+    assert kept - ring == w["qkv"] + w["core"]
+    assert layout_terms.ring_attention_point_per_row(te, w, cp=1, backward=False) == 0.0
+    f2, f4 = (layout_terms.ring_attention_point_per_row(te, w, cp=cp, backward=False) for cp in (2, 4))
+    assert f4 - f2 == 2 * (2 * w["qkv"] + 0.0625 * w["core"])
+    assert layout_terms.ring_attention_point_per_row(te, w, cp=2, backward=True) == (
+        15 * w["qkv"] + 2 * w["H"] - 2.9375 * w["core"])
+    # without recompute the layer's retained term already holds the ring's saved tensors
+    assert (layout_terms.ring_attention_point_per_row(te, w, cp=2, backward=True)
+            - layout_terms.ring_attention_point_per_row(te, w, cp=2, backward=True, kept=True)
+            == 2 * w["qkv"] + 2.0625 * w["core"])
+    cpu = load_table("torch-cpu")
+    assert layout_terms.ring_attention_point_per_row(cpu, w, cp=2, backward=True) == 0.0
+
+
+def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
+    """A plain-attention MoE model retained at TP1 CP1 without EP: the grouped GEMM's saved input
+    (2H), the fused weighted SwiGLU's saved FC1 output and its output (6 expert_ffn) per routed row,
+    beside the attention's tensors; not under EP, TP or CP, nor for MLA, GDN or biased experts."""
+    g = load_preset("qwen3-30b-a3b")
+    none = PricingModel.build(g, recompute=Recompute(mode="none"))
+    ctx = none.layer_context()
+    assert ctx.fused_moe_retained and ctx.kernel_retained and not ctx.fused_retained
+    assert any("moe_" in line for line in none.kernel_basis)
+    for par in (ParallelLayout(ep=2), ParallelLayout(tp=2, sequence_parallel=True), ParallelLayout(tp=2),
+                ParallelLayout(cp=2)):
+        assert not PricingModel.build(g, parallel=par, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
+    assert not PricingModel.build(g).layer_context().fused_moe_retained   # full recompute
+    assert not PricingModel.build(g, recompute=Recompute(mode="none"), backend="torch-cpu").layer_context().fused_moe_retained
+    for other in ("deepseek-v2-lite", "qwen3.6-35b-a3b", "gpt-oss-20b"):
+        assert not plain_moe(load_preset(other)), other
+    te = load_table("te-gpu")
+    w = ctx.widths
+    one, two = (layout_terms.fused_retained_moe_layer_per_row(te, w, routed=r) for r in (1.0, 2.0))
+    assert two - one == 2 * w["H"] + 6 * w["expert_ffn"]
+    fwd = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, forward=True)
+    assert fwd - one == 4 * w["H"]
+
+
 def _wave(model, rows):
     load = GroupLoad(slot="default", grad=True, packed_rows=rows, padded_rows=rows,
                      logical_rows=rows, segments=1)
@@ -121,7 +181,7 @@ def test_the_basis_names_what_rests_on_kernel_models():
     # retained layers: their own kernel-model entry
     none = PricingModel.build(g, recompute=Recompute(mode="none"), head="full-native")
     assert any("fused_retained_layer" in line for line in none.kernel_basis)
-    # a MoE model's layers keep their fitted terms: only the final norm rests on a kernel model
+    # a MoE model's recomputed layers keep their fitted terms: only the final norm rests on a kernel model
     moe = PricingModel.build(load_preset("qwen3-30b-a3b"))
     assert moe.kernel_basis == ("kernel-model: the final norm's saved input and backward (te-rmsnorm)",)
     assert PricingModel.build(g, backend="torch-cpu").kernel_basis == ()
