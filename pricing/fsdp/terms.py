@@ -96,7 +96,7 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
     (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
-    6r. flash_attention_2 adds `flash_backward_per_row`.
+    6r. flash_attention_2's attention branch is `flash_attention_backward_per_row`.
     Returns (MLP, attention): the S x S terms sit at the attention's point only. Docs: docs/memory-model.md#fsdp-layer."""
     if checkpointing:
         mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
@@ -114,20 +114,40 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
         if qk_norm:
             att += 4 * w.Q + 4 * w.KV
     if attn == "flash":
-        att += flash_backward_per_row(w)
+        att = flash_attention_backward_per_row(w, checkpointing=checkpointing, qk_norm=qk_norm)
     if w.experts:
         mlp += moe_per_row(w)
     return mlp, att
 
 
 def flash_backward_per_row(w: Widths) -> float:
-    """What flash_attention_2's varlen path adds per row at the attention's backward
-    (#fsdp-attention; flash-attn 2 `mha_varlen_bwd`): the fp32 dq accumulator
-    [total_q + 128 b, nh, hd] (4Q), the fp32 softmax sums [nh, total_q + 128 b] (4nh), under GQA
-    dk and dv expanded to every query head [total_k, nh, hd] (4Q), and the contiguous q, k, v
-    transformers' `_flash_attention_forward` hands the kernel on packed rows (2Q + 4KV). Docs: docs/memory-model.md#fsdp-attention."""
+    """What flash-attn 2's backward allocates per row (#fsdp-attention; `mha_varlen_bwd` /
+    `mha_bwd`): dq, dk, dv (2Q + 4KV), the fp32 dq accumulator [total_q + 128 b, nh, hd] (4Q) and
+    softmax sums [nh, total_q + 128 b] (4nh), under GQA dk and dv expanded to every query head
+    [total_k, nh, hd] (4Q); the 128 rows a sequence are `flash_per_sequence`. Docs: docs/memory-model.md#fsdp-attention."""
     gqa = 4 * w.Q if w.KV < w.Q else 0.0
-    return 4 * w.Q + FP32 * w.nh + gqa + 2 * w.Q + 4 * w.KV
+    return 6 * w.Q + 4 * w.KV + FP32 * w.nh + gqa
+
+
+def flash_attention_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool) -> float:
+    """The attention's backward workspace per row under flash_attention_2 (#fsdp-attention):
+    `flash_backward_per_row` and the output gradient (2Q), plus, with checkpointing, what the
+    recomputed attention keeps: the input norm's fp32 input and bf16 output (6H), the rotated q
+    and k and the value flash-attn saves as they are (transformers' rotary output is already in
+    flash's [b, s, h, d] layout: `_prepare_from_posids`' `.contiguous()` copies nothing; 2Q +
+    4KV), its output and fp32 log-sum-exp (2Q + 4nh), the norm's rsqrt (4) and LoRA A outputs (6r);
+    without, the residual's gradients (4H) and LoRA A outputs (6r). qk-norm adds sdpa's charge
+    for its copies. Docs: docs/memory-model.md#fsdp-attention."""
+    att = flash_backward_per_row(w) + 2 * w.Q + 6 * w.r
+    if checkpointing:
+        att += 6 * w.H + 4 * w.Q + 4 * w.KV + FP32 * w.nh + 4
+        if qk_norm:
+            att += 6 * w.Q + 6 * w.KV
+    else:
+        att += 4 * w.H
+        if qk_norm:
+            att += 4 * w.Q + 4 * w.KV
+    return att
 
 
 def flash_per_sequence(w: Widths) -> float:
