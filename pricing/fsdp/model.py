@@ -11,7 +11,7 @@ constant `resident` bytes every point of a wave holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -196,6 +196,10 @@ class FsdpPricingModel(PricingModel):
         # a fitted family's additions (#fsdp-families; none for the Llama-shaped families)
         add = (terms.family_adds(g, w, checkpointing=ckpt, attn=lay.attn)
                if fitted else terms.FamilyAdds())
+        if lay.attn == "flash" and fitted and g.features.sandwich_norms:
+            # Gemma's post-feedforward norm's backward beside the recomputed MLP (#fsdp-attention)
+            add = replace(add, backward=add.backward
+                          + terms.flash_sandwich_backward_per_row(w, checkpointing=ckpt))
         fa = fac["fsdp_attention"]
         held *= add.masks
         kept_q += fa * add.kept_q

@@ -93,7 +93,8 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
                            attn: str) -> tuple[float, float]:
     """A layer's backward workspace per row beside its own input gradient (#fsdp-layer): with
     checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
-    larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
+    larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh; qk-norm's fp32 copies and
+    rsqrt 4Q + 4KV + 4 heads) and the attention's
     (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
     6r. flash_attention_2's attention branch is `flash_attention_backward_per_row`.
@@ -108,6 +109,9 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
             att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
         if qk_norm:
             att += 6 * w.Q + 6 * w.KV
+            # the recomputed q/k norms' fp32 inputs and rsqrt stay to the attention's backward
+            # (set 10's qwen3 flash cells, bound at the MLP: 3.9% under without them)
+            mlp += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
     else:
         mlp = 6 * w.F + 6 * w.H + 6 * w.r
         att = 6 * w.Q + 6 * w.KV + 4 * w.H + FP32 * w.nh + 6 * w.r
@@ -154,6 +158,14 @@ def flash_per_sequence(w: Widths) -> float:
     """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
     in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention). Docs: docs/memory-model.md#fsdp-attention."""
     return 128.0 * (4 * w.Q + FP32 * w.nh)
+
+
+def flash_sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: its fp32
+    backward temporaries run beside the recomputed MLP's kept tensors before the MLP's gradients
+    are in flight, a moment sdpa's S x S attention point covered (#fsdp-attention). 6H per row,
+    fitted: set 10's gemma2 cells needed 4.5H. Docs: docs/memory-model.md#fsdp-attention."""
+    return 6 * w.H if checkpointing else 0.0
 
 
 def moe_per_row(w: Widths) -> float:
