@@ -62,6 +62,10 @@ EAGER_GAPS: dict[str, str] = {"gemma2": _GEMMA_EAGER.format("Gemma 2"),
 FLASH_EVIDENCE: frozenset[str] = frozenset()
 FLASH_UNTRACED = ("flash_attention_2 priced by its allocation model (flash-attn 2 source); no "
                   "flash trace of this family")
+# families whose q/k/v projection is one fused linear (flash keeps its output on one-sequence rows)
+FLASH_FUSED_QKV = frozenset({"phi3"})
+FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model (flash-attn 2 "
+                 "source); the Ulysses tracer runs sdpa/eager")
 # traced families whose flash classes stay off the target (never under): the reason shown
 FLASH_GAPS: dict[str, str] = {}
 
@@ -129,8 +133,9 @@ class FsdpPricingModel(PricingModel):
             gaps.append(FITTED_GAPS[mt])
         if mt in EAGER_GAPS and self.fsdp_layout.attn == "eager":
             gaps.append(EAGER_GAPS[mt])
-        if self.fsdp_layout.attn == "flash" and mt not in FLASH_EVIDENCE:
-            gaps.append(FLASH_GAPS.get(mt, FLASH_UNTRACED))
+        if self.fsdp_layout.attn == "flash" and (mt not in FLASH_EVIDENCE or self.fsdp_layout.ulysses > 1):
+            gaps.append(FLASH_ULYSSES if self.fsdp_layout.ulysses > 1
+                        else FLASH_GAPS.get(mt, FLASH_UNTRACED))
         head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=self.table.backend != "torch-cpu")
         if head_gap:
             gaps.append(head_gap)
@@ -200,6 +205,9 @@ class FsdpPricingModel(PricingModel):
             # Gemma's post-feedforward norm's backward beside the recomputed MLP (#fsdp-attention)
             add = replace(add, backward=add.backward
                           + terms.flash_sandwich_backward_per_row(w, checkpointing=ckpt))
+        if lay.attn == "flash" and model_type_of(g) in FLASH_FUSED_QKV:
+            kept, back = terms.flash_fused_qkv_per_row(w, checkpointing=ckpt)
+            add = replace(add, retained=add.retained + kept, backward=add.backward + back)
         fa = fac["fsdp_attention"]
         held *= add.masks
         kept_q += fa * add.kept_q

@@ -168,6 +168,17 @@ def flash_sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
     return 6 * w.H if checkpointing else 0.0
 
 
+def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool) -> tuple[float, float]:
+    """(kept per layer, at a layer's backward) per row for a fused q/k/v projection (phi3) under
+    flash_attention_2 (#fsdp-attention): on a one-sequence row transformers hands flash-attn the
+    value as a strided view of the fused output, which flash-attn saves, keeping the whole
+    output (2Q + 2KV above the value); with checkpointing 4Q + 2KV at the backward points,
+    fitted: set 10's phi3 cells needed 551 bytes a row (4Q + 2KV = 640). Docs: docs/memory-model.md#fsdp-attention."""
+    if checkpointing:
+        return 0.0, 4 * w.Q + 2 * w.KV
+    return 2 * w.Q + 2 * w.KV, 0.0
+
+
 def moe_per_row(w: Widths) -> float:
     """A routed row's extra tensors in a transformers MoE block, a bound (no trace): the router's
     fp32 logits, probabilities and their gradient (12 x experts) and each routed copy's gathered
