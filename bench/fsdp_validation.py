@@ -124,9 +124,61 @@ SETS = {1: (FAMILIES, WAVES, LORA_RANK), 2: (FAMILIES2, WAVES2, LORA_RANK2),
         3: (FAMILIES3, WAVES3, LORA_RANK3), 4: (FAMILIES4, WAVES4, LORA_RANK4),
         5: (FAMILIES2, WAVES2, LORA_RANK2), 6: (FAMILIES6, WAVES6, LORA_RANK6),
         7: (FAMILIES7, WAVES7, LORA_RANK7)}
+# sets 10-12 (fsdpflash): flash_attention_2 on packed rows, transformers' own flash path with
+# flash-attn 2's kernels replaced by their allocation model (pricing/measure/hf_flash.py). Small
+# vocabularies and long rows, so the layers' points (where flash's terms live) bind. Set 10 tunes
+# the flash terms; set 11 (other widths, GQA ratios, ranks) was traced after they were final;
+# set 12 is the dense families at FSDP4 with sdpa/eager, held out.
+_BASE10 = dict(hidden_size=128, intermediate_size=448, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False)
+FAMILIES10 = {
+    "llama": dict(_BASE10, model_type="llama"),
+    "qwen2": dict(_BASE10, model_type="qwen2"),
+    "qwen3": dict(_BASE10, model_type="qwen3"),
+    "mistral": dict(_BASE10, model_type="mistral", sliding_window=None),
+    "gemma2": dict(_BASE10, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=256,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE10, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
+                        tie_word_embeddings=True),
+    "phi3": dict(_BASE10, model_type="phi3", sliding_window=None, pad_token_id=0),
+}
+WAVES10 = [(512, 384, 128), (768,)]
+LORA_RANK10 = 8
+SETS[10] = (FAMILIES10, WAVES10, LORA_RANK10)
+_BASE11 = dict(hidden_size=192, intermediate_size=640, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2, head_dim=32, vocab_size=768, tie_word_embeddings=False)
+FAMILIES11 = {
+    "llama": dict(_BASE11, model_type="llama"),
+    "qwen2": dict(_BASE11, model_type="qwen2", intermediate_size=576),
+    "qwen3": dict(_BASE11, model_type="qwen3", num_attention_heads=4, num_key_value_heads=4, head_dim=48),
+    "mistral": dict(_BASE11, model_type="mistral", sliding_window=None, vocab_size=640),
+    "gemma2": dict(_BASE11, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=320,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE11, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=320,
+                        tie_word_embeddings=True),
+    "phi3": dict(_BASE11, model_type="phi3", sliding_window=None, pad_token_id=0),
+}
+WAVES11 = [(640, 320, 192, 96), (896,)]
+LORA_RANK11 = 16
+SETS[11] = (FAMILIES11, WAVES11, LORA_RANK11)
+SETS[12] = (FAMILIES4, WAVES4, LORA_RANK4)
+FSDPFLASH_CLASSES = {
+    10: [("llama", True, "flash", 2), ("llama", False, "flash", 2), ("qwen3", True, "flash", 2),
+         ("qwen3", False, "flash", 2), ("gemma2", True, "flash", 2), ("gemma2", False, "flash", 2),
+         ("phi3", True, "flash", 2), ("phi3", False, "flash", 2), ("qwen2", True, "flash", 2),
+         ("mistral", False, "flash", 2), ("gemma3_text", True, "flash", 2)],
+    11: [("llama", True, "flash", 2), ("qwen3", False, "flash", 2), ("gemma2", True, "flash", 2),
+         ("phi3", True, "flash", 2), ("llama", False, "flash", 2), ("qwen3", True, "flash", 2),
+         ("mistral", True, "flash", 2), ("qwen2", False, "flash", 2), ("gemma3_text", False, "flash", 2),
+         ("llama", True, "flash", 1), ("qwen3", True, "flash", 4), ("phi3", False, "flash", 2)],
+    12: [("phi3", True, "sdpa", 4), ("gemma2", False, "sdpa", 4), ("gemma3_text", True, "eager", 4),
+         ("phi3", False, "eager", 4)],
+}
 
 
 def classes(which: int = 1):
+    if which in FSDPFLASH_CLASSES:
+        return FSDPFLASH_CLASSES[which]
     if which == 3:
         return [(fam, ckpt, attn, 2) for fam in FAMILIES3 for ckpt in (True, False)
                 for attn in ("sdpa", "eager")]
@@ -208,7 +260,10 @@ def table() -> str:
                         ("set 4 (families: held out)", lambda c: c.startswith("set4:")),
                         ("set 5 (no reshard after forward)", lambda c: c.startswith("set5:")),
                         ("set 6 (MoE points: held out)", lambda c: c.startswith("set6:")),
-                        ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:"))):
+                        ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:")),
+                        ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
+                        ("set 11 (flash: held out)", lambda c: c.startswith("set11:")),
+                        ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -231,7 +286,10 @@ def scatter() -> None:
                                   ("set 4 (families: held out)", "set4:", "D"),
                                   ("set 5 (no reshard after forward)", "set5:", "v"),
                                   ("set 6 (MoE points: held out)", "set6:", "P"),
-                                  ("set 7 (MoE final: held out)", "set7:", "X")):
+                                  ("set 7 (MoE final: held out)", "set7:", "X"),
+                                  ("set 10 (flash: tuned on)", "set10:", "<"),
+                                  ("set 11 (flash: held out)", "set11:", ">"),
+                                  ("set 12 (dense FSDP4: held out)", "set12:", "x")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)
@@ -254,7 +312,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=None, help="trace at most N new classes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--table-only", action="store_true")
-    parser.add_argument("--set", type=int, choices=(1, 2, 3, 4, 5, 6, 7), default=1, help="shape set to trace")
+    parser.add_argument("--set", type=int, choices=sorted(SETS), default=1, help="shape set to trace")
     args = parser.parse_args()
     if not args.table_only:
         run_traces(args.classes, args.device, args.set)

@@ -89,9 +89,10 @@ def register(subparsers) -> None:
     parser.add_argument("--ulysses", type=int, default=1, metavar="N",
                         help="--framework fsdp: veRL's Ulysses sequence parallel size (divides --fsdp; "
                              "veRL's all-to-all around the traced sdpa/eager attention)")
-    parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
-                        help="--framework fsdp: attention implementation traced (flash_attention_2 "
-                             "does not run on the CPU; it is priced by its allocation model)")
+    parser.add_argument("--attn", choices=("sdpa", "eager", "flash"), default="sdpa",
+                        help="--framework fsdp: attention implementation traced (flash: transformers' "
+                             "flash_attention_2 path on packed rows; on the CPU with flash-attn 2's "
+                             "kernels replaced by their allocation model, pricing/measure/hf_flash.py)")
     parser.add_argument("--no-reshard-after-forward", dest="no_reshard", action="store_true",
                         help="--framework fsdp: trace FSDP2's reshard_after_forward=False")
     parser.add_argument("--kernels", choices=("torch-cpu", "te-gpu"), default="torch-cpu",
@@ -127,8 +128,8 @@ def run(args) -> int:
     if args.framework == "fsdp":
         if args.kernels != "torch-cpu":
             raise bad(ConfigError, "--kernels", args.kernels,
-                      "the fsdp tracer runs transformers' own kernels (flash_attention_2 is priced by "
-                      "its allocation model); trace te-gpu with --framework megatron")
+                      "the fsdp tracer runs transformers' own kernels (--attn flash: flash-attn's "
+                      "allocation model); trace te-gpu with --framework megatron")
         return _run_fsdp(args)
     if args.no_reshard:
         raise bad(ConfigError, "--no-reshard-after-forward", True, "applies to --framework fsdp only")
@@ -341,6 +342,9 @@ def _run_fsdp(args) -> int:
         raise bad(ConfigError, "--head", args.head,
                   "--framework fsdp traces transformers, verl or verl-chunked (verl-fused is Triton)")
     if ulysses != 1 or head != "transformers":
+        if args.attn == "flash":
+            raise bad(ConfigError, "--attn", "flash",
+                      "traced without --ulysses and veRL heads only (those tracers run sdpa or eager)")
         if args.no_reshard:
             raise bad(ConfigError, "--no-reshard-after-forward", True,
                       "traced with the default reshard only under --ulysses or a veRL head")

@@ -93,10 +93,11 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
                            attn: str) -> tuple[float, float]:
     """A layer's backward workspace per row beside its own input gradient (#fsdp-layer): with
     checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
-    larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh) and the attention's
+    larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh; qk-norm's fp32 copies and
+    rsqrt 4Q + 4KV + 4 heads) and the attention's
     (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
-    6r. flash_attention_2 adds `flash_backward_per_row`.
+    6r. flash_attention_2's attention branch is `flash_attention_backward_per_row`.
     Returns (MLP, attention): the S x S terms sit at the attention's point only. Docs: docs/memory-model.md#fsdp-layer."""
     if checkpointing:
         mlp = 12 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 12 * w.r + FP32 * w.nh
@@ -108,32 +109,74 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
             att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
         if qk_norm:
             att += 6 * w.Q + 6 * w.KV
+            # the recomputed q/k norms' fp32 inputs and rsqrt stay to the attention's backward
+            # (set 10's qwen3 flash cells, bound at the MLP: 3.9% under without them)
+            mlp += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
     else:
         mlp = 6 * w.F + 6 * w.H + 6 * w.r
         att = 6 * w.Q + 6 * w.KV + 4 * w.H + FP32 * w.nh + 6 * w.r
         if qk_norm:
             att += 4 * w.Q + 4 * w.KV
     if attn == "flash":
-        att += flash_backward_per_row(w)
+        att = flash_attention_backward_per_row(w, checkpointing=checkpointing, qk_norm=qk_norm)
     if w.experts:
         mlp += moe_per_row(w)
     return mlp, att
 
 
 def flash_backward_per_row(w: Widths) -> float:
-    """What flash_attention_2's varlen path adds per row at the attention's backward
-    (#fsdp-attention; flash-attn 2 `mha_varlen_bwd`): the fp32 dq accumulator
-    [total_q + 128 b, nh, hd] (4Q), the fp32 softmax sums [nh, total_q + 128 b] (4nh), under GQA
-    dk and dv expanded to every query head [total_k, nh, hd] (4Q), and the contiguous q, k, v
-    transformers' `_flash_attention_forward` hands the kernel on packed rows (2Q + 4KV). Docs: docs/memory-model.md#fsdp-attention."""
+    """What flash-attn 2's backward allocates per row (#fsdp-attention; `mha_varlen_bwd` /
+    `mha_bwd`): dq, dk, dv (2Q + 4KV), the fp32 dq accumulator [total_q + 128 b, nh, hd] (4Q) and
+    softmax sums [nh, total_q + 128 b] (4nh), under GQA dk and dv expanded to every query head
+    [total_k, nh, hd] (4Q); the 128 rows a sequence are `flash_per_sequence`. Docs: docs/memory-model.md#fsdp-attention."""
     gqa = 4 * w.Q if w.KV < w.Q else 0.0
-    return 4 * w.Q + FP32 * w.nh + gqa + 2 * w.Q + 4 * w.KV
+    return 6 * w.Q + 4 * w.KV + FP32 * w.nh + gqa
+
+
+def flash_attention_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool) -> float:
+    """The attention's backward workspace per row under flash_attention_2 (#fsdp-attention):
+    `flash_backward_per_row` and the output gradient (2Q), plus, with checkpointing, what the
+    recomputed attention keeps: the input norm's fp32 input and bf16 output (6H), the rotated q
+    and k and the value flash-attn saves as they are (transformers' rotary output is already in
+    flash's [b, s, h, d] layout: `_prepare_from_posids`' `.contiguous()` copies nothing; 2Q +
+    4KV), its output and fp32 log-sum-exp (2Q + 4nh), the norm's rsqrt (4) and LoRA A outputs (6r);
+    without, the residual's gradients (4H) and LoRA A outputs (6r). qk-norm adds sdpa's charge
+    for its copies. Docs: docs/memory-model.md#fsdp-attention."""
+    att = flash_backward_per_row(w) + 2 * w.Q + 6 * w.r
+    if checkpointing:
+        att += 6 * w.H + 4 * w.Q + 4 * w.KV + FP32 * w.nh + 4
+        if qk_norm:
+            att += 6 * w.Q + 6 * w.KV
+    else:
+        att += 4 * w.H
+        if qk_norm:
+            att += 4 * w.Q + 4 * w.KV
+    return att
 
 
 def flash_per_sequence(w: Widths) -> float:
     """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
     in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention). Docs: docs/memory-model.md#fsdp-attention."""
     return 128.0 * (4 * w.Q + FP32 * w.nh)
+
+
+def flash_sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: its fp32
+    backward temporaries run beside the recomputed MLP's kept tensors before the MLP's gradients
+    are in flight, a moment sdpa's S x S attention point covered (#fsdp-attention). 6H per row,
+    fitted: set 10's gemma2 cells needed 4.5H. Docs: docs/memory-model.md#fsdp-attention."""
+    return 6 * w.H if checkpointing else 0.0
+
+
+def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool) -> tuple[float, float]:
+    """(kept per layer, at a layer's backward) per row for a fused q/k/v projection (phi3) under
+    flash_attention_2 (#fsdp-attention): on a one-sequence row transformers hands flash-attn the
+    value as a strided view of the fused output, which flash-attn saves, keeping the whole
+    output (2Q + 2KV above the value); with checkpointing 4Q + 2KV at the backward points,
+    fitted: set 10's phi3 cells needed 551 bytes a row (4Q + 2KV = 640). Docs: docs/memory-model.md#fsdp-attention."""
+    if checkpointing:
+        return 0.0, 4 * w.Q + 2 * w.KV
+    return 2 * w.Q + 2 * w.KV, 0.0
 
 
 def moe_per_row(w: Widths) -> float:

@@ -19,8 +19,11 @@ FSDP all-gather output storages, which FSDP2 grows and frees with `UntypedStorag
 (not an aten op): their current nbytes are read after every op. "cuda":
 `torch.cuda.max_memory_allocated()` above the allocation at rest (nccl; not run here).
 
-flash_attention_2 does not run on the CPU: traces use "sdpa" or "eager"; the pricing models
-flash-attn's varlen allocations from its source (`waveplan.pricing.fsdp.terms`).
+attn "flash" runs transformers' flash_attention_2 path: on the CPU (and on CUDA without
+flash-attn) with `hf_flash`'s stand-in for flash-attn 2's kernels, an allocation model read from
+its source (what `mha_varlen_fwd` saves, what `mha_varlen_bwd` allocates; values computed
+uncounted); on CUDA with flash-attn installed, the real kernels. A flash wave is called with
+`use_cache=False`, as veRL's actor calls it (docs/memory-model.md#fsdp-attention).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from .gloo_launch import spawn
 
 DEVICES = ("cpu", "cuda")
 TRACE_ATTN = ("sdpa", "eager")
+# trace_fsdp also runs transformers' flash_attention_2 path (`hf_flash`)
+FSDP_TRACE_ATTN = TRACE_ATTN + ("flash",)
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -91,9 +96,11 @@ class FsdpTrace:
                 "forward_peaks": list(self.forward_peaks), "notes": list(self.notes)}
 
 
-def checked_jobs(jobs, config, attn: str, device: str) -> list[FsdpTraceJob]:
-    """`jobs` as `FsdpTraceJob`s, with the tracer's inputs checked (one line naming the field).
-    Shared by `trace_fsdp` and `fsdp_verl_trace.trace_fsdp_verl`."""
+def checked_jobs(jobs, config, attn: str, device: str,
+                 attns: tuple[str, ...] = TRACE_ATTN) -> list[FsdpTraceJob]:
+    """`jobs` as `FsdpTraceJob`s, with the tracer's inputs checked (one line naming the field;
+    `attns`: the attention implementations the tracer runs). Shared by `trace_fsdp` and
+    `fsdp_verl_trace.trace_fsdp_verl`."""
     jobs = [j if isinstance(j, FsdpTraceJob) else FsdpTraceJob(tuple(int(x) for x in j))
             for j in jobs]
     if not jobs:
@@ -103,9 +110,8 @@ def checked_jobs(jobs, config, attn: str, device: str) -> list[FsdpTraceJob]:
             raise bad(ConfigError, "seq_lens", list(j.seq_lens), "every sequence needs >= 2 tokens")
     if not isinstance(config, dict) or "model_type" not in config:
         raise bad(ConfigError, "config", type(config).__name__, "must be a dict with model_type")
-    if attn not in TRACE_ATTN:
-        raise bad(ConfigError, "attn", attn, f"traceable on the CPU: {', '.join(TRACE_ATTN)} "
-                  "(flash_attention_2 is priced by its allocation model)")
+    if attn not in attns:
+        raise bad(ConfigError, "attn", attn, f"this tracer runs {', '.join(attns)}")
     if device not in DEVICES:
         raise bad(ConfigError, "device", device, f"must be one of {', '.join(DEVICES)}")
     return jobs
@@ -119,11 +125,14 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
 
     `config`: a transformers config as a dict with its `model_type` (small widths on the CPU:
     every tensor is real). O(jobs) waves per rank, one model build."""
-    jobs = checked_jobs(jobs, config, attn, device)
+    jobs = checked_jobs(jobs, config, attn, device, FSDP_TRACE_ATTN)
     if not (isinstance(fsdp, int) and 1 <= fsdp <= 64):
         raise bad(ConfigError, "fsdp", fsdp, "must be an integer in [1, 64]")
     if not (isinstance(lora_rank, int) and lora_rank >= 1):
         raise bad(ConfigError, "lora_rank", lora_rank, "must be an integer >= 1")
+    if attn == "flash" and device == "cuda" and not real_flash(device):
+        raise bad(ConfigError, "attn", attn, "on cuda needs flash-attn installed (the stand-in "
+                  "counts its allocations on the CPU only)")
     spec = {"config": dict(config), "attn": attn, "checkpointing": bool(checkpointing),
             "lora_rank": int(lora_rank), "reshard_after_forward": bool(reshard_after_forward),
             "device": device, "fsdp": fsdp, "timeout_s": float(timeout_s),
@@ -132,6 +141,8 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
                      backend="nccl" if device == "cuda" else "gloo")
     notes = ("sequences packed in one row, position_ids restarting per sequence",
              "loss: transformers' ForCausalLMLoss on all logits (fp32 upcast)")
+    if attn == "flash":
+        notes += (flash_note(device),)
     out = []
     for k, job in enumerate(jobs):
         ranks = [per_rank[r][k] for r in range(fsdp)]
@@ -157,11 +168,19 @@ def build_fsdp_model(spec: dict):
     cfg = dict(spec["config"])
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
-    config._attn_implementation = spec["attn"]
-    torch.manual_seed(0)
     dev = spec["device"]
+    stand_in = spec["attn"] == "flash" and not real_flash(dev)
+    # transformers refuses flash_attention_2 without flash-attn: the stand-in's model is built
+    # with sdpa and switched before it runs (`hf_flash.use_flash`)
+    impl = {"flash": "sdpa" if stand_in else "flash_attention_2"}.get(spec["attn"], spec["attn"])
+    config._attn_implementation = impl
+    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32,
-                                             attn_implementation=spec["attn"])
+                                             attn_implementation=impl)
+    if stand_in:
+        from .hf_flash import use_flash
+
+        use_flash(model)
     if dev == "cuda":
         model = model.cuda()
     if spec["checkpointing"]:
@@ -179,6 +198,22 @@ def build_fsdp_model(spec: dict):
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     return model, opt
+
+
+def real_flash(device: str) -> bool:
+    """Whether a flash trace on `device` runs flash-attn itself (CUDA with flash-attn installed)
+    rather than `hf_flash`'s stand-in."""
+    import importlib.util
+
+    return device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_note(device: str) -> str:
+    """The trace note of a flash_attention_2 trace."""
+    if real_flash(device):
+        return "attention: transformers' flash_attention_2 on flash-attn 2 (varlen on packed rows)"
+    return ("attention: transformers' flash_attention_2 path with flash-attn 2's kernels replaced "
+            "by their allocation model (pricing/measure/hf_flash.py; values computed uncounted)")
 
 
 def decoder_layers(model):
@@ -271,9 +306,12 @@ def trace_rank(spec: dict) -> list[dict]:
     vocab = int(spec["config"].get("vocab_size", 32000))
     dev = spec["device"]
 
+    flash = spec["attn"] == "flash"
+    extra = {"use_cache": False} if flash else {}
+
     def run(lens, phase=None):
         ids, pos, labels = wave_inputs(lens, vocab, dev)
-        out = model(input_ids=ids, position_ids=pos, labels=labels)
+        out = model(input_ids=ids, position_ids=pos, labels=labels, **extra)
         loss = out.loss
         del out
         if phase is not None:
@@ -281,6 +319,11 @@ def trace_rank(spec: dict) -> list[dict]:
         loss.backward()
         del loss, ids, pos, labels
 
+    if flash and not real_flash(dev):
+        from .hf_flash import flash_attention_2
+
+        with flash_attention_2():
+            return measure_waves(model, opt, spec["jobs"], run, dev)
     return measure_waves(model, opt, spec["jobs"], run, dev)
 
 

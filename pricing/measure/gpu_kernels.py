@@ -440,25 +440,29 @@ def _round_head(d: int) -> int:
 
 
 class FlashVarlen(torch.autograd.Function):
-    """flash-attn 2's varlen attention (flash_attn_interface.py `FlashAttnVarlenFunc`,
-    csrc/flash_attn/flash_api.cpp `mha_varlen_fwd` / `mha_varlen_bwd`), as TE's FlashAttention
-    backend calls it on THD. Forward: out [t, h, dv] (q's dtype), softmax_lse fp32 [h, t],
+    """flash-attn 2's attention (flash_attn_interface.py `FlashAttnVarlenFunc` / `FlashAttnFunc`,
+    csrc/flash_attn/flash_api.cpp `mha_varlen_fwd` / `mha_varlen_bwd`, `mha_fwd` / `mha_bwd`),
+    as TE's FlashAttention backend calls it on THD and transformers' flash_attention_2 on packed
+    rows (`pricing/measure/hf_flash.py`). q [..., h, d] (varlen [t, h, d]; dense [b, s, h, d]).
+    Forward: out (q's shape, value width dv), softmax_lse fp32 [h, t] (dense [b, h, s]),
     rng_state int64 [2]; saved q, k, v, out, lse, rng_state. Backward: dq, dk, dv
-    (`empty_like`), softmax_d fp32 [h, t + 128 b], dq_accum fp32 [t + 128 b, h,
-    round32(d)], and under GQA dk/dv expanded to all heads [t, h, d] before the group sum.
-    `attend(q, k, v)` gives the values ([t, h, dv])."""
+    (`empty_like`), softmax_d fp32 [h, acc] and dq_accum fp32 [acc, h, round32(d)] with
+    `acc` = t + 128 b (varlen) or b x round128(s) (dense: `acc_rows`), and under GQA dk/dv
+    expanded to all heads before the group sum. `attend(q, k, v)` gives the values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, batch, attend):
-        t, h = q.shape[0], q.shape[1]
+    def forward(ctx, q, k, v, batch, attend, acc_rows=None):
+        h = q.shape[-2]
+        t = q.numel() // (h * q.shape[-1])
         dv = v.shape[-1]
-        out = torch.empty((t, h, dv), dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[:-1] + (dv,), dtype=q.dtype, device=q.device)
         lse = torch.empty((h, t), dtype=torch.float32, device=q.device)
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
         with uncounted():
             out.copy_(attend(q, k, v))
         ctx.save_for_backward(q, k, v, out, lse, rng)
         ctx.batch, ctx.attend = batch, attend
+        ctx.acc = t + 128 * batch if acc_rows is None else int(acc_rows)
         return out
 
     @staticmethod
@@ -466,12 +470,13 @@ class FlashVarlen(torch.autograd.Function):
         q, k, v, _out, _lse, _rng = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        t, h, d = q.shape
-        tk, g = k.shape[0], k.shape[1]
-        b = ctx.batch
+        h, d = q.shape[-2], q.shape[-1]
+        g = k.shape[-2]
+        tk = k.numel() // (g * d)
+        acc = ctx.acc
         dq, dk, dvv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-        work = [torch.empty((h, t + 128 * b), dtype=torch.float32, device=q.device),
-                torch.empty((t + 128 * b, h, _round_head(d)), dtype=torch.float32, device=q.device)]
+        work = [torch.empty((h, acc), dtype=torch.float32, device=q.device),
+                torch.empty((acc, h, _round_head(d)), dtype=torch.float32, device=q.device)]
         if g != h:
             work += [torch.empty((tk, h, d), dtype=q.dtype, device=q.device),
                      torch.empty((tk, h, v.shape[-1]), dtype=q.dtype, device=q.device)]
@@ -481,7 +486,7 @@ class FlashVarlen(torch.autograd.Function):
             dk.copy_(gk)
             dvv.copy_(gv)
         del work
-        return dq, dk, dvv, None, None
+        return dq, dk, dvv, None, None, None
 
 
 def _flash_class():
