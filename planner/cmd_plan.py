@@ -42,7 +42,8 @@ LEGEND = (
     "admitted     estimated peak x safety, <= budget (GiB per rank)",
     "binding      the point of the pass where the peak sits (phase:layer:mixer/mlp), then the basis",
     "             of its price: evidence (a traced layout), conservative (no trace covers it:",
-    "             priced high, reason shown), assumed (--moe-load), profile (learned from peaks)",
+    "             priced high), assumed (--moe-load), profile (learned from peaks); [k]: the",
+    "             reasons, in note [k] under the waves",
     "first:S      the wave is the first of LoRA slots S and also holds their adapter gradients",
     "lower bound  no plan within the budget packed against has fewer waves; proven optimal: the",
     "             plan meets it; not proven: see the line above and docs/faq.md#lower-bound",
@@ -164,11 +165,13 @@ def plot_plan(plan_dict: dict, path: str) -> None:
     module.plot_plan(plan_dict, path)
 
 
-def _basis(breakdown) -> str:
-    """The basis as the table prints it: a conservative or assumed price names its reasons on
-    the line."""
+def _basis(breakdown, notes: dict[str, int]) -> str:
+    """The basis as a wave's row prints it: a conservative or assumed price points to a note
+    under the table that names its reasons, each set of reasons printed once (`notes`, filled
+    in order of first use)."""
     if breakdown.basis in ("conservative", "assumed") and breakdown.reasons:
-        return f"{breakdown.basis}: {'; '.join(breakdown.reasons)}"
+        text = f"{breakdown.basis}: {'; '.join(breakdown.reasons)}"
+        return f"{breakdown.basis} [{notes.setdefault(text, len(notes) + 1)}]"
     return breakdown.basis
 
 
@@ -184,13 +187,16 @@ def print_table(planner: Planner, plan: Plan, num_waves: int | None = None) -> N
               f"head {m.head}  backend {m.table.backend}  safety x{m.safety}")
     print(f"{'wave':>4} {'requests':>8} {'packed':>9} {'logical':>9} {'admitted GiB':>12} "
           f"{'budget GiB':>10}  binding")
+    notes: dict[str, int] = {}
     for w in plan.waves:
         size = w.size
         note = f"  [{len(w.children)} children]" if w.is_split else ""
         first = f"  first:{','.join(sorted(w.first_slots))}" if w.first_slots else ""
         print(f"{w.index:>4} {len(w.request_ids):>8} {size.packed_rows:>9} {size.logical_rows:>9} "
               f"{gib(w.admitted_bytes):>12} {gib(w.budget_bytes):>10}  {w.breakdown.binding} "
-              f"({_basis(w.breakdown)}){first}{note}  holds {ranges(w.request_indices)}")
+              f"({_basis(w.breakdown, notes)}){first}{note}  holds {ranges(w.request_indices)}")
+    for text, k in notes.items():
+        print(f"[{k}] {text}")
     for st in plan.stages:
         lo, hi = st["layers"]
         first, last = st["window"]

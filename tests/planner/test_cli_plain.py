@@ -239,3 +239,15 @@ def test_line_progress_without_tqdm(monkeypatch):
         assert "study 3/3 100% plans" in stream.getvalue()
     assert stream.getvalue().endswith("\r")                # cleared on close
     assert progress_bar(3, "study", enabled=False) is None
+
+
+def test_a_conservative_plan_names_its_reasons_once_under_the_waves(capsys):
+    """Each wave's row points to a note; the reasons are printed once, under the waves."""
+    code, out, _ = _plan(capsys, "grpo-8x8", "--model", "qwen3-8b", "--packer", "greedy",
+                         "--framework", "fsdp", "--free-gib", "40")
+    lines = out.splitlines()
+    rows = [x for x in lines if x[:4].strip().isdigit()]
+    notes = [x for x in lines if x.startswith("[1] conservative: ")]
+    assert code == 0 and len(rows) > 1 and all("(conservative [1])" in r for r in rows)
+    assert len(notes) == 1 and "flash_attention_2" in notes[0]
+    assert not any(x.startswith("[2] ") for x in lines)
