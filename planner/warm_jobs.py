@@ -91,7 +91,8 @@ def record(path: Path = MANIFEST) -> None:
     with tempfile.TemporaryDirectory(prefix="waveplan-record-") as tmp:
         env = dict(os.environ, WAVEPLAN_CACHE_DIR=tmp)
         env.pop("NUMBA_CACHE_DIR", None)
-        subprocess.run([sys.executable, "-m", __name__, "--record-here", str(path)],
+        # this module by its import name: run as `python -m`, its __name__ is "__main__"
+        subprocess.run([sys.executable, "-m", "waveplan.planner.warm_jobs", "--record-here", str(path)],
                        env=env, check=True)
 
 

@@ -1,6 +1,7 @@
 """Layout monotonicity (issue 12, docs/memory-model.md#layouts): for the same wave, more TP with
 sequence parallelism or more CP never prices a rank higher; SP never prices higher than no SP at
-the same TP; fewer recomputed modules (full -> selective -> none) never price lower."""
+the same TP; fewer recomputed modules (full -> selective -> none) never price lower (under CP,
+full never prices above selective or none)."""
 
 from __future__ import annotations
 
@@ -71,4 +72,12 @@ def test_fewer_recomputed_modules_never_price_lower(name, wave, layout):
     tp, sp, cp = layout
     parallel = ParallelLayout(tp=tp, sequence_parallel=sp, cp=cp)
     prices = [_raw(name, parallel, r, rows, rows + extra, segments) for r in RECOMPUTES]
-    assert prices[0] <= prices[1] <= prices[2], prices
+    if cp > 1:
+        # under CP the default (te-gpu) table prices ring attention's own tensors: without
+        # recompute the ring's k/v buffer replaces the qkv sum selective keeps, and the traces show
+        # selective above none (bench/results/traces_te_gpu*.jsonl, grid-dense-h1024 CP2 125.4 vs
+        # 119.2 MB, CP4 62.8 vs 59.7 MB; grid-dense-h768 CP2 125.5 vs 116.4 MB), so only full is
+        # ordered below both
+        assert prices[0] <= min(prices[1:]), prices
+    else:
+        assert prices[0] <= prices[1] <= prices[2], prices
