@@ -305,7 +305,8 @@ class FsdpPricingModel(PricingModel):
         # bf16 LoRA gradients and two layers' reduce-scatter buffers (fp32 input, fp32 output
         # shard) FSDP2 keeps until the next reduce-scatter (#fsdp-constants)
         root = terms.BF16 * terms.root_param_count(g)
-        grads = terms.BF16 * top + terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        reduce_buffers = terms.FP32 * (top + terms.shard(top, lay.fsdp))
+        grads = terms.BF16 * top + reduce_buffers
         # a shard group of one rank prefetches nothing (its anatomy holds one layer at a layer's
         # points and none at the head's); larger groups hold the next layer's all-gather too
         prefetch = 0 if lay.fsdp == 1 else 1
@@ -328,12 +329,11 @@ class FsdpPricingModel(PricingModel):
             row = MLP_FORWARD if ckpt else MLP_KEPT
             mlp_points[row] = is_moe * (up + down) * fac["fsdp_constants"]
             mlp_points[MLP_BACKWARD] = is_moe * ((up + down if ckpt else 0.0) + grad) * fac["fsdp_constants"]
-        if moe:
             # FSDP2's backward prefetches nothing at layer 0 (the root is gathered) and holds no
             # earlier layer's reduce-scatter buffers at the first layer it runs (#fsdp-moe-points)
             if lay.reshard_after_forward:
                 mlp_points[LAYER_BACKWARD, 0] -= prefetch * float(layer_gathered.max())
-            mlp_points[LAYER_BACKWARD, n - 1] -= terms.FP32 * (top + terms.shard(top, lay.fsdp))
+            mlp_points[LAYER_BACKWARD, n - 1] -= reduce_buffers
             mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         head_const += verl_const
         start = 2.0 * (root + float(layer_gathered.max()))
@@ -392,23 +392,18 @@ class FsdpPricingModel(PricingModel):
     @classmethod
     def from_dict(cls, data: dict) -> FsdpPricingModel:
         """Inverse of `to_dict` (the family travels as `model_type`, the geometry does not carry it)."""
-        import dataclasses
-
         fields = common_fields(data)
         g = fields["geometry"]
-        fields["geometry"] = dataclasses.replace(g, extra={**(g.extra or {}),
-                                                           "model_type": data.get("model_type", "")})
+        fields["geometry"] = replace(g, extra={**(g.extra or {}), "model_type": data.get("model_type", "")})
         return cls(**fields, fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
                    attn_rows=int(data.get("attn_rows", 0)),
                    one_sequence=bool(data.get("one_sequence", False)))
 
     def with_attn_rows(self, rows: int) -> FsdpPricingModel:
         """This model with the S x S terms priced at `rows` (sdpa/eager; flash: itself)."""
-        import dataclasses
-
         if self.fsdp_layout.attn == "flash" or rows == self.attn_rows:
             return self
-        return dataclasses.replace(self, attn_rows=int(rows))
+        return replace(self, attn_rows=int(rows))
 
 
 def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: int) -> int:
@@ -475,9 +470,7 @@ def for_step(model, step, budget_bytes: float | None = None):
         model = model.with_attn_rows(max(1, rows))
         one = maskless_sdpa(model, step)
         if one != model.one_sequence:
-            import dataclasses
-
-            model = dataclasses.replace(model, one_sequence=one)
+            model = replace(model, one_sequence=one)
     return model, step
 
 
