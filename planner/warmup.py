@@ -185,6 +185,18 @@ _LOCK = threading.Lock()
 _STATE = {"done": False, "running": False}
 
 
+def process_setup() -> None:
+    """What numba does once per process on its first dispatch, outside its compiler lock (so
+    outside `CompileClock`): `entrypoints.init_all` reads every installed distribution's entry
+    points, and `typeof` of the first array imports `numpy.ma`. Done here, before a plan's
+    clock starts, so the first plan of a process reports its planning alone
+    (docs/faq.md#overhead). Idempotent."""
+    import numpy.ma  # noqa: F401 - imported for its side effect
+    from numba.core import entrypoints
+
+    entrypoints.init_all()
+
+
 def warmup(planner_cls, *, force: bool = False, lazy: bool = False) -> WarmupReport | None:
     """Compile or load every kernel a plan can need (see the module docstring), once per
     process unless `force`. `lazy`: skip the plans when the cache folder's warm marker is
@@ -200,6 +212,7 @@ def warmup(planner_cls, *, force: bool = False, lazy: bool = False) -> WarmupRep
             return None
         _STATE["running"] = True
     try:
+        process_setup()
         marker = warm_marker()
         if lazy and marker.exists():
             _STATE["done"] = True
