@@ -116,8 +116,7 @@ def planned_heldout() -> list[dict]:
     for model in (MOE_HELDOUT["name"], "qwen3-30b-a3b"):
         for rc in ("selective", "none"):
             cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
-    # traced after the recomputed MoE layers' kernel-model point (LayerContext.fused_moe_point)
-    # was written
+    # MoE under full recompute (fitted terms; docs/memory-model.md#gpu-kernel-allocation-models)
     for model in (MOE_HELDOUT["name"], "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"):
         cells.append(_cell(model, {}, "full", wave=HELDOUT_WAVE))
     return cells

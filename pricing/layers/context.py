@@ -99,11 +99,6 @@ class LayerContext:
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
     experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout without EP (an uncredited TP > 1
     keeps the fitted terms: no te-gpu MoE trace under TP) (docs/memory-model.md#gpu-kernel-allocation-models)."""
-    fused_moe_point: bool = False
-    """A plain-attention MoE model's recomputed layers (full recompute) priced by what the fused
-    kernels hold while one layer is recomputed and run backward (the retained MoE layer's tensors
-    beside its backward transient or forward point), on the layouts of `fused_moe_retained`
-    (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -119,12 +114,6 @@ class LayerContext:
     def kernel_retained(self) -> bool:
         """Whether the retained layers are priced by what the fused kernels keep (dense or MoE)."""
         return self.fused_retained or self.fused_moe_retained
-
-    @property
-    def kernel_layers(self) -> bool:
-        """Whether the layers are priced by the fused kernels' allocation models (recomputed or
-        retained, dense or MoE)."""
-        return self.fused_point or self.kernel_retained or self.fused_moe_point
 
     @property
     def ring_saves(self) -> bool:
@@ -193,10 +182,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                    and g.plain_dense and (width_tp == 1 or rows_cp == 1))
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and (rows_cp == 1 or width_tp == 1))
-    fused_moe = (kernels.fused and kernels.fused_retained and plain_moe(g) and p.tp == 1
-                 and rows_cp == 1 and p.ep == 1)
-    fused_moe_retained = fused_moe and mode != RecomputeMode.FULL
-    fused_moe_point = fused_moe and mode == RecomputeMode.FULL
+    fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
+                          and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -205,7 +192,7 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
         fused_point=fused_point, fused_retained=fused_retained,
-        fused_moe_retained=fused_moe_retained, fused_moe_point=fused_moe_point)
+        fused_moe_retained=fused_moe_retained)
 
 
 def plain_moe(g: ModelGeometry) -> bool:
