@@ -264,6 +264,8 @@ def class_of(cell: dict) -> str:
     if tp > 1 and has_moe(cell):
         return "MoE TP2+SP (multi-rank)"
     if cell["recompute"] == "full":
+        if tp == 1 and has_moe(cell):
+            return "MoE TP1 full (fitted)"
         if tp == 1:
             return "TP1 full, " + ("TE cross entropy" if cell["head"] == "full-te" else "native CE")
         return "TP2/4/8 full" + (" +SP" if lay.get("sequence_parallel") else "")
