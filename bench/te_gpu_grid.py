@@ -16,8 +16,9 @@ never traces: it prices each cell with today's tables (`multirank_grid.current_e
 WavePricer, one first gradient wave, 2-byte adapter gradients, safety 1.0) and writes
 bench/results/te_gpu_grid.txt. Context parallelism (TP1 under CP2 and CP4, dense shapes) runs on
 the multi-rank tracer (`multirank.trace_multirank_batch(kernels="te-gpu")`, the ring attention
-model, one set of rank processes per model and layout, minutes on a 2-core machine); expert
-parallelism is not in this grid.
+model, one set of rank processes per model and layout, minutes on a 2-core machine), and so do
+the classes that keep fitted terms which the one-rank tracer cannot run (`multi_rank`: MoE at TP2+SP
+and EP2, TP2 under CP2).
 
 Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
 hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
