@@ -16,8 +16,9 @@ never traces: it prices each cell with today's tables (`multirank_grid.current_e
 WavePricer, one first gradient wave, 2-byte adapter gradients, safety 1.0) and writes
 bench/results/te_gpu_grid.txt. Context parallelism (TP1 under CP2 and CP4, dense shapes) runs on
 the multi-rank tracer (`multirank.trace_multirank_batch(kernels="te-gpu")`, the ring attention
-model, one set of rank processes per model and layout, minutes on a 2-core machine); expert
-parallelism is not in this grid.
+model, one set of rank processes per model and layout, minutes on a 2-core machine), and so do
+the classes that keep fitted terms which the one-rank tracer cannot run (`multi_rank`: MoE at TP2+SP
+and EP2, TP2 under CP2).
 
 Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
 hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
@@ -116,13 +117,16 @@ def planned_heldout() -> list[dict]:
     for model in (MOE_HELDOUT["name"], "qwen3-30b-a3b"):
         for rc in ("selective", "none"):
             cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
+    # MoE under full recompute (fitted terms; docs/memory-model.md#gpu-kernel-allocation-models)
+    for model in (MOE_HELDOUT["name"], "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"):
+        cells.append(_cell(model, {}, "full", wave=HELDOUT_WAVE))
     return cells
 
 
 def planned() -> list[dict]:
     """Every cell of the grid, in order (seq_lens before padding to the layout's rows)."""
     cells = []
-    for model in PRESETS + tuple(SHAPES):
+    for model in PRESETS + (DENSE["name"], DENSE3["name"], GDN["name"]):
         for rc in RECOMPUTES:
             cells.append(_cell(model, {}, rc))
     for model in ("qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", DENSE["name"]):
@@ -138,6 +142,15 @@ def planned() -> list[dict]:
     for cp in (2, 4):   # context parallelism: the multi-rank tracer (ring attention model)
         for rc in RECOMPUTES:
             cells.append(_cell(DENSE["name"], {"cp": cp}, rc))
+    # the classes that keep fitted terms, traced as evidence of them: MoE under full recompute at
+    # TP1 (one rank), and on the multi-rank tracer MoE at TP2+SP and EP2, TP2 under CP2
+    for model in (MOE["name"], MOE_WIDE["name"]):
+        cells.append(_cell(model, {}, "full"))
+    for lay in ({"tp": 2, "sequence_parallel": True}, {"ep": 2}):
+        for rc in RECOMPUTES:
+            cells.append(_cell(MOE["name"], lay, rc))
+    for rc in RECOMPUTES:
+        cells.append(_cell(DENSE["name"], {"tp": 2, "cp": 2}, rc))
     return cells
 
 
@@ -149,10 +162,12 @@ def geometry_of(model: str):
 
 
 def cell_key(cell: dict) -> str:
-    """The cell's identity: model, layout (as `ParallelLayout` spells it), recompute, head."""
+    """The cell's identity: model, layout (as `ParallelLayout` spells it, with the data-parallel
+    ranks the multi-rank tracer adds for EP: `multirank.rank_world`), recompute, head."""
+    from waveplan.pricing.measure.multirank import rank_world
     from waveplan.pricing.parallel import ParallelLayout
 
-    layout = ParallelLayout(**cell["layout"]).to_dict()
+    layout = rank_world(ParallelLayout(**cell["layout"])).to_dict()
     return json.dumps([cell["model"], layout, cell["recompute"], cell["head"],
                        cell["lora_rank"], cell["num_layers"]], sort_keys=True)
 
@@ -180,10 +195,23 @@ def cmd_trace(args) -> int:
     todo = [c for c in (planned_heldout() if args.heldout else planned()) if cell_key(c) not in have
             and (not args.only or c["model"] in args.only)]
     t_all = time.monotonic()
-    multi = [c for c in todo if c["layout"].get("cp", 1) > 1]
+    multi = [c for c in todo if multi_rank(c)]
     groups: dict[str, list[dict]] = {}   # one set of rank processes per model and layout
     for c in multi:
         groups.setdefault(json.dumps([c["model"], c["layout"]], sort_keys=True), []).append(c)
+    for cell in todo:
+        if cell in multi:
+            continue
+        t0 = time.monotonic()
+        layout = ParallelLayout(**cell["layout"])
+        tr = trace_wave(geometry_of(cell["model"]), seq_lens=cell["seq_lens"], num_layers=2,
+                        device="cpu-fake", recompute=Recompute(mode=cell["recompute"]),
+                        lora_rank=LORA_RANK, head=cell["head"], layout=layout, kernels="te-gpu")
+        rec_cell = dict(cell, seq_lens=list(tr.seq_lens), layout=layout.to_dict())
+        records.append({"cell": rec_cell, "trace": tr.to_dict()})
+        _write(records, path)
+        print(f"{cell['model']} {cell['layout']} {cell['recompute']} {cell['head']}: "
+              f"{tr.peak_bytes / 2**20:.1f} MiB, {time.monotonic() - t0:.0f} s", flush=True)
     for group in groups.values():
         from waveplan.pricing.measure.multirank import TraceJob, trace_multirank_batch, trace_record
 
@@ -200,19 +228,6 @@ def cmd_trace(args) -> int:
         _write(records, path)
         print(f"{group[0]['model']} {group[0]['layout']}: {len(group)} multi-rank cells, "
               f"{time.monotonic() - t0:.0f} s", flush=True)
-    for cell in todo:
-        if cell in multi:
-            continue
-        t0 = time.monotonic()
-        layout = ParallelLayout(**cell["layout"])
-        tr = trace_wave(geometry_of(cell["model"]), seq_lens=cell["seq_lens"], num_layers=2,
-                        device="cpu-fake", recompute=Recompute(mode=cell["recompute"]),
-                        lora_rank=LORA_RANK, head=cell["head"], layout=layout, kernels="te-gpu")
-        rec_cell = dict(cell, seq_lens=list(tr.seq_lens), layout=layout.to_dict())
-        records.append({"cell": rec_cell, "trace": tr.to_dict()})
-        _write(records, path)
-        print(f"{cell['model']} {cell['layout']} {cell['recompute']} {cell['head']}: "
-              f"{tr.peak_bytes / 2**20:.1f} MiB, {time.monotonic() - t0:.0f} s", flush=True)
     print(f"{len(todo)} cells traced in {time.monotonic() - t_all:.0f} s")
     return 0
 
@@ -223,18 +238,38 @@ def has_gdn(cell: dict) -> bool:
     return any(s.mixer == MixerKind.GDN for s in geometry_of(cell["model"]).layers[:cell["num_layers"]])
 
 
+def has_moe(cell: dict) -> bool:
+    from waveplan.pricing.geometry import MlpKind
+
+    return any(s.mlp == MlpKind.MOE for s in geometry_of(cell["model"]).layers[:cell["num_layers"]])
+
+
+def multi_rank(cell: dict) -> bool:
+    """Whether the cell runs on the multi-rank tracer: CP or EP > 1, or MoE at TP > 1 (the
+    one-rank tracer's fake process group runs MoE at TP = EP = 1 only)."""
+    lay = cell["layout"]
+    return (lay.get("cp", 1) > 1 or lay.get("ep", 1) > 1
+            or (lay.get("tp", 1) > 1 and has_moe(cell)))
+
+
 def class_of(cell: dict) -> str:
     """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model)."""
     if has_gdn(cell):
         return "GDN hybrids (FLA model)"
     lay = cell["layout"]
-    tp = lay["tp"]
+    tp = lay.get("tp", 1)
     if lay.get("cp", 1) > 1:
-        return "TP1 under CP2/4 (multi-rank)"
+        return "TP1 under CP2/4 (multi-rank)" if tp == 1 else "TP2 under CP2 (multi-rank)"
+    if lay.get("ep", 1) > 1:
+        return "MoE EP2 (multi-rank)"
+    if tp > 1 and has_moe(cell):
+        return "MoE TP2+SP (multi-rank)"
     if cell["recompute"] == "full":
+        if tp == 1 and has_moe(cell):
+            return "MoE TP1 full (fitted)"
         if tp == 1:
             return "TP1 full, " + ("TE cross entropy" if cell["head"] == "full-te" else "native CE")
-        return "TP2/4/8 full" + (" +SP" if lay["sequence_parallel"] else "")
+        return "TP2/4/8 full" + (" +SP" if lay.get("sequence_parallel") else "")
     return ("TP1" if tp == 1 else "TP2/4/8") + " selective/none"
 
 

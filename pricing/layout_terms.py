@@ -314,16 +314,19 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
     """
     if not table.kernels.fused_retained:
         return 0.0
+    # Megatron's all-to-all dispatcher's sort-by-local-expert copy of the routed rows, which the
+    # one-rank tracer's stand-in dispatcher does not make, beside either point
+    dispatch = routed * table.per_row(FUSED_RETAINED, widths, key="moe_dispatch_per_routed_row")
     if backward:
         experts = max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_routed_row"),
                       table.per_row(FUSED_RETAINED, widths, key="moe_backward_swiglu_per_routed_row"))
-        return max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_row") + routed * experts,
-                   table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
+        return max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_row") + routed * experts
+                   + dispatch, table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
     out = (table.per_row(FUSED_RETAINED, widths, key="moe_per_row")
            + table.per_row(FUSED_RETAINED, widths, key="moe_replicated")
            + routed * table.per_row(FUSED_RETAINED, widths, key="moe_per_routed_row"))
     if forward:
-        out += routed * table.per_row(FUSED_RETAINED, widths, key="moe_forward_per_routed_row")
+        out += routed * table.per_row(FUSED_RETAINED, widths, key="moe_forward_per_routed_row") + dispatch
     return out
 
 

@@ -24,8 +24,14 @@ RESULTS = BENCH / "results"
 # the classes priced at the kernel-model point and head (bench/te_gpu_grid.py `class_of`)
 CP_CLASS = "TP1 under CP2/4 (multi-rank)"
 ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full", "TP2/4/8 full +SP",
-             "TP2/4/8 selective/none", "TP1 selective/none, plain dense or MoE",
+             "TP2/4/8 selective/none", "TP1 selective/none, plain dense",
              "TP1 under CP2/4 (multi-rank)")
+# the retained plain-attention MoE cells: the price charges Megatron's all-to-all dispatcher's sort
+# copy (moe_dispatch_per_routed_row), which the one-rank tracer's stand-in dispatcher does not make
+MOE_RETAINED = "TP1 selective/none, plain-attention MoE"
+
+FITTED_TRACED = ("MoE TP1 full (fitted)", "MoE TP2+SP (multi-rank)", "MoE EP2 (multi-rank)",
+                 "TP2 under CP2 (multi-rank)")
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +50,31 @@ def _ratios(grid, path) -> dict[str, list[float]]:
         ratio = est["raw_bytes"] / rec["trace"]["peak_bytes"]
         name = grid.class_of(cell)
         out.setdefault(name, []).append(ratio)
-        if name == "TP1 selective/none" and (g.plain_dense or plain_moe(g)):
-            out.setdefault("TP1 selective/none, plain dense or MoE", []).append(ratio)
+        if name == "TP1 selective/none" and g.plain_dense:
+            out.setdefault("TP1 selective/none, plain dense", []).append(ratio)
+        elif name == "TP1 selective/none" and plain_moe(g):
+            out.setdefault(MOE_RETAINED, []).append(ratio)
     return out
 
 
-@pytest.mark.parametrize("which", ["traces_te_gpu.jsonl", "traces_te_gpu_heldout.jsonl"])
+@pytest.mark.parametrize("which", ["traces_te_gpu.jsonl", "traces_te_gpu_heldout.jsonl",
+                                   "traces_te_gpu_dispatcher.jsonl"])
 def test_no_te_gpu_price_is_under_a_committed_te_gpu_trace(grid, which):
-    """Every te-gpu trace (the grid and the held-out cells): the default table at or over it, and
-    the classes priced by the kernel models within 3% (median) and 10% (worst)."""
+    """Every te-gpu trace (the grid, the held-out cells, the MoE cells on the multi-rank tracer's
+    real dispatcher): the default table at or over it, and the classes priced by the kernel models
+    within 3% (median) and 10% (worst); the retained MoE cells within 10% on the real dispatcher,
+    within 20% on the one-rank stand-in (which lacks the dispatcher's sort copy the price charges)."""
     ratios = _ratios(grid, RESULTS / which)
     heldout = which != "traces_te_gpu.jsonl"
-    assert sum(len(v) for v in ratios.values()) >= (20 if heldout else 70)
+    assert sum(len(v) for v in ratios.values()) >= {"traces_te_gpu.jsonl": 70,
+                                                      "traces_te_gpu_heldout.jsonl": 20}.get(which, 3)
+    if MOE_RETAINED in ratios:
+        limit = 1.10 if which == "traces_te_gpu_dispatcher.jsonl" else 1.20
+        assert max(ratios[MOE_RETAINED]) <= limit, ratios[MOE_RETAINED]
+    if which == "traces_te_gpu.jsonl":
+        # the classes that keep fitted terms are traced too (the multi-rank tracer where the
+        # one-rank tracer cannot run them): over, never under
+        assert set(FITTED_TRACED) <= set(ratios), sorted(ratios)
     for name, r in ratios.items():
         assert min(r) >= 1.0, (name, min(r))
         if name == CP_CLASS and heldout:
@@ -150,7 +169,7 @@ def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     one, two = (layout_terms.fused_retained_moe_layer_per_row(te, w, routed=r) for r in (1.0, 2.0))
     assert two - one == 2 * w["H"] + 6 * w["expert_ffn"]
     fwd = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, forward=True)
-    assert fwd - one == 4 * w["H"]
+    assert fwd - one == 4 * w["H"] + 2 * w["H"]   # FC2's output and the combine's; the dispatcher's sort copy
 
 
 def _wave(model, rows):
