@@ -295,6 +295,16 @@ def root_param_count(geometry: ModelGeometry) -> int:
     return g.vocab * g.hidden * (1 if g.tied_embeddings else 2) + g.hidden
 
 
+def attention_lora_count(geometry: ModelGeometry) -> int:
+    """LoRA parameters per unit of rank on one layer's attention projections (q, k, v, o; A and B
+    each). O(1). Docs: docs/memory-model.md#fsdp-constants."""
+    att = geometry.attention
+    h = geometry.hidden
+    q = att.num_heads * att.head_dim
+    kv = att.num_kv_groups * att.head_dim
+    return (h + q) + 2 * (h + kv) + (q + h)
+
+
 def shard(count: float, fsdp: int) -> float:
     """One rank's share of `count` parameters under FSDP2 (dim-0 chunks, padded). Docs: docs/memory-model.md#fsdp-constants."""
     return math.ceil(count / fsdp)
