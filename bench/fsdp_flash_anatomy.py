@@ -99,9 +99,8 @@ def _rank(rank: int, spec: dict, out: str) -> None:
 def main() -> None:
     import tempfile
 
-    import torch.multiprocessing as mp
-
     import fsdp_validation as fv
+    import torch.multiprocessing as mp
 
     which, fam, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "ckpt"
     fsdp = int(sys.argv[4]) if len(sys.argv) > 4 else 1

@@ -290,6 +290,8 @@ class FsdpPricingModel(PricingModel):
         verl_const = 0.0
         if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
             *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=verl_head.gpu_dtypes(self.table))
+        if flash and lay.head == "transformers":   # the input gradient is not made at its peak
+            head = (head[0], head[1] - terms.flash_head_credit(w), head[2])
         head_ret, head_tr, head_fwd = (fac["fsdp_head"] * x for x in head)
         pending = np.zeros((len(self.lora.slots), n))
         lora_counts = np.zeros(n)
@@ -343,6 +345,8 @@ class FsdpPricingModel(PricingModel):
                 mlp_points[LAYER_BACKWARD, 0] -= prefetch * float(layer_gathered.max())
             mlp_points[LAYER_BACKWARD, n - 1] -= reduce_buffers
             mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
+        if flash:
+            resident += terms.flash_scalars(n)
         if flash and not moe:
             mlp_points[MLP_BACKWARD] += flash_mlp_backward(g, max(ranks)) * fac["fsdp_constants"]
             mlp_points[LAYER_BACKWARD] += flash_layer_backward(n, top, lay.fsdp) * fac["fsdp_constants"]
@@ -421,7 +425,8 @@ def flash_mlp_backward(geometry, rank: int) -> float:
     """flash_attention_2 (#fsdp-flash-steps): at a layer's MLP backward point, which runs before
     its attention's, the attention's LoRA adapters have no bf16 gradients yet: the negative of
     those gradients' bytes (`terms.attention_lora_count` x rank, bf16). O(1)."""
-    return -terms.BF16 * terms.attention_lora_count(geometry) * rank
+    fused = model_type_of(geometry) in FLASH_FUSED_QKV
+    return -terms.BF16 * terms.attention_lora_count(geometry, fused_qkv=fused) * rank
 
 
 def flash_layer_backward(n: int, top: float, fsdp: int) -> np.ndarray:
