@@ -182,9 +182,9 @@ WAVES15 = [(448, 256, 160, 64, 32), (704,)]
 LORA_RANK15 = 12
 SETS[15] = (FAMILIES15, WAVES15, LORA_RANK15)
 FSDPFLASH_CLASSES = {
-    15: [("llama", True, "flash", 4), ("qwen3", True, "flash", 2), ("gemma3_text", True, "flash", 2),
-         ("phi3", True, "flash", 2), ("llama", False, "flash", 1), ("qwen2", True, "flash", 1),
-         ("gemma2", False, "flash", 2), ("mistral", True, "flash", 2), ("phi3", False, "flash", 2),
+    15: [("qwen2", True, "flash", 1), ("llama", False, "flash", 1), ("phi3", True, "flash", 2),
+         ("gemma3_text", True, "flash", 2), ("qwen3", True, "flash", 2), ("gemma2", False, "flash", 2),
+         ("mistral", True, "flash", 2), ("phi3", False, "flash", 2), ("llama", True, "flash", 4),
          ("gemma3_text", False, "flash", 4)],
     10: [("llama", True, "flash", 2), ("llama", False, "flash", 2), ("qwen3", True, "flash", 2),
          ("qwen3", False, "flash", 2), ("gemma2", True, "flash", 2), ("gemma2", False, "flash", 2),
