@@ -79,3 +79,16 @@ def test_committed_flash_traces_are_never_under(attn):
     assert len(recs) >= 40
     for rec in recs:
         assert price_record(rec).raw_bytes >= rec["peak_bytes"], rec["class"]
+
+
+def test_flash_basis_follows_the_held_out_classes():
+    llama = dict(BASE, model_type="llama")
+    assert _model(llama, ckpt=False).basis == "evidence"
+    assert _model(llama, ckpt=False, fsdp=1).basis == "evidence"
+    on = _model(llama, ckpt=True)
+    assert on.basis == "conservative" and any("checkpointing on" in r for r in on.gaps)
+    fsdp1 = _model(dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
+                        tie_word_embeddings=True), fsdp=1)
+    assert fsdp1.basis == "conservative" and any("FSDP1" in r for r in fsdp1.gaps)
+    moe = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+    assert any("no flash trace" in r for r in _model(moe).gaps)
