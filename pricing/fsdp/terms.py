@@ -167,7 +167,7 @@ def flash_head_credit(w: Widths) -> float:
     made yet; it is made after the fp32 gradients are freed (beside the bf16 logits' gradient,
     2V), so the credit holds while that moment and the final norm's backward (about 18H) stay
     below the peak: vocabularies of at least 2H (every released model), else 0.
-    Docs: docs/memory-model.md#fsdp-attention."""
+    Docs: docs/memory-model.md#fsdp-flash-steps."""
     return BF16 * w.H if w.V >= 2 * w.H else 0.0
 
 
@@ -175,7 +175,7 @@ def flash_scalars(layers: int) -> float:
     """flash_attention_2's constant bytes beside a wave (#fsdp-attention): each layer's saved
     `rng_state` (int64 [2], 16 bytes; every layer's without checkpointing, a bound with it) and
     the loss and its backward's seed (fp32 scalars, 8), which the slack of sdpa's S x S terms
-    covered. Docs: docs/memory-model.md#fsdp-attention."""
+    covered. Docs: docs/memory-model.md#fsdp-flash-steps."""
     return 16.0 * layers + 8.0
 
 
