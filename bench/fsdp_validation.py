@@ -285,7 +285,7 @@ def table() -> str:
                         ("set 6 (MoE points: held out)", lambda c: c.startswith("set6:")),
                         ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:")),
                         ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
-                        ("set 11 (flash: held out)", lambda c: c.startswith("set11:")),
+                        ("set 11 (flash: held out, then tuned on)", lambda c: c.startswith("set11:")),
                         ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
                         ("set 15 (flash final: held out)", lambda c: c.startswith("set15:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
@@ -312,7 +312,7 @@ def scatter() -> None:
                                   ("set 6 (MoE points: held out)", "set6:", "P"),
                                   ("set 7 (MoE final: held out)", "set7:", "X"),
                                   ("set 10 (flash: tuned on)", "set10:", "<"),
-                                  ("set 11 (flash: held out)", "set11:", ">"),
+                                  ("set 11 (flash: held out, then tuned on)", "set11:", ">"),
                                   ("set 12 (dense FSDP4: held out)", "set12:", "x"),
                                   ("set 15 (flash final: held out)", "set15:", "*")):
         xs, ys = [], []
