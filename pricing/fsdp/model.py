@@ -79,7 +79,8 @@ EAGER_GAPS: dict[str, str] = {"gemma2": _GEMMA_EAGER.format("Gemma 2"),
 # classes whose held-out flash class meets the target (0 under, median <= 3%, worst <= 10%) are
 # evidence; checkpointing at FSDP1 is not (`FLASH_FSDP1_CKPT`)
 FLASH_EVIDENCE: frozenset[tuple[str, bool]] = frozenset({
-    ("llama", False), ("gemma2", False), ("gemma3", True), ("gemma3_text", True)})
+    ("llama", True), ("llama", False), ("gemma2", False), ("gemma3", True), ("gemma3_text", True),
+    ("gemma3", False), ("gemma3_text", False)})
 FLASH_UNTRACED = ("flash_attention_2 priced by its allocation model (flash-attn 2 source); no "
                   "flash trace of this family")
 # families whose q/k/v projection is one fused linear (flash keeps its output on one-sequence rows)

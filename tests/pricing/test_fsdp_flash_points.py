@@ -85,7 +85,8 @@ def test_flash_basis_follows_the_held_out_classes():
     llama = dict(BASE, model_type="llama")
     assert _model(llama, ckpt=False).basis == "evidence"
     assert _model(llama, ckpt=False, fsdp=1).basis == "evidence"
-    on = _model(llama, ckpt=True)
+    assert _model(llama, ckpt=True, fsdp=4).basis == "evidence"
+    on = _model(dict(BASE, model_type="qwen3"), ckpt=True)
     assert on.basis == "conservative" and any("checkpointing on" in r for r in on.gaps)
     fsdp1 = _model(dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
                         tie_word_embeddings=True), fsdp=1)
