@@ -162,7 +162,30 @@ WAVES11 = [(640, 320, 192, 96), (896,)]
 LORA_RANK11 = 16
 SETS[11] = (FAMILIES11, WAVES11, LORA_RANK11)
 SETS[12] = (FAMILIES4, WAVES4, LORA_RANK4)
+# set 15 (fsdpflash2): the flash terms' final form (split layer points, reduce-scatter steps, Gemma
+# 3 unfactored), traced after they were: hidden 160, 3 layers, GQA 5:1 (qwen3 4:2, head_dim 40),
+# vocabulary 640, rank 12, five packed sequences and one long one, FSDP 1, 2 and 4
+_BASE15 = dict(hidden_size=160, intermediate_size=512, num_hidden_layers=3, num_attention_heads=5,
+               num_key_value_heads=1, head_dim=32, vocab_size=640, tie_word_embeddings=False)
+FAMILIES15 = {
+    "llama": dict(_BASE15, model_type="llama"),
+    "qwen2": dict(_BASE15, model_type="qwen2", intermediate_size=480),
+    "qwen3": dict(_BASE15, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=40),
+    "mistral": dict(_BASE15, model_type="mistral", sliding_window=None),
+    "gemma2": dict(_BASE15, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=384,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE15, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=384,
+                        tie_word_embeddings=True),
+    "phi3": dict(_BASE15, model_type="phi3", sliding_window=None, pad_token_id=0),
+}
+WAVES15 = [(448, 256, 160, 64, 32), (704,)]
+LORA_RANK15 = 12
+SETS[15] = (FAMILIES15, WAVES15, LORA_RANK15)
 FSDPFLASH_CLASSES = {
+    15: [("qwen2", True, "flash", 1), ("llama", False, "flash", 1), ("phi3", True, "flash", 2),
+         ("gemma3_text", True, "flash", 2), ("qwen3", True, "flash", 2), ("gemma2", False, "flash", 2),
+         ("mistral", True, "flash", 2), ("phi3", False, "flash", 2), ("llama", True, "flash", 4),
+         ("gemma3_text", False, "flash", 4)],
     10: [("llama", True, "flash", 2), ("llama", False, "flash", 2), ("qwen3", True, "flash", 2),
          ("qwen3", False, "flash", 2), ("gemma2", True, "flash", 2), ("gemma2", False, "flash", 2),
          ("phi3", True, "flash", 2), ("phi3", False, "flash", 2), ("qwen2", True, "flash", 2),
@@ -262,8 +285,9 @@ def table() -> str:
                         ("set 6 (MoE points: held out)", lambda c: c.startswith("set6:")),
                         ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:")),
                         ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
-                        ("set 11 (flash: held out)", lambda c: c.startswith("set11:")),
-                        ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:"))):
+                        ("set 11 (flash: held out, then tuned on)", lambda c: c.startswith("set11:")),
+                        ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
+                        ("set 15 (flash final: held out)", lambda c: c.startswith("set15:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -288,8 +312,9 @@ def scatter() -> None:
                                   ("set 6 (MoE points: held out)", "set6:", "P"),
                                   ("set 7 (MoE final: held out)", "set7:", "X"),
                                   ("set 10 (flash: tuned on)", "set10:", "<"),
-                                  ("set 11 (flash: held out)", "set11:", ">"),
-                                  ("set 12 (dense FSDP4: held out)", "set12:", "x")):
+                                  ("set 11 (flash: held out, then tuned on)", "set11:", ">"),
+                                  ("set 12 (dense FSDP4: held out)", "set12:", "x"),
+                                  ("set 15 (flash final: held out)", "set15:", "*")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

@@ -160,6 +160,25 @@ def flash_per_sequence(w: Widths) -> float:
     return 128.0 * (4 * w.Q + FP32 * w.nh)
 
 
+def flash_head_credit(w: Widths) -> float:
+    """What the head's backward point holds below its charges under flash_attention_2, per row
+    (#fsdp-attention): at its peak (log_softmax's backward: its kept output, NLL's and its own
+    fp32 gradients, 12V) the gradient into the last layer (2H, charged there by the walk) is not
+    made yet; it is made after the fp32 gradients are freed (beside the bf16 logits' gradient,
+    2V), so the credit holds while that moment and the final norm's backward (about 18H) stay
+    below the peak: vocabularies of at least 2H (every released model), else 0.
+    Docs: docs/memory-model.md#fsdp-flash-steps."""
+    return BF16 * w.H if w.V >= 2 * w.H else 0.0
+
+
+def flash_scalars(layers: int) -> float:
+    """flash_attention_2's constant bytes beside a wave (#fsdp-attention): each layer's saved
+    `rng_state` (int64 [2], 16 bytes; every layer's without checkpointing, a bound with it) and
+    the loss and its backward's seed (fp32 scalars, 8), which the slack of sdpa's S x S terms
+    covered. Docs: docs/memory-model.md#fsdp-flash-steps."""
+    return 16.0 * layers + 8.0
+
+
 def flash_sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
     """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: its fp32
     backward temporaries run beside the recomputed MLP's kept tensors before the MLP's gradients
@@ -293,6 +312,18 @@ def root_param_count(geometry: ModelGeometry) -> int:
     """The root FSDP group's parameters: the embedding, the final norm and (untied) the head. Docs: docs/memory-model.md#fsdp-constants."""
     g = geometry
     return g.vocab * g.hidden * (1 if g.tied_embeddings else 2) + g.hidden
+
+
+def attention_lora_count(geometry: ModelGeometry, *, fused_qkv: bool) -> int:
+    """LoRA parameters per unit of rank on one layer's attention projections (A and B each): q, k,
+    v and o, or (`fused_qkv`, phi3) one qkv and o. O(1). Docs: docs/memory-model.md#fsdp-constants."""
+    att = geometry.attention
+    h = geometry.hidden
+    q = att.num_heads * att.head_dim
+    kv = att.num_kv_groups * att.head_dim
+    if fused_qkv:
+        return (h + q + 2 * kv) + (q + h)
+    return (h + q) + 2 * (h + kv) + (q + h)
 
 
 def shard(count: float, fsdp: int) -> float:

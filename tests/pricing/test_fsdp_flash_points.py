@@ -1,0 +1,95 @@
+"""flash_attention_2's layer points under FSDP (docs/memory-model.md#fsdp-flash-steps): a dense flash
+model is priced at its MLP's and attention's points apart with FSDP2's reduce-scatter steps and
+the attention adapters' gradients off the MLP point; the head's backward is credited the input
+gradient only for vocabularies of at least 2H; Gemma 3 carries no factor under flash; sdpa/eager
+prices are untouched; every committed flash trace is priced at or above its peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from waveplan.pricing.fsdp import build_fsdp_model, terms
+from waveplan.pricing.fsdp.check import price_record
+from waveplan.pricing.fsdp.model import FITTED_FAMILIES, flash_layer_backward, flash_mlp_backward
+from waveplan.pricing.hf_config import load_hf_config
+from waveplan.pricing.walk import LAYER_BACKWARD, MLP_BACKWARD, MLP_ROWS, MLP_WORKSPACE
+
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp_traces.jsonl"
+BASE = dict(hidden_size=128, intermediate_size=448, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False)
+
+
+def _model(cfg, attn="flash", fsdp=2, ckpt=True, rank=8):
+    from waveplan.pricing.lora import LoraConfig, LoraSlot
+
+    return build_fsdp_model(load_hf_config(dict(cfg)), fsdp=fsdp, attn=attn, checkpointing=ckpt,
+                            attn_rows=0 if attn == "flash" else 64,
+                            lora=LoraConfig(slots=(LoraSlot(rank=rank),)))
+
+
+def test_dense_flash_is_priced_at_two_points_and_sdpa_at_one():
+    flash = _model(dict(BASE, model_type="llama")).charges.walk
+    sdpa = _model(dict(BASE, model_type="llama"), attn="sdpa").charges.walk
+    assert flash.mlp_points.shape == (MLP_ROWS, 3)
+    assert sdpa.mlp_points.shape == (MLP_ROWS, 0)
+    # the MLP's backward (checkpointed: the recomputed MLP's tensors) is the larger workspace
+    assert np.all(flash.mlp_points[MLP_WORKSPACE] > flash.workspace)
+
+
+def test_reduce_scatter_steps_and_the_attention_adapters_gradients():
+    g = load_hf_config(dict(BASE, model_type="llama"))
+    top = 60000.0
+    steps = flash_layer_backward(3, top, 2)
+    assert steps[0] == steps[1] == -4 * terms.shard(top, 2)
+    assert steps[2] == -4 * terms.shard(top, 2) - 4 * top
+    # q, k, v, o adapters, A and B: (H + Q) + 2 (H + KV) + (Q + H) per unit of rank, bf16
+    assert flash_mlp_backward(g, 8) == -2 * 8 * ((128 + 128) + 2 * (128 + 64) + (128 + 128))
+    phi3 = load_hf_config(dict(BASE, model_type="phi3", sliding_window=None, pad_token_id=0))
+    assert flash_mlp_backward(phi3, 8) == -2 * 8 * ((128 + 128 + 128) + (128 + 128))
+    walk = _model(dict(BASE, model_type="llama")).charges.walk
+    assert np.all(walk.mlp_points[MLP_BACKWARD] < 0) and walk.mlp_points[LAYER_BACKWARD, 2] < walk.mlp_points[
+        LAYER_BACKWARD, 1] < 0
+
+
+def test_head_credit_only_for_vocabularies_of_at_least_2h():
+    w = terms.widths(load_hf_config(dict(BASE, model_type="llama")), 8)
+    assert terms.flash_head_credit(w) == 2 * 128
+    small = terms.widths(load_hf_config(dict(BASE, model_type="llama", vocab_size=200)), 8)
+    assert terms.flash_head_credit(small) == 0.0
+    flash = _model(dict(BASE, model_type="llama")).charges.walk
+    sdpa = _model(dict(BASE, model_type="llama"), attn="sdpa").charges.walk
+    assert flash.head_transient == sdpa.head_transient - 2 * 128
+
+
+def test_gemma3_carries_no_factor_under_flash_only():
+    cfg = dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
+               tie_word_embeddings=True)
+    assert _model(cfg).bound_scale == 1.0
+    assert _model(cfg, attn="sdpa").bound_scale == FITTED_FAMILIES["gemma3_text"] > 1.0
+
+
+@pytest.mark.parametrize("attn", ["flash"])
+def test_committed_flash_traces_are_never_under(attn):
+    recs = [json.loads(line) for line in TRACES.read_text().splitlines()]
+    recs = [r for r in recs if r["attn"] == attn]
+    assert len(recs) >= 40
+    for rec in recs:
+        assert price_record(rec).raw_bytes >= rec["peak_bytes"], rec["class"]
+
+
+def test_flash_basis_follows_the_held_out_classes():
+    llama = dict(BASE, model_type="llama")
+    assert _model(llama, ckpt=False).basis == "evidence"
+    assert _model(llama, ckpt=False, fsdp=1).basis == "evidence"
+    assert _model(llama, ckpt=True, fsdp=4).basis == "evidence"
+    on = _model(dict(BASE, model_type="qwen3"), ckpt=True)
+    assert on.basis == "conservative" and any("checkpointing on" in r for r in on.gaps)
+    fsdp1 = _model(dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
+                        tie_word_embeddings=True), fsdp=1)
+    assert fsdp1.basis == "conservative" and any("FSDP1" in r for r in fsdp1.gaps)
+    moe = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+    assert any("no flash trace" in r for r in _model(moe).gaps)
