@@ -84,6 +84,15 @@ _FLASH_OVER = ("flash_attention_2 traced on the CPU (transformers' flash path, f
                "kernels by their allocation model; sets 10-11): never under, but up to {} above "
                "the traces with a median above 3% (flash's 128 accumulator rows a sequence are "
                "charged at every point of a layer, where they live at its attention's backward only)")
+# veRL's FSDP options no trace covers, each priced by a bound (docs/memory-model.md#fsdp-verl-options)
+PADDED_GAP = ("veRL use_remove_padding=False: padded [B, S] rows with an attention mask, every "
+              "sequence priced at the step's longest (a wave runs B x its longest); packed rows "
+              "traced only")
+ENTROPY_CHECKPOINTING_GAP = ("veRL entropy_checkpointing: the entropy recomputed in the head's "
+                             "backward, priced as kept (its saved tensors beside their gradients, "
+                             "the head's backward point); no trace")
+LIGER_GAP = ("veRL use_liger: Liger's Triton RMSNorm, SwiGLU and RoPE priced as transformers' "
+             "modules, which keep more (fp32 norm copies, SiLU output); no trace")
 FLASH_GAPS: dict[str, str] = {mt: _FLASH_OVER.format(over) for mt, over in (
     ("llama", "7%"), ("qwen2", "4%"), ("qwen3", "5%"), ("mistral", "6%"), ("gemma2", "4%"),
     ("gemma3", "11%"), ("gemma3_text", "11%"), ("phi3", "9%"))}
@@ -162,6 +171,12 @@ class FsdpPricingModel(PricingModel):
         head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=verl_head.gpu_dtypes(self.table))
         if head_gap:
             gaps.append(head_gap)
+        if not self.fsdp_layout.remove_padding:
+            gaps.append(PADDED_GAP)
+        if self.fsdp_layout.entropy_checkpointing and self.fsdp_layout.head != "transformers":
+            gaps.append(ENTROPY_CHECKPOINTING_GAP)
+        if self.fsdp_layout.liger:
+            gaps.append(LIGER_GAP)
         coverage = Coverage(parallel=self.parallel, credit=self.parallel,
                             gaps=tuple(Gap(GapKind.FSDP, g) for g in gaps))
         object.__setattr__(self, "coverage", coverage)
@@ -428,7 +443,8 @@ def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: in
 def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpointing: bool = True,
                      reshard_after_forward: bool = True, lora=None, backend: str = "torch-cpu",
                      safety: float | None = None, attn_rows: int = 0, ulysses: int = 1,
-                     head: str = "transformers") -> FsdpPricingModel:
+                     head: str = "transformers", remove_padding: bool = True,
+                     entropy_checkpointing: bool = False, liger: bool = False) -> FsdpPricingModel:
     """An `FsdpPricingModel` from its parts (the `PricingModel.build` of the fsdp framework)."""
     from ..coefficients import load_table
     from ..lora import LoraConfig
@@ -436,7 +452,9 @@ def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpoint
     from ..parallel import Recompute
 
     layout = FsdpLayout(fsdp=fsdp, attn=attn, checkpointing=checkpointing,
-                        reshard_after_forward=reshard_after_forward, ulysses=ulysses, head=head)
+                        reshard_after_forward=reshard_after_forward, ulysses=ulysses, head=head,
+                        remove_padding=remove_padding, entropy_checkpointing=entropy_checkpointing,
+                        liger=liger)
     return FsdpPricingModel(
         geometry=geometry, parallel=ParallelLayout(), lora=lora or LoraConfig(),
         recompute=Recompute(mode="full" if checkpointing else "none"), table=load_table(backend),
@@ -456,14 +474,32 @@ def unshared_step(step):
                                for r in step.requests])
 
 
+def padded_step(step):
+    """`step` as veRL's padded rows run it (`use_remove_padding=False`): a micro-batch of B
+    sequences is a [B, L] batch, L its longest, so every request is priced at the step's
+    longest, a bound on any wave's B x L rows (and on its B x L^2 mask and score rows, priced
+    at the wave's rows squared). Requests keep their order, ids, slots and grad flags. O(n).
+    Docs: docs/memory-model.md#fsdp-verl-options."""
+    from ..step import Request, Step
+
+    longest = max(int(r.num_tokens) for r in step.requests)
+    if all(int(r.num_tokens) == longest for r in step.requests):
+        return step
+    return Step.from_requests([Request(id=r.id, num_tokens=longest, slot=r.slot, grad=r.grad)
+                               for r in step.requests])
+
+
 def for_step(model, step, budget_bytes: float | None = None):
-    """The model and step one FSDP step is priced with: the step unshared (`unshared_step`) and,
+    """The model and step one FSDP step is priced with: the step unshared (`unshared_step`),
+    padded (`padded_step`) under veRL's `use_remove_padding=False`, and,
     for sdpa/eager, the S x S terms priced at the largest forward call: the whole step's rows
     (one wave, `waveplan price`), or the largest the budget admits (`attn_rows_bound`). A
     Megatron model and its step are returned as they are. O(n)."""
     if not isinstance(model, FsdpPricingModel):
         return model, step
     step = unshared_step(step)
+    if not model.fsdp_layout.remove_padding:
+        step = padded_step(step)
     total = int(sum(r.num_tokens for r in step.requests))
     if model.fsdp_layout.attn != "flash":
         rows = total if budget_bytes is None else attn_rows_bound(model, budget_bytes, total)

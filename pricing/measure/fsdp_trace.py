@@ -22,8 +22,8 @@ FSDP all-gather output storages, which FSDP2 grows and frees with `UntypedStorag
 attn "flash" runs transformers' flash_attention_2 path: on the CPU (and on CUDA without
 flash-attn) with `hf_flash`'s stand-in for flash-attn 2's kernels, an allocation model read from
 its source (what `mha_varlen_fwd` saves, what `mha_varlen_bwd` allocates; values computed
-uncounted); on CUDA with flash-attn installed, the real kernels. A flash wave is called with
-`use_cache=False`, as veRL's actor calls it (docs/memory-model.md#fsdp-attention).
+uncounted); on CUDA with flash-attn installed, the real kernels. Every wave is called with
+`use_cache=False`, as veRL's FSDP actor and TRL call it (docs/memory-model.md#fsdp-attention).
 """
 
 from __future__ import annotations
@@ -307,11 +307,12 @@ def trace_rank(spec: dict) -> list[dict]:
     dev = spec["device"]
 
     flash = spec["attn"] == "flash"
-    extra = {"use_cache": False} if flash else {}
 
     def run(lens, phase=None):
         ids, pos, labels = wave_inputs(lens, vocab, dev)
-        out = model(input_ids=ids, position_ids=pos, labels=labels, **extra)
+        # no KV cache, as trainers call it (veRL's FSDP actor, TRL): transformers otherwise keeps
+        # every layer's key and value in a DynamicCache to the end of the forward
+        out = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
         loss = out.loss
         del out
         if phase is not None:
