@@ -119,7 +119,7 @@ def main() -> None:
     rec = recs[args.wave]
     spec = {"config": rec["config"], "attn": rec["attn"], "checkpointing": rec["checkpointing"],
             "lora_rank": rec["lora_rank"], "reshard_after_forward": rec.get("reshard_after_forward", True),
-            "device": "cpu", "fsdp": rec["fsdp"], "jobs": [rec["seq_lens"]]}
+            "device": "cpu", "fsdp": rec["fsdp"], "jobs": [rec["seq_lens"]], "timeout_s": 1800.0}
     per_rank = spawn(spec, rec["fsdp"], 1800.0, entry=f"{Path(__file__).stem}:rank")
     busiest = max((r[0] for r in per_rank), key=lambda r: r["peak"])
     print(f"{args.cls} {rec['seq_lens']}: peak {busiest['peak']} (committed trace {rec['peak_bytes']}) "

@@ -310,8 +310,9 @@ def trace_rank(spec: dict) -> list[dict]:
 
     def run(lens, phase=None):
         ids, pos, labels = wave_inputs(lens, vocab, dev)
-        # no KV cache, as trainers call it (veRL's FSDP actor, TRL): transformers otherwise keeps
-        # every layer's key and value in a DynamicCache to the end of the forward
+        # no KV cache, as trainers call it (veRL's FSDP actor, TRL): with one, transformers keeps
+        # every layer's key and value to the forward's end, and `create_causal_mask` skips its
+        # packed-sequence detection (sdpa/eager then ran plain causal attention over the row)
         out = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
         loss = out.loss
         del out
