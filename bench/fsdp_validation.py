@@ -14,11 +14,13 @@ layers, vocabulary 1536, rank 16) was traced after the terms and factors were fi
 reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing. Set 6
 holds out the MoE layers' split attention and MLP points (#fsdp-moe-points): new shapes traced
 after that pricing was written; set 7 holds out the final MoE pricing (its backward-layer steps
-came after set 6 was traced).
+came after set 6 was traced). Set 20 holds out the sdpa terms of packed rows without
+checkpointing, traced without transformers' KV cache (bench/results/fsdp_validation.txt lists
+the cells of earlier sets re-traced without it).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5|6|7] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5|6|7|10|11|12|20] [--classes N]
 """
 
 from __future__ import annotations
@@ -162,6 +164,19 @@ WAVES11 = [(640, 320, 192, 96), (896,)]
 LORA_RANK11 = 16
 SETS[11] = (FAMILIES11, WAVES11, LORA_RANK11)
 SETS[12] = (FAMILIES4, WAVES4, LORA_RANK4)
+# set 20 (fsdpdense): sdpa without checkpointing on packed rows of several sequences, traced
+# without transformers' KV cache after its terms were written (the repeated key and value kept,
+# the bool mask at the decoder's forward only): new shapes, GQA 7:1 and 3:1, held out
+_BASE20 = dict(hidden_size=224, intermediate_size=608, num_hidden_layers=2, num_attention_heads=7,
+               num_key_value_heads=1, head_dim=32, vocab_size=1536, tie_word_embeddings=False)
+FAMILIES20 = {
+    "llama": dict(_BASE20, model_type="llama"),
+    "qwen2": dict(_BASE20, model_type="qwen2", num_attention_heads=6, num_key_value_heads=2,
+                  intermediate_size=576),
+}
+WAVES20 = [(176, 112, 48, 24)]
+LORA_RANK20 = 8
+SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
 FSDPFLASH_CLASSES = {
     10: [("llama", True, "flash", 2), ("llama", False, "flash", 2), ("qwen3", True, "flash", 2),
          ("qwen3", False, "flash", 2), ("gemma2", True, "flash", 2), ("gemma2", False, "flash", 2),
@@ -173,6 +188,7 @@ FSDPFLASH_CLASSES = {
          ("llama", True, "flash", 1), ("qwen3", True, "flash", 4), ("phi3", False, "flash", 2)],
     12: [("phi3", True, "sdpa", 4), ("gemma2", False, "sdpa", 4), ("gemma3_text", True, "eager", 4),
          ("phi3", False, "eager", 4)],
+    20: [("llama", False, "sdpa", 2), ("qwen2", False, "sdpa", 4)],
 }
 
 
@@ -263,7 +279,8 @@ def table() -> str:
                         ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:")),
                         ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
                         ("set 11 (flash: held out)", lambda c: c.startswith("set11:")),
-                        ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:"))):
+                        ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
+                        ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -289,7 +306,8 @@ def scatter() -> None:
                                   ("set 7 (MoE final: held out)", "set7:", "X"),
                                   ("set 10 (flash: tuned on)", "set10:", "<"),
                                   ("set 11 (flash: held out)", "set11:", ">"),
-                                  ("set 12 (dense FSDP4: held out)", "set12:", "x")):
+                                  ("set 12 (dense FSDP4: held out)", "set12:", "x"),
+                                  ("set 20 (sdpa masked, no cache: held out)", "set20:", "*")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)
