@@ -136,6 +136,22 @@ def test_live_packed_sdpa_trace_without_checkpointing_holds_its_masks_and_is_pri
         assert price_record(trace.to_dict()).raw_bytes >= trace.peak_bytes
 
 
+def test_live_padded_rows_are_traced_and_priced_above():
+    """veRL's `use_remove_padding=False`: the wave as [B, longest] rows with an attention mask
+    (`padded_inputs`), priced with every sequence at the step's longest
+    (docs/memory-model.md#fsdp-verl-options)."""
+    from waveplan.pricing.measure.fsdp_trace import padded_inputs, trace_fsdp
+
+    ids, mask, pos, labels = padded_inputs([5, 3], 512, "cpu")
+    assert ids.shape == mask.shape == pos.shape == (2, 5) and mask.sum() == 8
+    assert pos[1].tolist() == [0, 1, 2, 0, 0] and labels[1, 3:].tolist() == [-100, -100]
+    trace = trace_fsdp(SMALL, jobs=[(120, 40)], fsdp=1, attn="sdpa", checkpointing=False,
+                       lora_rank=4, remove_padding=False)[0]
+    record = trace.to_dict()
+    assert record["remove_padding"] is False and trace.peak_bytes > 0
+    assert price_record(record).raw_bytes >= trace.peak_bytes
+
+
 def test_report_replays_the_fsdp_plan(tmp_path, capsys):
     """A report of an fsdp plan rebuilds the same model (framework, layout, family) on replay."""
     path = tmp_path / "report.json"
