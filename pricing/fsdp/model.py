@@ -255,7 +255,8 @@ class FsdpPricingModel(PricingModel):
         # sdpa with a packed-row mask on one rank: the key and value repeated per query head are
         # kept (`terms.sdpa_masked_retained_per_row`); Ulysses' all-to-all terms are its own
         sdpa_masked = lay.attn == "sdpa" and masked and sp == 1
-        repeats = terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt) if sdpa_masked else 0.0
+        repeats = (terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt, moe=g.moe is not None)
+                   if sdpa_masked else 0.0)
         retained = np.full(n, scale * (terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                     attn=lay.attn)
                                        + (0.0 if ckpt else add.retained) + repeats)
@@ -291,7 +292,8 @@ class FsdpPricingModel(PricingModel):
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
-        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt):
+        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt,
+                                                            moe=moe):
             # the mask at the decoder's forward points only (`terms.sdpa_mask_held_to_backward`)
             once -= held * s
             nograd += held * s
