@@ -4,7 +4,8 @@ bench/fsdp_validation.py traced as `fsdp_trace` traces it (same model build, war
 inputs, `use_cache=False`), with the live-storage tracker labelling every storage (pass, module,
 aten op, shape, dtype; `live_anatomy`) and FSDP2's all-gather outputs polled by size. Prints
 the busiest rank's peak, where it fell, and what was live there, largest first; with
-`--json PATH` writes them.
+`--json PATH` writes them (bench/results/fsdp_dense_anatomy.txt: its output for set 1's
+llama/nockpt/sdpa/fsdp2, 160 + 96 + 64 tokens).
 
     TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_dense_anatomy.py CLASS [WAVE_INDEX] [--json PATH]
 
