@@ -14,11 +14,14 @@ layers, vocabulary 1536, rank 16) was traced after the terms and factors were fi
 reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing. Set 6
 holds out the MoE layers' split attention and MLP points (#fsdp-moe-points): new shapes traced
 after that pricing was written; set 7 holds out the final MoE pricing (its backward-layer steps
-came after set 6 was traced).
+came after set 6 was traced). Set 20 holds out the sdpa terms of packed rows without
+checkpointing, traced without transformers' KV cache (bench/results/fsdp_validation.txt lists
+the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
+(`use_remove_padding=False`), priced by a bound (every sequence at the step's longest).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5|6|7] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5|6|7|10|11|12|20|21] [--classes N]
 """
 
 from __future__ import annotations
@@ -181,6 +184,23 @@ FAMILIES15 = {
 WAVES15 = [(448, 256, 160, 64, 32), (704,)]
 LORA_RANK15 = 12
 SETS[15] = (FAMILIES15, WAVES15, LORA_RANK15)
+# set 20 (fsdpdense): sdpa without checkpointing on packed rows of several sequences, traced
+# without transformers' KV cache after its terms were written (the repeated key and value kept,
+# the bool mask at the decoder's forward only): new shapes, GQA 7:1 and 3:1, held out
+_BASE20 = dict(hidden_size=224, intermediate_size=608, num_hidden_layers=2, num_attention_heads=7,
+               num_key_value_heads=1, head_dim=32, vocab_size=1536, tie_word_embeddings=False)
+FAMILIES20 = {
+    "llama": dict(_BASE20, model_type="llama"),
+    "qwen2": dict(_BASE20, model_type="qwen2", num_attention_heads=6, num_key_value_heads=2,
+                  intermediate_size=576),
+}
+WAVES20 = [(176, 112, 48, 24)]
+LORA_RANK20 = 8
+SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
+# set 21 (fsdpdense): veRL's padded rows (use_remove_padding=False: [B, longest] with an attention
+# mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
+SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
+PADDED_SETS = frozenset({21})
 FSDPFLASH_CLASSES = {
     15: [("qwen2", True, "flash", 1), ("llama", False, "flash", 1), ("phi3", True, "flash", 2),
          ("gemma3_text", True, "flash", 2), ("qwen3", True, "flash", 2), ("gemma2", False, "flash", 2),
@@ -196,6 +216,8 @@ FSDPFLASH_CLASSES = {
          ("llama", True, "flash", 1), ("qwen3", True, "flash", 4), ("phi3", False, "flash", 2)],
     12: [("phi3", True, "sdpa", 4), ("gemma2", False, "sdpa", 4), ("gemma3_text", True, "eager", 4),
          ("phi3", False, "eager", 4)],
+    20: [("llama", False, "sdpa", 2), ("qwen2", False, "sdpa", 4)],
+    21: [("llama", False, "sdpa", 2), ("qwen3", True, "eager", 2)],
 }
 
 
@@ -236,7 +258,7 @@ def classes(which: int = 1):
 
 def key(fam, ckpt, attn, fsdp, which: int = 1):
     return (f"{f'set{which}:' if which > 1 else ''}{fam}/{'ckpt' if ckpt else 'nockpt'}/{attn}/fsdp{fsdp}"
-            + ("/noreshard" if which == 5 else ""))
+            + ("/noreshard" if which == 5 else "") + ("/padded" if which in PADDED_SETS else ""))
 
 
 def run_traces(limit: int | None, device: str, which: int) -> None:
@@ -251,7 +273,8 @@ def run_traces(limit: int | None, device: str, which: int) -> None:
     for fam, ckpt, attn, fsdp in todo:
         name = key(fam, ckpt, attn, fsdp, which)
         traces = trace_fsdp(families[fam], jobs=waves, fsdp=fsdp, attn=attn, checkpointing=ckpt,
-                            lora_rank=rank, device=device, reshard_after_forward=which != 5)
+                            lora_rank=rank, device=device, reshard_after_forward=which != 5,
+                            remove_padding=which not in PADDED_SETS)
         with TRACES.open("a", encoding="utf-8") as fh:
             for t in traces:
                 fh.write(json.dumps(dict(t.to_dict(), family=fam, **{"class": name}),
@@ -287,7 +310,9 @@ def table() -> str:
                         ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
                         ("set 11 (flash: held out, then tuned on)", lambda c: c.startswith("set11:")),
                         ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
-                        ("set 15 (flash final: held out)", lambda c: c.startswith("set15:"))):
+                        ("set 15 (flash final: held out)", lambda c: c.startswith("set15:")),
+                        ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:")),
+                        ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -314,7 +339,9 @@ def scatter() -> None:
                                   ("set 10 (flash: tuned on)", "set10:", "<"),
                                   ("set 11 (flash: held out, then tuned on)", "set11:", ">"),
                                   ("set 12 (dense FSDP4: held out)", "set12:", "x"),
-                                  ("set 15 (flash final: held out)", "set15:", "*")):
+                                  ("set 15 (flash final: held out)", "set15:", "*"),
+                                  ("set 20 (sdpa masked, no cache: held out)", "set20:", "p"),
+                                  ("set 21 (padded rows: a bound)", "set21:", "d")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

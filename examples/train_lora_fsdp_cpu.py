@@ -60,7 +60,7 @@ def rank_main(rank: int, args: dict) -> None:
     # FSDP2's lazy initialisation (its all-gather storages, made once and then resized) happens
     # in the first forward: one warm-up wave, unmeasured, brings the rank to rest
     ids, pos, labels = ft.wave_inputs([32], CONFIG["vocab_size"], "cpu")
-    model(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
+    model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
     opt.zero_grad(set_to_none=True)
     del ids, pos, labels
     rng = np.random.default_rng(100 + rank)
@@ -83,7 +83,7 @@ def rank_main(rank: int, args: dict) -> None:
                 tracker.reset_peak()
                 base = tracker.peak
                 ids, pos, labels = ft.wave_inputs(lens, CONFIG["vocab_size"], "cpu")
-                loss = model(input_ids=ids, position_ids=pos, labels=labels).loss
+                loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
                 loss.backward()
                 del loss, ids, pos, labels
             peak = tracker.peak - base

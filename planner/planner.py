@@ -201,9 +201,11 @@ class Planner:
               sequence_parallel: bool, recompute, lora: LoraConfig, backend: str, safety: float,
               profiles_path, fsdp: int, attn: str, reshard_after_forward: bool,
               ulysses: int, misses_path: str | os.PathLike | None = None,
-              head: str = DEFAULT_HEAD) -> Planner:
+              head: str = DEFAULT_HEAD, remove_padding: bool = True,
+              entropy_checkpointing: bool = False, liger: bool = False) -> Planner:
         """A planner for the fsdp framework (`pricing.fsdp.build_fsdp_model`); `head` the loss
-        (`pricing.fsdp.verl_head.fsdp_head`: Megatron's default means transformers')."""
+        (`pricing.fsdp.verl_head.fsdp_head`: Megatron's default means transformers'); veRL's
+        `use_remove_padding`, `entropy_checkpointing` and `use_liger` as `pricing.fsdp.FsdpLayout`."""
         from waveplan.pricing.fsdp.verl_head import fsdp_head
 
         if framework not in FRAMEWORKS:
@@ -218,7 +220,8 @@ class Planner:
         model = build_fsdp_model(geometry, fsdp=fsdp, attn=attn, checkpointing=mode == "full",
                                  reshard_after_forward=reshard_after_forward, lora=lora,
                                  backend=backend, safety=safety, ulysses=ulysses,
-                                 head=fsdp_head(head),
+                                 head=fsdp_head(head), remove_padding=remove_padding,
+                                 entropy_checkpointing=entropy_checkpointing, liger=liger,
                                  attn_rows=0 if attn == "flash" else 65536)
         return cls.from_model(model, profiles_path=profiles_path, misses_path=misses_path)
 
@@ -227,14 +230,16 @@ class Planner:
                       safety: float = DEFAULT_SAFETY, fsdp: int | None = None, ulysses: int = 1,
                       head: str = DEFAULT_HEAD,
                       profiles_path: str | os.PathLike | None = None,
-                      misses_path: str | os.PathLike | None = None) -> Planner:
+                      misses_path: str | os.PathLike | None = None, remove_padding: bool = True,
+                      entropy_checkpointing: bool = False, liger: bool = False) -> Planner:
         """A planner for a live Hugging Face transformers model under FSDP2 (framework "fsdp"):
         PEFT-wrapped, possibly `fully_shard`ed. Geometry from its config, LoRA slots and ranks
         from its PEFT adapters, attention from `config._attn_implementation`, checkpointing from
         `is_gradient_checkpointing`, the shard group from its sharded parameters' device mesh
         (`fsdp` overrides it, e.g. before sharding) (`pricing.fsdp.live.read_live_model`);
         `ulysses`: veRL's Ulysses sequence parallel size, `head` the loss (transformers, verl,
-        verl-chunked, verl-fused): a live model carries neither."""
+        verl-chunked, verl-fused): a live model carries neither; nor does it carry veRL's
+        `use_remove_padding`, `entropy_checkpointing` and `use_liger` (`pricing.fsdp.FsdpLayout`)."""
         from waveplan.pricing.fsdp.live import read_live_model
 
         live = read_live_model(model)
@@ -244,7 +249,8 @@ class Planner:
                          backend=backend, safety=safety, profiles_path=profiles_path,
                          fsdp=live["fsdp"] if fsdp is None else fsdp, attn=live["attn"],
                          reshard_after_forward=True, ulysses=ulysses, misses_path=misses_path,
-                         head=head)
+                         head=head, remove_padding=remove_padding,
+                         entropy_checkpointing=entropy_checkpointing, liger=liger)
 
     @classmethod
     def from_megatron(cls, model: object, *, backend: str = DEFAULT_BACKEND, head: str = DEFAULT_HEAD,

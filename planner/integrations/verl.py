@@ -112,6 +112,7 @@ def plan_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=None,
     exactly that count. `force_group_size` consecutive sequences stay in one wave (veRL's
     reward-model pairs); a group that would need split children is an `InfeasibleError`.
     O(planning) -- a few milliseconds for typical batches."""
+    _check_padding(batch, planner)
     lengths = sequence_lengths(batch)
     n = int(lengths.size)
     units = _units(n, force_group_size)
@@ -142,6 +143,24 @@ def plan_micro_batches(batch, *, planner: Planner, free_bytes, dp_group=None,
         raise bad(InfeasibleError, "force_group_size", force_group_size,
                   f"wave {split[0]} holds a group that does not fit the budget in one micro-batch")
     return plan
+
+
+def _check_padding(batch, planner: Planner) -> None:
+    """Refuse a batch veRL marks `use_remove_padding=False` (padded [B, S] rows) when the planner
+    prices packed rows: a wave's padded rows are B x its longest, above its tokens, so its price
+    would be under (docs/memory-model.md#fsdp-verl-options). O(1)."""
+    layout = getattr(planner.model, "fsdp_layout", None)
+    if layout is None or not layout.remove_padding:
+        return
+    try:
+        flag = batch["use_remove_padding"]
+    except (KeyError, TypeError, AttributeError):
+        return
+    flag = getattr(flag, "data", flag)   # tensordict's NonTensorData
+    if flag is False or (not isinstance(flag, bool) and hasattr(flag, "item") and not flag.item()):
+        raise bad(ConfigError, "use_remove_padding", False,
+                  "the batch runs padded rows but the planner prices packed ones: build it with "
+                  "remove_padding=False (install(..., remove_padding=False))")
 
 
 def observe_micro_batches(planner: Planner, plan: Plan, peak_bytes) -> tuple[WaveObservation | None, ...]:
@@ -298,7 +317,8 @@ _DRIVER = "verl.trainer.ppo.ray_trainer"
 def install(planner: Planner | object, free_bytes: object | Callable[[], object], *,
             model_parallel_group=None, group=None, grad: bool = True,
             time_budget_ms: float | None = None, balance_dp: bool = False,
-            fsdp: int | None = None) -> Installed:
+            fsdp: int | None = None, remove_padding: bool = True,
+            entropy_checkpointing: bool = False, liger: bool = False) -> Installed:
     """Make veRL's engine plan its dynamic micro-batches with `planner`: replaces
     `rearrange_micro_batches` in `verl.utils.seqlen_balancing` (used by
     `prepare_dynamic_batch`) and in `verl.workers.engine.utils` (used by the engine's
@@ -316,7 +336,11 @@ def install(planner: Planner | object, free_bytes: object | Callable[[], object]
     (strategy fsdp or fsdp2) `planner` may be the worker's live transformers model itself
     (PEFT-wrapped, `fully_shard`ed or not): the planner is then
     `Planner.from_hf_model(model, fsdp=fsdp)` (framework "fsdp"; `fsdp`: the shard group size
-    when the model is not sharded yet)."""
+    when the model is not sharded yet; `remove_padding`, `entropy_checkpointing`, `liger`: the
+    actor's `use_remove_padding`, `entropy_checkpointing` and `use_liger`, which the model does
+    not carry, docs/memory-model.md#fsdp-verl-options). A micro-batch veRL marks
+    `use_remove_padding=False` is refused by a planner that prices packed rows (its padded rows
+    would be priced under)."""
     import importlib
     import sys
 
@@ -324,7 +348,8 @@ def install(planner: Planner | object, free_bytes: object | Callable[[], object]
 
     if not isinstance(planner, Planner):
         # veRL's FSDP engine (strategies fsdp, fsdp2): the worker's live transformers model
-        planner = Planner.from_hf_model(planner, fsdp=fsdp)
+        planner = Planner.from_hf_model(planner, fsdp=fsdp, remove_padding=remove_padding,
+                                        entropy_checkpointing=entropy_checkpointing, liger=liger)
     handle = Installed(planner=planner, free_bytes=free_bytes,
                        options=dict(model_parallel_group=model_parallel_group, group=group,
                                     grad=grad, time_budget_ms=time_budget_ms))

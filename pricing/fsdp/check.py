@@ -23,6 +23,7 @@ def price_record(record: dict, *, backend: str = "torch-cpu", table=None) -> Bre
                              reshard_after_forward=bool(record.get("reshard_after_forward", True)),
                              ulysses=int(record.get("ulysses", 1)),
                              head=record.get("head", "transformers"),
+                             remove_padding=bool(record.get("remove_padding", True)),
                              lora=LoraConfig(slots=(LoraSlot(rank=int(record["lora_rank"])),)),
                              backend=backend, attn_rows=1)
     if table is not None:

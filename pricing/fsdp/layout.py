@@ -34,6 +34,16 @@ class FsdpLayout:
     head: str = "transformers"
     """The loss: transformers' ForCausalLMLoss ("transformers") or veRL's FSDP actor's log-probs
     and entropy ("verl", "verl-chunked", "verl-fused"; docs/memory-model.md#fsdp-verl-head)."""
+    remove_padding: bool = True
+    """veRL's `use_remove_padding`: True, a micro-batch's sequences packed in one row; False,
+    padded [B, S] rows with an attention mask, priced with every sequence at the step's longest
+    (`fsdp.model.padded_step`; docs/memory-model.md#fsdp-verl-options)."""
+    entropy_checkpointing: bool = False
+    """veRL's `entropy_checkpointing` (the veRL heads' entropy under `torch.utils.checkpoint`):
+    priced as without it, a bound (docs/memory-model.md#fsdp-verl-options)."""
+    liger: bool = False
+    """veRL's `use_liger` (Liger's Triton RMSNorm, SwiGLU and RoPE in place of transformers'):
+    priced as transformers' own modules, a bound (docs/memory-model.md#fsdp-verl-options)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or not 1 <= self.fsdp <= 1 << 16:
@@ -51,15 +61,25 @@ class FsdpLayout:
             raise bad(ConfigError, "head", self.head, f"under FSDP one of {', '.join(FSDP_HEADS)}")
         if isinstance(self.ulysses, bool) or not isinstance(self.ulysses, int) or self.ulysses < 1:
             raise bad(ConfigError, "ulysses", self.ulysses, "must be a positive integer")
+        for name in ("remove_padding", "entropy_checkpointing", "liger"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(ConfigError, name, getattr(self, name), "must be true or false")
+        if not self.remove_padding and self.ulysses > 1:
+            # veRL's FSDP engine refuses it too (`ulysses_sequence_parallel_size > 1` needs it)
+            raise bad(ConfigError, "remove_padding", False, "Ulysses needs packed rows (remove_padding)")
 
     def to_dict(self) -> dict:
         return {"fsdp": self.fsdp, "attn": self.attn, "checkpointing": self.checkpointing,
                 "reshard_after_forward": self.reshard_after_forward, "ulysses": self.ulysses,
-                **({"head": self.head} if self.head != "transformers" else {})}
+                **({"head": self.head} if self.head != "transformers" else {}),
+                **({"remove_padding": False} if not self.remove_padding else {}),
+                **({"entropy_checkpointing": True} if self.entropy_checkpointing else {}),
+                **({"liger": True} if self.liger else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> FsdpLayout:
-        known = {"fsdp", "attn", "checkpointing", "reshard_after_forward", "ulysses", "head"}
+        known = {"fsdp", "attn", "checkpointing", "reshard_after_forward", "ulysses", "head",
+                 "remove_padding", "entropy_checkpointing", "liger"}
         for key in data:
             if key not in known:
                 raise bad(ConfigError, f"fsdp.{key}", data[key], f"unknown field; known: {sorted(known)}")

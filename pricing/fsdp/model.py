@@ -99,6 +99,15 @@ FLASH_GAPS: dict[str, str] = {mt: _FLASH_OVER.format(over, "{}") for mt, over in
 FLASH_FSDP1_CKPT = ("flash_attention_2 with checkpointing at FSDP1: up to 6% above its CPU traces, "
                     "median above 3% (a shard group of one: a layer's own gradient, not made until "
                     "its reduce-scatter, is charged whole at its backward points)")
+# veRL's FSDP options no trace covers, each priced by a bound (docs/memory-model.md#fsdp-verl-options)
+PADDED_GAP = ("veRL use_remove_padding=False: padded [B, S] rows with an attention mask, every "
+              "sequence priced at the step's longest (a wave runs B x its longest); packed rows "
+              "traced only")
+ENTROPY_CHECKPOINTING_GAP = ("veRL entropy_checkpointing: the entropy recomputed in the head's "
+                             "backward, priced as kept (its saved tensors beside their gradients, "
+                             "the head's backward point); no trace")
+LIGER_GAP = ("veRL use_liger: Liger's Triton RMSNorm, SwiGLU and RoPE priced as transformers' "
+             "modules, which keep more (fp32 norm copies, SiLU output); no trace")
 
 
 def flash_gap(mt: str, checkpointing: bool, fsdp: int) -> str:
@@ -188,6 +197,12 @@ class FsdpPricingModel(PricingModel):
         head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=verl_head.gpu_dtypes(self.table))
         if head_gap:
             gaps.append(head_gap)
+        if not self.fsdp_layout.remove_padding:
+            gaps.append(PADDED_GAP)
+        if self.fsdp_layout.entropy_checkpointing and self.fsdp_layout.head != "transformers":
+            gaps.append(ENTROPY_CHECKPOINTING_GAP)
+        if self.fsdp_layout.liger:
+            gaps.append(LIGER_GAP)
         coverage = Coverage(parallel=self.parallel, credit=self.parallel,
                             gaps=tuple(Gap(GapKind.FSDP, g) for g in gaps))
         object.__setattr__(self, "coverage", coverage)
@@ -264,9 +279,14 @@ class FsdpPricingModel(PricingModel):
         held *= add.masks
         kept_q += fa * add.kept_q
         point_q_att = point_q + fa * add.point_q
+        # sdpa with a packed-row mask on one rank: the key and value repeated per query head are
+        # kept (`terms.sdpa_masked_retained_per_row`); Ulysses' all-to-all terms are its own
+        sdpa_masked = lay.attn == "sdpa" and masked and sp == 1
+        repeats = (terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt, moe=g.moe is not None)
+                   if sdpa_masked else 0.0)
         retained = np.full(n, scale * (terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                     attn=lay.attn)
-                                       + (0.0 if ckpt else add.retained))
+                                       + (0.0 if ckpt else add.retained) + repeats)
                            + kept_q * s)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
@@ -302,6 +322,13 @@ class FsdpPricingModel(PricingModel):
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
+        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt,
+                                                            moe=moe):
+            # the mask at the decoder's forward points only (`terms.sdpa_mask_held_to_backward`)
+            once -= held * s
+            nograd += held * s
+            if moe:
+                mlp_points[MLP_NOGRAD] += held * s
         retained[0] += once
         nograd[0] += once
         if split:
@@ -487,7 +514,8 @@ def attn_rows_bound(model: FsdpPricingModel, budget_bytes: float, total_rows: in
 def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpointing: bool = True,
                      reshard_after_forward: bool = True, lora=None, backend: str = "torch-cpu",
                      safety: float | None = None, attn_rows: int = 0, ulysses: int = 1,
-                     head: str = "transformers") -> FsdpPricingModel:
+                     head: str = "transformers", remove_padding: bool = True,
+                     entropy_checkpointing: bool = False, liger: bool = False) -> FsdpPricingModel:
     """An `FsdpPricingModel` from its parts (the `PricingModel.build` of the fsdp framework)."""
     from ..coefficients import load_table
     from ..lora import LoraConfig
@@ -495,7 +523,9 @@ def build_fsdp_model(geometry, *, fsdp: int = 1, attn: str = "flash", checkpoint
     from ..parallel import Recompute
 
     layout = FsdpLayout(fsdp=fsdp, attn=attn, checkpointing=checkpointing,
-                        reshard_after_forward=reshard_after_forward, ulysses=ulysses, head=head)
+                        reshard_after_forward=reshard_after_forward, ulysses=ulysses, head=head,
+                        remove_padding=remove_padding, entropy_checkpointing=entropy_checkpointing,
+                        liger=liger)
     return FsdpPricingModel(
         geometry=geometry, parallel=ParallelLayout(), lora=lora or LoraConfig(),
         recompute=Recompute(mode="full" if checkpointing else "none"), table=load_table(backend),
@@ -515,14 +545,32 @@ def unshared_step(step):
                                for r in step.requests])
 
 
+def padded_step(step):
+    """`step` as veRL's padded rows run it (`use_remove_padding=False`): a micro-batch of B
+    sequences is a [B, L] batch, L its longest, so every request is priced at the step's
+    longest, a bound on any wave's B x L rows (and on its B x L^2 mask and score rows, priced
+    at the wave's rows squared). Requests keep their order, ids, slots and grad flags. O(n).
+    Docs: docs/memory-model.md#fsdp-verl-options."""
+    from ..step import Request, Step
+
+    longest = max(int(r.num_tokens) for r in step.requests)
+    if all(int(r.num_tokens) == longest for r in step.requests):
+        return step
+    return Step.from_requests([Request(id=r.id, num_tokens=longest, slot=r.slot, grad=r.grad)
+                               for r in step.requests])
+
+
 def for_step(model, step, budget_bytes: float | None = None):
-    """The model and step one FSDP step is priced with: the step unshared (`unshared_step`) and,
+    """The model and step one FSDP step is priced with: the step unshared (`unshared_step`),
+    padded (`padded_step`) under veRL's `use_remove_padding=False`, and,
     for sdpa/eager, the S x S terms priced at the largest forward call: the whole step's rows
     (one wave, `waveplan price`), or the largest the budget admits (`attn_rows_bound`). A
     Megatron model and its step are returned as they are. O(n)."""
     if not isinstance(model, FsdpPricingModel):
         return model, step
     step = unshared_step(step)
+    if not model.fsdp_layout.remove_padding:
+        step = padded_step(step)
     total = int(sum(r.num_tokens for r in step.requests))
     if model.fsdp_layout.attn != "flash":
         rows = total if budget_bytes is None else attn_rows_bound(model, budget_bytes, total)

@@ -254,6 +254,33 @@ def attention_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> tuple[f
     return 0.0, 0.0, 0.0
 
 
+def sdpa_masked_retained_per_row(w: Widths, *, checkpointing: bool, moe: bool = False) -> float:
+    """What a layer keeps per row beyond `layer_retained_per_row` when transformers' sdpa runs
+    with a packed-row mask, without checkpointing (#fsdp-attention): with a mask transformers
+    hands the kernel no GQA (`use_gqa_in_sdpa`) but repeats the key and value to every query
+    head (`repeat_kv`), and the kernel keeps the repeats (4Q) in place of the rotated key and
+    the value (4KV). One key/value head repeats as a view (its expand and reshape copy nothing),
+    nor does a model without GQA. With checkpointing the recomputed layer's backward terms hold
+    them. A MoE model (`moe`) is charged the repeats whatever its key/value heads: its corrected
+    trace with one key/value head (bench/fsdp_validation.py set 6, qwen3_moe without
+    checkpointing at FSDP4) priced 0.5% under without them, a shortfall of its MoE block's
+    per-row terms this covers. Docs: docs/memory-model.md#fsdp-attention."""
+    if checkpointing or w.KV >= w.Q or (w.KV <= w.hd and not moe):
+        return 0.0
+    return 4 * w.Q - 4 * w.KV
+
+
+def sdpa_mask_held_to_backward(*, attn: str, checkpointing: bool, moe: bool = False) -> bool:
+    """Whether transformers' packed-row mask lives from the model's forward to its backward
+    (#fsdp-attention): under checkpointing every layer's recompute takes it as an input, and
+    eager's always-built mask is charged so (its traces); without checkpointing sdpa's bool
+    mask dies when the decoder's forward returns (the kernel keeps its own converted copy per
+    layer, `ulysses.kept_mask_per_row`), so it is charged at the layers' forward points only;
+    a MoE model (`moe`) keeps the charge to the backward (its per-row terms run short, as in
+    `sdpa_masked_retained_per_row`). Docs: docs/memory-model.md#fsdp-attention."""
+    return checkpointing or attn != "sdpa" or moe
+
+
 def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> float:
     """Bytes per (row x attention row) the recomputed attention keeps for its backward while
     the layer's MLP recomputes and runs its backward (checkpointing only; without, they are in

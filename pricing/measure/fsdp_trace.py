@@ -22,8 +22,8 @@ FSDP all-gather output storages, which FSDP2 grows and frees with `UntypedStorag
 attn "flash" runs transformers' flash_attention_2 path: on the CPU (and on CUDA without
 flash-attn) with `hf_flash`'s stand-in for flash-attn 2's kernels, an allocation model read from
 its source (what `mha_varlen_fwd` saves, what `mha_varlen_bwd` allocates; values computed
-uncounted); on CUDA with flash-attn installed, the real kernels. A flash wave is called with
-`use_cache=False`, as veRL's actor calls it (docs/memory-model.md#fsdp-attention).
+uncounted); on CUDA with flash-attn installed, the real kernels. Every wave is called with
+`use_cache=False`, as veRL's FSDP actor and TRL call it (docs/memory-model.md#fsdp-attention).
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class FsdpTrace:
     """Each rank's peak above rest during the forward and loss only."""
     notes: tuple[str, ...] = field(default=())
     """What the trace changed or assumed."""
+    remove_padding: bool = True
+    """The wave's sequences packed in one row (True), or padded [B, L] rows with an attention
+    mask as veRL's `use_remove_padding=False` runs them (False)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -93,7 +96,8 @@ class FsdpTrace:
                 "checkpointing": self.checkpointing, "lora_rank": self.lora_rank,
                 "reshard_after_forward": self.reshard_after_forward, "device": self.device,
                 "peak_bytes": self.peak_bytes, "peaks": list(self.peaks), "rest": list(self.rest),
-                "forward_peaks": list(self.forward_peaks), "notes": list(self.notes)}
+                "forward_peaks": list(self.forward_peaks), "notes": list(self.notes),
+                **({"remove_padding": False} if not self.remove_padding else {})}
 
 
 def checked_jobs(jobs, config, attn: str, device: str,
@@ -120,11 +124,12 @@ def checked_jobs(jobs, config, attn: str, device: str,
 def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
                checkpointing: bool = True, lora_rank: int = 8,
                reshard_after_forward: bool = True, device: str = "cpu",
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[FsdpTrace]:
+               timeout_s: float = DEFAULT_TIMEOUT_S, remove_padding: bool = True) -> list[FsdpTrace]:
     """Trace each job's wave on `fsdp` gloo ranks (one process each); one `FsdpTrace` per job.
 
     `config`: a transformers config as a dict with its `model_type` (small widths on the CPU:
-    every tensor is real). O(jobs) waves per rank, one model build."""
+    every tensor is real). `remove_padding=False`: the wave as veRL's padded rows
+    (`padded_inputs`). O(jobs) waves per rank, one model build."""
     jobs = checked_jobs(jobs, config, attn, device, FSDP_TRACE_ATTN)
     if not (isinstance(fsdp, int) and 1 <= fsdp <= 64):
         raise bad(ConfigError, "fsdp", fsdp, "must be an integer in [1, 64]")
@@ -136,10 +141,11 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
     spec = {"config": dict(config), "attn": attn, "checkpointing": bool(checkpointing),
             "lora_rank": int(lora_rank), "reshard_after_forward": bool(reshard_after_forward),
             "device": device, "fsdp": fsdp, "timeout_s": float(timeout_s),
-            "jobs": [list(j.seq_lens) for j in jobs]}
+            "jobs": [list(j.seq_lens) for j in jobs], "remove_padding": bool(remove_padding)}
     per_rank = spawn(spec, fsdp, timeout_s, entry=f"{__name__}:trace_rank",
                      backend="nccl" if device == "cuda" else "gloo")
-    notes = ("sequences packed in one row, position_ids restarting per sequence",
+    notes = ("sequences packed in one row, position_ids restarting per sequence" if remove_padding
+             else "sequences padded to [B, longest] with an attention mask (veRL use_remove_padding=False)",
              "loss: transformers' ForCausalLMLoss on all logits (fp32 upcast)")
     if attn == "flash":
         notes += (flash_note(device),)
@@ -151,7 +157,8 @@ def trace_fsdp(config: dict, *, jobs, fsdp: int = 2, attn: str = "sdpa",
             checkpointing=bool(checkpointing), lora_rank=lora_rank,
             reshard_after_forward=bool(reshard_after_forward), device=device,
             peaks=tuple(r["peak"] for r in ranks), rest=tuple(r["rest"] for r in ranks),
-            forward_peaks=tuple(r["forward_peak"] for r in ranks), notes=notes))
+            forward_peaks=tuple(r["forward_peak"] for r in ranks), notes=notes,
+            remove_padding=bool(remove_padding)))
     return out
 
 
@@ -238,6 +245,28 @@ def wave_inputs(lens, vocab: int, device: str):
     return ids, pos, ids.clone()
 
 
+def padded_inputs(lens, vocab: int, device: str):
+    """The wave as veRL's `use_remove_padding=False` feeds it (`prepare_model_inputs`): ids
+    [B, L] right-padded with 0 (L the longest), the int32 attention mask
+    (`build_attention_mask_from_nested`), position ids per row (0 on padding), labels = ids with
+    -100 on padding; the ids are `wave_inputs`' packed ids, row by row."""
+    import torch
+
+    ids, _, _ = wave_inputs(lens, vocab, "cpu")
+    width = max(lens)
+    rows = torch.zeros(len(lens), width, dtype=torch.long)
+    mask = torch.zeros(len(lens), width, dtype=torch.int32)
+    pos = torch.zeros(len(lens), width, dtype=torch.long)
+    start = 0
+    for r, n in enumerate(lens):
+        rows[r, :n] = ids[0, start:start + n]
+        mask[r, :n] = 1
+        pos[r, :n] = torch.arange(n)
+        start += n
+    labels = rows.masked_fill(mask == 0, -100)
+    return rows.to(device), mask.to(device), pos.to(device), labels.to(device)
+
+
 def _fsdp_params(model):
     from torch.distributed.fsdp import FSDPModule
 
@@ -307,17 +336,26 @@ def trace_rank(spec: dict) -> list[dict]:
     dev = spec["device"]
 
     flash = spec["attn"] == "flash"
-    extra = {"use_cache": False} if flash else {}
+
+    padded = not spec.get("remove_padding", True)
 
     def run(lens, phase=None):
-        ids, pos, labels = wave_inputs(lens, vocab, dev)
-        out = model(input_ids=ids, position_ids=pos, labels=labels, **extra)
+        mask = None
+        if padded:
+            ids, mask, pos, labels = padded_inputs(lens, vocab, dev)
+        else:
+            ids, pos, labels = wave_inputs(lens, vocab, dev)
+        # no KV cache, as trainers call it (veRL's FSDP actor, TRL): with one, transformers keeps
+        # every layer's key and value to the forward's end, and `create_causal_mask` skips its
+        # packed-sequence detection (sdpa/eager then ran plain causal attention over the row)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels,
+                    use_cache=False)
         loss = out.loss
         del out
         if phase is not None:
             phase()
         loss.backward()
-        del loss, ids, pos, labels
+        del loss, ids, pos, labels, mask
 
     if flash and not real_flash(dev):
         from .hf_flash import flash_attention_2

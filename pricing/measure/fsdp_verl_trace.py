@@ -240,7 +240,10 @@ def trace_rank(spec: dict) -> list[dict]:
             mask = _block_causal_mask(full_pos, spec["attn"])
             del full_pos
         if head == "transformers":
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids)
+            # no KV cache, as trainers call it (with one, transformers keeps every layer's key
+            # and value to the forward's end and does not detect packed sequences)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids,
+                        use_cache=False)
             loss = out.loss
         else:
             # veRL's `forward_step`: the model, its head and the loss under bf16 autocast

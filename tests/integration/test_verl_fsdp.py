@@ -74,3 +74,36 @@ def test_verl_prepare_dynamic_batch_under_the_fsdp_planner():
         handle.restore()
     assert vsb.rearrange_micro_batches is not handle.rearrange
     assert torch.allclose(restored, log_probs(model, ids, mask), atol=1e-5)
+
+
+def test_a_padded_batch_is_refused_by_a_packed_planner_and_priced_by_a_padded_one():
+    """veRL's `use_remove_padding=False` runs [B, L] rows: a planner that prices packed rows
+    would price a wave of uneven sequences under, so the adapter refuses the batch in one line;
+    `install(..., remove_padding=False)` prices every sequence at the step's longest
+    (docs/memory-model.md#fsdp-verl-options)."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from waveplan.pricing.errors import ConfigError
+    from waveplan.pricing.fsdp.model import PADDED_GAP
+
+    model = small_peft_llama()
+    lengths = [90, 12, 30, 7]
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for r, n in enumerate(lengths):
+        mask[r, :n] = 1
+    td = TensorDict({"input_ids": torch.ones_like(mask), "attention_mask": mask}, batch_size=[len(lengths)])
+    tu.assign_non_tensor(td, use_remove_padding=False)
+    packed = Planner.from_hf_model(model, fsdp=2)
+    with pytest.raises(ConfigError, match="use_remove_padding"):
+        adapter.plan_micro_batches(td, planner=packed, free_bytes=2**40)
+    padded = Planner.from_hf_model(model, fsdp=2, remove_padding=False)
+    assert padded.model.basis == "conservative" and PADDED_GAP in padded.model.gaps
+    plan = adapter.plan_micro_batches(td, planner=padded, free_bytes=2**40)
+    # one wave of four sequences padded to 90 rows each
+    assert plan.num_waves == 1 and plan.waves[0].size.logical_rows == 4 * max(lengths)
+    handle = adapter.install(model, free_bytes=2**40, fsdp=2, remove_padding=False)
+    try:
+        assert not handle.planner.model.fsdp_layout.remove_padding
+    finally:
+        handle.restore()

@@ -119,6 +119,39 @@ def test_live_trace_is_never_above_the_price():
     assert priced >= trace.peak_bytes
 
 
+def test_live_packed_sdpa_trace_without_checkpointing_holds_its_masks_and_is_priced_above():
+    """Without checkpointing a packed row of two sequences runs transformers' block-causal mask:
+    the tracer calls the model without a KV cache (with one, `create_causal_mask` skips its
+    packed-sequence detection and sdpa runs no mask), every layer keeps the kernel's bf16 copy
+    of the mask, and the price (the repeated key and value kept, the bool mask at the forward
+    only) stays above the peak (docs/memory-model.md#fsdp-attention)."""
+    from waveplan.pricing.measure.fsdp_trace import trace_fsdp
+
+    packed, single = trace_fsdp(SMALL, jobs=[(96, 64), (160,)], fsdp=1, attn="sdpa",
+                                checkpointing=False, lora_rank=4)
+    rows, layers = 160, SMALL["num_hidden_layers"]
+    # the same rows; the packed one adds at least every layer's kept bf16 mask (2 S^2 each)
+    assert packed.peak_bytes - single.peak_bytes >= 2 * rows * rows * layers
+    for trace in (packed, single):
+        assert price_record(trace.to_dict()).raw_bytes >= trace.peak_bytes
+
+
+def test_live_padded_rows_are_traced_and_priced_above():
+    """veRL's `use_remove_padding=False`: the wave as [B, longest] rows with an attention mask
+    (`padded_inputs`), priced with every sequence at the step's longest
+    (docs/memory-model.md#fsdp-verl-options)."""
+    from waveplan.pricing.measure.fsdp_trace import padded_inputs, trace_fsdp
+
+    ids, mask, pos, labels = padded_inputs([5, 3], 512, "cpu")
+    assert ids.shape == mask.shape == pos.shape == (2, 5) and mask.sum() == 8
+    assert pos[1].tolist() == [0, 1, 2, 0, 0] and labels[1, 3:].tolist() == [-100, -100]
+    trace = trace_fsdp(SMALL, jobs=[(120, 40)], fsdp=1, attn="sdpa", checkpointing=False,
+                       lora_rank=4, remove_padding=False)[0]
+    record = trace.to_dict()
+    assert record["remove_padding"] is False and trace.peak_bytes > 0
+    assert price_record(record).raw_bytes >= trace.peak_bytes
+
+
 def test_report_replays_the_fsdp_plan(tmp_path, capsys):
     """A report of an fsdp plan rebuilds the same model (framework, layout, family) on replay."""
     path = tmp_path / "report.json"
