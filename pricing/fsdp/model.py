@@ -334,6 +334,10 @@ class FsdpPricingModel(PricingModel):
             if lay.reshard_after_forward:
                 mlp_points[LAYER_BACKWARD, 0] -= prefetch * float(layer_gathered.max())
             mlp_points[LAYER_BACKWARD, n - 1] -= reduce_buffers
+            # before a layer's reduce-scatter its own output shard is not yet allocated and the
+            # previous layer's is its pending gradient (or, accumulating, already freed): the
+            # reduce buffers' shard is not live at an MLP backward point (#fsdp-moe-points)
+            mlp_points[MLP_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp) * fac["fsdp_constants"]
             mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         head_const += verl_const
         start = 2.0 * (root + float(layer_gathered.max()))
