@@ -30,6 +30,8 @@ from ..walk import (
     MLP_FORWARD,
     MLP_KEPT,
     MLP_NOGRAD,
+    MLP_RECOMPUTE,
+    MLP_RECOMPUTE_CONST,
     MLP_ROWS,
     MLP_WORKSPACE,
     NO_MLP_POINTS,
@@ -338,6 +340,15 @@ class FsdpPricingModel(PricingModel):
             # previous layer's is its pending gradient (or, accumulating, already freed): the
             # reduce buffers' shard is not live at an MLP backward point (#fsdp-moe-points)
             mlp_points[MLP_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp) * fac["fsdp_constants"]
+            if ckpt:
+                # the recomputed MoE MLP before its backward's gradients (#fsdp-moe-points): its
+                # routed rows' recompute tensors, the two stack copies, none of the layer's LoRA
+                # gradients (bf16) and no reduce buffers' shard
+                dense = terms.moe_per_row(w) + 12 * w.F
+                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * is_moe * (terms.moe_recompute_per_row(w) - dense)
+                mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
+                mlp_points[MLP_RECOMPUTE_CONST, :n - 1] -= (terms.FP32 * terms.shard(top, lay.fsdp)
+                                                            * fac["fsdp_constants"])
             mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         head_const += verl_const
         start = 2.0 * (root + float(layer_gathered.max()))
@@ -369,7 +380,8 @@ class FsdpPricingModel(PricingModel):
         if sp > 1:   # the ceil(S / N) row a rank may hold above S / N (either point of a layer)
             bound = walk if not moe else walk._replace(
                 nograd=np.maximum(walk.nograd, mlp_points[MLP_NOGRAD]),
-                workspace=np.maximum(walk.workspace, mlp_points[MLP_WORKSPACE]))
+                workspace=np.maximum(walk.workspace, np.maximum(mlp_points[MLP_WORKSPACE],
+                                                                 mlp_points[MLP_RECOMPUTE])))
             resident += ulysses.pad_row_bound(bound)
         return Charges(
             walk=walk,

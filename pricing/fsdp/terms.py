@@ -186,6 +186,17 @@ def moe_per_row(w: Widths) -> float:
     return 3 * FP32 * w.experts + 4 * w.top_k * w.H
 
 
+def moe_recompute_per_row(w: Widths) -> float:
+    """A routed row's tensors at a checkpointed MoE layer's recompute point (#fsdp-moe-points),
+    transformers' grouped-mm experts as the recompute stops after their last saved tensor and
+    the backward starts: the gathered input, the down projection's output, the output
+    gradient and its un-permuting scatter (zeros and result) in bf16 (10 x top_k x H), the
+    gate-up output, the activation and the product (8F), the router's fp32 tensors (12 x
+    experts) and the sort's int64 indices (48 x top_k); in place of `moe_per_row` and the
+    MLP's 12F at that point. Docs: docs/memory-model.md#fsdp-moe-points."""
+    return 10 * w.top_k * w.H + 8 * w.F + 3 * FP32 * w.experts + 6 * INT64 * w.top_k
+
+
 def rotary_per_row(w: Widths) -> float:
     """The rotary cos and sin (bf16, head_dim wide), computed once per forward and kept by every
     layer's recompute (#fsdp-layer). Docs: docs/memory-model.md#fsdp-layer."""
