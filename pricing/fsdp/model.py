@@ -258,10 +258,10 @@ class FsdpPricingModel(PricingModel):
         ng_att = scale * (f_att + add.forward) + f_quad
         ng_mlp = scale * (f_mlp + add.forward)
         ws_att = scale * (b_att + add.backward) + b_quad
-        rc_q = fa * terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt)
+        rc_q = fa * (terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt) + add.recompute_q)
         if sp > 1:   # the whole row's mask per rank row, as the layer points' (`ulysses.quadratic_scale`)
             rc_q *= ulysses.quadratic_scale(lay.attn, sp)[2]
-        ws_mlp = scale * (b_mlp + add.backward) + rc_q * s
+        ws_mlp = scale * (b_mlp + add.backward + add.mlp_backward) + rc_q * s
         moe = g.moe is not None
         if moe:
             # a MoE model's layers are priced at the two points apart (`walk.WalkCharges.mlp_points`):

@@ -352,28 +352,40 @@ class FamilyAdds:
     masks: int = 1              # packed-row masks made per forward (one per attention kind)
     kept_q: float = 0.0         # per (row x attention row), kept by each layer without checkpointing
     point_q: float = 0.0        # per (row x attention row), at the attention's points
+    recompute_q: float = 0.0    # per (row x attention row), kept by the recomputed attention to the MLP's backward
+    mlp_backward: float = 0.0   # per row, at the MLP's backward point only
 
 
 def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn: str) -> FamilyAdds:
     """A family's additions (#fsdp-families): Gemma's two extra (post) RMSNorms, each keeping
     its fp32 input (4H + 4; their backward's fp32 temporaries come before the MLP's gradients
     are in flight); one packed-row mask per attention kind (sliding and full layers: two);
-    Gemma 2's attention soft-cap under eager (the tanh and product outputs per head at the
-    attention's point, 4 nh; the tanh output kept, 2 nh). Docs: docs/memory-model.md#fsdp-families."""
+    Gemma 2's attention soft-cap under eager (without checkpointing the tanh and product outputs
+    per head at the attention's point, 4 nh, and the tanh output kept, 2 nh; with checkpointing
+    the recomputed tanh output beside the softmax's backward, 2 nh: the forward's soft-cap
+    temporaries die before its softmax, within the base terms), and the recomputed tanh output
+    kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
+    checkpointing the post-feedforward norm's fp32 backward temporaries beside the recomputed
+    MLP at its backward point (`flash_sandwich_backward_per_row`'s 6H: the attention's S x S
+    point no longer covers that moment). Docs: docs/memory-model.md#fsdp-families."""
     f = geometry.features
     retained = forward = backward = 0.0
-    kept_q = point_q = 0.0
+    kept_q = point_q = recompute_q = 0.0
+    mlp_backward = 0.0
     if f.sandwich_norms:
         norms = 2 * (FP32 * w.H + FP32)
         retained += norms
         forward += norms
         backward += norms
+        if attn == "eager":
+            mlp_backward += flash_sandwich_backward_per_row(w, checkpointing=checkpointing)
     kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}
     if attn == "eager" and f.attention_softcap:
         kept_q += 0.0 if checkpointing else 2 * w.nh
-        point_q += 4 * w.nh
+        point_q += 2 * w.nh if checkpointing else 4 * w.nh
+        recompute_q += 2 * w.nh if checkpointing else 0.0
     return FamilyAdds(retained=retained, forward=forward, backward=backward, masks=len(kinds),
-                      kept_q=kept_q, point_q=point_q)
+                      kept_q=kept_q, point_q=point_q, recompute_q=recompute_q, mlp_backward=mlp_backward)
 
 
 def final_softcap_per_row(w: Widths) -> tuple[float, float, float]:
