@@ -63,6 +63,9 @@ _MOE_OVER = ("priced at each layer's attention, MLP and recomputed-MLP points ap
              "as a bound (#fsdp-moe-points)")
 FITTED_GAPS: dict[str, str] = {"qwen3_moe": "Qwen3-MoE under FSDP: " + _MOE_OVER.format("10%"),
                                "mixtral": "Mixtral under FSDP: " + _MOE_OVER.format("11%")}
+# MoE families whose routing weights stay fp32 (Mixtral's softmax in fp32, not cast back): the
+# weighted expert outputs and their gradients are fp32 (set 8's anatomy, #fsdp-moe-points)
+MOE_FP32_WEIGHTS = frozenset({"mixtral"})
 # Gemma under eager attention: never under its traces, but up to 16% over them (set 4), off
 # the target
 _GEMMA_EAGER = ("{} with eager attention: priced up to 16% above its CPU traces (the per-head "
@@ -345,7 +348,9 @@ class FsdpPricingModel(PricingModel):
                 # routed rows' recompute tensors, the two stack copies, none of the layer's LoRA
                 # gradients (bf16) and no reduce buffers' shard
                 dense = terms.moe_per_row(w) + 12 * w.F
-                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * is_moe * (terms.moe_recompute_per_row(w) - dense)
+                routed = terms.moe_recompute_per_row(w, fp32_weights=model_type_of(g) in MOE_FP32_WEIGHTS)
+                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * (is_moe * (routed - dense)
+                                                              + terms.recompute_repeated_kv_per_row(w, attn=lay.attn))
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
                 mlp_points[MLP_RECOMPUTE_CONST, :n - 1] -= (terms.FP32 * terms.shard(top, lay.fsdp)
                                                             * fac["fsdp_constants"])

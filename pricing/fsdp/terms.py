@@ -186,15 +186,25 @@ def moe_per_row(w: Widths) -> float:
     return 3 * FP32 * w.experts + 4 * w.top_k * w.H
 
 
-def moe_recompute_per_row(w: Widths) -> float:
+def moe_recompute_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
     """A routed row's tensors at a checkpointed MoE layer's recompute point (#fsdp-moe-points),
     transformers' grouped-mm experts as the recompute stops after their last saved tensor and
-    the backward starts: the gathered input, the down projection's output, the output
-    gradient and its un-permuting scatter (zeros and result) in bf16 (10 x top_k x H), the
-    gate-up output, the activation and the product (8F), the router's fp32 tensors (12 x
-    experts) and the sort's int64 indices (48 x top_k); in place of `moe_per_row` and the
-    MLP's 12F at that point. Docs: docs/memory-model.md#fsdp-moe-points."""
-    return 10 * w.top_k * w.H + 8 * w.F + 3 * FP32 * w.experts + 6 * INT64 * w.top_k
+    the backward starts: the gathered input and the down projection's output (bf16, 4 x top_k
+    x H), the weighted output's gradient and its un-permuting scatter (zeros and result; 6 x
+    top_k x H in bf16, 12 x top_k x H where the routing weights stay fp32, as Mixtral's:
+    `fp32_weights`), the gate-up output, the activation and the product (8F), the router's
+    fp32 tensors (12 x experts) and the sort's int64 indices (48 x top_k); in place of
+    `moe_per_row` and the MLP's 12F at that point. Docs: docs/memory-model.md#fsdp-moe-points."""
+    out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
+    return 4 * w.top_k * w.H + out_grads + 8 * w.F + 3 * FP32 * w.experts + 6 * INT64 * w.top_k
+
+
+def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
+    """What a recomputed sdpa attention keeps above the MLP backward terms' 4KV under GQA, per
+    row: on a masked call transformers repeats k and v to every query head (`repeat_kv`) and
+    the kernel saves those (4Q in place of 4KV; set 8's qwen3_moe anatomy, #fsdp-moe-points).
+    Docs: docs/memory-model.md#fsdp-moe-points."""
+    return 4 * w.Q - 4 * w.KV if attn == "sdpa" and w.KV < w.Q else 0.0
 
 
 def rotary_per_row(w: Widths) -> float:

@@ -87,7 +87,13 @@ def test_moe_folded_expert_stacks_are_charged_at_the_mlp_points():
     np.testing.assert_allclose(mc[MLP_RECOMPUTE_CONST], [up + down - 2 * top - shard, up + down - 2 * top])
     w8 = terms.widths(g, rank)
     routed = terms.moe_recompute_per_row(w8) - terms.moe_per_row(w8) - 12 * w8.F
-    np.testing.assert_allclose(mc[MLP_RECOMPUTE] - mc[MLP_WORKSPACE], routed)
+    # and, sdpa under GQA on a masked call, k and v repeated to every query head
+    gqa = terms.recompute_repeated_kv_per_row(w8, attn="sdpa")
+    assert gqa == 4 * w8.Q - 4 * w8.KV > 0
+    np.testing.assert_allclose(mc[MLP_RECOMPUTE] - mc[MLP_WORKSPACE], routed + gqa)
+    # Mixtral's fp32 routing weights: the weighted output's gradient and scatter in fp32
+    assert (terms.moe_recompute_per_row(w8, fp32_weights=True) - terms.moe_recompute_per_row(w8)
+            == 6 * 2 * 128)
     assert terms.moe_recompute_per_row(w8) == 10 * 2 * 128 + 8 * 2 * 96 + 12 * 8 + 48 * 2
     np.testing.assert_allclose(mn[MLP_RECOMPUTE], 0.0)
     np.testing.assert_allclose(mn[MLP_RECOMPUTE_CONST], 0.0)
