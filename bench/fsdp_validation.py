@@ -14,7 +14,9 @@ layers, vocabulary 1536, rank 16) was traced after the terms and factors were fi
 reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing. Set 6
 holds out the MoE layers' split attention and MLP points (#fsdp-moe-points): new shapes traced
 after that pricing was written; set 7 holds out the final MoE pricing (its backward-layer steps
-came after set 6 was traced).
+came after set 6 was traced). Set 8 (fsdpmoe2) holds out the Gemma eager change and was traced
+for the MoE recompute point; its first pricing had 3 MoE cells under, fixed from its anatomies,
+so only its Gemma rows stay held out (docs/memory-model.md#fsdp-moe-points).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
