@@ -14,14 +14,17 @@ layers, vocabulary 1536, rank 16) was traced after the terms and factors were fi
 reshard_after_forward=False on set 2's shapes (#fsdp-reshard), traced after its pricing. Set 6
 holds out the MoE layers' split attention and MLP points (#fsdp-moe-points): new shapes traced
 after that pricing was written; set 7 holds out the final MoE pricing (its backward-layer steps
-came after set 6 was traced). Set 20 holds out the sdpa terms of packed rows without
+came after set 6 was traced). Set 8 (fsdpmoe2) holds out the Gemma eager change and was traced
+for the MoE recompute point; its first pricing had 3 MoE cells under, fixed from its anatomies,
+so only its Gemma rows stay held out (docs/memory-model.md#fsdp-moe-points). Sets 10, 11 and 15
+are flash_attention_2 (set 15 held out). Set 20 holds out the sdpa terms of packed rows without
 checkpointing, traced without transformers' KV cache (bench/results/fsdp_validation.txt lists
 the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
 (`use_remove_padding=False`), priced by a bound (every sequence at the step's longest).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1|2|3|4|5|6|7|10|11|12|20|21] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21] [--classes N]
 """
 
 from __future__ import annotations
@@ -123,10 +126,28 @@ FAMILIES7 = {
 }
 WAVES7 = [(200, 56), (256,)]
 LORA_RANK7 = 8
+# set 8 (fsdpmoe2): the MoE and Gemma-eager classes after the MLP backward point was split into
+# the recomputation's and the backward's (#fsdp-moe-points), traced before its residuals were
+# looked at: hidden 256, 3 layers, 8 heads over 2 kv heads, vocabulary 1536, rank 8; qwen3_moe
+# 8 experts top-3, mixtral 6 experts top-2; FSDP1, 2 and 4
+_BASE8 = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=32, vocab_size=1536)
+FAMILIES8 = {
+    "qwen3_moe": dict(_BASE8, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=96, tie_word_embeddings=False),
+    "mixtral": dict(_BASE8, model_type="mixtral", num_local_experts=6, num_experts_per_tok=2,
+                    intermediate_size=256, tie_word_embeddings=False, sliding_window=None),
+    "gemma2": dict(_BASE8, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=128,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE8, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=128,
+                        tie_word_embeddings=True),
+}
+WAVES8 = [(176, 112, 48), (288,)]
+LORA_RANK8 = 8
 SETS = {1: (FAMILIES, WAVES, LORA_RANK), 2: (FAMILIES2, WAVES2, LORA_RANK2),
         3: (FAMILIES3, WAVES3, LORA_RANK3), 4: (FAMILIES4, WAVES4, LORA_RANK4),
         5: (FAMILIES2, WAVES2, LORA_RANK2), 6: (FAMILIES6, WAVES6, LORA_RANK6),
-        7: (FAMILIES7, WAVES7, LORA_RANK7)}
+        7: (FAMILIES7, WAVES7, LORA_RANK7), 8: (FAMILIES8, WAVES8, LORA_RANK8)}
 # sets 10-12 (fsdpflash): flash_attention_2 on packed rows, transformers' own flash path with
 # flash-attn 2's kernels replaced by their allocation model (pricing/measure/hf_flash.py). Small
 # vocabularies and long rows, so the layers' points (where flash's terms live) bind. Set 10 tunes
@@ -227,6 +248,9 @@ def classes(which: int = 1):
     if which == 3:
         return [(fam, ckpt, attn, 2) for fam in FAMILIES3 for ckpt in (True, False)
                 for attn in ("sdpa", "eager")]
+    if which == 8:
+        return [("qwen3_moe", True, "sdpa", 2), ("mixtral", True, "eager", 2), ("qwen3_moe", True, "eager", 1),
+                ("mixtral", False, "sdpa", 2), ("gemma2", True, "eager", 2), ("gemma3_text", True, "eager", 2)]
     if which == 7:
         return [("qwen3_moe", True, "eager", 2), ("mixtral", True, "sdpa", 2), ("qwen3_moe", False, "eager", 2),
                 ("mixtral", False, "sdpa", 4), ("qwen3_moe", True, "sdpa", 1)]
@@ -307,6 +331,7 @@ def table() -> str:
                         ("set 5 (no reshard after forward)", lambda c: c.startswith("set5:")),
                         ("set 6 (MoE points: held out)", lambda c: c.startswith("set6:")),
                         ("set 7 (MoE final: held out)", lambda c: c.startswith("set7:")),
+                        ("set 8 (MoE, Gemma eager: held out)", lambda c: c.startswith("set8:")),
                         ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
                         ("set 11 (flash: held out, then tuned on)", lambda c: c.startswith("set11:")),
                         ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
@@ -336,6 +361,7 @@ def scatter() -> None:
                                   ("set 5 (no reshard after forward)", "set5:", "v"),
                                   ("set 6 (MoE points: held out)", "set6:", "P"),
                                   ("set 7 (MoE final: held out)", "set7:", "X"),
+                                  ("set 8 (MoE, Gemma eager: held out)", "set8:", "h"),
                                   ("set 10 (flash: tuned on)", "set10:", "<"),
                                   ("set 11 (flash: held out, then tuned on)", "set11:", ">"),
                                   ("set 12 (dense FSDP4: held out)", "set12:", "x"),

@@ -15,7 +15,16 @@ import numpy as np
 
 from .model import PricingModel
 from .tolerances import ENVELOPE_ROUNDING_BYTES, LOWER_ENVELOPE_MARGIN
-from .walk import LAYER_BACKWARD, MLP_BACKWARD, MLP_FORWARD, MLP_KEPT, MLP_NOGRAD, MLP_WORKSPACE
+from .walk import (
+    LAYER_BACKWARD,
+    MLP_BACKWARD,
+    MLP_FORWARD,
+    MLP_KEPT,
+    MLP_NOGRAD,
+    MLP_RECOMPUTE,
+    MLP_RECOMPUTE_CONST,
+    MLP_WORKSPACE,
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
                 pend_own.append(np.zeros(1))
             continue
         n = ret.shape[0]
-        running.append(np.full(2 * n + 2 + (2 * n if split else 0), g))
+        running.append(np.full(2 * n + 2 + (3 * n if split else 0), g))
         row_own.append(np.concatenate([cum - ret + ng, cum + ws + ig,
                                        [total + head_fwd, total + head_ret + head_tr + ig]]))
         seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
@@ -105,13 +114,16 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
         pend_own.append(np.concatenate([np.zeros(n), suffix, [0.0, 0.0]]))
         if split:   # each layer's MLP points (`walk.WalkCharges.mlp_points`)
-            row_own.append(np.concatenate([cum - ret + mlp[MLP_NOGRAD], cum + mlp[MLP_WORKSPACE] + ig]))
-            seg_own.append(np.concatenate([gdn, gdn]))
+            row_own.append(np.concatenate([cum - ret + mlp[MLP_NOGRAD], cum + mlp[MLP_WORKSPACE] + ig,
+                                           cum + mlp[MLP_RECOMPUTE] + ig]))
+            seg_own.append(np.concatenate([gdn, gdn, gdn]))
             pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point) + cum_kept
                                             + mlp[MLP_FORWARD],
                                             most_pad * (cum_pad + pad_point) + cum_kept + mlp[MLP_BACKWARD]
-                                            + layer_bwd]))
-            pend_own.append(np.concatenate([np.zeros(n), suffix]))
+                                            + layer_bwd,
+                                            most_pad * (cum_pad + pad_point) + cum_kept
+                                            + mlp[MLP_RECOMPUTE_CONST] + layer_bwd]))
+            pend_own.append(np.concatenate([np.zeros(n), suffix, suffix]))
     if not running:
         empty = np.zeros((0, k_classes))
         return Envelope(np.zeros(0), empty, np.zeros((0, k_classes, 3)), empty, empty,

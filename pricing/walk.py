@@ -31,8 +31,9 @@ POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-f
  POINT_EMPTY) = range(len(POINT_NAMES))
 
 # Rows of `WalkCharges.mlp_points`, float64[MLP_ROWS, L] (L = 0: the layer points are not split).
-MLP_ROWS = 6
-MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD, LAYER_BACKWARD = range(MLP_ROWS)
+MLP_ROWS = 8
+(MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD, LAYER_BACKWARD, MLP_RECOMPUTE,
+ MLP_RECOMPUTE_CONST) = range(MLP_ROWS)
 NO_MLP_POINTS = np.zeros((MLP_ROWS, 0))
 """The default `mlp_points`: every layer priced at one point per pass (Megatron-core)."""
 
@@ -68,7 +69,9 @@ class WalkCharges(NamedTuple):
     #   workspace are then the attention's, MLP_NOGRAD / MLP_WORKSPACE the MLP's per row,
     #   MLP_FORWARD / MLP_BACKWARD constant bytes at the layer's MLP point of that pass only,
     #   MLP_KEPT constant bytes layer i keeps from its forward MLP point to its backward one,
-    #   LAYER_BACKWARD constant bytes (may be < 0) at both of layer i's backward points
+    #   LAYER_BACKWARD constant bytes (may be < 0) at both of layer i's backward points;
+    #   MLP_RECOMPUTE (per row) and MLP_RECOMPUTE_CONST price a third backward point, the
+    #   recomputed MLP's forward before its backward (all zero: below the attention's point)
     #   (docs/memory-model.md#fsdp-moe-points)
 
 
@@ -293,6 +296,10 @@ def walk(charges, first_exec, groups):
                 point[TERM_RETAINED] += cum_kept[i]
                 ws = point[TERM_WORKSPACE]
                 point[TERM_WORKSPACE] += rows[g] * (mlp[MLP_WORKSPACE, i] - workspace[i]) + mlp[MLP_BACKWARD, i]
+                _offer(best, out, point, POINT_BACKWARD, i, g)
+                # the recomputed MLP's forward, before its backward's gradients
+                point[TERM_WORKSPACE] = (ws + rows[g] * (mlp[MLP_RECOMPUTE, i] - workspace[i])
+                                         + mlp[MLP_RECOMPUTE_CONST, i])
                 _offer(best, out, point, POINT_BACKWARD, i, g)
                 point[TERM_RETAINED] -= mlp[MLP_KEPT, i]
                 point[TERM_WORKSPACE] = ws

@@ -205,6 +205,27 @@ def moe_per_row(w: Widths) -> float:
     return 3 * FP32 * w.experts + 4 * w.top_k * w.H
 
 
+def moe_recompute_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
+    """A routed row's tensors at a checkpointed MoE layer's recompute point (#fsdp-moe-points),
+    transformers' grouped-mm experts as the recompute stops after their last saved tensor and
+    the backward starts: the gathered input and the down projection's output (bf16, 4 x top_k
+    x H), the weighted output's gradient and its un-permuting scatter (zeros and result; 6 x
+    top_k x H in bf16, 12 x top_k x H where the routing weights stay fp32, as Mixtral's:
+    `fp32_weights`), the gate-up output, the activation and the product (8F), the router's
+    fp32 tensors (12 x experts) and the sort's int64 indices (48 x top_k); in place of
+    `moe_per_row` and the MLP's 12F at that point. Docs: docs/memory-model.md#fsdp-moe-points."""
+    out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
+    return 4 * w.top_k * w.H + out_grads + 8 * w.F + 3 * FP32 * w.experts + 6 * INT64 * w.top_k
+
+
+def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
+    """What a recomputed sdpa attention keeps above the MLP backward terms' 4KV under GQA, per
+    row: on a masked call transformers repeats k and v to every query head (`repeat_kv`) and
+    the kernel saves those (4Q in place of 4KV; set 8's qwen3_moe anatomy, #fsdp-moe-points).
+    Docs: docs/memory-model.md#fsdp-moe-points."""
+    return 4 * w.Q - 4 * w.KV if attn == "sdpa" and w.KV < w.Q else 0.0
+
+
 def rotary_per_row(w: Widths) -> float:
     """The rotary cos and sin (bf16, head_dim wide), computed once per forward and kept by every
     layer's recompute (#fsdp-layer). Docs: docs/memory-model.md#fsdp-layer."""
@@ -399,28 +420,40 @@ class FamilyAdds:
     masks: int = 1              # packed-row masks made per forward (one per attention kind)
     kept_q: float = 0.0         # per (row x attention row), kept by each layer without checkpointing
     point_q: float = 0.0        # per (row x attention row), at the attention's points
+    recompute_q: float = 0.0    # per (row x attention row), kept by the recomputed attention to the MLP's backward
+    mlp_backward: float = 0.0   # per row, at the MLP's backward point only
 
 
 def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn: str) -> FamilyAdds:
     """A family's additions (#fsdp-families): Gemma's two extra (post) RMSNorms, each keeping
     its fp32 input (4H + 4; their backward's fp32 temporaries come before the MLP's gradients
     are in flight); one packed-row mask per attention kind (sliding and full layers: two);
-    Gemma 2's attention soft-cap under eager (the tanh and product outputs per head at the
-    attention's point, 4 nh; the tanh output kept, 2 nh). Docs: docs/memory-model.md#fsdp-families."""
+    Gemma 2's attention soft-cap under eager (without checkpointing the tanh and product outputs
+    per head at the attention's point, 4 nh, and the tanh output kept, 2 nh; with checkpointing
+    the recomputed tanh output beside the softmax's backward, 2 nh: the forward's soft-cap
+    temporaries die before its softmax, within the base terms), and the recomputed tanh output
+    kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
+    checkpointing the post-feedforward norm's fp32 backward temporaries beside the recomputed
+    MLP at its backward point (`flash_sandwich_backward_per_row`'s 6H: the attention's S x S
+    point no longer covers that moment). Docs: docs/memory-model.md#fsdp-families."""
     f = geometry.features
     retained = forward = backward = 0.0
-    kept_q = point_q = 0.0
+    kept_q = point_q = recompute_q = 0.0
+    mlp_backward = 0.0
     if f.sandwich_norms:
         norms = 2 * (FP32 * w.H + FP32)
         retained += norms
         forward += norms
         backward += norms
+        if attn == "eager":
+            mlp_backward += flash_sandwich_backward_per_row(w, checkpointing=checkpointing)
     kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}
     if attn == "eager" and f.attention_softcap:
         kept_q += 0.0 if checkpointing else 2 * w.nh
-        point_q += 4 * w.nh
+        point_q += 2 * w.nh if checkpointing else 4 * w.nh
+        recompute_q += 2 * w.nh if checkpointing else 0.0
     return FamilyAdds(retained=retained, forward=forward, backward=backward, masks=len(kinds),
-                      kept_q=kept_q, point_q=point_q)
+                      kept_q=kept_q, point_q=point_q, recompute_q=recompute_q, mlp_backward=mlp_backward)
 
 
 def final_softcap_per_row(w: Widths) -> tuple[float, float, float]:

@@ -30,7 +30,14 @@ from waveplan.pricing.fsdp.check import price_record
 from waveplan.pricing.fsdp.model import FITTED_FAMILIES, for_step
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.step import Step
-from waveplan.pricing.walk import MLP_BACKWARD, MLP_FORWARD, MLP_KEPT
+from waveplan.pricing.walk import (
+    MLP_BACKWARD,
+    MLP_FORWARD,
+    MLP_KEPT,
+    MLP_RECOMPUTE,
+    MLP_RECOMPUTE_CONST,
+    MLP_WORKSPACE,
+)
 from waveplan.pricing.wave_pricer import WavePricer
 
 TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp_traces.jsonl"
@@ -63,11 +70,33 @@ def test_moe_folded_expert_stacks_are_charged_at_the_mlp_points():
     # without, each layer keeps its copies from its forward MLP point to its backward one
     assert ck.resident == no.resident
     mc, mn = ck.walk.mlp_points, no.walk.mlp_points
+    # one layer's LoRA parameters (every linear and the expert stacks' adapters), and
+    # the fp32 reduce-scatter output shard, not live before a layer's reduce-scatter: off the
+    # MLP backward points but the last layer's, where the walk takes off every reduce buffer
+    rank = build_fsdp_model(g, fsdp=2, attn="sdpa", attn_rows=64).lora.slots[0].rank
+    top = rank * (terms.layer_param_counts(g, 0)[1] + terms.moe_lora_param_count(g) - (128 + 8))
+    shard = 4 * terms.shard(top, 2)
     np.testing.assert_allclose(mc[MLP_FORWARD], up + down)
-    np.testing.assert_allclose(mc[MLP_BACKWARD], up + down + grad)
+    np.testing.assert_allclose(mc[MLP_BACKWARD], [up + down + grad - shard, up + down + grad])
     np.testing.assert_allclose(mc[MLP_KEPT], 0.0)
     np.testing.assert_allclose(mn[MLP_KEPT], up + down)
-    np.testing.assert_allclose(mn[MLP_BACKWARD], grad)
+    np.testing.assert_allclose(mn[MLP_BACKWARD], [grad - shard, grad])
+    # with checkpointing, the recomputed MLP's point before its backward: the two copies, none
+    # of the layer's bf16 LoRA gradients; its routed rows' recompute tensors in place of the
+    # backward's (`terms.moe_recompute_per_row`)
+    np.testing.assert_allclose(mc[MLP_RECOMPUTE_CONST], [up + down - 2 * top - shard, up + down - 2 * top])
+    w8 = terms.widths(g, rank)
+    routed = terms.moe_recompute_per_row(w8) - terms.moe_per_row(w8) - 12 * w8.F
+    # and, sdpa under GQA on a masked call, k and v repeated to every query head
+    gqa = terms.recompute_repeated_kv_per_row(w8, attn="sdpa")
+    assert gqa == 4 * w8.Q - 4 * w8.KV > 0
+    np.testing.assert_allclose(mc[MLP_RECOMPUTE] - mc[MLP_WORKSPACE], routed + gqa)
+    # Mixtral's fp32 routing weights: the weighted output's gradient and scatter in fp32
+    assert (terms.moe_recompute_per_row(w8, fp32_weights=True) - terms.moe_recompute_per_row(w8)
+            == 6 * 2 * 128)
+    assert terms.moe_recompute_per_row(w8) == 10 * 2 * 128 + 8 * 2 * 96 + 12 * 8 + 48 * 2
+    np.testing.assert_allclose(mn[MLP_RECOMPUTE], 0.0)
+    np.testing.assert_allclose(mn[MLP_RECOMPUTE_CONST], 0.0)
     # the recomputed attention's S x S at the MLP's backward point: sdpa's kept float mask
     w = terms.widths(g, 8)
     assert terms.recompute_kept_quadratic(w, attn="sdpa", checkpointing=True) == 2.0

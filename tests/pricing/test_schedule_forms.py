@@ -119,7 +119,17 @@ def _fsdp_moe(ckpt, attn, fsdp):
        lens=st.lists(st.integers(2, 200), min_size=1, max_size=8), data=st.data())
 def test_split_layer_points_agree_in_every_form(model, lens, data):
     from waveplan.pricing.envelope import build_envelope
-    from waveplan.pricing.walk import MLP_ROWS, NO_MLP_POINTS
+    from waveplan.pricing.walk import (
+        MLP_BACKWARD,
+        MLP_FORWARD,
+        MLP_KEPT,
+        MLP_NOGRAD,
+        MLP_RECOMPUTE,
+        MLP_RECOMPUTE_CONST,
+        MLP_ROWS,
+        MLP_WORKSPACE,
+        NO_MLP_POINTS,
+    )
 
     assert model.charges.walk.mlp_points.shape == (MLP_ROWS, 3)
     slots = data.draw(st.lists(st.sampled_from(("a", "b")), min_size=len(lens), max_size=len(lens)))
@@ -143,10 +153,12 @@ def test_split_layer_points_agree_in_every_form(model, lens, data):
     a = model.charges.walk
     m = a.mlp_points
     every = dataclasses.replace(model)
-    merged = a._replace(nograd=np.maximum(a.nograd, m[0]), workspace=np.maximum(a.workspace, m[1]),
+    merged = a._replace(nograd=np.maximum(a.nograd, m[MLP_NOGRAD]),
+                        workspace=np.maximum(a.workspace, np.maximum(m[MLP_WORKSPACE], m[MLP_RECOMPUTE])),
                         mlp_points=NO_MLP_POINTS)
     # every call keeps its own copies (a no-grad call's at its own MLP point)
-    const = pricer.num_classes * m[2].sum() + max(m[3].max(), m[4].max())
+    const = pricer.num_classes * m[MLP_KEPT].sum() + max(m[MLP_FORWARD].max(), m[MLP_BACKWARD].max(),
+                                                         m[MLP_RECOMPUTE_CONST].max())
     object.__setattr__(every, "charges", dataclasses.replace(model.charges, walk=merged,
                                                              resident=model.charges.resident + const))
     assert WavePricer.build(step, every).price([sub]).raw_bytes >= exact.raw_bytes
