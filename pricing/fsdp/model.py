@@ -273,10 +273,6 @@ class FsdpPricingModel(PricingModel):
         # a fitted family's additions (#fsdp-families; none for the Llama-shaped families)
         add = (terms.family_adds(g, w, checkpointing=ckpt, attn=lay.attn)
                if fitted else terms.FamilyAdds())
-        if lay.attn == "flash" and fitted and g.features.sandwich_norms:
-            # Gemma's post-feedforward norm's backward beside the recomputed MLP (#fsdp-attention)
-            add = replace(add, backward=add.backward
-                          + terms.flash_sandwich_backward_per_row(w, checkpointing=ckpt))
         if lay.attn == "flash" and model_type_of(g) in FLASH_FUSED_QKV:
             kept, back = terms.flash_fused_qkv_per_row(w, checkpointing=ckpt)
             add = replace(add, retained=add.retained + kept, backward=add.backward + back)

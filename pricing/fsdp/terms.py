@@ -179,11 +179,12 @@ def flash_scalars(layers: int) -> float:
     return 16.0 * layers + 8.0
 
 
-def flash_sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
-    """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: its fp32
-    backward temporaries run beside the recomputed MLP's kept tensors before the MLP's gradients
-    are in flight, a moment sdpa's S x S attention point covered (#fsdp-attention). 6H per row,
-    fitted: set 10's gemma2 cells needed 4.5H. Docs: docs/memory-model.md#fsdp-attention."""
+def sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """Gemma's post-feedforward norm with checkpointing, under flash_attention_2 or eager: its
+    fp32 backward temporaries run beside the recomputed MLP's kept tensors before the MLP's
+    gradients are in flight, a moment sdpa's S x S attention point covers (#fsdp-attention,
+    #fsdp-families). 6H per row, fitted: set 10's gemma2 flash cells needed 4.5H.
+    Docs: docs/memory-model.md#fsdp-attention."""
     return 6 * w.H if checkpointing else 0.0
 
 
@@ -332,7 +333,7 @@ def layer_param_counts(geometry: ModelGeometry, layer: int) -> tuple[int, int]:
     q = att.num_heads * att.head_dim
     kv = att.num_kv_groups * att.head_dim
     base = h * q + 2 * h * kv + q * h + 2 * h
-    lora = (h + q) + 2 * (h + kv) + (q + h)
+    lora = attention_lora_count(g, fused_qkv=False)
     if g.features.qkv_bias:
         base += q + 2 * kv
     if g.qk_norm:
@@ -434,8 +435,9 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     temporaries die before its softmax, within the base terms), and the recomputed tanh output
     kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
     checkpointing the post-feedforward norm's fp32 backward temporaries beside the recomputed
-    MLP at its backward point (`flash_sandwich_backward_per_row`'s 6H: the attention's S x S
-    point no longer covers that moment). Docs: docs/memory-model.md#fsdp-families."""
+    MLP at its backward point (`sandwich_backward_per_row`'s 6H: the attention's S x S
+    point no longer covers that moment), under flash at both of a layer's backward points
+    (#fsdp-attention). Docs: docs/memory-model.md#fsdp-families."""
     f = geometry.features
     retained = forward = backward = 0.0
     kept_q = point_q = recompute_q = 0.0
@@ -446,7 +448,9 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
         forward += norms
         backward += norms
         if attn == "eager":
-            mlp_backward += flash_sandwich_backward_per_row(w, checkpointing=checkpointing)
+            mlp_backward += sandwich_backward_per_row(w, checkpointing=checkpointing)
+        elif attn == "flash":
+            backward += sandwich_backward_per_row(w, checkpointing=checkpointing)
     kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}
     if attn == "eager" and f.attention_softcap:
         kept_q += 0.0 if checkpointing else 2 * w.nh
