@@ -120,6 +120,10 @@ def planned_heldout() -> list[dict]:
     # MoE under full recompute (fitted terms; docs/memory-model.md#gpu-kernel-allocation-models)
     for model in (MOE_HELDOUT["name"], "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"):
         cells.append(_cell(model, {}, "full", wave=HELDOUT_WAVE))
+    # traced after TP > 1 under CP took the kernel-model terms (layers.context: fused_point,
+    # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
+    for rc in RECOMPUTES:
+        cells.append(_cell(DENSE2["name"], {"tp": 2, "cp": 2}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
