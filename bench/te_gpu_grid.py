@@ -120,6 +120,10 @@ def planned_heldout() -> list[dict]:
     # MoE under full recompute (fitted terms; docs/memory-model.md#gpu-kernel-allocation-models)
     for model in (MOE_HELDOUT["name"], "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"):
         cells.append(_cell(model, {}, "full", wave=HELDOUT_WAVE))
+    # traced after retained plain-attention MoE layers under TP with SP took the kernel-model
+    # terms (fused_retained_layer moe_gathered, moe_sharded): the held-out MoE shape at TP2+SP
+    for rc in ("none", "selective"):
+        cells.append(_cell(MOE_HELDOUT["name"], {"tp": 2, "sequence_parallel": True}, rc, wave=HELDOUT_WAVE))
     # traced after TP > 1 under CP took the kernel-model terms (layers.context: fused_point,
     # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
     for rc in RECOMPUTES:
@@ -264,10 +268,11 @@ def class_of(cell: dict) -> str:
     tp = lay.get("tp", 1)
     if lay.get("cp", 1) > 1:
         return "TP1 under CP2/4 (multi-rank)" if tp == 1 else "TP2 under CP2 (multi-rank)"
+    kept = "full (fitted)" if cell["recompute"] == "full" else "retained (multi-rank)"
     if lay.get("ep", 1) > 1:
-        return "MoE EP2 (multi-rank)"
+        return "MoE EP2 " + kept
     if tp > 1 and has_moe(cell):
-        return "MoE TP2+SP (multi-rank)"
+        return "MoE TP2+SP " + kept
     if cell["recompute"] == "full":
         if tp == 1 and has_moe(cell):
             return "MoE TP1 full (fitted)"

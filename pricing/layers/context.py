@@ -187,7 +187,9 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and plain_moe(g) and p.tp == 1 and rows_cp == 1)
+                          and plain_moe(g) and rows_cp == 1
+                          and (p.tp == 1 or (sp_div > 1 and width_tp == p.tp
+                                             and coverage.width_etp == width_tp)))
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,

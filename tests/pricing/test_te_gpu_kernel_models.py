@@ -25,12 +25,16 @@ RESULTS = BENCH / "results"
 CP_CLASS = "TP1 under CP2/4 (multi-rank)"
 ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full", "TP2/4/8 full +SP",
              "TP2/4/8 selective/none", "TP1 selective/none, plain dense",
-             "TP1 under CP2/4 (multi-rank)", "TP2 under CP2 (multi-rank)")
+             "TP1 under CP2/4 (multi-rank)", "TP2 under CP2 (multi-rank)",
+             "MoE TP2+SP retained (multi-rank)")
 # the retained plain-attention MoE cells: the price charges Megatron's all-to-all dispatcher's sort
 # copy (moe_dispatch_per_routed_row), which the one-rank tracer's stand-in dispatcher does not make
 MOE_RETAINED = "TP1 selective/none, plain-attention MoE"
 
-FITTED_TRACED = ("MoE TP1 full (fitted)", "MoE TP2+SP (multi-rank)", "MoE EP2 (multi-rank)")
+FITTED_TRACED = ("MoE TP1 full (fitted)", "MoE TP2+SP full (fitted)", "MoE EP2 full (fitted)")
+# retained MoE layers on the kernel models under EP: over target at the default worst-case load of
+# the busiest EP rank (moe_terms.busiest_rank_load), never under
+MOE_EP_RETAINED = "MoE EP2 retained (multi-rank)"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,8 @@ def test_no_te_gpu_price_is_under_a_committed_te_gpu_trace(grid, which):
     if which == "traces_te_gpu.jsonl":
         # the classes that keep fitted terms are traced too (the multi-rank tracer where the
         # one-rank tracer cannot run them): over, never under; and TP2 under CP2 on the kernel models
-        assert set(FITTED_TRACED) | {"TP2 under CP2 (multi-rank)"} <= set(ratios), sorted(ratios)
+        assert set(FITTED_TRACED) | {"TP2 under CP2 (multi-rank)", MOE_EP_RETAINED,
+                                     "MoE TP2+SP retained (multi-rank)"} <= set(ratios), sorted(ratios)
     for name, r in ratios.items():
         assert min(r) >= 1.0, (name, min(r))
         if name == CP_CLASS and heldout:
@@ -162,14 +167,24 @@ def test_ring_attention_prices_tp1_under_cp_by_what_it_keeps():
 def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     """A plain-attention MoE model retained at TP1 CP1 without EP: the grouped GEMM's saved input
     (2H), the fused weighted SwiGLU's saved FC1 output and its output (6 expert_ffn) per routed row,
-    beside the attention's tensors; under EP too, not under TP or CP, nor for MLA, GDN or biased experts."""
+    beside the attention's tensors; under EP and TP with SP too, not under TP without SP or CP, nor for MLA, GDN
+    or biased experts."""
     g = load_preset("qwen3-30b-a3b")
     none = PricingModel.build(g, recompute=Recompute(mode="none"))
     ctx = none.layer_context()
     assert ctx.fused_moe_retained and ctx.kernel_retained and not ctx.fused_retained
     assert any("moe_" in line for line in none.kernel_basis)
-    for par in (ParallelLayout(tp=2, sequence_parallel=True), ParallelLayout(tp=2), ParallelLayout(cp=2)):
+    for par in (ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=4, sequence_parallel=True, etp=1)):
         assert not PricingModel.build(g, parallel=par, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
+    # under TP with SP (traced at TP2+SP, ETP = TP): the hidden-wide tensors by layout
+    sp = PricingModel.build(g, parallel=ParallelLayout(tp=2, sequence_parallel=True),
+                            recompute=Recompute(mode="none")).layer_context()
+    assert sp.fused_moe_retained
+    te_ = load_table("te-gpu")
+    w2 = sp.widths
+    rep = layout_terms.fused_retained_moe_layer_per_row(te_, w2, routed=1.0)
+    shd = layout_terms.fused_retained_moe_layer_per_row(te_, w2, routed=1.0, tp=2, sequence_parallel=True)
+    assert rep - shd == 8 * w2["H"] - (2 * w2["H"] + 6 * w2["H"] / 2)
     # under EP (traced at EP2 on the multi-rank tracer): the same terms at the busiest rank's routed
     # rows, the all-to-all's receive buffers beside them
     ep = PricingModel.build(g, parallel=ParallelLayout(ep=2, dp=2), recompute=Recompute(mode="none")).layer_context()
