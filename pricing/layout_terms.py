@@ -299,8 +299,7 @@ def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: i
 
 
 def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, routed: float,
-                                     forward: bool = False, backward: bool = False, tp: int = 1,
-                                     sequence_parallel: bool = False) -> float:
+                                     forward: bool = False, backward: bool = False) -> float:
     """What an attention layer with a MoE MLP retained (selective or no recompute) keeps on the
     fused kernels at TP1, or (`forward`) its own forward peak.
 
@@ -330,12 +329,8 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
                       table.per_row(FUSED_RETAINED, widths, key="moe_backward_swiglu_per_routed_row"))
         return max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_row") + routed * experts
                    + dispatch, table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
-    if sequence_parallel and tp > 1:
-        hidden = (table.per_row(FUSED_RETAINED, widths, key="moe_gathered")
-                  + table.per_row(FUSED_RETAINED, widths, key="moe_sharded") / tp)
-    else:
-        hidden = table.per_row(FUSED_RETAINED, widths, key="moe_replicated")
-    out = (table.per_row(FUSED_RETAINED, widths, key="moe_per_row") + hidden
+    out = (table.per_row(FUSED_RETAINED, widths, key="moe_per_row")
+           + table.per_row(FUSED_RETAINED, widths, key="moe_replicated")
            + routed * table.per_row(FUSED_RETAINED, widths, key="moe_per_routed_row"))
     if forward:
         out += routed * table.per_row(FUSED_RETAINED, widths, key="moe_forward_per_routed_row") + dispatch

@@ -27,8 +27,8 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     if ctx.fused_moe_retained:
         # a retained layer's backward transient on the fused kernels: the experts' or flash's
         routed = g.moe.top_k * ctx.ep_skew
-        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed, backward=True,
-                                                             **_fused_layout(ctx)), False
+        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed,
+                                                             backward=True), False
     if ctx.fused_moe_point:
         # a recomputed layer on the fused kernels and the all-to-all dispatcher: the peak of its
         # recompute and backward
@@ -63,10 +63,9 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
     if ctx.fused_moe_retained:
         # what the fused kernels keep (TE's grouped GEMM, the fused weighted SwiGLU), at TP1
         routed = ctx.geometry.moe.top_k * ctx.ep_skew
-        lay = _fused_layout(ctx)
-        kept = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r, routed=routed, **lay)
+        kept = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r, routed=routed)
         forward = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r,
-                                                                routed=routed, forward=True, **lay)
+                                                                routed=routed, forward=True)
         qk = ctx.qk_structural_per_row
         return kept + qk + extra, forward + qk + extra + moe_extra
     if not ctx.full and ctx.sp_div > 1 and ctx.kernels.structural:
@@ -80,11 +79,6 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                    - less + ctx.qk_structural_per_row + extra + moe_extra)
         return kept, forward
     return fitted_retained(ctx, layer, extra=extra), 0.0
-
-
-def _fused_layout(ctx: LayerContext) -> dict:
-    """The layout arguments of the fused MoE layer's terms: the credited TP and its SP."""
-    return {"tp": ctx.tp, "sequence_parallel": ctx.sp_div > 1}
 
 
 def residual_covered(ctx: LayerContext, layer: LayerSpec) -> bool:

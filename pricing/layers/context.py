@@ -98,8 +98,9 @@ class LayerContext:
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
     experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout, with EP too (the busiest rank's
-    routed rows, the all-to-all's buffers in `routed_extra`; traced at EP2); an uncredited TP > 1
-    keeps the fitted terms (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    routed rows, the all-to-all's buffers in `routed_extra`; traced at EP2); TP > 1 keeps the fitted
+    terms (under TP with SP the combine's fp32 tensors are not modelled: a held-out cell priced
+    under) (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_moe_point: bool = False
     """A plain-attention MoE model's recomputed layers (full recompute) priced by what the fused
     kernels and Megatron's all-to-all dispatcher hold while one layer is recomputed and run
@@ -198,9 +199,7 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and plain_moe(g) and rows_cp == 1
-                          and (p.tp == 1 or (sp_div > 1 and width_tp == p.tp
-                                             and coverage.width_etp == width_tp)))
+                          and plain_moe(g) and rows_cp == 1 and p.tp == 1)
     fused_moe_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                        and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
     return LayerContext(

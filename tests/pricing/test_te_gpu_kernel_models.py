@@ -25,8 +25,7 @@ RESULTS = BENCH / "results"
 CP_CLASSES = ("TP1 under CP2/4 (multi-rank)", "TP2 under CP2 (multi-rank)")
 ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full", "TP2/4/8 full +SP",
              "TP2/4/8 selective/none", "TP1 selective/none, plain dense",
-             "TP1 under CP2/4 (multi-rank)", "TP2 under CP2 (multi-rank)",
-             "MoE TP2+SP retained (multi-rank)")
+             "TP1 under CP2/4 (multi-rank)", "TP2 under CP2 (multi-rank)")
 # the retained plain-attention MoE cells: the price charges Megatron's all-to-all dispatcher's sort
 # copy (moe_dispatch_per_routed_row), which the one-rank tracer's stand-in dispatcher does not make
 MOE_RETAINED = "TP1 selective/none, plain-attention MoE"
@@ -168,24 +167,16 @@ def test_ring_attention_prices_tp1_under_cp_by_what_it_keeps():
 def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     """A plain-attention MoE model retained at TP1 CP1 without EP: the grouped GEMM's saved input
     (2H), the fused weighted SwiGLU's saved FC1 output and its output (6 expert_ffn) per routed row,
-    beside the attention's tensors; under EP and TP with SP too, not under TP without SP or CP, nor for MLA, GDN
-    or biased experts."""
+    beside the attention's tensors; under EP too, not under TP or CP, nor for MLA, GDN or biased experts."""
     g = load_preset("qwen3-30b-a3b")
     none = PricingModel.build(g, recompute=Recompute(mode="none"))
     ctx = none.layer_context()
     assert ctx.fused_moe_retained and ctx.kernel_retained and not ctx.fused_retained
     assert any("moe_" in line for line in none.kernel_basis)
-    for par in (ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=4, sequence_parallel=True, etp=1)):
+    # not under TP: with SP the combine's fp32 tensors are not modelled (a held-out cell, grid-moe-h768
+    # at TP2+SP, priced under with the TP1 terms' hidden-wide part by layout)
+    for par in (ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=2, sequence_parallel=True)):
         assert not PricingModel.build(g, parallel=par, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
-    # under TP with SP (traced at TP2+SP, ETP = TP): the hidden-wide tensors by layout
-    sp = PricingModel.build(g, parallel=ParallelLayout(tp=2, sequence_parallel=True),
-                            recompute=Recompute(mode="none")).layer_context()
-    assert sp.fused_moe_retained
-    te_ = load_table("te-gpu")
-    w2 = sp.widths
-    rep = layout_terms.fused_retained_moe_layer_per_row(te_, w2, routed=1.0)
-    shd = layout_terms.fused_retained_moe_layer_per_row(te_, w2, routed=1.0, tp=2, sequence_parallel=True)
-    assert rep - shd == 8 * w2["H"] - (2 * w2["H"] + 6 * w2["H"] / 2)
     # under EP (traced at EP2 on the multi-rank tracer): the same terms at the busiest rank's routed
     # rows, the all-to-all's receive buffers beside them
     ep = PricingModel.build(g, parallel=ParallelLayout(ep=2, dp=2), recompute=Recompute(mode="none")).layer_context()
