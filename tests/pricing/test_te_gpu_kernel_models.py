@@ -30,7 +30,11 @@ ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full"
 # copy (moe_dispatch_per_routed_row), which the one-rank tracer's stand-in dispatcher does not make
 MOE_RETAINED = "TP1 selective/none, plain-attention MoE"
 
-FITTED_TRACED = ("MoE TP1 full (fitted)", "MoE TP2+SP full (fitted)", "MoE EP2 full (fitted)")
+FITTED_TRACED = ("MoE TP2+SP full (fitted)", "MoE EP2 full (fitted)")
+# recomputed MoE layers on the kernel models at TP1: the point charges Megatron's all-to-all
+# dispatcher's copies, which the one-rank tracer's stand-in dispatcher does not make: over target
+# there, within 10% on the multi-rank tracer's real dispatcher (traces_te_gpu_dispatcher.jsonl)
+MOE_FULL = "MoE TP1 full (stand-in dispatcher)"
 # retained MoE layers on the kernel models under EP: over target at the default worst-case load of
 # the busiest EP rank (moe_terms.busiest_rank_load), never under
 MOE_EP_RETAINED = "MoE EP2 retained (multi-rank)"
@@ -73,10 +77,13 @@ def test_no_te_gpu_price_is_under_a_committed_te_gpu_trace(grid, which):
     if MOE_RETAINED in ratios:
         limit = 1.10 if which == "traces_te_gpu_dispatcher.jsonl" else 1.20
         assert max(ratios[MOE_RETAINED]) <= limit, ratios[MOE_RETAINED]
+    if which == "traces_te_gpu_dispatcher.jsonl":
+        # the real dispatcher's MoE full cells (grid-moe-h1024; grid-moe-h768 held out)
+        assert len(ratios[MOE_FULL]) >= 2 and max(ratios[MOE_FULL]) <= 1.10, ratios[MOE_FULL]
     if which == "traces_te_gpu.jsonl":
         # the classes that keep fitted terms are traced too (the multi-rank tracer where the
         # one-rank tracer cannot run them): over, never under; and TP2 under CP2 on the kernel models
-        assert set(FITTED_TRACED) | {"TP2 under CP2 (multi-rank)", MOE_EP_RETAINED,
+        assert set(FITTED_TRACED) | {"TP2 under CP2 (multi-rank)", MOE_EP_RETAINED, MOE_FULL,
                                      "MoE TP2+SP retained (multi-rank)"} <= set(ratios), sorted(ratios)
     for name, r in ratios.items():
         assert min(r) >= 1.0, (name, min(r))
