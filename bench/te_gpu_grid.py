@@ -318,10 +318,10 @@ def report_lines(records: list[dict]) -> list[str]:
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
     lines += ["", "per class, estimate / traced: cells, under, min, median, max",
-              f"  {'class':<28} {'te-gpu table':<36} torch-cpu table"]
+              f"  {'class':<36} {'te-gpu table':<36} torch-cpu table"]
     for name in sorted(by_class):
         c = by_class[name]
-        lines.append(f"  {name:<28} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
+        lines.append(f"  {name:<36} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
     return lines
 
 
