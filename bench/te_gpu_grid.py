@@ -275,9 +275,7 @@ def class_of(cell: dict) -> str:
         return "MoE TP2+SP " + kept
     if cell["recompute"] == "full":
         if tp == 1 and has_moe(cell):
-            # the kernel-model point (fused_moe_point) charges Megatron's all-to-all dispatcher's
-            # copies, which the one-rank tracer's stand-in dispatcher does not make
-            return "MoE TP1 full (stand-in dispatcher)"
+            return "MoE TP1 full (fitted)"
         if tp == 1:
             return "TP1 full, " + ("TE cross entropy" if cell["head"] == "full-te" else "native CE")
         return "TP2/4/8 full" + (" +SP" if lay.get("sequence_parallel") else "")

@@ -67,12 +67,6 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     gdn_state = (terms.gdn_state_per_segment(t, g.gdn, tp=ctx.tp)
                  if layer.mixer == MixerKind.GDN else 0.0)
     layer_retained, sp_forward = pricer.retained(ctx, index, layer, extra=extra, moe_extra=moe_extra)
-    if ctx.fused_moe_point:
-        # the first (no-grad) forward of a recomputed MoE layer on the fused kernels: bounded by
-        # its recomputed forward point, in place of the fitted no-grad stage
-        nograd = (layout_terms.fused_recomputed_moe_layer_per_row(
-            t, ctx.widths_r, routed=g.moe.top_k * ctx.ep_skew, forward=True)
-            + ctx.qk_structural_per_row + moe_extra + extra)
     if mode == RecomputeMode.FULL:
         retained = terms.boundary_per_row(t, widths, sp_div=ctx.sp_div)
         if ctx.recompute.num_layers > 1 or ctx.recompute.method == "block":
@@ -118,7 +112,7 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
         sequence_parallel=c.sequence_parallel and not charged_unsharded(ctx, layer),
-        bare=not (ctx.kernel_layers if beside_models
+        bare=not (ctx.fused_point or ctx.kernel_retained if beside_models
                   else pricer_for(g, layer).residual_covered(ctx, layer)))
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
@@ -136,12 +130,11 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     if ctx.gdn_retained_structural:
         # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
         rope += gdn_terms.rope_cache_entry_per_row(entry)
-    elif (ctx.mode != RecomputeMode.FULL or ctx.fused_moe_point
-          or (ctx.geometry.moe is None and ctx.geometry.gdn is None)):
+    elif ctx.mode != RecomputeMode.FULL or (ctx.geometry.moe is None and ctx.geometry.gdn is None):
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
         # (the fused kernels' point at any TP: the entry's rows once per wave)
-        rope += entry if ctx.kernel_layers else layout_terms.sp_rope_entry_per_row(
+        rope += entry if ctx.fused_point or ctx.kernel_retained else layout_terms.sp_rope_entry_per_row(
             ctx.table, rope_per_row=entry, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1,
             at_tp1=ctx.tp1_structural)
     return rope

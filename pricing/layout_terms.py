@@ -337,37 +337,6 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
     return out
 
 
-def fused_recomputed_moe_layer_per_row(table: CoefficientTable, widths: dict, *,
-                                       routed: float, forward: bool = False) -> float:
-    """A plain-attention MoE layer recomputed (full recompute) on the fused kernels and Megatron's
-    all-to-all dispatcher at TP1 EP1: the peak of its recompute and backward, its input being its
-    checkpoint (charged apart).
-
-    Formula: entry `fused_retained_layer`: `moe_per_row` (the attention's and the router's
-    tensors, as the retained layer's) + `moe_full_replicated` (6H: the residual sum and two norm
-    outputs) + the largest of: `moe_backward_per_row` (4H + 8 experts) + `routed` x
-    `moe_full_backward_per_routed_row` (the experts' backward: the dispatcher's permuted and sorted
-    copies and the sorted rows' gradient, 6H; FC1's output the SwiGLU saved, its input gradient and
-    the SwiGLU's incoming gradient, 10 expert_ffn); `routed` x `moe_full_forward_per_routed_row`
-    (the recomputed forward after the combine, the same bound); flash's `attention_backward`;
-    `forward`: that forward point alone (it bounds the first, no-grad forward). `routed`: top_k x
-    the busiest rank's load. 0 without the keys. See
-    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
-    """
-    if not table.kernels.fused_retained or "moe_full_replicated" not in table.terms[FUSED_RETAINED]:
-        return 0.0
-
-    def key(name: str) -> float:
-        return table.per_row(FUSED_RETAINED, widths, key=name)
-
-    base = key("moe_per_row") + key("moe_full_replicated")
-    if forward:
-        return base + routed * key("moe_full_forward_per_routed_row")
-    return base + max(key("moe_backward_per_row") + routed * key("moe_full_backward_per_routed_row"),
-                      routed * key("moe_full_forward_per_routed_row"),
-                      key("attention_backward"))
-
-
 def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
     """What an attention layer's query/key norms keep, beside the structural layer terms.
 

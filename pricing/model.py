@@ -193,9 +193,6 @@ class PricingModel:
         if ctx.fused_moe_retained:
             lines.append(f"kernel-model: the retained MoE layers' tensors and own forward peaks "
                          f"({names}; fused_retained_layer moe_ keys)")
-        if ctx.fused_moe_point:
-            lines.append(f"kernel-model: the recomputed MoE layers' tensors beside their backward "
-                         f"or forward point ({names}; fused_retained_layer moe_ keys)")
         if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
             lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
                          "(te-rmsnorm; sp_head_forward)")
@@ -281,7 +278,7 @@ class PricingModel:
         # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet); MoE layers
         # retained by the kernel models (`LayerContext.fused_moe_retained`) keep no fitted term
         margins = not t.kernels.priced_by_models(has_gdn=g.gdn is not None)
-        fitted_moe = g.moe is not None and not (ctx.fused_moe_retained or ctx.fused_moe_point)
+        fitted_moe = g.moe is not None and not ctx.fused_moe_retained
         every_head = not t.kernels.caller_by_heads(fitted_layers=g.gdn is not None or fitted_moe)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked",
                                                    margins=margins)
@@ -313,7 +310,7 @@ class PricingModel:
         # hidden-wide part is whole and the vocabulary the rank's share)
         head_fwd = (layout_terms.sp_head_forward_per_row(
             t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-            at_tp1=ctx.tp1_structural or ctx.kernel_layers)
+            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.kernel_retained)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope

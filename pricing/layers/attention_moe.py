@@ -29,12 +29,6 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
         routed = g.moe.top_k * ctx.ep_skew
         return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed,
                                                              backward=True), False
-    if ctx.fused_moe_point:
-        # a recomputed layer on the fused kernels and the all-to-all dispatcher: the peak of its
-        # recompute and backward
-        point = layout_terms.fused_recomputed_moe_layer_per_row(t, ctx.widths_r,
-                                                                routed=g.moe.top_k * ctx.ep_skew)
-        return point + ctx.qk_structural_per_row, False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     if ctx.full and ctx.sp_div > 1 and ctx.kernels.sp_point:
         # the MoE backward point under TP with SP (moe_terms); the attention's own backward

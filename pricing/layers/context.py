@@ -101,11 +101,6 @@ class LayerContext:
     routed rows, the all-to-all's buffers in `routed_extra`; traced at EP2); TP > 1 keeps the fitted
     terms (under TP with SP the combine's fp32 tensors are not modelled: a held-out cell priced
     under) (docs/memory-model.md#gpu-kernel-allocation-models)."""
-    fused_moe_point: bool = False
-    """A plain-attention MoE model's recomputed layers (full recompute) priced by what the fused
-    kernels and Megatron's all-to-all dispatcher hold while one layer is recomputed and run
-    backward, on a TP1 CP1 EP1 layout (the multi-rank tracer's real-dispatcher cells)
-    (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -121,12 +116,6 @@ class LayerContext:
     def kernel_retained(self) -> bool:
         """Whether the retained layers are priced by what the fused kernels keep (dense or MoE)."""
         return self.fused_retained or self.fused_moe_retained
-
-    @property
-    def kernel_layers(self) -> bool:
-        """Whether the layers are priced by the fused kernels' allocation models (recomputed or
-        retained, dense or MoE)."""
-        return self.fused_point or self.kernel_retained or self.fused_moe_point
 
     @property
     def ring_saves(self) -> bool:
@@ -200,8 +189,6 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                           and plain_moe(g) and rows_cp == 1 and p.tp == 1)
-    fused_moe_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                       and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -210,7 +197,7 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
         fused_point=fused_point, fused_retained=fused_retained,
-        fused_moe_retained=fused_moe_retained, fused_moe_point=fused_moe_point)
+        fused_moe_retained=fused_moe_retained)
 
 
 def plain_moe(g: ModelGeometry) -> bool:
