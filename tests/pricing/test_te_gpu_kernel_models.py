@@ -31,8 +31,7 @@ ON_TARGET = ("TP1 full, native CE", "TP1 full, TE cross entropy", "TP2/4/8 full"
 MOE_RETAINED = "TP1 selective/none, plain-attention MoE"
 
 FITTED_TRACED = ("MoE TP1 full (fitted)", "MoE TP2+SP full (fitted)", "MoE EP2 full (fitted)")
-# retained MoE layers on the kernel models under EP: over target at the default worst-case load of
-# the busiest EP rank (moe_terms.busiest_rank_load), never under
+# retained MoE layers under EP and TP with SP: fitted terms, traced on the multi-rank tracer
 MOE_EP_RETAINED = "MoE EP2 retained (multi-rank)"
 
 
@@ -167,7 +166,7 @@ def test_ring_attention_prices_tp1_under_cp_by_what_it_keeps():
 def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     """A plain-attention MoE model retained at TP1 CP1 without EP: the grouped GEMM's saved input
     (2H), the fused weighted SwiGLU's saved FC1 output and its output (6 expert_ffn) per routed row,
-    beside the attention's tensors; under EP too, not under TP or CP, nor for MLA, GDN or biased experts."""
+    beside the attention's tensors; not under EP, TP or CP, nor for MLA, GDN or biased experts."""
     g = load_preset("qwen3-30b-a3b")
     none = PricingModel.build(g, recompute=Recompute(mode="none"))
     ctx = none.layer_context()
@@ -177,10 +176,9 @@ def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     # at TP2+SP, priced under with the TP1 terms' hidden-wide part by layout)
     for par in (ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=2, sequence_parallel=True)):
         assert not PricingModel.build(g, parallel=par, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
-    # under EP (traced at EP2 on the multi-rank tracer): the same terms at the busiest rank's routed
-    # rows, the all-to-all's receive buffers beside them
-    ep = PricingModel.build(g, parallel=ParallelLayout(ep=2, dp=2), recompute=Recompute(mode="none")).layer_context()
-    assert ep.fused_moe_retained and ep.routed_extra > 0
+    # nor under EP: the EP2 trace binds at the head, so it does not show the layers' terms
+    assert not PricingModel.build(g, parallel=ParallelLayout(ep=2, dp=2),
+                                  recompute=Recompute(mode="none")).layer_context().fused_moe_retained
     assert not PricingModel.build(g).layer_context().fused_moe_retained   # full recompute
     assert not PricingModel.build(g, recompute=Recompute(mode="none"), backend="torch-cpu").layer_context().fused_moe_retained
     for other in ("deepseek-v2-lite", "qwen3.6-35b-a3b", "gpt-oss-20b"):
