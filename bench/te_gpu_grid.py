@@ -120,6 +120,14 @@ def planned_heldout() -> list[dict]:
     # MoE under full recompute (fitted terms; docs/memory-model.md#gpu-kernel-allocation-models)
     for model in (MOE_HELDOUT["name"], "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"):
         cells.append(_cell(model, {}, "full", wave=HELDOUT_WAVE))
+    # traced after retained plain-attention MoE layers under TP with SP took the kernel-model
+    # terms (fused_retained_layer moe_gathered, moe_sharded): the held-out MoE shape at TP2+SP
+    for rc in ("none", "selective"):
+        cells.append(_cell(MOE_HELDOUT["name"], {"tp": 2, "sequence_parallel": True}, rc, wave=HELDOUT_WAVE))
+    # traced after TP > 1 under CP took the kernel-model terms (layers.context: fused_point,
+    # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
+    for rc in RECOMPUTES:
+        cells.append(_cell(DENSE2["name"], {"tp": 2, "cp": 2}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
@@ -260,10 +268,11 @@ def class_of(cell: dict) -> str:
     tp = lay.get("tp", 1)
     if lay.get("cp", 1) > 1:
         return "TP1 under CP2/4 (multi-rank)" if tp == 1 else "TP2 under CP2 (multi-rank)"
+    kept = "full (fitted)" if cell["recompute"] == "full" else "retained (multi-rank)"
     if lay.get("ep", 1) > 1:
-        return "MoE EP2 (multi-rank)"
+        return "MoE EP2 " + kept
     if tp > 1 and has_moe(cell):
-        return "MoE TP2+SP (multi-rank)"
+        return "MoE TP2+SP " + kept
     if cell["recompute"] == "full":
         if tp == 1 and has_moe(cell):
             return "MoE TP1 full (fitted)"
@@ -307,10 +316,10 @@ def report_lines(records: list[dict]) -> list[str]:
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
     lines += ["", "per class, estimate / traced: cells, under, min, median, max",
-              f"  {'class':<28} {'te-gpu table':<36} torch-cpu table"]
+              f"  {'class':<36} {'te-gpu table':<36} torch-cpu table"]
     for name in sorted(by_class):
         c = by_class[name]
-        lines.append(f"  {name:<28} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
+        lines.append(f"  {name:<36} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
     return lines
 
 

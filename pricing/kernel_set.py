@@ -71,9 +71,9 @@ class KernelSet:
     moe_expert_backward: bool
     """The routed experts' backward (`moe_expert_backward`)."""
     fused_retained: bool = False
-    """A plain dense layer retained (selective, none; TP1 under CP too) or a plain-attention MoE
-    layer retained at TP1 priced by what the fused kernels keep (`fused_retained_layer`), with its
-    backward transient and own forward peak."""
+    """A plain dense layer retained (selective, none; under CP without SP too) or a plain-attention
+    MoE layer retained at TP1 without EP priced by what the fused kernels keep
+    (`fused_retained_layer`), with its backward transient and own forward peak."""
     kernel_models: tuple[str, ...] = ()
     """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
     table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).

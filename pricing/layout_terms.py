@@ -276,17 +276,24 @@ def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: i
     received k/v buffer, partial output and log-sum-exp, kept until the merge: 2 qkv + 0.0625 core);
     backward `ring_backward` - `ring_backward_less` (the recomputed ring's saved tensors, 2 qkv +
     2.0625 core; its dq, two k/v + gradient buffers, a step's dq/dk/dv and half copies and the
-    kernel's gradients, 13 qkv - 5 core; the output's and the residual path's gradients, 2H),
-    less `ring_saved` (2 qkv + 2.0625 core) where the layer keeps the ring's saved tensors (`kept`:
+    kernel's gradients, 13 qkv - 5 core; the output's and the residual path's gradients, 2H), or
+    where larger `ring_backward_flash` (the same with flash-attn's workspaces over the rank's rows
+    in place of the CPU kernel's gradients: 13 qkv + 1.925 core + 2H) + `ring_backward_gqa` under
+    GQA (qkv < 3 core: its dk/dv expanded to every head, 4 core), less `ring_saved` (2 qkv + 2.0625 core) where the layer keeps the ring's saved tensors (`kept`:
     no recompute, already in its retained term); 0 at CP1 or without the keys. See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if cp <= 1 or not table.kernels.fused_retained:
         return 0.0
     if backward:
-        less = table.per_row(FUSED_RETAINED, widths, key="ring_backward_less")
-        if kept:
-            less += table.per_row(FUSED_RETAINED, widths, key="ring_saved")
-        return max(0.0, table.per_row(FUSED_RETAINED, widths, key="ring_backward") - less)
+        ring = (table.per_row(FUSED_RETAINED, widths, key="ring_backward")
+                - table.per_row(FUSED_RETAINED, widths, key="ring_backward_less"))
+        # on the GPU flash-attn's varlen backward runs each step over all the rank's rows: its
+        # fp32 workspaces (and under GQA its expanded dk/dv) in place of the CPU kernel's gradients
+        flash = table.per_row(FUSED_RETAINED, widths, key="ring_backward_flash")
+        if widths["qkv"] < 3 * widths["core"]:
+            flash += table.per_row(FUSED_RETAINED, widths, key="ring_backward_gqa")
+        less = table.per_row(FUSED_RETAINED, widths, key="ring_saved") if kept else 0.0
+        return max(0.0, max(ring, flash) - less)
     return (table.per_row(FUSED_RETAINED, widths, key="ring_forward")
             + cp * table.per_row(FUSED_RETAINED, widths, key="ring_forward_per_cp"))
 

@@ -92,17 +92,19 @@ class LayerContext:
     (`KernelSet.structural_at_tp1`, docs/memory-model.md#tp1-structural)."""
     fused_retained: bool = False
     """A plain dense model's retained layers (selective, none) priced by what the fused kernels
-    keep (`KernelSet.fused_retained`), at any credited TP with CP1 and at TP1 under CP (ring
+    keep (`KernelSet.fused_retained`), at any credited TP with CP1 and under CP without SP (ring
     attention's, `ring_saves`) (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_moe_retained: bool = False
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
-    experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout without EP (an uncredited TP > 1
-    keeps the fitted terms: no te-gpu MoE trace under TP) (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout without EP; TP > 1 and EP keep
+    the fitted terms (under TP with SP the combine's fp32 tensors are not modelled: a held-out cell
+    priced under; the EP2 trace binds at the head, not the layers)
+    (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
-    and at TP1 with CP; they take the layout residual fitted beside it, every other layer of the
+    and under CP without SP; they take the layout residual fitted beside it, every other layer of the
     table the one fitted without it (docs/memory-model.md#gpu-kernel-allocation-models)."""
 
     @property
@@ -178,10 +180,13 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     gdn_backward_point = mode == RecomputeMode.FULL and rows_cp == 1 and kernels.structural
     tp1_structural = width_tp == 1 and kernels.structural_at_tp1(
         retained=mode != RecomputeMode.FULL, plain_dense=g.plain_dense)
+    # under CP at any TP without SP (the multi-rank traces at TP1 and TP2 under CP); TP with SP
+    # under CP has no te-gpu trace and keeps the fitted terms
+    kernel_layout = rows_cp == 1 or sp_div == 1
     fused_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.tp1_point
-                   and g.plain_dense and (width_tp == 1 or rows_cp == 1))
+                   and g.plain_dense and kernel_layout)
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                      and kernels.tp1_point and g.plain_dense and (rows_cp == 1 or width_tp == 1))
+                      and kernels.tp1_point and g.plain_dense and kernel_layout)
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                           and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
     return LayerContext(
