@@ -218,6 +218,21 @@ FAMILIES20 = {
 WAVES20 = [(176, 112, 48, 24)]
 LORA_RANK20 = 8
 SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
+# set 22 (fsdpmoe3): the MoE classes held out after their MLP backward points were read from a
+# live-storage anatomy (bench/fsdp_moe_anatomy.py, #fsdp-moe-points): hidden 320, 3 layers, 10
+# heads over 2 kv heads, vocabulary 1024, rank 8; qwen3_moe 12 experts top-4, mixtral 8 experts
+# top-2; four packed sequences and one long row; FSDP 1, 2 and 4, sdpa and eager, ckpt and not
+_BASE22 = dict(hidden_size=320, intermediate_size=768, num_hidden_layers=3, num_attention_heads=10,
+               num_key_value_heads=2, head_dim=32, vocab_size=1024, tie_word_embeddings=False)
+FAMILIES22 = {
+    "qwen3_moe": dict(_BASE22, model_type="qwen3_moe", num_experts=12, num_experts_per_tok=4,
+                      moe_intermediate_size=80),
+    "mixtral": dict(_BASE22, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=224, sliding_window=None),
+}
+WAVES22 = [(152, 104, 72, 40), (336,)]
+LORA_RANK22 = 8
+SETS[22] = (FAMILIES22, WAVES22, LORA_RANK22)
 # set 21 (fsdpdense): veRL's padded rows (use_remove_padding=False: [B, longest] with an attention
 # mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
@@ -239,6 +254,10 @@ FSDPFLASH_CLASSES = {
          ("phi3", False, "eager", 4)],
     20: [("llama", False, "sdpa", 2), ("qwen2", False, "sdpa", 4)],
     21: [("llama", False, "sdpa", 2), ("qwen3", True, "eager", 2)],
+    22: [("qwen3_moe", True, "sdpa", 2), ("mixtral", True, "sdpa", 4), ("qwen3_moe", False, "sdpa", 1),
+         ("mixtral", True, "eager", 1), ("qwen3_moe", True, "eager", 4), ("mixtral", False, "sdpa", 2),
+         ("qwen3_moe", True, "sdpa", 1), ("mixtral", True, "sdpa", 2), ("qwen3_moe", False, "eager", 2),
+         ("mixtral", False, "eager", 4)],
 }
 
 

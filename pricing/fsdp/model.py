@@ -403,9 +403,15 @@ class FsdpPricingModel(PricingModel):
                 # routed rows' recompute tensors, the two stack copies, none of the layer's LoRA
                 # gradients (bf16) and no reduce buffers' shard
                 dense = terms.moe_per_row(w) + 12 * w.F
-                routed = terms.moe_recompute_per_row(w, fp32_weights=model_type_of(g) in MOE_FP32_WEIGHTS)
-                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * (is_moe * (routed - dense)
-                                                              + terms.recompute_repeated_kv_per_row(w, attn=lay.attn))
+                fp32_weights = model_type_of(g) in MOE_FP32_WEIGHTS
+                routed = terms.moe_recompute_per_row(w, fp32_weights=fp32_weights)
+                # a maskless one-sequence sdpa call hands the kernel GQA: no repeated k/v
+                rkv = terms.recompute_repeated_kv_per_row(w, attn=lay.attn) if masked else 0.0
+                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * (is_moe * (routed - dense) + rkv)
+                # the MLP's backward: the down stack's gradient beside its input gradient, once the
+                # weighted output's gradients are freed (`terms.moe_backward_per_row`)
+                backward = terms.moe_backward_per_row(w, fp32_weights=fp32_weights)
+                mlp_points[MLP_WORKSPACE] = ws_mlp + scale * (is_moe * (backward - dense) + rkv)
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
                 mlp_points[MLP_RECOMPUTE_CONST, :n - 1] -= (terms.FP32 * terms.shard(top, lay.fsdp)
                                                             * fac["fsdp_constants"])
@@ -610,7 +616,7 @@ def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
     bench/results/fsdp_validation.txt), so it keeps it. O(1)."""
     g = model.geometry
     if (model.fsdp_layout.attn != "sdpa" or model.fsdp_layout.ulysses != 1
-            or len(step.requests) != 1 or g.moe is not None):
+            or len(step.requests) != 1):
         return False
     window = g.features.sliding_window
     rows = int(step.requests[0].num_tokens)

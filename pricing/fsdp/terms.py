@@ -219,6 +219,17 @@ def moe_recompute_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
     return 4 * w.top_k * w.H + out_grads + 8 * w.F + 3 * FP32 * w.experts + 6 * INT64 * w.top_k
 
 
+def moe_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
+    """A routed row's tensors at a checkpointed MoE layer's MLP backward point (#fsdp-moe-points):
+    the down stack's gradient made beside its input gradient, the product's gradient (2F). By
+    then the weighted output's gradient and its scatter (`moe_recompute_per_row`'s 6 x top_k x H,
+    12 x top_k x H with fp32 routing weights) are freed, and the down projection's output gave
+    way to its gradient (2 x top_k x H each); the gate-up stack's later moment holds 4F less.
+    Docs: docs/memory-model.md#fsdp-moe-points."""
+    out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
+    return moe_recompute_per_row(w, fp32_weights=fp32_weights) - out_grads + 2 * w.F
+
+
 def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
     """What a recomputed sdpa attention keeps above the MLP backward terms' 4KV under GQA, per
     row: on a masked call transformers repeats k and v to every query head (`repeat_kv`) and
