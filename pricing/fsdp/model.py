@@ -398,12 +398,23 @@ class FsdpPricingModel(PricingModel):
             # previous layer's is its pending gradient (or, accumulating, already freed): the
             # reduce buffers' shard is not live at an MLP backward point (#fsdp-moe-points)
             mlp_points[MLP_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp) * fac["fsdp_constants"]
+            fp32_weights = model_type_of(g) in MOE_FP32_WEIGHTS
+            # at the MLP's backward point none of the layer's bf16 LoRA gradients is made; the down
+            # stack's adapters' follow the down stack's gradient (charged here: the gate-up
+            # stack's later moment holds them)
+            down_lora = terms.BF16 * terms.moe_down_lora_param_count(g) * max(ranks)
+            mlp_points[MLP_BACKWARD] -= is_moe * (terms.BF16 * top - down_lora) * fac["fsdp_constants"]
+            if not ckpt:
+                # the kept layer's MLP backward: its routed rows' gradients in place of the dense
+                # MLP's (`terms.moe_kept_backward_per_row`)
+                dense = 6 * w.F + 6 * w.H + 6 * w.r + terms.moe_per_row(w)
+                kept_bwd = terms.moe_kept_backward_per_row(w, fp32_weights=fp32_weights)
+                mlp_points[MLP_WORKSPACE] = ws_mlp + scale * is_moe * (kept_bwd - dense)
             if ckpt:
                 # the recomputed MoE MLP before its backward's gradients (#fsdp-moe-points): its
                 # routed rows' recompute tensors, the two stack copies, none of the layer's LoRA
                 # gradients (bf16) and no reduce buffers' shard
                 dense = terms.moe_per_row(w) + 12 * w.F
-                fp32_weights = model_type_of(g) in MOE_FP32_WEIGHTS
                 routed = terms.moe_recompute_per_row(w, fp32_weights=fp32_weights)
                 # a maskless one-sequence sdpa call hands the kernel GQA: no repeated k/v
                 rkv = terms.recompute_repeated_kv_per_row(w, attn=lay.attn) if masked else 0.0
@@ -612,11 +623,13 @@ def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
     (`_ignore_causal_mask_sdpa`). A wave's row packs the wave's requests (`unshared_step`), and
     the planner may put any of them in one wave, so only a step of one request qualifies; not
     under Ulysses, whose all-to-all attention is handed the whole row's mask; not for a MoE
-    model, whose one-sequence trace prices under without the mask's charge (set 6 of
-    bench/results/fsdp_validation.txt), so it keeps it. O(1)."""
+    model without checkpointing, whose one-sequence trace (set 6, FSDP4) peaks at the head's
+    backward while FSDP2 all-gathers the last layer and prices 0.2% under without the mask's
+    charge, so it keeps it (#fsdp-moe-points). O(1)."""
     g = model.geometry
     if (model.fsdp_layout.attn != "sdpa" or model.fsdp_layout.ulysses != 1
-            or len(step.requests) != 1):
+            or len(step.requests) != 1
+            or (g.moe is not None and not model.fsdp_layout.checkpointing)):
         return False
     window = g.features.sliding_window
     rows = int(step.requests[0].num_tokens)

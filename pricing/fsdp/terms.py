@@ -230,6 +230,17 @@ def moe_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
     return moe_recompute_per_row(w, fp32_weights=fp32_weights) - out_grads + 2 * w.F
 
 
+def moe_kept_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
+    """A routed row's backward tensors at a MoE layer's MLP backward point without checkpointing,
+    beside what the layer keeps (#fsdp-moe-points): the larger of its first moment, the weighted
+    output's gradient and its un-permuting scatter (6 x top_k x H bf16, 12 x top_k x H with fp32
+    routing weights), and the down stack's, the product's gradient (2F; the down projection's
+    output gave way to its gradient), with the router's fp32 gradients (12 x experts); the
+    gate-up stack's moment holds 6F less. Docs: docs/memory-model.md#fsdp-moe-points."""
+    out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
+    return max(out_grads, 2 * w.F) + 3 * FP32 * w.experts
+
+
 def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
     """What a recomputed sdpa attention keeps above the MLP backward terms' 4KV under GQA, per
     row: on a masked call transformers repeats k and v to every query head (`repeat_kv`) and
@@ -418,7 +429,15 @@ def moe_lora_param_count(geometry: ModelGeometry) -> int:
         return 0
     h, e, fe = geometry.hidden, moe.num_experts, moe.expert_ffn
     n_up = 2 if geometry.gated_mlp else 1
-    return n_up * e * (h + n_up * fe) + e * (fe + h) + (h + e)
+    return n_up * e * (h + n_up * fe) + moe_down_lora_param_count(geometry) + (h + e)
+
+
+def moe_down_lora_param_count(geometry: ModelGeometry) -> int:
+    """The down stack's LoRA parameters per unit of rank (A E x F_e, B H x E; 0 for a dense model):
+    the only adapters of a MoE layer with gradients at its MLP backward point
+    (#fsdp-moe-points). Docs: docs/memory-model.md#fsdp-moe-points."""
+    moe = geometry.moe
+    return 0 if moe is None else moe.num_experts * (moe.expert_ffn + geometry.hidden)
 
 
 @dataclass(frozen=True)
