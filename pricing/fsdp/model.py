@@ -283,7 +283,7 @@ class FsdpPricingModel(PricingModel):
         # sdpa with a packed-row mask on one rank: the key and value repeated per query head are
         # kept (`terms.sdpa_masked_retained_per_row`); Ulysses' all-to-all terms are its own
         sdpa_masked = lay.attn == "sdpa" and masked and sp == 1
-        repeats = (terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt, moe=g.moe is not None)
+        repeats = (terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt)
                    if sdpa_masked else 0.0)
         retained = np.full(n, scale * (terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                     attn=lay.attn)
@@ -323,8 +323,7 @@ class FsdpPricingModel(PricingModel):
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
-        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt,
-                                                            moe=moe):
+        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt):
             # the mask at the decoder's forward points only (`terms.sdpa_mask_held_to_backward`)
             once -= held * s
             nograd += held * s
@@ -351,6 +350,8 @@ class FsdpPricingModel(PricingModel):
             if g.moe is not None and g.layers[i].mlp == MlpKind.MOE:
                 # PEFT's all-linear adapts the fused expert stacks too (#fsdp-families)
                 lora_counts[i] += terms.moe_lora_param_count(g) - (g.hidden + g.moe.num_experts)
+                # FSDP2 gathers the stacks with their experts padded to the shard group
+                base_counts[i] += terms.moe_stack_padding(g, lay.fsdp)
         for k, slot in enumerate(self.lora.slots):
             chosen = np.zeros(n, dtype=bool)
             chosen[list(range(n) if slot.layers is None else slot.layers)] = True
@@ -628,8 +629,7 @@ def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
     charge, so it keeps it (#fsdp-moe-points). O(1)."""
     g = model.geometry
     if (model.fsdp_layout.attn != "sdpa" or model.fsdp_layout.ulysses != 1
-            or len(step.requests) != 1
-            or (g.moe is not None and not model.fsdp_layout.checkpointing)):
+            or len(step.requests) != 1):
         return False
     window = g.features.sliding_window
     rows = int(step.requests[0].num_tokens)

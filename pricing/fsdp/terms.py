@@ -432,6 +432,20 @@ def moe_lora_param_count(geometry: ModelGeometry) -> int:
     return n_up * e * (h + n_up * fe) + moe_down_lora_param_count(geometry) + (h + e)
 
 
+def moe_stack_padding(geometry: ModelGeometry, fsdp: int) -> int:
+    """The elements FSDP2's all-gather output adds to one MoE layer's expert stacks: it shards
+    every parameter on dim 0 padded to a multiple of the shard group, and a stack's dim 0 is its
+    experts, so E experts gather as ceil(E / N) x N (set 6's qwen3_moe, 6 experts at FSDP4: its
+    flat all-gather output, live at the head's backward, 26% above the layer's parameters;
+    #fsdp-moe-points). 0 for a dense model. Docs: docs/memory-model.md#fsdp-moe-points."""
+    moe = geometry.moe
+    if moe is None:
+        return 0
+    extra = -(-moe.num_experts // fsdp) * fsdp - moe.num_experts
+    n_up = 2 if geometry.gated_mlp else 1
+    return extra * (n_up + 1) * moe.expert_ffn * geometry.hidden
+
+
 def moe_down_lora_param_count(geometry: ModelGeometry) -> int:
     """The down stack's LoRA parameters per unit of rank (A E x F_e, B H x E; 0 for a dense model):
     the only adapters of a MoE layer with gradients at its MLP backward point
