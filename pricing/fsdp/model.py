@@ -397,8 +397,8 @@ class FsdpPricingModel(PricingModel):
             mlp_points[LAYER_BACKWARD, n - 1] -= reduce_buffers
             # before a layer's reduce-scatter its own output shard is not yet allocated and the
             # previous layer's is its pending gradient (or, accumulating, already freed): the
-            # reduce buffers' shard is not live at an MLP backward point (#fsdp-moe-points)
-            mlp_points[MLP_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp) * fac["fsdp_constants"]
+            # reduce buffers' shard is not live at any of a layer's backward points (#fsdp-moe-points)
+            mlp_points[LAYER_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp)
             fp32_weights = model_type_of(g) in MOE_FP32_WEIGHTS
             # at the MLP's backward point none of the layer's bf16 LoRA gradients is made; the down
             # stack's adapters' follow the down stack's gradient (charged here: the gate-up
@@ -425,8 +425,6 @@ class FsdpPricingModel(PricingModel):
                 backward = terms.moe_backward_per_row(w, fp32_weights=fp32_weights)
                 mlp_points[MLP_WORKSPACE] = ws_mlp + scale * (is_moe * (backward - dense) + rkv)
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
-                mlp_points[MLP_RECOMPUTE_CONST, :n - 1] -= (terms.FP32 * terms.shard(top, lay.fsdp)
-                                                            * fac["fsdp_constants"])
             mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         if flash:
             resident += terms.flash_scalars(n)
