@@ -242,11 +242,15 @@ def moe_kept_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float
 
 
 def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
-    """What a recomputed sdpa attention keeps above the MLP backward terms' 4KV under GQA, per
-    row: on a masked call transformers repeats k and v to every query head (`repeat_kv`) and
-    the kernel saves those (4Q in place of 4KV; set 8's qwen3_moe anatomy, #fsdp-moe-points).
+    """What a recomputed attention keeps above the MLP backward terms' 4KV under GQA, per row
+    (#fsdp-moe-points): k and v repeated to every query head (`repeat_kv`), 4Q in place of 4KV.
+    sdpa on a masked call (transformers hands the kernel no GQA there; set 8's qwen3_moe
+    anatomy); eager always, its matmuls keep the repeats, but with one key/value head the
+    repeat is a view (set 22's qwen3_moe anatomy: 1.3% under without them).
     Docs: docs/memory-model.md#fsdp-moe-points."""
-    return 4 * w.Q - 4 * w.KV if attn == "sdpa" and w.KV < w.Q else 0.0
+    if w.KV >= w.Q or (attn == "eager" and w.KV <= w.hd):
+        return 0.0
+    return 4 * w.Q - 4 * w.KV if attn in ("sdpa", "eager") else 0.0
 
 
 def rotary_per_row(w: Widths) -> float:
