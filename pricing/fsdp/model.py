@@ -406,11 +406,15 @@ class FsdpPricingModel(PricingModel):
             down_lora = terms.BF16 * terms.moe_down_lora_param_count(g) * max(ranks)
             mlp_points[MLP_BACKWARD] -= is_moe * (terms.BF16 * top - down_lora) * fac["fsdp_constants"]
             if not ckpt:
-                # the kept layer's MLP backward: its routed rows' gradients in place of the dense
-                # MLP's (`terms.moe_kept_backward_per_row`)
+                # the kept layer's MLP backward at its two moments (`terms.moe_kept_backward_per_row`),
+                # its routed rows' gradients in place of the dense MLP's: the down stack's at the
+                # MLP backward point; the scatter's first, before the stack's gradient and any
+                # LoRA gradient, at the walk's third point (no recomputation without checkpointing)
                 dense = 6 * w.F + 6 * w.H + 6 * w.r + terms.moe_per_row(w)
-                kept_bwd = terms.moe_kept_backward_per_row(w, fp32_weights=fp32_weights)
-                mlp_points[MLP_WORKSPACE] = ws_mlp + scale * is_moe * (kept_bwd - dense)
+                first, down_moment = terms.moe_kept_backward_per_row(w, fp32_weights=fp32_weights)
+                mlp_points[MLP_WORKSPACE] = ws_mlp + scale * is_moe * (down_moment - dense)
+                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * is_moe * (first - dense)
+                mlp_points[MLP_RECOMPUTE_CONST] = -is_moe * terms.BF16 * top * fac["fsdp_constants"]
             if ckpt:
                 # the recomputed MoE MLP before its backward's gradients (#fsdp-moe-points): its
                 # routed rows' recompute tensors, the two stack copies, none of the layer's LoRA

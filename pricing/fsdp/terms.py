@@ -230,15 +230,17 @@ def moe_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
     return moe_recompute_per_row(w, fp32_weights=fp32_weights) - out_grads + 2 * w.F
 
 
-def moe_kept_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
-    """A routed row's backward tensors at a MoE layer's MLP backward point without checkpointing,
-    beside what the layer keeps (#fsdp-moe-points): the larger of its first moment, the weighted
-    output's gradient and its un-permuting scatter (6 x top_k x H bf16, 12 x top_k x H with fp32
-    routing weights), and the down stack's, the product's gradient (2F; the down projection's
-    output gave way to its gradient), with the router's fp32 gradients (12 x experts); the
-    gate-up stack's moment holds 6F less. Docs: docs/memory-model.md#fsdp-moe-points."""
+def moe_kept_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> tuple[float, float]:
+    """A routed row's backward tensors at a MoE layer's MLP backward without checkpointing,
+    beside what the layer keeps, at its two moments (#fsdp-moe-points): (first, the weighted
+    output's gradient and its un-permuting scatter, 6 x top_k x H bf16, 12 x top_k x H with fp32
+    routing weights; then the down stack's, the product's gradient, 2F, the down projection's
+    output given way to its gradient), each with the router's fp32 gradients (12 x experts);
+    the gate-up stack's moment holds 6F less than the down stack's.
+    Docs: docs/memory-model.md#fsdp-moe-points."""
     out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
-    return max(out_grads, 2 * w.F) + 3 * FP32 * w.experts
+    router = 3 * FP32 * w.experts
+    return out_grads + router, 2 * w.F + router
 
 
 def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
