@@ -8,7 +8,10 @@ rank's peak above rest, where it fell, each region's own peak, and the live set 
 at the named regions' peaks, largest first.
 
     TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_moe_anatomy.py SET FAMILY ckpt|nockpt ATTN FSDP \
-        [REGION,REGION...] [WAVE_INDEX]
+        [REGION,REGION...] [WAVE_INDEX] [skew]
+
+`skew` routes every row to the first top_k experts (the most uneven routing the router can give)
+in place of the router's choice, the scores kept.
 
 e.g. `bench/fsdp_moe_anatomy.py 4 qwen3_moe ckpt sdpa 2 "" 0` (set 4's 160 + 96 + 64 tokens).
 """
@@ -22,6 +25,14 @@ from torch.utils._pytree import tree_leaves
 def rank_entry(spec):
     from waveplan.pricing.measure import fsdp_trace as ft
     model, opt = ft.build_fsdp_model(spec)
+    if spec.get("skew"):   # the most uneven routing: every row to the first top_k experts
+        for m in model.modules():
+            if type(m).__name__.endswith("TopKRouter"):
+                def skewed(h, _orig=m.forward):
+                    logits, scores, idx = _orig(h)
+                    first = torch.arange(idx.shape[-1], device=idx.device).expand_as(idx).contiguous()
+                    return logits, scores, first
+                m.forward = skewed
     vocab = int(spec["config"].get("vocab_size", 32000))
     state = {"label": "pre", "stack": [], "bwd": False}
     names = {}
@@ -157,7 +168,8 @@ if __name__ == "__main__":
     fams, waves, rank = fv.SETS[setno]
     spec = {"config": dict(fams[fam]), "attn": attn, "checkpointing": ckpt, "lora_rank": rank,
             "reshard_after_forward": True, "device": "cpu", "fsdp": fsdp, "timeout_s": 900.0,
-            "jobs": [list(waves[wave])], "regions": regions}
+            "jobs": [list(waves[wave])], "regions": regions,
+            "skew": len(sys.argv) > 8 and sys.argv[8] == "skew"}
     out = spawn(spec, fsdp, 900.0, entry=f"{Path(__file__).stem}:rank_entry")
     for r, rr in enumerate(out):
         for j in rr:
