@@ -630,10 +630,8 @@ def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
     padding mask is passed and no sliding window is shorter than the row
     (`_ignore_causal_mask_sdpa`). A wave's row packs the wave's requests (`unshared_step`), and
     the planner may put any of them in one wave, so only a step of one request qualifies; not
-    under Ulysses, whose all-to-all attention is handed the whole row's mask; not for a MoE
-    model without checkpointing, whose one-sequence trace (set 6, FSDP4) peaks at the head's
-    backward while FSDP2 all-gathers the last layer and prices 0.2% under without the mask's
-    charge, so it keeps it (#fsdp-moe-points). O(1)."""
+    under Ulysses, whose all-to-all attention is handed the whole row's mask. A MoE model
+    qualifies too since its experts' padded all-gather is charged (#fsdp-moe-points). O(1)."""
     g = model.geometry
     if (model.fsdp_layout.attn != "sdpa" or model.fsdp_layout.ulysses != 1
             or len(step.requests) != 1):
