@@ -20,11 +20,14 @@ so only its Gemma rows stay held out (docs/memory-model.md#fsdp-moe-points). Set
 are flash_attention_2 (set 15 held out). Set 20 holds out the sdpa terms of packed rows without
 checkpointing, traced without transformers' KV cache (bench/results/fsdp_validation.txt lists
 the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
-(`use_remove_padding=False`), priced by a bound (every sequence at the step's longest).
+(`use_remove_padding=False`), priced by a bound (every sequence at the step's longest). Set 22
+(fsdpmoe3) holds out the MoE points read from bench/fsdp_moe_anatomy.py's timelines: its first
+pricing had one cell under, fixed from its anatomies with one more, so it is held out for the
+rest only (docs/memory-model.md#fsdp-moe-points).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21|22] [--classes N]
 """
 
 from __future__ import annotations
@@ -218,6 +221,21 @@ FAMILIES20 = {
 WAVES20 = [(176, 112, 48, 24)]
 LORA_RANK20 = 8
 SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
+# set 22 (fsdpmoe3): the MoE classes held out after their MLP backward points were read from a
+# live-storage anatomy (bench/fsdp_moe_anatomy.py, #fsdp-moe-points): hidden 320, 3 layers, 10
+# heads over 2 kv heads, vocabulary 1024, rank 8; qwen3_moe 12 experts top-4, mixtral 8 experts
+# top-2; four packed sequences and one long row; FSDP 1, 2 and 4, sdpa and eager, ckpt and not
+_BASE22 = dict(hidden_size=320, intermediate_size=768, num_hidden_layers=3, num_attention_heads=10,
+               num_key_value_heads=2, head_dim=32, vocab_size=1024, tie_word_embeddings=False)
+FAMILIES22 = {
+    "qwen3_moe": dict(_BASE22, model_type="qwen3_moe", num_experts=12, num_experts_per_tok=4,
+                      moe_intermediate_size=80),
+    "mixtral": dict(_BASE22, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=224, sliding_window=None),
+}
+WAVES22 = [(152, 104, 72, 40), (336,)]
+LORA_RANK22 = 8
+SETS[22] = (FAMILIES22, WAVES22, LORA_RANK22)
 # set 21 (fsdpdense): veRL's padded rows (use_remove_padding=False: [B, longest] with an attention
 # mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
@@ -239,6 +257,10 @@ FSDPFLASH_CLASSES = {
          ("phi3", False, "eager", 4)],
     20: [("llama", False, "sdpa", 2), ("qwen2", False, "sdpa", 4)],
     21: [("llama", False, "sdpa", 2), ("qwen3", True, "eager", 2)],
+    22: [("qwen3_moe", True, "sdpa", 2), ("mixtral", True, "sdpa", 4), ("qwen3_moe", False, "sdpa", 1),
+         ("mixtral", True, "eager", 1), ("qwen3_moe", True, "eager", 4), ("mixtral", False, "sdpa", 2),
+         ("qwen3_moe", True, "sdpa", 1), ("mixtral", True, "sdpa", 2), ("qwen3_moe", False, "eager", 2),
+         ("mixtral", False, "eager", 4)],
 }
 
 
@@ -337,7 +359,8 @@ def table() -> str:
                         ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
                         ("set 15 (flash final: held out)", lambda c: c.startswith("set15:")),
                         ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:")),
-                        ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:"))):
+                        ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:")),
+                        ("set 22 (MoE final: held out, then fixed)", lambda c: c.startswith("set22:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -367,7 +390,8 @@ def scatter() -> None:
                                   ("set 12 (dense FSDP4: held out)", "set12:", "x"),
                                   ("set 15 (flash final: held out)", "set15:", "*"),
                                   ("set 20 (sdpa masked, no cache: held out)", "set20:", "p"),
-                                  ("set 21 (padded rows: a bound)", "set21:", "d")):
+                                  ("set 21 (padded rows: a bound)", "set21:", "d"),
+                                  ("set 22 (MoE final: held out, then fixed)", "set22:", "8")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

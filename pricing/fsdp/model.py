@@ -62,11 +62,16 @@ FLASH_UNFACTORED = frozenset({"gemma3", "gemma3_text"})
 # fitted families whose traces stay off the validation target (median <= 3%, worst <= 10% over):
 # priced on their terms, basis conservative with the reason
 _MOE_OVER = ("priced at each layer's attention, MLP and recomputed-MLP points apart (0 under its "
-             "CPU traces) but up to {} above them on 2-3 layer shapes: a MoE layer's MLP backward "
-             "point charges the layer's own reduce-scatter shard and the backward's per-row terms "
-             "as a bound (#fsdp-moe-points)")
-FITTED_GAPS: dict[str, str] = {"qwen3_moe": "Qwen3-MoE under FSDP: " + _MOE_OVER.format("10%"),
-                               "mixtral": "Mixtral under FSDP: " + _MOE_OVER.format("11%")}
+             "CPU traces) but up to {} above them on 2-3 layer shapes: a layer's MLP points charge "
+             "its own pending gradient shard before its reduce-scatter makes it, and eager "
+             "attention's backward point without checkpointing its S x S terms beside the kept "
+             "ones (#fsdp-moe-points)")
+FITTED_GAPS: dict[str, str] = {"qwen3_moe": "Qwen3-MoE under FSDP: " + _MOE_OVER.format("12%"),
+                               "mixtral": "Mixtral under FSDP: " + _MOE_OVER.format("7%")}
+# (model_type, checkpointing, attention) MoE classes whose held-out class (set 22) meets the
+# target (0 under, median <= 3%, worst <= 10%) as every tuning class of theirs does: evidence
+# at a shard group of 2 or more (no FSDP1 trace of them)
+MOE_EVIDENCE: frozenset[tuple[str, bool, str]] = frozenset({("mixtral", True, "sdpa")})
 # MoE families whose routing weights stay fp32 (Mixtral's softmax in fp32, not cast back): the
 # weighted expert outputs and their gradients are fp32 (set 8's anatomy, #fsdp-moe-points)
 MOE_FP32_WEIGHTS = frozenset({"mixtral"})
@@ -190,12 +195,12 @@ class FsdpPricingModel(PricingModel):
         if mt not in EVIDENCE_FAMILIES and mt not in FITTED_FAMILIES:
             gaps.append(BOUND_FAMILIES.get(mt, f"model_type {mt or 'unknown'}: no FSDP trace; "
                                                 f"layer terms x {BOUND_SCALE:g}"))
-        if mt in FITTED_GAPS:
+        lay = self.fsdp_layout
+        if mt in FITTED_GAPS and not ((mt, lay.checkpointing, lay.attn) in MOE_EVIDENCE and lay.fsdp > 1):
             gaps.append(FITTED_GAPS[mt])
         if mt in EAGER_GAPS and self.fsdp_layout.attn == "eager":
             gaps.append(EAGER_GAPS[mt])
         if self.fsdp_layout.attn == "flash":
-            lay = self.fsdp_layout
             why = FLASH_ULYSSES if lay.ulysses > 1 else flash_gap(mt, lay.checkpointing, lay.fsdp)
             if why:
                 gaps.append(why)
@@ -283,7 +288,7 @@ class FsdpPricingModel(PricingModel):
         # sdpa with a packed-row mask on one rank: the key and value repeated per query head are
         # kept (`terms.sdpa_masked_retained_per_row`); Ulysses' all-to-all terms are its own
         sdpa_masked = lay.attn == "sdpa" and masked and sp == 1
-        repeats = (terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt, moe=g.moe is not None)
+        repeats = (terms.sdpa_masked_retained_per_row(w, checkpointing=ckpt)
                    if sdpa_masked else 0.0)
         retained = np.full(n, scale * (terms.layer_retained_per_row(w, checkpointing=ckpt, qk_norm=qk,
                                                                     attn=lay.attn)
@@ -323,8 +328,7 @@ class FsdpPricingModel(PricingModel):
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
-        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt,
-                                                            moe=moe):
+        if sp == 1 and not terms.sdpa_mask_held_to_backward(attn=lay.attn, checkpointing=ckpt):
             # the mask at the decoder's forward points only (`terms.sdpa_mask_held_to_backward`)
             once -= held * s
             nograd += held * s
@@ -351,6 +355,8 @@ class FsdpPricingModel(PricingModel):
             if g.moe is not None and g.layers[i].mlp == MlpKind.MOE:
                 # PEFT's all-linear adapts the fused expert stacks too (#fsdp-families)
                 lora_counts[i] += terms.moe_lora_param_count(g) - (g.hidden + g.moe.num_experts)
+                # FSDP2 gathers the stacks with their experts padded to the shard group
+                base_counts[i] += terms.moe_stack_padding(g, lay.fsdp)
         for k, slot in enumerate(self.lora.slots):
             chosen = np.zeros(n, dtype=bool)
             chosen[list(range(n) if slot.layers is None else slot.layers)] = True
@@ -396,19 +402,38 @@ class FsdpPricingModel(PricingModel):
             mlp_points[LAYER_BACKWARD, n - 1] -= reduce_buffers
             # before a layer's reduce-scatter its own output shard is not yet allocated and the
             # previous layer's is its pending gradient (or, accumulating, already freed): the
-            # reduce buffers' shard is not live at an MLP backward point (#fsdp-moe-points)
-            mlp_points[MLP_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp) * fac["fsdp_constants"]
+            # reduce buffers' shard is not live at any of a layer's backward points (#fsdp-moe-points)
+            mlp_points[LAYER_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp)
+            fp32_weights = model_type_of(g) in MOE_FP32_WEIGHTS
+            # at the MLP's backward point none of the layer's bf16 LoRA gradients is made; the down
+            # stack's adapters' follow the down stack's gradient (charged here: the gate-up
+            # stack's later moment holds them)
+            down_lora = terms.BF16 * terms.moe_down_lora_param_count(g) * max(ranks)
+            mlp_points[MLP_BACKWARD] -= is_moe * (terms.BF16 * top - down_lora) * fac["fsdp_constants"]
+            if not ckpt:
+                # the kept layer's MLP backward at its two moments (`terms.moe_kept_backward_per_row`),
+                # its routed rows' gradients in place of the dense MLP's: the down stack's at the
+                # MLP backward point; the scatter's first, before the stack's gradient and any
+                # LoRA gradient, at the walk's third point (no recomputation without checkpointing)
+                dense = 6 * w.F + 6 * w.H + 6 * w.r + terms.moe_per_row(w)
+                first, down_moment = terms.moe_kept_backward_per_row(w, fp32_weights=fp32_weights)
+                mlp_points[MLP_WORKSPACE] = ws_mlp + scale * is_moe * (down_moment - dense)
+                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * is_moe * (first - dense)
+                mlp_points[MLP_RECOMPUTE_CONST] = -is_moe * terms.BF16 * top * fac["fsdp_constants"]
             if ckpt:
                 # the recomputed MoE MLP before its backward's gradients (#fsdp-moe-points): its
                 # routed rows' recompute tensors, the two stack copies, none of the layer's LoRA
                 # gradients (bf16) and no reduce buffers' shard
                 dense = terms.moe_per_row(w) + 12 * w.F
-                routed = terms.moe_recompute_per_row(w, fp32_weights=model_type_of(g) in MOE_FP32_WEIGHTS)
-                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * (is_moe * (routed - dense)
-                                                              + terms.recompute_repeated_kv_per_row(w, attn=lay.attn))
+                routed = terms.moe_recompute_per_row(w, fp32_weights=fp32_weights)
+                # a maskless one-sequence sdpa call hands the kernel GQA: no repeated k/v
+                rkv = terms.recompute_repeated_kv_per_row(w, attn=lay.attn) if masked else 0.0
+                mlp_points[MLP_RECOMPUTE] = ws_mlp + scale * (is_moe * (routed - dense) + rkv)
+                # the MLP's backward: the down stack's gradient beside its input gradient, once the
+                # weighted output's gradients are freed (`terms.moe_backward_per_row`)
+                backward = terms.moe_backward_per_row(w, fp32_weights=fp32_weights)
+                mlp_points[MLP_WORKSPACE] = ws_mlp + scale * (is_moe * (backward - dense) + rkv)
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
-                mlp_points[MLP_RECOMPUTE_CONST, :n - 1] -= (terms.FP32 * terms.shard(top, lay.fsdp)
-                                                            * fac["fsdp_constants"])
             mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         if flash:
             resident += terms.flash_scalars(n)
@@ -605,12 +630,11 @@ def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
     padding mask is passed and no sliding window is shorter than the row
     (`_ignore_causal_mask_sdpa`). A wave's row packs the wave's requests (`unshared_step`), and
     the planner may put any of them in one wave, so only a step of one request qualifies; not
-    under Ulysses, whose all-to-all attention is handed the whole row's mask; not for a MoE
-    model, whose one-sequence trace prices under without the mask's charge (set 6 of
-    bench/results/fsdp_validation.txt), so it keeps it. O(1)."""
+    under Ulysses, whose all-to-all attention is handed the whole row's mask. A MoE model
+    qualifies too since its experts' padded all-gather is charged (#fsdp-moe-points). O(1)."""
     g = model.geometry
     if (model.fsdp_layout.attn != "sdpa" or model.fsdp_layout.ulysses != 1
-            or len(step.requests) != 1 or g.moe is not None):
+            or len(step.requests) != 1):
         return False
     window = g.features.sliding_window
     rows = int(step.requests[0].num_tokens)

@@ -219,12 +219,40 @@ def moe_recompute_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
     return 4 * w.top_k * w.H + out_grads + 8 * w.F + 3 * FP32 * w.experts + 6 * INT64 * w.top_k
 
 
-def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
-    """What a recomputed sdpa attention keeps above the MLP backward terms' 4KV under GQA, per
-    row: on a masked call transformers repeats k and v to every query head (`repeat_kv`) and
-    the kernel saves those (4Q in place of 4KV; set 8's qwen3_moe anatomy, #fsdp-moe-points).
+def moe_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> float:
+    """A routed row's tensors at a checkpointed MoE layer's MLP backward point (#fsdp-moe-points):
+    the down stack's gradient made beside its input gradient, the product's gradient (2F). By
+    then the weighted output's gradient and its scatter (`moe_recompute_per_row`'s 6 x top_k x H,
+    12 x top_k x H with fp32 routing weights) are freed, and the down projection's output gave
+    way to its gradient (2 x top_k x H each); the gate-up stack's later moment holds 4F less.
     Docs: docs/memory-model.md#fsdp-moe-points."""
-    return 4 * w.Q - 4 * w.KV if attn == "sdpa" and w.KV < w.Q else 0.0
+    out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
+    return moe_recompute_per_row(w, fp32_weights=fp32_weights) - out_grads + 2 * w.F
+
+
+def moe_kept_backward_per_row(w: Widths, *, fp32_weights: bool = False) -> tuple[float, float]:
+    """A routed row's backward tensors at a MoE layer's MLP backward without checkpointing,
+    beside what the layer keeps, at its two moments (#fsdp-moe-points): (first, the weighted
+    output's gradient and its un-permuting scatter, 6 x top_k x H bf16, 12 x top_k x H with fp32
+    routing weights; then the down stack's, the product's gradient, 2F, the down projection's
+    output given way to its gradient), each with the router's fp32 gradients (12 x experts);
+    the gate-up stack's moment holds 6F less than the down stack's.
+    Docs: docs/memory-model.md#fsdp-moe-points."""
+    out_grads = (3 * FP32 if fp32_weights else 3 * BF16) * w.top_k * w.H
+    router = 3 * FP32 * w.experts
+    return out_grads + router, 2 * w.F + router
+
+
+def recompute_repeated_kv_per_row(w: Widths, *, attn: str) -> float:
+    """What a recomputed attention keeps above the MLP backward terms' 4KV under GQA, per row
+    (#fsdp-moe-points): k and v repeated to every query head (`repeat_kv`), 4Q in place of 4KV.
+    sdpa on a masked call (transformers hands the kernel no GQA there; set 8's qwen3_moe
+    anatomy); eager always, its matmuls keep the repeats, but with one key/value head the
+    repeat is a view (set 22's qwen3_moe anatomy: 1.3% under without them).
+    Docs: docs/memory-model.md#fsdp-moe-points."""
+    if w.KV >= w.Q or (attn == "eager" and w.KV <= w.hd):
+        return 0.0
+    return 4 * w.Q - 4 * w.KV if attn in ("sdpa", "eager") else 0.0
 
 
 def rotary_per_row(w: Widths) -> float:
@@ -407,7 +435,29 @@ def moe_lora_param_count(geometry: ModelGeometry) -> int:
         return 0
     h, e, fe = geometry.hidden, moe.num_experts, moe.expert_ffn
     n_up = 2 if geometry.gated_mlp else 1
-    return n_up * e * (h + n_up * fe) + e * (fe + h) + (h + e)
+    return n_up * e * (h + n_up * fe) + moe_down_lora_param_count(geometry) + (h + e)
+
+
+def moe_stack_padding(geometry: ModelGeometry, fsdp: int) -> int:
+    """The elements FSDP2's all-gather output adds to one MoE layer's expert stacks: it shards
+    every parameter on dim 0 padded to a multiple of the shard group, and a stack's dim 0 is its
+    experts, so E experts gather as ceil(E / N) x N (set 6's qwen3_moe, 6 experts at FSDP4: its
+    flat all-gather output, live at the head's backward, 26% above the layer's parameters;
+    #fsdp-moe-points). 0 for a dense model. Docs: docs/memory-model.md#fsdp-moe-points."""
+    moe = geometry.moe
+    if moe is None:
+        return 0
+    extra = -(-moe.num_experts // fsdp) * fsdp - moe.num_experts
+    n_up = 2 if geometry.gated_mlp else 1
+    return extra * (n_up + 1) * moe.expert_ffn * geometry.hidden
+
+
+def moe_down_lora_param_count(geometry: ModelGeometry) -> int:
+    """The down stack's LoRA parameters per unit of rank (A E x F_e, B H x E; 0 for a dense model):
+    the only adapters of a MoE layer with gradients at its MLP backward point
+    (#fsdp-moe-points). Docs: docs/memory-model.md#fsdp-moe-points."""
+    moe = geometry.moe
+    return 0 if moe is None else moe.num_experts * (moe.expert_ffn + geometry.hidden)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from waveplan.pricing.fsdp.model import FITTED_FAMILIES, for_step
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.step import Step
 from waveplan.pricing.walk import (
+    LAYER_BACKWARD,
     MLP_BACKWARD,
     MLP_FORWARD,
     MLP_KEPT,
@@ -70,33 +71,61 @@ def test_moe_folded_expert_stacks_are_charged_at_the_mlp_points():
     # without, each layer keeps its copies from its forward MLP point to its backward one
     assert ck.resident == no.resident
     mc, mn = ck.walk.mlp_points, no.walk.mlp_points
-    # one layer's LoRA parameters (every linear and the expert stacks' adapters), and
-    # the fp32 reduce-scatter output shard, not live before a layer's reduce-scatter: off the
-    # MLP backward points but the last layer's, where the walk takes off every reduce buffer
+    # one layer's LoRA parameters (every linear and the expert stacks' adapters): none of their
+    # bf16 gradients is made at the MLP backward point but the down stack's adapters'; the fp32
+    # reduce-scatter output shard, not live before a layer's reduce-scatter: off every backward
+    # point of a layer but the last's, where the walk takes off every reduce buffer
     rank = build_fsdp_model(g, fsdp=2, attn="sdpa", attn_rows=64).lora.slots[0].rank
     top = rank * (terms.layer_param_counts(g, 0)[1] + terms.moe_lora_param_count(g) - (128 + 8))
+    down_lora = 2 * rank * terms.moe_down_lora_param_count(g)
+    assert terms.moe_down_lora_param_count(g) == 8 * (96 + 128)
     shard = 4 * terms.shard(top, 2)
+    reduce_buffers = 4 * (top + terms.shard(top, 2))
     np.testing.assert_allclose(mc[MLP_FORWARD], up + down)
-    np.testing.assert_allclose(mc[MLP_BACKWARD], [up + down + grad - shard, up + down + grad])
+    np.testing.assert_allclose(mc[MLP_BACKWARD], up + down + grad - 2 * top + down_lora)
+    # (layer 0, the last the backward runs, prefetches no layer)
+    gathered = 2 * (terms.layer_param_counts(g, 0)[0] + top)
+    np.testing.assert_allclose(mc[LAYER_BACKWARD], [-gathered - shard, -reduce_buffers])
+    # FSDP2 pads a stack's experts (dim 0) to the shard group: none for 8 experts on 2 or 4
+    # ranks, 2 experts' worth for 6 on 4 (their gate_up and down, H x F_e each x 3)
+    assert terms.moe_stack_padding(g, 2) == terms.moe_stack_padding(g, 4) == 0
+    six = load_hf_config(dict(MOE, num_experts=6))
+    assert terms.moe_stack_padding(six, 4) == 2 * 3 * 96 * 128
+    assert terms.moe_stack_padding(load_hf_config(dict(BASE, model_type="llama")), 4) == 0
     np.testing.assert_allclose(mc[MLP_KEPT], 0.0)
     np.testing.assert_allclose(mn[MLP_KEPT], up + down)
-    np.testing.assert_allclose(mn[MLP_BACKWARD], [grad - shard, grad])
+    np.testing.assert_allclose(mn[MLP_BACKWARD], grad - 2 * top + down_lora)
     # with checkpointing, the recomputed MLP's point before its backward: the two copies, none
     # of the layer's bf16 LoRA gradients; its routed rows' recompute tensors in place of the
     # backward's (`terms.moe_recompute_per_row`)
-    np.testing.assert_allclose(mc[MLP_RECOMPUTE_CONST], [up + down - 2 * top - shard, up + down - 2 * top])
+    np.testing.assert_allclose(mc[MLP_RECOMPUTE_CONST], up + down - 2 * top)
     w8 = terms.widths(g, rank)
-    routed = terms.moe_recompute_per_row(w8) - terms.moe_per_row(w8) - 12 * w8.F
+    dense = terms.moe_per_row(w8) + 12 * w8.F
+    routed = terms.moe_recompute_per_row(w8) - dense
     # and, sdpa under GQA on a masked call, k and v repeated to every query head
     gqa = terms.recompute_repeated_kv_per_row(w8, attn="sdpa")
     assert gqa == 4 * w8.Q - 4 * w8.KV > 0
-    np.testing.assert_allclose(mc[MLP_RECOMPUTE] - mc[MLP_WORKSPACE], routed + gqa)
+    # the MLP's backward point (the down stack's gradient): the weighted output's gradients
+    # and scatter freed, the product's gradient made (`terms.moe_backward_per_row`)
+    assert terms.moe_backward_per_row(w8) == terms.moe_recompute_per_row(w8) - 6 * 2 * 128 + 2 * w8.F
+    assert (terms.moe_backward_per_row(w8, fp32_weights=True)
+            == terms.moe_recompute_per_row(w8, fp32_weights=True) - 12 * 2 * 128 + 2 * w8.F)
+    np.testing.assert_allclose(mc[MLP_RECOMPUTE] - mc[MLP_WORKSPACE],
+                               terms.moe_recompute_per_row(w8) - terms.moe_backward_per_row(w8))
+    ws_att_free = mc[MLP_WORKSPACE] - (terms.moe_backward_per_row(w8) - dense + gqa)
+    np.testing.assert_allclose(mc[MLP_RECOMPUTE], ws_att_free + routed + gqa)
+    # without checkpointing the kept layer's MLP backward has two moments, each with the
+    # router's gradients: the scatter's first (at the walk's third point, no LoRA gradient, no
+    # stack gradient), then the down stack's (the product's gradient, at the MLP backward point)
+    assert terms.moe_kept_backward_per_row(w8) == (6 * 2 * 128 + 12 * 8, 2 * w8.F + 12 * 8)
+    assert terms.moe_kept_backward_per_row(w8, fp32_weights=True)[0] == 12 * 2 * 128 + 12 * 8
+    first, down_moment = terms.moe_kept_backward_per_row(w8)
+    np.testing.assert_allclose(mn[MLP_RECOMPUTE] - mn[MLP_WORKSPACE], first - down_moment)
+    np.testing.assert_allclose(mn[MLP_RECOMPUTE_CONST], -2 * top)
     # Mixtral's fp32 routing weights: the weighted output's gradient and scatter in fp32
     assert (terms.moe_recompute_per_row(w8, fp32_weights=True) - terms.moe_recompute_per_row(w8)
             == 6 * 2 * 128)
     assert terms.moe_recompute_per_row(w8) == 10 * 2 * 128 + 8 * 2 * 96 + 12 * 8 + 48 * 2
-    np.testing.assert_allclose(mn[MLP_RECOMPUTE], 0.0)
-    np.testing.assert_allclose(mn[MLP_RECOMPUTE_CONST], 0.0)
     # the recomputed attention's S x S at the MLP's backward point: sdpa's kept float mask
     w = terms.widths(g, 8)
     assert terms.recompute_kept_quadratic(w, attn="sdpa", checkpointing=True) == 2.0
@@ -216,3 +245,21 @@ def test_no_reshard_after_forward_is_priced_on_evidence():
     # every layer's gathered parameters, the head's points included
     assert off.charges.resident >= on.charges.resident
     assert off.charges.resident + off.charges.walk.head_const > on.charges.resident + on.charges.walk.head_const
+
+
+def test_moe_basis_is_evidence_only_for_held_out_classes_on_target():
+    # mixtral with checkpointing and sdpa at a shard group of 2 or more met the target on its
+    # held-out set-22 class (MOE_EVIDENCE); FSDP1, eager, no checkpointing and Qwen3-MoE stay
+    # conservative with the reason shown
+    mixtral = load_hf_config(dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                  tie_word_embeddings=False, sliding_window=None))
+    qwen = load_hf_config(dict(MOE))
+
+    def basis(g, **kw):
+        return build_fsdp_model(g, attn_rows=64, **dict(dict(fsdp=2, attn="sdpa", checkpointing=True), **kw))
+
+    assert basis(mixtral).basis == "evidence" and basis(mixtral, fsdp=4).basis == "evidence"
+    for off in (basis(mixtral, fsdp=1), basis(mixtral, attn="eager"), basis(mixtral, checkpointing=False),
+                basis(qwen)):
+        assert off.basis == "conservative"
+        assert any("under FSDP" in r and "#fsdp-moe-points" in r for r in off.gaps)
