@@ -53,7 +53,7 @@ BOUND_SCALE = 1.25
 # factor fitted to their own CPU traces (bench/fsdp_validation.py set 3: the least factor that
 # covers every cell with a 0.5% margin, never below 1), held out on set 4
 # (bench/results/fsdp_validation.txt)
-FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.086, "gemma3_text": 1.086, "phi3": 1.0,
+FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.0, "gemma3_text": 1.0, "phi3": 1.0,
                                      "qwen3_moe": 1.0, "mixtral": 1.0}
 # Gemma 3's factor covers its set-3 eager cell with checkpointing at the attention's forward S x S
 # point (1.5% under at 1); flash_attention_2 has no S x S point: under flash Gemma 3's layer
@@ -298,12 +298,29 @@ class FsdpPricingModel(PricingModel):
         b_att += b_a2a
         f_quad = max(point_q_att * s, scale * f_alone)
         b_quad = max(point_q_att * s, scale * b_alone)
+        eager = lay.attn == "eager" and sp == 1
+        if eager:
+            # eager's forward point: the scores, softmax output and probabilities, plus a
+            # family's own kept soft-cap output (`terms.eager_forward_quadratic`)
+            f_quad = fa * (terms.eager_forward_quadratic(w) + add.kept_q) * s
         # a layer's points: its attention's (with the S x S terms) and its MLP's, which under
         # checkpointing also holds what the recomputed attention keeps for its backward
         # (#fsdp-moe-points); a dense layer is charged the larger of the two at one point
         ng_att = scale * (f_att + add.forward) + f_quad
         ng_mlp = scale * (f_mlp + add.forward)
-        ws_att = scale * (b_att + add.backward) + b_quad
+        # eager's softmax backward runs after the sandwich norms' backward (their temporaries
+        # at the MLP's point only)
+        ws_att = scale * (b_att + (0.0 if eager else add.backward)) + b_quad
+        if eager and not ckpt and g.moe is None:
+            # without checkpointing the layer's MLP, norms and output projection have released
+            # what they kept before its softmax backward: the point holds the attention's kept
+            # tensors (`terms.eager_attention_kept_per_row`), the larger of the softmax
+            # backward's moment and the q/k/v gradients' after it (`layer_backward_per_row`)
+            own = (terms.layer_retained_per_row(w, checkpointing=False, qk_norm=qk, attn=lay.attn)
+                   + add.retained)
+            released = own - terms.eager_attention_kept_per_row(w, qk_norm=qk)
+            ws_att = max(scale * (terms.eager_softmax_backward_per_row(w) - released) + b_quad,
+                         scale * (b_att - released))
         rc_q = fa * (terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt) + add.recompute_q)
         if sp > 1:   # the whole row's mask per rank row, as the layer points' (`ulysses.quadratic_scale`)
             rc_q *= ulysses.quadratic_scale(lay.attn, sp)[2]

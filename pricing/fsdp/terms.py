@@ -108,7 +108,10 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
         else:
             att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
         if qk_norm:
-            att += 6 * w.Q + 6 * w.KV
+            # eager's softmax backward: the recomputed q/k norms' fp32 inputs and rsqrt (set 4's
+            # gemma3_text anatomy); sdpa's kernel backward also holds their outputs
+            att += (4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd) if attn == "eager"
+                    else 6 * w.Q + 6 * w.KV)
             # the recomputed q/k norms' fp32 inputs and rsqrt stay to the attention's backward
             # (set 10's qwen3 flash cells, bound at the MLP: 3.9% under without them)
             mlp += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
@@ -318,6 +321,37 @@ def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> fl
     return 0.0
 
 
+def eager_forward_quadratic(w: Widths) -> float:
+    """Bytes per (row x attention row) at an eager layer's forward point beyond what earlier
+    layers keep (#fsdp-attention): as `.to(query.dtype)` runs, the masked bf16 scores, their fp32
+    softmax output and the bf16 probabilities (8 nh) are live; the matmul and soft-cap
+    temporaries before them die one op later (set 4's Gemma anatomies). A family's own kept
+    soft-cap output (`FamilyAdds.kept_q`) adds to it. Docs: docs/memory-model.md#fsdp-attention."""
+    return 8 * w.nh
+
+
+def eager_attention_kept_per_row(w: Widths, *, qk_norm: bool) -> float:
+    """What a layer without checkpointing still keeps per row as its eager attention's softmax
+    backward runs (#fsdp-attention): its MLP, pre-MLP norm, output projection and sandwich norms
+    have run their backward and released theirs; left are the input norm's fp32 input, bf16
+    output and rsqrt (6H + 4), the rotated query and the repeated key the scores' matmul saved
+    (2Q + 2Q), the q/k/v LoRA A outputs (6r) and, with qk-norm, its fp32 inputs and rsqrt
+    (4Q + 4KV + 4 nh + 4 kv heads); its fp32 softmax output is in `attention_quadratic`'s kept
+    term (set 4's gemma3_text anatomy). Docs: docs/memory-model.md#fsdp-attention."""
+    out = 6 * w.H + FP32 + 4 * w.Q + 6 * w.r
+    if qk_norm:
+        out += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
+    return out
+
+
+def eager_softmax_backward_per_row(w: Widths) -> float:
+    """What an eager attention's softmax backward holds per row beside the S x S terms and the
+    layer's input gradient, without checkpointing (#fsdp-attention): the repeated value's
+    gradient from the probabilities' matmul (2Q); the query/key/value gradients come after the
+    S x S gradients are released (`layer_backward_per_row`). Docs: docs/memory-model.md#fsdp-attention."""
+    return BF16 * w.Q
+
+
 # --- parameters (counts; FSDP2 gathers them in bf16) ---------------------------------------
 
 
@@ -454,7 +488,7 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}
     if attn == "eager" and f.attention_softcap:
         kept_q += 0.0 if checkpointing else 2 * w.nh
-        point_q += 2 * w.nh if checkpointing else 4 * w.nh
+        point_q += 2 * w.nh if checkpointing else 0.0
         recompute_q += 2 * w.nh if checkpointing else 0.0
     return FamilyAdds(retained=retained, forward=forward, backward=backward, masks=len(kinds),
                       kept_q=kept_q, point_q=point_q, recompute_q=recompute_q, mlp_backward=mlp_backward)
