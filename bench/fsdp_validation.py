@@ -222,6 +222,16 @@ SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
 # mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
 PADDED_SETS = frozenset({21})
+# set 26 (fsdpdense2): the masked GQA recompute of dense checkpointed sdpa layers (many query
+# heads a key/value head, packed rows, a small vocabulary: the attention's backward binds), traced
+# to read what the kernel's backward holds; tuned on
+_BASE26 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=16,
+               num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False)
+FAMILIES26 = {
+    "llama": dict(_BASE26, model_type="llama"),
+    "qwen3": dict(_BASE26, model_type="qwen3", num_attention_heads=12),
+}
+SETS[26] = (FAMILIES26, [(160, 96, 64), (320,)], 8)
 FSDPFLASH_CLASSES = {
     15: [("qwen2", True, "flash", 1), ("llama", False, "flash", 1), ("phi3", True, "flash", 2),
          ("gemma3_text", True, "flash", 2), ("qwen3", True, "flash", 2), ("gemma2", False, "flash", 2),
@@ -239,6 +249,7 @@ FSDPFLASH_CLASSES = {
          ("phi3", False, "eager", 4)],
     20: [("llama", False, "sdpa", 2), ("qwen2", False, "sdpa", 4)],
     21: [("llama", False, "sdpa", 2), ("qwen3", True, "eager", 2)],
+    26: [("llama", True, "sdpa", 2), ("qwen3", True, "sdpa", 2)],
 }
 
 

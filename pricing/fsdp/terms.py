@@ -297,13 +297,14 @@ def sdpa_masked_retained_per_row(w: Widths, *, checkpointing: bool, moe: bool = 
 
 def sdpa_mask_held_to_backward(*, attn: str, checkpointing: bool, moe: bool = False) -> bool:
     """Whether transformers' packed-row mask lives from the model's forward to its backward
-    (#fsdp-attention): under checkpointing every layer's recompute takes it as an input, and
-    eager's always-built mask is charged so (its traces); without checkpointing sdpa's bool
-    mask dies when the decoder's forward returns (the kernel keeps its own converted copy per
-    layer, `ulysses.kept_mask_per_row`), so it is charged at the layers' forward points only;
-    a MoE model (`moe`) keeps the charge to the backward (its per-row terms run short, as in
+    (#fsdp-attention): under checkpointing every layer's recompute takes it as an input;
+    without checkpointing sdpa's bool mask and eager's additive one die when the decoder's
+    forward returns (sdpa's kernel keeps its own converted copy per layer,
+    `ulysses.kept_mask_per_row`; eager's `add` saves neither input: set 4's gemma3_text
+    anatomy), so they are charged at the layers' forward points only; a MoE model (`moe`) keeps
+    the charge to the backward (its per-row terms run short, as in
     `sdpa_masked_retained_per_row`). Docs: docs/memory-model.md#fsdp-attention."""
-    return checkpointing or attn != "sdpa" or moe
+    return checkpointing or attn not in ("sdpa", "eager") or moe
 
 
 def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> float:
@@ -323,11 +324,12 @@ def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> fl
 
 def eager_forward_quadratic(w: Widths) -> float:
     """Bytes per (row x attention row) at an eager layer's forward point beyond what earlier
-    layers keep (#fsdp-attention): as `.to(query.dtype)` runs, the masked bf16 scores, their fp32
-    softmax output and the bf16 probabilities (8 nh) are live; the matmul and soft-cap
-    temporaries before them die one op later (set 4's Gemma anatomies). A family's own kept
-    soft-cap output (`FamilyAdds.kept_q`) adds to it. Docs: docs/memory-model.md#fsdp-attention."""
-    return 8 * w.nh
+    layers keep (#fsdp-attention): as `softmax(dtype=float32)` runs, the masked bf16 scores, their
+    fp32 copy and the fp32 softmax output (10 nh) are live; the bf16 probabilities are made after
+    the copy dies, the matmul and soft-cap temporaries before them die one op later (set 4's
+    Gemma anatomies). A family's own kept soft-cap output (`FamilyAdds.kept_q`) adds to it.
+    Docs: docs/memory-model.md#fsdp-attention."""
+    return 10 * w.nh
 
 
 def eager_attention_kept_per_row(w: Widths, *, qk_norm: bool) -> float:
