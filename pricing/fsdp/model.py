@@ -291,6 +291,13 @@ class FsdpPricingModel(PricingModel):
                            + kept_q * s)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
+        if lay.attn == "sdpa" and ckpt and sp == 1:
+            # the recomputed sdpa kernel's backward, with k/v repeated per query head on a masked
+            # GQA call (`terms.sdpa_recompute_backward_per_row`), and those repeats kept through
+            # a dense layer's MLP backward (`terms.sdpa_recompute_repeats_per_row`)
+            b_att = max(b_att, terms.sdpa_recompute_backward_per_row(w, masked=masked, qk_norm=qk))
+            if g.moe is None:
+                b_mlp += terms.sdpa_recompute_repeats_per_row(w, masked=masked)
         # veRL's all-to-all around the attention kernel, both passes: what is live beside the
         # S x S terms, and what only instead of them (`ulysses.attention_points`)
         (f_a2a, f_alone), (b_a2a, b_alone) = ulysses.attention_points(w, sp, lay.attn)
@@ -321,6 +328,14 @@ class FsdpPricingModel(PricingModel):
             released = own - terms.eager_attention_kept_per_row(w, qk_norm=qk)
             ws_att = max(scale * (terms.eager_softmax_backward_per_row(w) - released) + b_quad,
                          scale * (b_att - released))
+        if qk and lay.attn in ("sdpa", "eager") and sp == 1:
+            # the query norm's fp32 backward, after the attention kernel's S x S terms are
+            # released (`terms.qk_norm_backward_per_row`; without checkpointing beside the
+            # layer's kept tensors, less what eager's point finds released)
+            qk_point = terms.qk_norm_backward_per_row(w, checkpointing=ckpt)
+            if eager and not ckpt and g.moe is None:
+                qk_point -= released
+            ws_att = max(ws_att, scale * qk_point)
         rc_q = fa * (terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt) + add.recompute_q)
         if sp > 1:   # the whole row's mask per rank row, as the layer points' (`ulysses.quadratic_scale`)
             rc_q *= ulysses.quadratic_scale(lay.attn, sp)[2]

@@ -322,6 +322,47 @@ def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> fl
     return 0.0
 
 
+def sdpa_recompute_backward_per_row(w: Widths, *, masked: bool, qk_norm: bool) -> float:
+    """What a checkpointed layer's sdpa kernel backward holds per row (#fsdp-attention): the
+    rotated query, the output, its gradient and the query's (8Q), the key and value as the
+    kernel took them and their gradients, the fp32 log-sum-exp (4 nh), the recomputed input
+    norm's fp32 input, output and rsqrt (6H + 4) and the q/k/v LoRA A outputs (6r); on a masked
+    call under GQA transformers repeats k and v to every query head (`repeat_kv`): kept as
+    copies (4Q; a view for one key/value head, 4KV) and their gradients Q-wide (4Q), else 4KV
+    each (set 26's llama anatomy: the whole point to the byte); qk-norm adds the recomputed
+    norms' copies (6Q + 6KV). Docs: docs/memory-model.md#fsdp-attention."""
+    gqa = masked and w.KV < w.Q
+    kept = 4 * w.Q if gqa and w.KV > w.hd else 4 * w.KV
+    grads = 4 * w.Q if gqa else 4 * w.KV
+    out = 8 * w.Q + kept + grads + FP32 * w.nh + 6 * w.H + FP32 + 6 * w.r
+    if qk_norm:
+        out += 6 * w.Q + 6 * w.KV
+    return out
+
+
+def sdpa_recompute_repeats_per_row(w: Widths, *, masked: bool) -> float:
+    """What a checkpointed layer's recomputed sdpa attention keeps per row through its MLP's
+    backward above the MLP backward term's 4KV: on a masked call under GQA the key and value
+    repeated to every query head (4Q - 4KV; none for one key/value head, a view), as
+    `recompute_repeated_kv_per_row` at a MoE layer's recompute point (set 26's llama anatomy).
+    Docs: docs/memory-model.md#fsdp-attention."""
+    return 4 * w.Q - 4 * w.KV if masked and w.hd < w.KV < w.Q else 0.0
+
+
+def qk_norm_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """A qk-norm layer's query-norm backward, per row (#fsdp-attention): after the attention
+    kernel's backward the norm runs its backward in fp32, six Q-wide fp32 tensors at once (the
+    upcast gradient, the products with the normalized input and with rsqrt, pow's and the mean's
+    gradients, the fp32 input: 24Q), beside the gradient into the q/k/v projections' input (2H)
+    and the rsqrt (4 nh); with checkpointing also the recomputed input norm's fp32 input, output
+    and rsqrt (6H + 4) and the q/k/v LoRA A outputs (6r); without, beside the layer's kept
+    tensors, which hold the fp32 input (20Q). Set 26's qwen3 one-sequence anatomy (8.8% under
+    without it). Docs: docs/memory-model.md#fsdp-attention."""
+    if checkpointing:
+        return 24 * w.Q + 8 * w.H + FP32 * w.nh + 6 * w.r + FP32
+    return 20 * w.Q + 2 * w.H + FP32 * w.nh
+
+
 def eager_forward_quadratic(w: Widths) -> float:
     """Bytes per (row x attention row) at an eager layer's forward point beyond what earlier
     layers keep (#fsdp-attention): as `softmax(dtype=float32)` runs, the masked bf16 scores, their
