@@ -371,7 +371,7 @@ class FsdpPricingModel(PricingModel):
         verl_const = 0.0
         if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
             *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=verl_head.gpu_dtypes(self.table))
-        if flash and lay.head == "transformers":   # the input gradient is not made at its peak
+        if lay.head == "transformers" and sp == 1:   # the input gradient is not made at its peak (any attn)
             head = (head[0], head[1] - terms.flash_head_credit(w), head[2])
         head_ret, head_tr, head_fwd = (fac["fsdp_head"] * x for x in head)
         pending = np.zeros((len(self.lora.slots), n))

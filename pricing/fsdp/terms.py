@@ -95,7 +95,8 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
     larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh; qk-norm's fp32 copies and
     rsqrt 4Q + 4KV + 4 heads) and the attention's
-    (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
+    (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh; qk-norm 6Q + 6KV, eager's 4Q + 4KV + 4
+    heads); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
     6r. flash_attention_2's attention branch is `flash_attention_backward_per_row`.
     Returns (MLP, attention): the S x S terms sit at the attention's point only. Docs: docs/memory-model.md#fsdp-layer."""
@@ -164,8 +165,9 @@ def flash_per_sequence(w: Widths) -> float:
 
 
 def flash_head_credit(w: Widths) -> float:
-    """What the head's backward point holds below its charges under flash_attention_2, per row
-    (#fsdp-attention): at its peak (log_softmax's backward: its kept output, NLL's and its own
+    """What the head's backward point holds below its charges, per row, for transformers' loss
+    without Ulysses under every attention (flash's anatomy, and set 1's sdpa one: the head's peak is
+    the same program; #fsdp-attention): at its peak (log_softmax's backward: its kept output, NLL's and its own
     fp32 gradients, 12V) the gradient into the last layer (2H, charged there by the walk) is not
     made yet; it is made after the fp32 gradients are freed (beside the bf16 logits' gradient,
     2V), so the credit holds while that moment and the final norm's backward (about 18H) stay
@@ -506,8 +508,8 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     """A family's additions (#fsdp-families): Gemma's two extra (post) RMSNorms, each keeping
     its fp32 input (4H + 4; their backward's fp32 temporaries come before the MLP's gradients
     are in flight); one packed-row mask per attention kind (sliding and full layers: two);
-    Gemma 2's attention soft-cap under eager (without checkpointing the tanh and product outputs
-    per head at the attention's point, 4 nh, and the tanh output kept, 2 nh; with checkpointing
+    Gemma 2's attention soft-cap under eager (without checkpointing the tanh output kept, 2 nh,
+    its backward after the softmax's S x S gradients are freed: nothing at the point; with checkpointing
     the recomputed tanh output beside the softmax's backward, 2 nh: the forward's soft-cap
     temporaries die before its softmax, within the base terms), and the recomputed tanh output
     kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
