@@ -62,7 +62,11 @@ def test_head_credit_only_for_vocabularies_of_at_least_2h():
     assert terms.flash_head_credit(small) == 0.0
     flash = _model(dict(BASE, model_type="llama")).charges.walk
     sdpa = _model(dict(BASE, model_type="llama"), attn="sdpa").charges.walk
-    assert flash.head_transient == sdpa.head_transient - 2 * 128
+    eager = _model(dict(BASE, model_type="llama"), attn="eager").charges.walk
+    # the same head program under every attention (sdpa's anatomy too): the same credit
+    assert flash.head_transient == sdpa.head_transient == eager.head_transient
+    head = terms.head_per_row(w, final_softcap=False)[1]
+    assert sdpa.head_transient == head - 2 * 128
 
 
 def test_gemma3_carries_no_factor():
