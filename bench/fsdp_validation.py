@@ -271,7 +271,7 @@ FSDPFLASH_CLASSES = {
     23: [("gemma3_text", True, "eager", 2), ("gemma2", True, "eager", 2), ("gemma2", False, "eager", 2),
          ("gemma3_text", False, "eager", 4), ("gemma3_text", False, "sdpa", 2), ("phi3", False, "eager", 2),
          ("llama", False, "sdpa", 2), ("llama", True, "sdpa", 2), ("qwen3", True, "sdpa", 1)],
-    26: [("llama", True, "sdpa", 2), ("qwen3", True, "sdpa", 2)],
+    26: [("llama", True, "sdpa", 2), ("qwen3", True, "sdpa", 2), ("llama", False, "sdpa", 2)],
 }
 
 
