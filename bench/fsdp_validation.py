@@ -23,11 +23,14 @@ the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
 (`use_remove_padding=False`), priced by a bound (every sequence at the step's longest). Set 22
 (fsdpmoe3) holds out the MoE points read from bench/fsdp_moe_anatomy.py's timelines: its first
 pricing had one cell under, fixed from its anatomies with one more, so it is held out for the
-rest only (docs/memory-model.md#fsdp-moe-points).
+rest only (docs/memory-model.md#fsdp-moe-points). Set 26 (fsdpdense2) traced the masked GQA
+recompute of checkpointed sdpa layers (its packed cell priced 9% under before
+`sdpa_recompute_backward_per_row`; tuned on); set 23 holds out fsdpdense2's final dense
+sdpa/eager terms (docs/memory-model.md#fsdp-dense-points).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21|22] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-23|26] [--classes N]
 """
 
 from __future__ import annotations
@@ -240,6 +243,32 @@ SETS[22] = (FAMILIES22, WAVES22, LORA_RANK22)
 # mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
 PADDED_SETS = frozenset({21})
+# set 23 (fsdpdense2): held out, traced after the eager and sdpa terms of fsdpdense2 were final
+# (eager's forward and softmax-backward points, the masked GQA recompute, Gemma 3 unfactored):
+# hidden 224, 3 layers, 8 heads over 2 kv heads, vocabulary 896, rank 12, FSDP1, 2 and 4
+_BASE23 = dict(hidden_size=224, intermediate_size=576, num_hidden_layers=3, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=32, vocab_size=896)
+FAMILIES23 = {
+    "llama": dict(_BASE23, model_type="llama", tie_word_embeddings=False),
+    "qwen3": dict(_BASE23, model_type="qwen3", num_attention_heads=10, tie_word_embeddings=False),
+    "phi3": dict(_BASE23, model_type="phi3", tie_word_embeddings=False, sliding_window=None,
+                 pad_token_id=0),
+    "gemma2": dict(_BASE23, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=128,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE23, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=128,
+                        tie_word_embeddings=True),
+}
+SETS[23] = (FAMILIES23, [(208, 120, 56), (384,)], 12)
+# set 26 (fsdpdense2): the masked GQA recompute of dense checkpointed sdpa layers (many query
+# heads a key/value head, packed rows, a small vocabulary: the attention's backward binds), traced
+# to read what the kernel's backward holds; tuned on
+_BASE26 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=16,
+               num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=False)
+FAMILIES26 = {
+    "llama": dict(_BASE26, model_type="llama"),
+    "qwen3": dict(_BASE26, model_type="qwen3", num_attention_heads=12),
+}
+SETS[26] = (FAMILIES26, [(160, 96, 64), (320,)], 8)
 FSDPFLASH_CLASSES = {
     15: [("qwen2", True, "flash", 1), ("llama", False, "flash", 1), ("phi3", True, "flash", 2),
          ("gemma3_text", True, "flash", 2), ("qwen3", True, "flash", 2), ("gemma2", False, "flash", 2),
@@ -261,6 +290,10 @@ FSDPFLASH_CLASSES = {
          ("mixtral", True, "eager", 1), ("qwen3_moe", True, "eager", 4), ("mixtral", False, "sdpa", 2),
          ("qwen3_moe", True, "sdpa", 1), ("mixtral", True, "sdpa", 2), ("qwen3_moe", False, "eager", 2),
          ("mixtral", False, "eager", 4)],
+    23: [("gemma3_text", True, "eager", 2), ("gemma2", True, "eager", 2), ("gemma2", False, "eager", 2),
+         ("gemma3_text", False, "eager", 4), ("gemma3_text", False, "sdpa", 2), ("phi3", False, "eager", 2),
+         ("llama", False, "sdpa", 2), ("llama", True, "sdpa", 2), ("qwen3", True, "sdpa", 1)],
+    26: [("llama", True, "sdpa", 2), ("qwen3", True, "sdpa", 2), ("llama", False, "sdpa", 2)],
 }
 
 
@@ -360,7 +393,9 @@ def table() -> str:
                         ("set 15 (flash final: held out)", lambda c: c.startswith("set15:")),
                         ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:")),
                         ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:")),
-                        ("set 22 (MoE final: held out, then fixed)", lambda c: c.startswith("set22:"))):
+                        ("set 22 (MoE final: held out, then fixed)", lambda c: c.startswith("set22:")),
+                        ("set 23 (dense sdpa/eager final: held out)", lambda c: c.startswith("set23:")),
+                        ("set 26 (dense masked GQA recompute: tuned on)", lambda c: c.startswith("set26:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -391,7 +426,9 @@ def scatter() -> None:
                                   ("set 15 (flash final: held out)", "set15:", "*"),
                                   ("set 20 (sdpa masked, no cache: held out)", "set20:", "p"),
                                   ("set 21 (padded rows: a bound)", "set21:", "d"),
-                                  ("set 22 (MoE final: held out, then fixed)", "set22:", "8")):
+                                  ("set 22 (MoE final: held out, then fixed)", "set22:", "8"),
+                                  ("set 23 (dense final: held out)", "set23:", "1"),
+                                  ("set 26 (GQA recompute: tuned on)", "set26:", "2")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

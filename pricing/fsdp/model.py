@@ -53,12 +53,11 @@ BOUND_SCALE = 1.25
 # factor fitted to their own CPU traces (bench/fsdp_validation.py set 3: the least factor that
 # covers every cell with a 0.5% margin, never below 1), held out on set 4
 # (bench/results/fsdp_validation.txt)
-FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.086, "gemma3_text": 1.086, "phi3": 1.0,
+FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.0, "gemma3_text": 1.0, "phi3": 1.0,
                                      "qwen3_moe": 1.0, "mixtral": 1.0}
-# Gemma 3's factor covers its set-3 eager cell with checkpointing at the attention's forward S x S
-# point (1.5% under at 1); flash_attention_2 has no S x S point: under flash Gemma 3's layer
-# terms carry no factor (sets 10 and 11: 0 under at 1)
-FLASH_UNFACTORED = frozenset({"gemma3", "gemma3_text"})
+# Gemma 3 carried 1.086 for its set-3 eager cell with checkpointing at the attention's forward
+# S x S point; eager's points read from set 4's anatomies (`terms.eager_forward_quadratic`,
+# #fsdp-attention) price every Gemma 3 cell at or above its trace at 1 (set 23 held out)
 # fitted families whose traces stay off the validation target (median <= 3%, worst <= 10% over):
 # priced on their terms, basis conservative with the reason
 _MOE_OVER = ("priced at each layer's attention, MLP and recomputed-MLP points apart (0 under its "
@@ -75,13 +74,9 @@ MOE_EVIDENCE: frozenset[tuple[str, bool, str]] = frozenset({("mixtral", True, "s
 # MoE families whose routing weights stay fp32 (Mixtral's softmax in fp32, not cast back): the
 # weighted expert outputs and their gradients are fp32 (set 8's anatomy, #fsdp-moe-points)
 MOE_FP32_WEIGHTS = frozenset({"mixtral"})
-# Gemma under eager attention: never under its traces, but with medians above 3% (sets 3, 4, 8),
-# off the target
-_GEMMA_EAGER = ("{} with eager attention: priced up to {} above its CPU traces (a layer's "
-                "forward point charges the per-head S x S terms of its backward)")
-EAGER_GAPS: dict[str, str] = {"gemma2": _GEMMA_EAGER.format("Gemma 2", "8%"),
-                              "gemma3": _GEMMA_EAGER.format("Gemma 3", "10%"),
-                              "gemma3_text": _GEMMA_EAGER.format("Gemma 3", "10%")}
+# Gemma under eager attention is evidence: its held-out set-23 classes meet the target (0 under,
+# medians +1.5-1.6%, bench/results/fsdp_validation.txt) since eager's points were read from
+# anatomies (#fsdp-dense-points)
 
 # flash_attention_2: transformers' own flash path traced on the CPU with flash-attn 2's kernels
 # replaced by their allocation model (`measure/hf_flash.py`; bench/fsdp_validation.py sets 10
@@ -198,8 +193,6 @@ class FsdpPricingModel(PricingModel):
         lay = self.fsdp_layout
         if mt in FITTED_GAPS and not ((mt, lay.checkpointing, lay.attn) in MOE_EVIDENCE and lay.fsdp > 1):
             gaps.append(FITTED_GAPS[mt])
-        if mt in EAGER_GAPS and self.fsdp_layout.attn == "eager":
-            gaps.append(EAGER_GAPS[mt])
         if self.fsdp_layout.attn == "flash":
             why = FLASH_ULYSSES if lay.ulysses > 1 else flash_gap(mt, lay.checkpointing, lay.fsdp)
             if why:
@@ -244,10 +237,10 @@ class FsdpPricingModel(PricingModel):
     @property
     def bound_scale(self) -> float:
         """The factor on the layer terms: 1 for the families the terms count tensor by tensor,
-        the fitted factor of a `FITTED_FAMILIES` family (1 under flash for `FLASH_UNFACTORED`),
-        `BOUND_SCALE` for a family no trace covers."""
+        the fitted factor of a `FITTED_FAMILIES` family, `BOUND_SCALE` for a family no trace
+        covers."""
         mt = model_type_of(self.geometry)
-        if mt in EVIDENCE_FAMILIES or (self.fsdp_layout.attn == "flash" and mt in FLASH_UNFACTORED):
+        if mt in EVIDENCE_FAMILIES:
             return 1.0
         return FITTED_FAMILIES.get(mt, BOUND_SCALE)
 
@@ -296,6 +289,13 @@ class FsdpPricingModel(PricingModel):
                            + kept_q * s)
         f_mlp, f_att = terms.layer_forward_per_row(w, qk_norm=qk)
         b_mlp, b_att = terms.layer_backward_per_row(w, checkpointing=ckpt, qk_norm=qk, attn=lay.attn)
+        if lay.attn == "sdpa" and ckpt and sp == 1:
+            # the recomputed sdpa kernel's backward, with k/v repeated per query head on a masked
+            # GQA call (`terms.sdpa_recompute_backward_per_row`), and those repeats kept through
+            # a dense layer's MLP backward (`terms.sdpa_recompute_repeats_per_row`)
+            b_att = max(b_att, terms.sdpa_recompute_backward_per_row(w, masked=masked, qk_norm=qk))
+            if g.moe is None:
+                b_mlp += terms.sdpa_recompute_repeats_per_row(w, masked=masked)
         # veRL's all-to-all around the attention kernel, both passes: what is live beside the
         # S x S terms, and what only instead of them (`ulysses.attention_points`)
         (f_a2a, f_alone), (b_a2a, b_alone) = ulysses.attention_points(w, sp, lay.attn)
@@ -303,12 +303,37 @@ class FsdpPricingModel(PricingModel):
         b_att += b_a2a
         f_quad = max(point_q_att * s, scale * f_alone)
         b_quad = max(point_q_att * s, scale * b_alone)
+        eager = lay.attn == "eager" and sp == 1
+        if eager:
+            # eager's forward point: the scores, softmax output and probabilities, plus a
+            # family's own kept soft-cap output (`terms.eager_forward_quadratic`)
+            f_quad = fa * (terms.eager_forward_quadratic(w) + add.kept_q) * s
         # a layer's points: its attention's (with the S x S terms) and its MLP's, which under
         # checkpointing also holds what the recomputed attention keeps for its backward
         # (#fsdp-moe-points); a dense layer is charged the larger of the two at one point
         ng_att = scale * (f_att + add.forward) + f_quad
         ng_mlp = scale * (f_mlp + add.forward)
-        ws_att = scale * (b_att + add.backward) + b_quad
+        # eager's softmax backward runs after the sandwich norms' backward (their temporaries
+        # at the MLP's point only)
+        ws_att = scale * (b_att + (0.0 if eager else add.backward)) + b_quad
+        if eager and not ckpt and g.moe is None:
+            # without checkpointing the layer's MLP, norms and output projection have released
+            # what they kept before its softmax backward: the point holds the attention's kept
+            # tensors (`terms.eager_attention_kept_per_row`), the larger of the softmax
+            # backward's moment and the q/k/v gradients' after it (`layer_backward_per_row`)
+            own = (terms.layer_retained_per_row(w, checkpointing=False, qk_norm=qk, attn=lay.attn)
+                   + add.retained)
+            released = own - terms.eager_attention_kept_per_row(w, qk_norm=qk)
+            ws_att = max(scale * (terms.eager_softmax_backward_per_row(w) - released) + b_quad,
+                         scale * (b_att - released))
+        if qk and lay.attn in ("sdpa", "eager") and sp == 1:
+            # the query norm's fp32 backward, after the attention kernel's S x S terms are
+            # released (`terms.qk_norm_backward_per_row`; without checkpointing beside the
+            # layer's kept tensors, less what eager's point finds released)
+            qk_point = terms.qk_norm_backward_per_row(w, checkpointing=ckpt)
+            if eager and not ckpt and g.moe is None:
+                qk_point -= released
+            ws_att = max(ws_att, scale * qk_point)
         rc_q = fa * (terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt) + add.recompute_q)
         if sp > 1:   # the whole row's mask per rank row, as the layer points' (`ulysses.quadratic_scale`)
             rc_q *= ulysses.quadratic_scale(lay.attn, sp)[2]
@@ -344,7 +369,7 @@ class FsdpPricingModel(PricingModel):
         verl_const = 0.0
         if lay.head != "transformers":   # veRL's log-probs and entropy (`fsdp.verl_head`)
             *head, verl_const = verl_head.head_per_row(w, lay.head, gpu=verl_head.gpu_dtypes(self.table))
-        if flash and lay.head == "transformers":   # the input gradient is not made at its peak
+        if lay.head == "transformers" and sp == 1:   # the input gradient is not made at its peak (any attn)
             head = (head[0], head[1] - terms.flash_head_credit(w), head[2])
         head_ret, head_tr, head_fwd = (fac["fsdp_head"] * x for x in head)
         pending = np.zeros((len(self.lora.slots), n))

@@ -95,7 +95,8 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     checkpointing the recomputed layer's saved tensors plus the gradients in flight, at the
     larger of the MLP's backward (12F + 12H + 4Q + 4KV + 12r + 4nh; qk-norm's fp32 copies and
     rsqrt 4Q + 4KV + 4 heads) and the attention's
-    (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh); without, the gradients in flight only (the saved tensors are in
+    (8H + 8Q + 4KV + 8nh + 12r; eager 6H + 6Q + 8r + 4nh; qk-norm 6Q + 6KV, eager's 4Q + 4KV + 4
+    heads); without, the gradients in flight only (the saved tensors are in
     `layer_retained_per_row`): the MLP's 6F + 6H + 6r or the attention's 6Q + 6KV + 4H + 4nh +
     6r. flash_attention_2's attention branch is `flash_attention_backward_per_row`.
     Returns (MLP, attention): the S x S terms sit at the attention's point only. Docs: docs/memory-model.md#fsdp-layer."""
@@ -108,7 +109,10 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
         else:
             att = 8 * w.H + 8 * w.Q + 4 * w.KV + 8 * w.nh + 12 * w.r
         if qk_norm:
-            att += 6 * w.Q + 6 * w.KV
+            # eager's softmax backward: the recomputed q/k norms' fp32 inputs and rsqrt (set 4's
+            # gemma3_text anatomy); sdpa's kernel backward also holds their outputs
+            att += (4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd) if attn == "eager"
+                    else 6 * w.Q + 6 * w.KV)
             # the recomputed q/k norms' fp32 inputs and rsqrt stay to the attention's backward
             # (set 10's qwen3 flash cells, bound at the MLP: 3.9% under without them)
             mlp += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
@@ -161,8 +165,9 @@ def flash_per_sequence(w: Widths) -> float:
 
 
 def flash_head_credit(w: Widths) -> float:
-    """What the head's backward point holds below its charges under flash_attention_2, per row
-    (#fsdp-attention): at its peak (log_softmax's backward: its kept output, NLL's and its own
+    """What the head's backward point holds below its charges, per row, for transformers' loss
+    without Ulysses under every attention (flash's anatomy, and set 1's sdpa one: the head's peak is
+    the same program; #fsdp-attention): at its peak (log_softmax's backward: its kept output, NLL's and its own
     fp32 gradients, 12V) the gradient into the last layer (2H, charged there by the walk) is not
     made yet; it is made after the fp32 gradients are freed (beside the bf16 logits' gradient,
     2V), so the credit holds while that moment and the final norm's backward (about 18H) stay
@@ -304,31 +309,28 @@ def attention_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> tuple[f
     return 0.0, 0.0, 0.0
 
 
-def sdpa_masked_retained_per_row(w: Widths, *, checkpointing: bool, moe: bool = False) -> float:
+def sdpa_masked_retained_per_row(w: Widths, *, checkpointing: bool) -> float:
     """What a layer keeps per row beyond `layer_retained_per_row` when transformers' sdpa runs
     with a packed-row mask, without checkpointing (#fsdp-attention): with a mask transformers
     hands the kernel no GQA (`use_gqa_in_sdpa`) but repeats the key and value to every query
     head (`repeat_kv`), and the kernel keeps the repeats (4Q) in place of the rotated key and
     the value (4KV). One key/value head repeats as a view (its expand and reshape copy nothing),
     nor does a model without GQA. With checkpointing the recomputed layer's backward terms hold
-    them. A MoE model (`moe`) is charged the repeats whatever its key/value heads: its corrected
-    trace with one key/value head (bench/fsdp_validation.py set 6, qwen3_moe without
-    checkpointing at FSDP4) priced 0.5% under without them, a shortfall of its MoE block's
-    per-row terms this covers. Docs: docs/memory-model.md#fsdp-attention."""
-    if checkpointing or w.KV >= w.Q or (w.KV <= w.hd and not moe):
+    them. Docs: docs/memory-model.md#fsdp-attention."""
+    if checkpointing or w.KV >= w.Q or w.KV <= w.hd:
         return 0.0
     return 4 * w.Q - 4 * w.KV
 
 
-def sdpa_mask_held_to_backward(*, attn: str, checkpointing: bool, moe: bool = False) -> bool:
+def sdpa_mask_held_to_backward(*, attn: str, checkpointing: bool) -> bool:
     """Whether transformers' packed-row mask lives from the model's forward to its backward
-    (#fsdp-attention): under checkpointing every layer's recompute takes it as an input, and
-    eager's always-built mask is charged so (its traces); without checkpointing sdpa's bool
-    mask dies when the decoder's forward returns (the kernel keeps its own converted copy per
-    layer, `ulysses.kept_mask_per_row`), so it is charged at the layers' forward points only;
-    a MoE model (`moe`) keeps the charge to the backward (its per-row terms run short, as in
-    `sdpa_masked_retained_per_row`). Docs: docs/memory-model.md#fsdp-attention."""
-    return checkpointing or attn != "sdpa" or moe
+    (#fsdp-attention): under checkpointing every layer's recompute takes it as an input;
+    without checkpointing sdpa's bool mask and eager's additive one die when the decoder's
+    forward returns (sdpa's kernel keeps its own converted copy per layer,
+    `ulysses.kept_mask_per_row`; eager's `add` saves neither input: set 4's gemma3_text
+    anatomy), so they are charged at the layers' forward points only. Docs:
+    docs/memory-model.md#fsdp-attention."""
+    return checkpointing or attn not in ("sdpa", "eager")
 
 
 def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> float:
@@ -344,6 +346,79 @@ def recompute_kept_quadratic(w: Widths, *, attn: str, checkpointing: bool) -> fl
     if attn == "sdpa":
         return 2.0
     return 0.0
+
+
+def sdpa_recompute_backward_per_row(w: Widths, *, masked: bool, qk_norm: bool) -> float:
+    """What a checkpointed layer's sdpa kernel backward holds per row (#fsdp-attention): the
+    rotated query, the output, its gradient and the query's (8Q), the key and value as the
+    kernel took them and their gradients, the fp32 log-sum-exp (4 nh), the recomputed input
+    norm's fp32 input, output and rsqrt (6H + 4) and the q/k/v LoRA A outputs (6r); on a masked
+    call under GQA transformers repeats k and v to every query head (`repeat_kv`): kept as
+    copies (4Q; a view for one key/value head, 4KV) and their gradients Q-wide (4Q), else 4KV
+    each (set 26's llama anatomy: the whole point to the byte); qk-norm adds the recomputed
+    norms' copies (6Q + 6KV). Docs: docs/memory-model.md#fsdp-attention."""
+    gqa = masked and w.KV < w.Q
+    kept = 4 * w.Q if gqa and w.KV > w.hd else 4 * w.KV
+    grads = 4 * w.Q if gqa else 4 * w.KV
+    out = 8 * w.Q + kept + grads + FP32 * w.nh + 6 * w.H + FP32 + 6 * w.r
+    if qk_norm:
+        out += 6 * w.Q + 6 * w.KV
+    return out
+
+
+def sdpa_recompute_repeats_per_row(w: Widths, *, masked: bool) -> float:
+    """What a checkpointed layer's recomputed sdpa attention keeps per row through its MLP's
+    backward above the MLP backward term's 4KV: on a masked call under GQA the key and value
+    repeated to every query head (4Q - 4KV; none for one key/value head, a view), as
+    `recompute_repeated_kv_per_row` at a MoE layer's recompute point (set 26's llama anatomy).
+    Docs: docs/memory-model.md#fsdp-attention."""
+    return 4 * w.Q - 4 * w.KV if masked and w.hd < w.KV < w.Q else 0.0
+
+
+def qk_norm_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """A qk-norm layer's query-norm backward, per row (#fsdp-attention): after the attention
+    kernel's backward the norm runs its backward in fp32, six Q-wide fp32 tensors at once (the
+    upcast gradient, the products with the normalized input and with rsqrt, pow's and the mean's
+    gradients, the fp32 input: 24Q), beside the gradient into the q/k/v projections' input (2H)
+    and the rsqrt (4 nh); with checkpointing also the recomputed input norm's fp32 input, output
+    and rsqrt (6H + 4) and the q/k/v LoRA A outputs (6r); without, beside the layer's kept
+    tensors, which hold the fp32 input (20Q). Set 26's qwen3 one-sequence anatomy (8.8% under
+    without it). Docs: docs/memory-model.md#fsdp-attention."""
+    if checkpointing:
+        return 24 * w.Q + 8 * w.H + FP32 * w.nh + 6 * w.r + FP32
+    return 20 * w.Q + 2 * w.H + FP32 * w.nh
+
+
+def eager_forward_quadratic(w: Widths) -> float:
+    """Bytes per (row x attention row) at an eager layer's forward point beyond what earlier
+    layers keep (#fsdp-attention): as `softmax(dtype=float32)` runs, the masked bf16 scores, their
+    fp32 copy and the fp32 softmax output (10 nh) are live; the bf16 probabilities are made after
+    the copy dies, the matmul and soft-cap temporaries before them die one op later (set 4's
+    Gemma anatomies). A family's own kept soft-cap output (`FamilyAdds.kept_q`) adds to it.
+    Docs: docs/memory-model.md#fsdp-attention."""
+    return 10 * w.nh
+
+
+def eager_attention_kept_per_row(w: Widths, *, qk_norm: bool) -> float:
+    """What a layer without checkpointing still keeps per row as its eager attention's softmax
+    backward runs (#fsdp-attention): its MLP, pre-MLP norm, output projection and sandwich norms
+    have run their backward and released theirs; left are the input norm's fp32 input, bf16
+    output and rsqrt (6H + 4), the rotated query and the repeated key the scores' matmul saved
+    (2Q + 2Q), the q/k/v LoRA A outputs (6r) and, with qk-norm, its fp32 inputs and rsqrt
+    (4Q + 4KV + 4 nh + 4 kv heads); its fp32 softmax output is in `attention_quadratic`'s kept
+    term (set 4's gemma3_text anatomy). Docs: docs/memory-model.md#fsdp-attention."""
+    out = 6 * w.H + FP32 + 4 * w.Q + 6 * w.r
+    if qk_norm:
+        out += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
+    return out
+
+
+def eager_softmax_backward_per_row(w: Widths) -> float:
+    """What an eager attention's softmax backward holds per row beside the S x S terms and the
+    layer's input gradient, without checkpointing (#fsdp-attention): the repeated value's
+    gradient from the probabilities' matmul (2Q); the query/key/value gradients come after the
+    S x S gradients are released (`layer_backward_per_row`). Docs: docs/memory-model.md#fsdp-attention."""
+    return BF16 * w.Q
 
 
 # --- parameters (counts; FSDP2 gathers them in bf16) ---------------------------------------
@@ -479,8 +554,8 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     """A family's additions (#fsdp-families): Gemma's two extra (post) RMSNorms, each keeping
     its fp32 input (4H + 4; their backward's fp32 temporaries come before the MLP's gradients
     are in flight); one packed-row mask per attention kind (sliding and full layers: two);
-    Gemma 2's attention soft-cap under eager (without checkpointing the tanh and product outputs
-    per head at the attention's point, 4 nh, and the tanh output kept, 2 nh; with checkpointing
+    Gemma 2's attention soft-cap under eager (without checkpointing the tanh output kept, 2 nh,
+    its backward after the softmax's S x S gradients are freed: nothing at the point; with checkpointing
     the recomputed tanh output beside the softmax's backward, 2 nh: the forward's soft-cap
     temporaries die before its softmax, within the base terms), and the recomputed tanh output
     kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
@@ -504,7 +579,7 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}
     if attn == "eager" and f.attention_softcap:
         kept_q += 0.0 if checkpointing else 2 * w.nh
-        point_q += 2 * w.nh if checkpointing else 4 * w.nh
+        point_q += 2 * w.nh if checkpointing else 0.0
         recompute_q += 2 * w.nh if checkpointing else 0.0
     return FamilyAdds(retained=retained, forward=forward, backward=backward, masks=len(kinds),
                       kept_q=kept_q, point_q=point_q, recompute_q=recompute_q, mlp_backward=mlp_backward)
