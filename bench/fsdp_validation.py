@@ -24,7 +24,7 @@ the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21|24|25] [--classes N]
 """
 
 from __future__ import annotations
@@ -222,6 +222,29 @@ SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
 # mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
 PADDED_SETS = frozenset({21})
+# set 24 (fsdpflash3): the flash terms after the accumulator rows moved to the attention's backward
+# point, FSDP1's own-shard step and phi3's fused q/k/v per packed sequence, traced before those
+# terms were priced on it: hidden 208, 3 layers, 6 heads over 3 kv heads (qwen3 4:4, head_dim
+# 48), vocabulary 832, rank 16, four packed sequences and one long one, FSDP 1, 2 and 4 (held out)
+_BASE24 = dict(hidden_size=208, intermediate_size=576, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=3, head_dim=32, vocab_size=832, tie_word_embeddings=False)
+FAMILIES24 = {
+    "llama": dict(_BASE24, model_type="llama"),
+    "qwen2": dict(_BASE24, model_type="qwen2", intermediate_size=544),
+    "qwen3": dict(_BASE24, model_type="qwen3", num_attention_heads=4, num_key_value_heads=4, head_dim=48),
+    "mistral": dict(_BASE24, model_type="mistral", sliding_window=None, vocab_size=704),
+    "gemma2": dict(_BASE24, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=352,
+                   tie_word_embeddings=True),
+    "phi3": dict(_BASE24, model_type="phi3", sliding_window=None, pad_token_id=0),
+    "gemma3_text": dict(_BASE24, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=352,
+                        tie_word_embeddings=True),
+}
+WAVES24 = [(352, 224, 128, 72), (608,)]
+LORA_RANK24 = 16
+SETS[24] = (FAMILIES24, WAVES24, LORA_RANK24)
+# set 25 (fsdpflash3): the MoE families under flash_attention_2 (flash's terms beside the MoE
+# points), set 6's shapes: what the flash-specific terms were checked on, not held out
+SETS[25] = (FAMILIES6, WAVES6, LORA_RANK6)
 FSDPFLASH_CLASSES = {
     15: [("qwen2", True, "flash", 1), ("llama", False, "flash", 1), ("phi3", True, "flash", 2),
          ("gemma3_text", True, "flash", 2), ("qwen3", True, "flash", 2), ("gemma2", False, "flash", 2),
@@ -239,6 +262,13 @@ FSDPFLASH_CLASSES = {
          ("phi3", False, "eager", 4)],
     20: [("llama", False, "sdpa", 2), ("qwen2", False, "sdpa", 4)],
     21: [("llama", False, "sdpa", 2), ("qwen3", True, "eager", 2)],
+    24: [("qwen2", True, "flash", 1), ("llama", True, "flash", 1), ("mistral", True, "flash", 2),
+         ("phi3", True, "flash", 2), ("qwen3", True, "flash", 2), ("phi3", False, "flash", 2),
+         ("gemma2", True, "flash", 2), ("llama", True, "flash", 2), ("qwen2", False, "flash", 1),
+         ("mistral", False, "flash", 4), ("phi3", True, "flash", 4), ("qwen3", False, "flash", 4),
+         ("gemma3_text", True, "flash", 2), ("gemma3_text", True, "flash", 1)],
+    25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
+         ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }
 
 
@@ -337,7 +367,9 @@ def table() -> str:
                         ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
                         ("set 15 (flash final: held out)", lambda c: c.startswith("set15:")),
                         ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:")),
-                        ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:"))):
+                        ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:")),
+                        ("set 24 (flash, fsdpflash3: held out)", lambda c: c.startswith("set24:")),
+                        ("set 25 (MoE with flash)", lambda c: c.startswith("set25:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -367,7 +399,9 @@ def scatter() -> None:
                                   ("set 12 (dense FSDP4: held out)", "set12:", "x"),
                                   ("set 15 (flash final: held out)", "set15:", "*"),
                                   ("set 20 (sdpa masked, no cache: held out)", "set20:", "p"),
-                                  ("set 21 (padded rows: a bound)", "set21:", "d")):
+                                  ("set 21 (padded rows: a bound)", "set21:", "d"),
+                                  ("set 24 (flash, fsdpflash3: held out)", "set24:", "8"),
+                                  ("set 25 (MoE with flash)", "set25:", "H")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

@@ -25,6 +25,7 @@ from ..kernel_set import Framework
 from ..model import PricingModel, common_fields
 from ..parallel import ParallelLayout, RecomputeMode
 from ..walk import (
+    ATTN_BACKWARD_SEGMENT,
     LAYER_BACKWARD,
     MLP_BACKWARD,
     MLP_FORWARD,
@@ -431,11 +432,12 @@ class FsdpPricingModel(PricingModel):
         start *= fac["fsdp_constants"]
         zeros = np.zeros(n)
         # flash-attn's varlen backward pads its accumulators by 128 rows per sequence: a charge per
-        # segment (one per sequence in an unshared step) at the layers' points, which the walk
-        # carries in its per-segment column (reported under gdn_states)
-        per_seq = np.full(n, scale * terms.flash_per_sequence(w) / sp if lay.attn == "flash" else 0.0)
+        # segment (one per sequence in an unshared step) at each layer's attention backward point
+        # only, where its backward allocates them (reported under gdn_states, #fsdp-flash-steps)
+        if flash:
+            mlp_points[ATTN_BACKWARD_SEGMENT] = scale * terms.flash_per_sequence(w) / sp
         walk = WalkCharges(
-            retained=retained, workspace=workspace, nograd=nograd, gdn_state=per_seq,
+            retained=retained, workspace=workspace, nograd=nograd, gdn_state=zeros.copy(),
             pending=pending, input_grad=fac["fsdp_layer"] * terms.input_gradient_per_row(w),
             head_retained=head_ret, head_transient=head_tr, head_const=head_const,
             caller=fac["fsdp_head"] * (ulysses.caller_per_row(float(terms.CALLER_PER_ROW), sp) if sp > 1

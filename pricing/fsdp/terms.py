@@ -124,13 +124,27 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     return mlp, att
 
 
+def flash_head_rounded(d: int) -> int:
+    """flash-attn 2's head_size_rounded (`mha_varlen_bwd`'s dq accumulator width): d rounded up
+    to a multiple of 8, then of 32 up to 192, else 256. Docs: docs/memory-model.md#fsdp-attention."""
+    d8 = -(-int(d) // 8) * 8
+    return -(-d8 // 32) * 32 if d8 <= 192 else 256
+
+
+def flash_accumulator_width(w: Widths) -> float:
+    """The fp32 dq accumulator's bytes per row: nh x head_size_rounded x 4 (4Q when the head
+    dim is a multiple of 32). Docs: docs/memory-model.md#fsdp-attention."""
+    return FP32 * w.nh * flash_head_rounded(int(w.hd))
+
+
 def flash_backward_per_row(w: Widths) -> float:
     """What flash-attn 2's backward allocates per row (#fsdp-attention; `mha_varlen_bwd` /
-    `mha_bwd`): dq, dk, dv (2Q + 4KV), the fp32 dq accumulator [total_q + 128 b, nh, hd] (4Q) and
-    softmax sums [nh, total_q + 128 b] (4nh), under GQA dk and dv expanded to every query head
-    [total_k, nh, hd] (4Q); the 128 rows a sequence are `flash_per_sequence`. Docs: docs/memory-model.md#fsdp-attention."""
+    `mha_bwd`): dq, dk, dv (2Q + 4KV), the fp32 dq accumulator [total_q + 128 b, nh,
+    head_size_rounded] (`flash_accumulator_width`) and softmax sums [nh, total_q + 128 b] (4nh),
+    under GQA dk and dv expanded to every query head [total_k, nh, hd] (4Q); the 128 rows a
+    sequence are `flash_per_sequence`. Docs: docs/memory-model.md#fsdp-attention."""
     gqa = 4 * w.Q if w.KV < w.Q else 0.0
-    return 6 * w.Q + 4 * w.KV + FP32 * w.nh + gqa
+    return 2 * w.Q + 4 * w.KV + flash_accumulator_width(w) + FP32 * w.nh + gqa
 
 
 def flash_attention_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool) -> float:
@@ -156,8 +170,9 @@ def flash_attention_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm:
 
 def flash_per_sequence(w: Widths) -> float:
     """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
-    in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention). Docs: docs/memory-model.md#fsdp-attention."""
-    return 128.0 * (4 * w.Q + FP32 * w.nh)
+    in dq_accum and softmax_d): 128 x (`flash_accumulator_width` + 4nh) bytes per packed
+    sequence, at the attention's backward point only (#fsdp-flash-steps). Docs: docs/memory-model.md#fsdp-attention."""
+    return 128.0 * (flash_accumulator_width(w) + FP32 * w.nh)
 
 
 def flash_head_credit(w: Widths) -> float:
