@@ -319,6 +319,8 @@ class FsdpPricingModel(PricingModel):
             nograd, workspace = np.full(n, ng_att), np.full(n, ws_att)
             mlp_points = np.zeros((MLP_ROWS, n))
             mlp_points[MLP_NOGRAD], mlp_points[MLP_WORKSPACE] = ng_mlp, ws_mlp
+            if flash and g.features.sandwich_norms and fitted:
+                mlp_points[MLP_WORKSPACE] += scale * terms.flash_sandwich_mlp_per_row(w, checkpointing=ckpt)
         else:
             nograd, workspace = np.full(n, max(ng_mlp, ng_att)), np.full(n, max(ws_mlp, ws_att))
         # the rotary tables and the packed-row mask are made once per forward and kept to the end

@@ -207,11 +207,21 @@ def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool) -> tuple[float, f
     """(kept per layer, at a layer's backward) per row for a fused q/k/v projection (phi3) under
     flash_attention_2 (#fsdp-attention): on a one-sequence row transformers hands flash-attn the
     value as a strided view of the fused output, which flash-attn saves, keeping the whole
-    output (2Q + 2KV above the value); with checkpointing 4Q + 2KV at the backward points,
-    fitted: set 10's phi3 cells needed 551 bytes a row (4Q + 2KV = 640). Docs: docs/memory-model.md#fsdp-attention."""
+    output (2Q + 2KV above the value); with checkpointing 4Q + 4KV at the backward points,
+    fitted: set 10's and set 15's one-sequence phi3 cells needed 728 bytes a row (4Q + 4KV =
+    768) once flash's accumulator rows left the MLP's point. Docs: docs/memory-model.md#fsdp-attention."""
     if checkpointing:
-        return 0.0, 4 * w.Q + 2 * w.KV
+        return 0.0, 4 * w.Q + 4 * w.KV
     return 2 * w.Q + 2 * w.KV, 0.0
+
+
+def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: what its fp32
+    backward holds at the MLP's backward point above `sandwich_backward_per_row` (the anatomy of
+    set 15's gemma3 cell: its kept product and three temporaries, 16H, beside the recomputed
+    MLP), 2H per row, fitted (set 15's gemma3 cells needed 0.5H once flash's accumulator rows
+    left the MLP's point). Docs: docs/memory-model.md#fsdp-flash-steps."""
+    return 2 * w.H if checkpointing else 0.0
 
 
 def moe_per_row(w: Widths) -> float:
