@@ -223,14 +223,15 @@ SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
 PADDED_SETS = frozenset({21})
 # set 24 (fsdpflash3): the flash terms after the accumulator rows moved to the attention's backward
-# point, FSDP1's own-shard step and phi3's fused q/k/v per packed sequence, traced before those
-# terms were priced on it: hidden 208, 3 layers, 6 heads over 3 kv heads (qwen3 4:4, head_dim
-# 48), vocabulary 832, rank 16, four packed sequences and one long one, FSDP 1, 2 and 4 (held out)
-_BASE24 = dict(hidden_size=208, intermediate_size=576, num_hidden_layers=3, num_attention_heads=6,
+# point (and the dq accumulator to flash-attn's rounded head size), traced before those terms
+# were priced on it: hidden 240, 3 layers, 6 heads over 3 kv heads (qwen3 4:4, head_dim
+# 48), vocabulary 832, rank 16, four packed sequences and one
+# long one, FSDP 1, 2 and 4 (held out); qwen2 at hidden 208 (transformers accepts it)
+_BASE24 = dict(hidden_size=240, intermediate_size=576, num_hidden_layers=3, num_attention_heads=6,
                num_key_value_heads=3, head_dim=32, vocab_size=832, tie_word_embeddings=False)
 FAMILIES24 = {
     "llama": dict(_BASE24, model_type="llama"),
-    "qwen2": dict(_BASE24, model_type="qwen2", intermediate_size=544),
+    "qwen2": dict(_BASE24, model_type="qwen2", hidden_size=208, intermediate_size=544),
     "qwen3": dict(_BASE24, model_type="qwen3", num_attention_heads=4, num_key_value_heads=4, head_dim=48),
     "mistral": dict(_BASE24, model_type="mistral", sliding_window=None, vocab_size=704),
     "gemma2": dict(_BASE24, model_type="gemma2", query_pre_attn_scalar=32, sliding_window=352,

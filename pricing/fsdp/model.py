@@ -89,6 +89,10 @@ FLASH_EVIDENCE: frozenset[tuple[str, bool]] = frozenset({
     ("gemma3", False), ("gemma3_text", False)})
 FLASH_UNTRACED = ("flash_attention_2 priced by its allocation model (flash-attn 2 source); no "
                   "flash trace of this family")
+# MoE families under flash: traced (set 25, flash's terms beside the MoE points), not held out
+FLASH_MOE = ("flash_attention_2 with a MoE family traced on the CPU (set 25: never under, up to 4.3% "
+             "above its traces), no held-out MoE flash set")
+FLASH_MOE_FAMILIES = frozenset({"qwen3_moe", "mixtral"})
 # families whose q/k/v projection is one fused linear (flash keeps its output on one-sequence rows)
 FLASH_FUSED_QKV = frozenset({"phi3"})
 FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model (flash-attn 2 "
@@ -119,6 +123,8 @@ LIGER_GAP = ("veRL use_liger: Liger's Triton RMSNorm, SwiGLU and RoPE priced as 
 def flash_gap(mt: str, checkpointing: bool, fsdp: int) -> str:
     """The reason a flash class is priced conservatively, or '' for an evidence class
     (`FLASH_EVIDENCE`; checkpointing at FSDP1 never is). O(1)."""
+    if mt in FLASH_MOE_FAMILIES:
+        return FLASH_MOE
     if checkpointing and fsdp == 1 and mt in FLASH_GAPS:
         return FLASH_FSDP1_CKPT
     if (mt, checkpointing) in FLASH_EVIDENCE:
