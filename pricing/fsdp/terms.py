@@ -217,11 +217,14 @@ def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool) -> tuple[float, f
 
 def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
     """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: what its fp32
-    backward holds at the MLP's backward point above `sandwich_backward_per_row` (the anatomy of
-    set 15's gemma3 cell: its kept product and three temporaries, 16H, beside the recomputed
-    MLP), 2H per row, fitted (set 15's gemma3 cells needed 0.5H once flash's accumulator rows
-    left the MLP's point). Docs: docs/memory-model.md#fsdp-flash-steps."""
-    return 2 * w.H if checkpointing else 0.0
+    backward holds at the MLP's backward point above `sandwich_backward_per_row`, per row.
+    Formula: 2H + max(0, 12H - 4F). Its backward is the MLP's first: its fp32 products and
+    temporaries (anatomies of sets 15 and 24: 20H above its kept input) run beside the
+    recomputed MLP's kept tensors (8F) before the MLP's gradients (4F more, which the MLP's
+    charge counts) exist, so that moment binds above the MLP's charge by 12H - 4F where the MLP
+    is narrow (F < 3H); 2H fitted (set 15's gemma3 cells needed 0.5H once flash's accumulator
+    rows left the MLP's point). Docs: docs/memory-model.md#fsdp-flash-steps."""
+    return 2 * w.H + max(0.0, 12 * w.H - 4 * w.F) if checkpointing else 0.0
 
 
 def moe_per_row(w: Widths) -> float:

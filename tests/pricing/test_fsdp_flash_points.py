@@ -6,6 +6,7 @@ prices are untouched; every committed flash trace is priced at or above its peak
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -97,11 +98,18 @@ def test_flash_basis_follows_the_held_out_classes():
     assert _model(llama, ckpt=False).basis == "evidence"
     assert _model(llama, ckpt=False, fsdp=1).basis == "evidence"
     assert _model(llama, ckpt=True, fsdp=4).basis == "evidence"
-    on = _model(dict(BASE, model_type="qwen3"), ckpt=True)
-    assert on.basis == "conservative" and any("checkpointing on" in r for r in on.gaps)
-    fsdp1 = _model(dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
-                        tie_word_embeddings=True), fsdp=1)
-    assert fsdp1.basis == "conservative" and any("FSDP1" in r for r in fsdp1.gaps)
+    # set 24 held out checkpointing at FSDP1 (llama, qwen2) and qwen3, mistral, phi3 with it
+    assert _model(llama, ckpt=True, fsdp=1).basis == "evidence"
+    assert _model(dict(BASE, model_type="qwen3"), ckpt=True).basis == "evidence"
+    phi3 = dict(BASE, model_type="phi3", sliding_window=None, pad_token_id=0)
+    assert _model(phi3, ckpt=True).basis == "evidence"
+    off = _model(phi3, ckpt=False)
+    assert off.basis == "conservative" and any("one-sequence rows" in r for r in off.gaps)
+    gemma3 = dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
+                  tie_word_embeddings=True)
+    assert _model(gemma3, ckpt=False, fsdp=1).basis == "evidence"
+    on = _model(gemma3, ckpt=True)
+    assert on.basis == "conservative" and any("no held-out set" in r for r in on.gaps)
     moe = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
     assert any("MoE family traced" in r for r in _model(moe).gaps)
     assert _model(moe).basis == "conservative"
@@ -134,6 +142,16 @@ def test_accumulator_rows_sit_at_the_attention_backward_point_only():
     assert best[0] <= base[0] + 40 * 1e9
     # the walk's forward points are unchanged by the charge
     assert base[1] != POINT_FORWARD or peak(charges, 40)[0][0] == base[0]
+
+
+def test_gemma_post_feedforward_norm_at_the_mlp_backward_point():
+    """2H, and 12H - 4F more where the MLP is narrow (F < 3H): set 24's shape."""
+    w = terms.widths(load_hf_config(dict(BASE, model_type="gemma2", query_pre_attn_scalar=32,
+                                         sliding_window=256, tie_word_embeddings=True)), 8)
+    assert terms.flash_sandwich_mlp_per_row(w, checkpointing=True) == 2 * 128   # F = 3.5H
+    assert terms.flash_sandwich_mlp_per_row(w, checkpointing=False) == 0.0
+    narrow = dataclasses.replace(w, H=240.0, F=576.0)
+    assert terms.flash_sandwich_mlp_per_row(narrow, checkpointing=True) == 2 * 240 + 12 * 240 - 4 * 576
 
 
 def test_the_accumulator_is_head_size_rounded():
