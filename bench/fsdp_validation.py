@@ -366,10 +366,10 @@ def table() -> str:
                         ("set 10 (flash: tuned on)", lambda c: c.startswith("set10:")),
                         ("set 11 (flash: held out, then tuned on)", lambda c: c.startswith("set11:")),
                         ("set 12 (dense families FSDP4, held out)", lambda c: c.startswith("set12:")),
-                        ("set 15 (flash final: held out)", lambda c: c.startswith("set15:")),
+                        ("set 15 (flash: held out, then tuned on)", lambda c: c.startswith("set15:")),
                         ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:")),
                         ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:")),
-                        ("set 24 (flash, fsdpflash3: held out)", lambda c: c.startswith("set24:")),
+                        ("set 24 (flash: held out but Gemma ckpt)", lambda c: c.startswith("set24:")),
                         ("set 25 (MoE with flash)", lambda c: c.startswith("set25:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
@@ -398,10 +398,10 @@ def scatter() -> None:
                                   ("set 10 (flash: tuned on)", "set10:", "<"),
                                   ("set 11 (flash: held out, then tuned on)", "set11:", ">"),
                                   ("set 12 (dense FSDP4: held out)", "set12:", "x"),
-                                  ("set 15 (flash final: held out)", "set15:", "*"),
+                                  ("set 15 (flash: held out, then tuned on)", "set15:", "*"),
                                   ("set 20 (sdpa masked, no cache: held out)", "set20:", "p"),
                                   ("set 21 (padded rows: a bound)", "set21:", "d"),
-                                  ("set 24 (flash, fsdpflash3: held out)", "set24:", "8"),
+                                  ("set 24 (flash: held out but Gemma ckpt)", "set24:", "8"),
                                   ("set 25 (MoE with flash)", "set25:", "H")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
