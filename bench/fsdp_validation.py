@@ -24,7 +24,7 @@ the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21|24|25] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20|21|24|25|27] [--classes N]
 """
 
 from __future__ import annotations
@@ -243,6 +243,15 @@ FAMILIES24 = {
 WAVES24 = [(352, 224, 128, 72), (608,)]
 LORA_RANK24 = 16
 SETS[24] = (FAMILIES24, WAVES24, LORA_RANK24)
+# set 27 (fsdpflash3): Gemma with checkpointing under flash, held out after set 24's anatomy gave the
+# post-feedforward norm's term at the MLP backward point: hidden 256, 8 heads over 2 kv heads,
+# 3 layers, vocabulary 768, rank 8; gemma3 with a narrow MLP (F = 2.5H), gemma2 a wide one (4H)
+_BASE27 = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=32, vocab_size=768, tie_word_embeddings=True,
+               query_pre_attn_scalar=32, sliding_window=320)
+FAMILIES27 = {"gemma3_text": dict(_BASE27, model_type="gemma3_text"),
+              "gemma2": dict(_BASE27, model_type="gemma2", intermediate_size=1024)}
+SETS[27] = (FAMILIES27, [(288, 160, 96, 48), (512,)], 8)
 # set 25 (fsdpflash3): the MoE families under flash_attention_2 (flash's terms beside the MoE
 # points), set 6's shapes: what the flash-specific terms were checked on, not held out
 SETS[25] = (FAMILIES6, WAVES6, LORA_RANK6)
@@ -268,6 +277,7 @@ FSDPFLASH_CLASSES = {
          ("gemma2", True, "flash", 2), ("llama", True, "flash", 2), ("qwen2", False, "flash", 1),
          ("mistral", False, "flash", 4), ("phi3", True, "flash", 4), ("qwen3", False, "flash", 4),
          ("gemma3_text", True, "flash", 2), ("gemma3_text", True, "flash", 1)],
+    27: [("gemma3_text", True, "flash", 2), ("gemma2", True, "flash", 2)],
     25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
          ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }
@@ -370,7 +380,8 @@ def table() -> str:
                         ("set 20 (sdpa masked rows, no cache: held out)", lambda c: c.startswith("set20:")),
                         ("set 21 (padded rows: a bound)", lambda c: c.startswith("set21:")),
                         ("set 24 (flash: held out but Gemma ckpt)", lambda c: c.startswith("set24:")),
-                        ("set 25 (MoE with flash)", lambda c: c.startswith("set25:"))):
+                        ("set 25 (MoE with flash)", lambda c: c.startswith("set25:")),
+                        ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -402,7 +413,8 @@ def scatter() -> None:
                                   ("set 20 (sdpa masked, no cache: held out)", "set20:", "p"),
                                   ("set 21 (padded rows: a bound)", "set21:", "d"),
                                   ("set 24 (flash: held out but Gemma ckpt)", "set24:", "8"),
-                                  ("set 25 (MoE with flash)", "set25:", "H")):
+                                  ("set 25 (MoE with flash)", "set25:", "H"),
+                                  ("set 27 (flash Gemma ckpt: held out)", "set27:", "1")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)
