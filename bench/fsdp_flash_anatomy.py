@@ -107,7 +107,7 @@ def main() -> None:
     families, waves, rank = fv.SETS[which]
     spec = {"config": dict(families[fam]), "attn": "flash", "checkpointing": ck, "lora_rank": rank,
             "reshard_after_forward": True, "device": "cpu", "fsdp": fsdp,
-            "jobs": [list(w) for w in waves], "port": "29677"}
+            "jobs": [list(w) for w in waves], "port": os.environ.get("ANATOMY_PORT", "29677")}
     out = tempfile.mktemp(suffix=".json")
     mp.spawn(_rank, args=(spec, out), nprocs=fsdp)
     res = json.loads(Path(out).read_text())

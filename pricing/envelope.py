@@ -16,6 +16,7 @@ import numpy as np
 from .model import PricingModel
 from .tolerances import ENVELOPE_ROUNDING_BYTES, LOWER_ENVELOPE_MARGIN
 from .walk import (
+    ATTN_BACKWARD_SEGMENT,
     LAYER_BACKWARD,
     MLP_BACKWARD,
     MLP_FORWARD,
@@ -84,6 +85,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
     cum_kept = np.cumsum(kept_c)
     total_kept = float(kept_c.sum())
     layer_bwd = mlp[LAYER_BACKWARD] if split else np.zeros(ret.shape[0])
+    # per segment at a layer's attention backward point only (`walk.WalkCharges.mlp_points`)
+    attn_seg = mlp[ATTN_BACKWARD_SEGMENT] if split else np.zeros(ret.shape[0])
 
     # Each point: the running class, its row / segment / presence coefficients.
     running, row_own, seg_own, pres_own, pend_own = [], [], [], [], []
@@ -106,7 +109,7 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
         running.append(np.full(2 * n + 2 + (3 * n if split else 0), g))
         row_own.append(np.concatenate([cum - ret + ng, cum + ws + ig,
                                        [total + head_fwd, total + head_ret + head_tr + ig]]))
-        seg_own.append(np.concatenate([gdn, gdn, [0.0, 0.0]]))
+        seg_own.append(np.concatenate([gdn, gdn + attn_seg, [0.0, 0.0]]))
         pres_own.append(np.concatenate([most_pad * (cum_pad - pad_ret + pad_point) + cum_kept - kept_c,
                                         most_pad * (cum_pad + pad_point) + cum_kept - kept_c + layer_bwd,
                                         [head_c + most_pad * total_pad + total_kept] * 2]))

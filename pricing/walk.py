@@ -31,9 +31,9 @@ POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-f
  POINT_EMPTY) = range(len(POINT_NAMES))
 
 # Rows of `WalkCharges.mlp_points`, float64[MLP_ROWS, L] (L = 0: the layer points are not split).
-MLP_ROWS = 8
+MLP_ROWS = 9
 (MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD, LAYER_BACKWARD, MLP_RECOMPUTE,
- MLP_RECOMPUTE_CONST) = range(MLP_ROWS)
+ MLP_RECOMPUTE_CONST, ATTN_BACKWARD_SEGMENT) = range(MLP_ROWS)
 NO_MLP_POINTS = np.zeros((MLP_ROWS, 0))
 """The default `mlp_points`: every layer priced at one point per pass (Megatron-core)."""
 
@@ -71,7 +71,9 @@ class WalkCharges(NamedTuple):
     #   MLP_KEPT constant bytes layer i keeps from its forward MLP point to its backward one,
     #   LAYER_BACKWARD constant bytes (may be < 0) at both of layer i's backward points;
     #   MLP_RECOMPUTE (per row) and MLP_RECOMPUTE_CONST price a third backward point, the
-    #   recomputed MLP's forward before its backward (all zero: below the attention's point)
+    #   recomputed MLP's forward before its backward (all zero: below the attention's point);
+    #   ATTN_BACKWARD_SEGMENT bytes per segment at layer i's attention backward point only
+    #   (flash-attn's accumulator rows, #fsdp-flash-steps; gdn_state is at every point)
     #   (docs/memory-model.md#fsdp-moe-points)
 
 
@@ -303,5 +305,6 @@ def walk(charges, first_exec, groups):
                 _offer(best, out, point, POINT_BACKWARD, i, g)
                 point[TERM_RETAINED] -= mlp[MLP_KEPT, i]
                 point[TERM_WORKSPACE] = ws
+                point[TERM_GDN_STATES] += segments[g] * mlp[ATTN_BACKWARD_SEGMENT, i]
             _offer(best, out, point, POINT_BACKWARD, i, g)
     return best, out

@@ -128,13 +128,27 @@ def layer_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool,
     return mlp, att
 
 
+def flash_head_rounded(d: int) -> int:
+    """flash-attn 2's head_size_rounded (`mha_varlen_bwd`'s dq accumulator width): d rounded up
+    to a multiple of 8, then of 32 up to 192, else 256. Docs: docs/memory-model.md#fsdp-attention."""
+    d8 = -(-int(d) // 8) * 8
+    return -(-d8 // 32) * 32 if d8 <= 192 else 256
+
+
+def flash_accumulator_width(w: Widths) -> float:
+    """The fp32 dq accumulator's bytes per row: nh x head_size_rounded x 4 (4Q when the head
+    dim is a multiple of 32). Docs: docs/memory-model.md#fsdp-attention."""
+    return FP32 * w.nh * flash_head_rounded(int(w.hd))
+
+
 def flash_backward_per_row(w: Widths) -> float:
     """What flash-attn 2's backward allocates per row (#fsdp-attention; `mha_varlen_bwd` /
-    `mha_bwd`): dq, dk, dv (2Q + 4KV), the fp32 dq accumulator [total_q + 128 b, nh, hd] (4Q) and
-    softmax sums [nh, total_q + 128 b] (4nh), under GQA dk and dv expanded to every query head
-    [total_k, nh, hd] (4Q); the 128 rows a sequence are `flash_per_sequence`. Docs: docs/memory-model.md#fsdp-attention."""
+    `mha_bwd`): dq, dk, dv (2Q + 4KV), the fp32 dq accumulator [total_q + 128 b, nh,
+    head_size_rounded] (`flash_accumulator_width`) and softmax sums [nh, total_q + 128 b] (4nh),
+    under GQA dk and dv expanded to every query head [total_k, nh, hd] (4Q); the 128 rows a
+    sequence are `flash_per_sequence`. Docs: docs/memory-model.md#fsdp-attention."""
     gqa = 4 * w.Q if w.KV < w.Q else 0.0
-    return 6 * w.Q + 4 * w.KV + FP32 * w.nh + gqa
+    return 2 * w.Q + 4 * w.KV + flash_accumulator_width(w) + FP32 * w.nh + gqa
 
 
 def flash_attention_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool) -> float:
@@ -160,8 +174,9 @@ def flash_attention_backward_per_row(w: Widths, *, checkpointing: bool, qk_norm:
 
 def flash_per_sequence(w: Widths) -> float:
     """flash-attn varlen backward's 128 accumulator rows per sequence (`total_q + 128 x batch`
-    in dq_accum and softmax_d): 128 x (4Q + 4nh) bytes per packed sequence (#fsdp-attention). Docs: docs/memory-model.md#fsdp-attention."""
-    return 128.0 * (4 * w.Q + FP32 * w.nh)
+    in dq_accum and softmax_d): 128 x (`flash_accumulator_width` + 4nh) bytes per packed
+    sequence, at the attention's backward point only (#fsdp-flash-steps). Docs: docs/memory-model.md#fsdp-attention."""
+    return 128.0 * (flash_accumulator_width(w) + FP32 * w.nh)
 
 
 def flash_head_credit(w: Widths) -> float:
@@ -197,11 +212,24 @@ def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool) -> tuple[float, f
     """(kept per layer, at a layer's backward) per row for a fused q/k/v projection (phi3) under
     flash_attention_2 (#fsdp-attention): on a one-sequence row transformers hands flash-attn the
     value as a strided view of the fused output, which flash-attn saves, keeping the whole
-    output (2Q + 2KV above the value); with checkpointing 4Q + 2KV at the backward points,
-    fitted: set 10's phi3 cells needed 551 bytes a row (4Q + 2KV = 640). Docs: docs/memory-model.md#fsdp-attention."""
+    output (2Q + 2KV above the value); with checkpointing 4Q + 4KV at the backward points,
+    fitted: set 10's and set 15's one-sequence phi3 cells needed 728 bytes a row (4Q + 4KV =
+    768) once flash's accumulator rows left the MLP's point. Docs: docs/memory-model.md#fsdp-attention."""
     if checkpointing:
-        return 0.0, 4 * w.Q + 2 * w.KV
+        return 0.0, 4 * w.Q + 4 * w.KV
     return 2 * w.Q + 2 * w.KV, 0.0
+
+
+def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: what its fp32
+    backward holds at the MLP's backward point above `sandwich_backward_per_row`, per row.
+    Formula: 2H + max(0, 12H - 4F). Its backward is the MLP's first: its fp32 products and
+    temporaries (anatomies of sets 15 and 24: 20H above its kept input) run beside the
+    recomputed MLP's kept tensors (8F) before the MLP's gradients (4F more, which the MLP's
+    charge counts) exist, so that moment binds above the MLP's charge by 12H - 4F where the MLP
+    is narrow (F < 3H); 2H fitted (set 15's gemma3 cells needed 0.5H once flash's accumulator
+    rows left the MLP's point). Docs: docs/memory-model.md#fsdp-flash-steps."""
+    return 2 * w.H + max(0.0, 12 * w.H - 4 * w.F) if checkpointing else 0.0
 
 
 def moe_per_row(w: Widths) -> float:

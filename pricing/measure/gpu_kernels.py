@@ -434,9 +434,10 @@ def _fused_rope_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, **kwargs):
 
 
 def _round_head(d: int) -> int:
-    """flash-attn's head_size_rounded: a multiple of 32 up to 192, else 256."""
-    d8 = -(-d // 8) * 8
-    return -(-d8 // 32) * 32 if d8 <= 192 else 256
+    """flash-attn's head_size_rounded (`fsdp.terms.flash_head_rounded`, which prices it)."""
+    from ..fsdp.terms import flash_head_rounded
+
+    return flash_head_rounded(d)
 
 
 class FlashVarlen(torch.autograd.Function):

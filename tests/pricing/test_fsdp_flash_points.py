@@ -6,6 +6,7 @@ prices are untouched; every committed flash trace is priced at or above its peak
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,18 @@ from waveplan.pricing.fsdp import build_fsdp_model, terms
 from waveplan.pricing.fsdp.check import price_record
 from waveplan.pricing.fsdp.model import FITTED_FAMILIES, flash_layer_backward, flash_mlp_backward
 from waveplan.pricing.hf_config import load_hf_config
-from waveplan.pricing.walk import LAYER_BACKWARD, MLP_BACKWARD, MLP_ROWS, MLP_WORKSPACE
+from waveplan.pricing.walk import (
+    ATTN_BACKWARD_SEGMENT,
+    LAYER_BACKWARD,
+    MLP_BACKWARD,
+    MLP_ROWS,
+    MLP_WORKSPACE,
+    POINT_BACKWARD,
+    POINT_FORWARD,
+    TERM_GDN_STATES,
+    WalkGroups,
+    walk,
+)
 
 TRACES = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp_traces.jsonl"
 BASE = dict(hidden_size=128, intermediate_size=448, num_hidden_layers=3, num_attention_heads=4,
@@ -90,10 +102,67 @@ def test_flash_basis_follows_the_held_out_classes():
     assert _model(llama, ckpt=False).basis == "evidence"
     assert _model(llama, ckpt=False, fsdp=1).basis == "evidence"
     assert _model(llama, ckpt=True, fsdp=4).basis == "evidence"
-    on = _model(dict(BASE, model_type="qwen3"), ckpt=True)
-    assert on.basis == "conservative" and any("checkpointing on" in r for r in on.gaps)
-    fsdp1 = _model(dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
-                        tie_word_embeddings=True), fsdp=1)
-    assert fsdp1.basis == "conservative" and any("FSDP1" in r for r in fsdp1.gaps)
+    # set 24 held out checkpointing at FSDP1 (llama, qwen2) and qwen3, mistral, phi3 with it
+    assert _model(llama, ckpt=True, fsdp=1).basis == "evidence"
+    assert _model(dict(BASE, model_type="qwen3"), ckpt=True).basis == "evidence"
+    phi3 = dict(BASE, model_type="phi3", sliding_window=None, pad_token_id=0)
+    assert _model(phi3, ckpt=True).basis == "evidence"
+    off = _model(phi3, ckpt=False)
+    assert off.basis == "conservative" and any("one-sequence rows" in r for r in off.gaps)
+    gemma3 = dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
+                  tie_word_embeddings=True)
+    assert _model(gemma3, ckpt=False, fsdp=1).basis == "evidence"
+    assert _model(gemma3, ckpt=True).basis == "evidence"
+    gemma2 = dict(gemma3, model_type="gemma2")
+    on = _model(gemma2, ckpt=True)
+    assert on.basis == "conservative" and any("held-out set 27" in r for r in on.gaps)
     moe = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
-    assert any("no flash trace" in r for r in _model(moe).gaps)
+    assert any("MoE family traced" in r for r in _model(moe).gaps)
+    assert _model(moe).basis == "conservative"
+
+
+def test_accumulator_rows_sit_at_the_attention_backward_point_only():
+    """flash-attn's 128 accumulator rows per sequence (`terms.flash_per_sequence`) are charged per
+    segment at each layer's attention backward point, not at its forward or MLP points."""
+    charges = _model(dict(BASE, model_type="llama")).charges.walk
+    w = terms.widths(load_hf_config(dict(BASE, model_type="llama")), 8)
+    assert np.all(charges.gdn_state == 0.0)
+    assert np.all(charges.mlp_points[ATTN_BACKWARD_SEGMENT] == terms.flash_per_sequence(w))
+    rows = 300.0
+
+    def peak(ch, segments):
+        groups = WalkGroups(rows=np.array([rows]), logical=np.array([rows]),
+                            segments=np.array([float(segments)]), grad=np.array([True]),
+                            slot=np.array([0]), carries=np.array([True]), longest=np.array([rows]))
+        return walk(ch, 0.0, groups)
+
+    base, _ = peak(charges._replace(mlp_points=charges.mlp_points * np.array([[1.0]] * 8 + [[0.0]])), 40)
+    # a per-segment charge so large that its point binds: an attention backward point, whose
+    # workspace is the attention's (not the MLP's), carrying the segments' bytes
+    big = charges.mlp_points.copy()
+    big[ATTN_BACKWARD_SEGMENT] = 1e9
+    best, at = peak(charges._replace(mlp_points=big), 40)
+    i = int(best[2])
+    assert best[1] == POINT_BACKWARD and at[TERM_GDN_STATES] == 40 * 1e9
+    assert at[1] == rows * charges.workspace[i] + charges.mlp_points[LAYER_BACKWARD, i]
+    assert best[0] <= base[0] + 40 * 1e9
+    # the walk's forward points are unchanged by the charge
+    assert base[1] != POINT_FORWARD or peak(charges, 40)[0][0] == base[0]
+
+
+def test_gemma_post_feedforward_norm_at_the_mlp_backward_point():
+    """2H, and 12H - 4F more where the MLP is narrow (F < 3H): set 24's shape."""
+    w = terms.widths(load_hf_config(dict(BASE, model_type="gemma2", query_pre_attn_scalar=32,
+                                         sliding_window=256, tie_word_embeddings=True)), 8)
+    assert terms.flash_sandwich_mlp_per_row(w, checkpointing=True) == 2 * 128   # F = 3.5H
+    assert terms.flash_sandwich_mlp_per_row(w, checkpointing=False) == 0.0
+    narrow = dataclasses.replace(w, H=240.0, F=576.0)
+    assert terms.flash_sandwich_mlp_per_row(narrow, checkpointing=True) == 2 * 240 + 12 * 240 - 4 * 576
+
+
+def test_the_accumulator_is_head_size_rounded():
+    assert [terms.flash_head_rounded(d) for d in (32, 40, 48, 64, 96, 128, 192, 200)] == [
+        32, 64, 64, 64, 96, 128, 192, 256]
+    w = terms.widths(load_hf_config(dict(BASE, model_type="qwen3", num_attention_heads=4, head_dim=40)), 8)
+    assert terms.flash_accumulator_width(w) == 4 * 4 * 64 > 4 * w.Q
+    assert terms.flash_per_sequence(w) == 128 * (4 * 4 * 64 + 4 * 4)

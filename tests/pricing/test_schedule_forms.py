@@ -120,6 +120,7 @@ def _fsdp_moe(ckpt, attn, fsdp):
 def test_split_layer_points_agree_in_every_form(model, lens, data):
     from waveplan.pricing.envelope import build_envelope
     from waveplan.pricing.walk import (
+        ATTN_BACKWARD_SEGMENT,
         MLP_BACKWARD,
         MLP_FORWARD,
         MLP_KEPT,
@@ -155,7 +156,7 @@ def test_split_layer_points_agree_in_every_form(model, lens, data):
     every = dataclasses.replace(model)
     merged = a._replace(nograd=np.maximum(a.nograd, m[MLP_NOGRAD]),
                         workspace=np.maximum(a.workspace, np.maximum(m[MLP_WORKSPACE], m[MLP_RECOMPUTE])),
-                        mlp_points=NO_MLP_POINTS)
+                        gdn_state=a.gdn_state + m[ATTN_BACKWARD_SEGMENT], mlp_points=NO_MLP_POINTS)
     # every call keeps its own copies (a no-grad call's at its own MLP point)
     const = pricer.num_classes * m[MLP_KEPT].sum() + max(m[MLP_FORWARD].max(), m[MLP_BACKWARD].max(),
                                                          m[MLP_RECOMPUTE_CONST].max())
