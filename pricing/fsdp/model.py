@@ -153,6 +153,11 @@ class FsdpPricingModel(PricingModel):
     """Every forward call holds one sequence (a step of one request, `for_step`): transformers'
     sdpa then builds no mask and runs `is_causal` (`maskless_sdpa`), so no packed-row S x S
     terms; no effect on eager (its mask is always built) or flash."""
+    packed_calls: bool = False
+    """Every forward call holds two sequences or more (a step priced as one wave whose every
+    (slot, grad) class holds two requests or more, `for_step` without a budget): flash's varlen
+    path then copies a fused q/k/v projection's value and keeps no fused output
+    (`terms.flash_fused_qkv_per_row`); no effect on other families or sdpa/eager."""
 
     def __post_init__(self) -> None:
         import math
@@ -272,7 +277,8 @@ class FsdpPricingModel(PricingModel):
         add = (terms.family_adds(g, w, checkpointing=ckpt, attn=lay.attn)
                if fitted else terms.FamilyAdds())
         if lay.attn == "flash" and model_type_of(g) in FLASH_FUSED_QKV:
-            kept, back = terms.flash_fused_qkv_per_row(w, checkpointing=ckpt)
+            kept, back = terms.flash_fused_qkv_per_row(w, checkpointing=ckpt,
+                                                        packed=self.packed_calls)
             add = replace(add, retained=add.retained + kept, backward=add.backward + back)
         fa = fac["fsdp_attention"]
         held *= add.masks
@@ -521,6 +527,8 @@ class FsdpPricingModel(PricingModel):
             doc["attn_rows"] = self.attn_rows
         if self.one_sequence:
             doc["one_sequence"] = True
+        if self.packed_calls:
+            doc["packed_calls"] = True
         return doc
 
     @classmethod
@@ -531,7 +539,8 @@ class FsdpPricingModel(PricingModel):
         fields["geometry"] = replace(g, extra={**(g.extra or {}), "model_type": data.get("model_type", "")})
         return cls(**fields, fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
                    attn_rows=int(data.get("attn_rows", 0)),
-                   one_sequence=bool(data.get("one_sequence", False)))
+                   one_sequence=bool(data.get("one_sequence", False)),
+                   packed_calls=bool(data.get("packed_calls", False)))
 
     def with_attn_rows(self, rows: int) -> FsdpPricingModel:
         """This model with the S x S terms priced at `rows` (sdpa/eager; flash: itself)."""
@@ -648,7 +657,25 @@ def for_step(model, step, budget_bytes: float | None = None):
         one = maskless_sdpa(model, step)
         if one != model.one_sequence:
             model = replace(model, one_sequence=one)
+    packed = budget_bytes is None and packed_flash_calls(model, step)
+    if packed != model.packed_calls:
+        model = replace(model, packed_calls=packed)
     return model, step
+
+
+def packed_flash_calls(model: FsdpPricingModel, step) -> bool:
+    """Whether every forward call of `step`, priced as one wave, holds two sequences or more
+    under flash_attention_2 (docs/memory-model.md#fsdp-flash-steps): transformers then takes
+    flash's varlen path (position ids restart), which copies a fused projection's q/k/v views.
+    A wave runs one call per (slot, grad) class of its requests; a planned wave may hold one
+    request, so only a step priced whole (`waveplan price`) qualifies. O(n)."""
+    if model.fsdp_layout.attn != "flash" or model.fsdp_layout.ulysses != 1:
+        return False
+    counts: dict[tuple[str, bool], int] = {}
+    for r in step.requests:
+        key = (r.slot, bool(r.grad))
+        counts[key] = counts.get(key, 0) + 1
+    return bool(counts) and min(counts.values()) >= 2
 
 
 def maskless_sdpa(model: FsdpPricingModel, step) -> bool:
