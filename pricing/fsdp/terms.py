@@ -214,12 +214,14 @@ def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool,
     flash_attention_2 (#fsdp-attention): on a one-sequence row transformers hands flash-attn the
     value as a strided view of the fused output, which flash-attn saves, keeping the whole
     output (2Q + 2KV above the value), none on packed rows (`packed`: varlen copies the value);
-    with checkpointing 4Q + 4KV at the backward points,
-    fitted: set 10's and set 15's one-sequence phi3 cells needed 728 bytes a row (4Q + 4KV =
-    768) once flash's accumulator rows left the MLP's point. Docs: docs/memory-model.md#fsdp-attention."""
+    without checkpointing less the three LoRA A outputs `layer_retained_per_row` counts that
+    phi3's four adapters (fused qkv and gate_up) do not make (6r; set 24's anatomy); with
+    checkpointing 4Q + 4KV at the backward points, fitted: set 10's and set 15's one-sequence
+    phi3 cells needed 728 bytes a row (4Q + 4KV = 768) once flash's accumulator rows left the
+    MLP's point. Docs: docs/memory-model.md#fsdp-flash-steps."""
     if checkpointing:
         return 0.0, 4 * w.Q + 4 * w.KV
-    return (0.0 if packed else 2 * w.Q + 2 * w.KV), 0.0
+    return (0.0 if packed else 2 * w.Q + 2 * w.KV) - 6 * w.r, 0.0
 
 
 def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
