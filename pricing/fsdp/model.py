@@ -100,10 +100,10 @@ FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model
                  "source); the Ulysses tracer runs sdpa/eager")
 # traced classes off the target or without a held-out set (never under): the reason shown
 FLASH_GAPS: dict[tuple[str, bool], str] = {
-    ("phi3", False): ("flash_attention_2 for phi3 without checkpointing: never under its CPU traces "
-                      "but up to 8% above them, median above 3% (its fused q/k/v output is charged "
-                      "as kept by every layer, which flash keeps on one-sequence rows only, and a "
-                      "wave may be one sequence)"),
+    ("phi3", False): ("flash_attention_2 for phi3 without checkpointing in a plan: a planned wave "
+                      "may be one sequence, whose fused q/k/v output flash keeps, so every wave is "
+                      "charged it (packed waves up to 5% above their CPU traces; a step priced "
+                      "whole with every call packed is evidence, held-out set 30)"),
     ("gemma2", True): ("flash_attention_2 with checkpointing for Gemma 2: never under its CPU traces "
                        "but up to 4.3% above them on held-out set 27, median above 3%")}
 # veRL's FSDP options no trace covers, each priced by a bound (docs/memory-model.md#fsdp-verl-options)
@@ -117,12 +117,13 @@ LIGER_GAP = ("veRL use_liger: Liger's Triton RMSNorm, SwiGLU and RoPE priced as 
              "modules, which keep more (fp32 norm copies, SiLU output); no trace")
 
 
-def flash_gap(mt: str, checkpointing: bool, fsdp: int) -> str:
+def flash_gap(mt: str, checkpointing: bool, fsdp: int, *, packed: bool = False) -> str:
     """The reason a flash class is priced conservatively, or '' for an evidence class
-    (`FLASH_EVIDENCE`, any shard group `fsdp`). O(1)."""
+    (`FLASH_EVIDENCE`, any shard group `fsdp`; a fused q/k/v family without checkpointing when
+    every call is `packed`, `FsdpPricingModel.packed_calls`). O(1)."""
     if mt in FLASH_MOE_FAMILIES:
         return FLASH_MOE
-    if (mt, checkpointing) in FLASH_EVIDENCE:
+    if (mt, checkpointing) in FLASH_EVIDENCE or (packed and mt in FLASH_FUSED_QKV and not checkpointing):
         return ""
     return FLASH_GAPS.get((mt, checkpointing), FLASH_UNTRACED)
 
@@ -199,7 +200,8 @@ class FsdpPricingModel(PricingModel):
         if mt in FITTED_GAPS and not ((mt, lay.checkpointing, lay.attn) in MOE_EVIDENCE and lay.fsdp > 1):
             gaps.append(FITTED_GAPS[mt])
         if self.fsdp_layout.attn == "flash":
-            why = FLASH_ULYSSES if lay.ulysses > 1 else flash_gap(mt, lay.checkpointing, lay.fsdp)
+            why = (FLASH_ULYSSES if lay.ulysses > 1
+                   else flash_gap(mt, lay.checkpointing, lay.fsdp, packed=self.packed_calls))
             if why:
                 gaps.append(why)
         head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=verl_head.gpu_dtypes(self.table))

@@ -108,7 +108,12 @@ def test_flash_basis_follows_the_held_out_classes():
     phi3 = dict(BASE, model_type="phi3", sliding_window=None, pad_token_id=0)
     assert _model(phi3, ckpt=True).basis == "evidence"
     off = _model(phi3, ckpt=False)
-    assert off.basis == "conservative" and any("one-sequence rows" in r for r in off.gaps)
+    assert off.basis == "conservative" and any("may be one sequence" in r for r in off.gaps)
+    # a step priced whole with every call packed: held out on set 30
+    from waveplan.pricing.fsdp.model import for_step
+    from waveplan.pricing.step import Step
+
+    assert for_step(off, Step.from_lengths([0, 0], [96, 64]))[0].basis == "evidence"
     gemma3 = dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
                   tie_word_embeddings=True)
     assert _model(gemma3, ckpt=False, fsdp=1).basis == "evidence"
