@@ -83,10 +83,11 @@ MOE_FP32_WEIGHTS = frozenset({"mixtral"})
 # replaced by their allocation model (`measure/hf_flash.py`; bench/fsdp_validation.py sets 10,
 # 11 and 15 tuned the terms, set 24 held them out, #fsdp-attention). (model_type, checkpointing)
 # classes whose held-out flash class meets the target (0 under, median <= 3%, worst <= 10%) are
-# evidence, at any shard group (set 24 held out FSDP1, 2 and 4; set 27 Gemma with checkpointing)
+# evidence, at any shard group (set 24 held out FSDP1, 2 and 4; sets 27 and 30 Gemma with
+# checkpointing; set 30 phi3 without it, for a step priced whole with every call packed)
 FLASH_EVIDENCE: frozenset[tuple[str, bool]] = frozenset({
     ("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", True),
-    ("qwen3", False), ("mistral", True), ("mistral", False), ("phi3", True), ("gemma2", False),
+    ("qwen3", False), ("mistral", True), ("mistral", False), ("phi3", True), ("gemma2", True), ("gemma2", False),
     ("gemma3", True), ("gemma3_text", True), ("gemma3", False), ("gemma3_text", False)})
 FLASH_UNTRACED = ("flash_attention_2 priced by its allocation model (flash-attn 2 source); no "
                   "flash trace of this family")
@@ -103,9 +104,7 @@ FLASH_GAPS: dict[tuple[str, bool], str] = {
     ("phi3", False): ("flash_attention_2 for phi3 without checkpointing in a plan: a planned wave "
                       "may be one sequence, whose fused q/k/v output flash keeps, so every wave is "
                       "charged it (packed waves up to 5% above their CPU traces; a step priced "
-                      "whole with every call packed is evidence, held-out set 30)"),
-    ("gemma2", True): ("flash_attention_2 with checkpointing for Gemma 2: never under its CPU traces "
-                       "but up to 4.3% above them on held-out set 27, median above 3%")}
+                      "whole with every call packed is evidence, held-out set 30)")}
 # veRL's FSDP options no trace covers, each priced by a bound (docs/memory-model.md#fsdp-verl-options)
 PADDED_GAP = ("veRL use_remove_padding=False: padded [B, S] rows with an attention mask, every "
               "sequence priced at the step's longest (a wave runs B x its longest); packed rows "

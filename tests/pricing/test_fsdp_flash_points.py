@@ -119,8 +119,8 @@ def test_flash_basis_follows_the_held_out_classes():
     assert _model(gemma3, ckpt=False, fsdp=1).basis == "evidence"
     assert _model(gemma3, ckpt=True).basis == "evidence"
     gemma2 = dict(gemma3, model_type="gemma2")
-    on = _model(gemma2, ckpt=True)
-    assert on.basis == "conservative" and any("held-out set 27" in r for r in on.gaps)
+    # gemma2 with checkpointing: held out on set 30 (F = 5H) after its MLP point's norm term
+    assert _model(gemma2, ckpt=True).basis == "evidence"
     moe = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
     assert any("MoE family traced" in r for r in _model(moe).gaps)
     assert _model(moe).basis == "conservative"
