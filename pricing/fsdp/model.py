@@ -103,7 +103,7 @@ FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model
 FLASH_GAPS: dict[tuple[str, bool], str] = {
     ("phi3", False): ("flash_attention_2 for phi3 without checkpointing in a plan: a planned wave "
                       "may be one sequence, whose fused q/k/v output flash keeps, so every wave is "
-                      "charged it (packed waves up to 5% above their CPU traces; a step priced "
+                      "charged it (packed waves up to 7.2% above their CPU traces; a step priced "
                       "whole with every call packed is evidence, held-out set 30)")}
 # veRL's FSDP options no trace covers, each priced by a bound (docs/memory-model.md#fsdp-verl-options)
 PADDED_GAP = ("veRL use_remove_padding=False: padded [B, S] rows with an attention mask, every "
