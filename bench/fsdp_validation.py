@@ -30,7 +30,7 @@ sdpa/eager terms (docs/memory-model.md#fsdp-dense-points).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-27] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-27|30] [--classes N]
 """
 
 from __future__ import annotations
@@ -299,6 +299,20 @@ _BASE27 = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_
 FAMILIES27 = {"gemma3_text": dict(_BASE27, model_type="gemma3_text"),
               "gemma2": dict(_BASE27, model_type="gemma2", intermediate_size=1024)}
 SETS[27] = (FAMILIES27, [(288, 160, 96, 48), (512,)], 8)
+# set 30 (fsdpflash4): held out after phi3's fused q/k/v (packed calls, its four adapters) and
+# Gemma's post-feedforward norm at the MLP backward point (max(0, 20H - 4F)) were final: hidden
+# 288, 9 heads over 3 kv heads, 3 layers, vocabulary 896, rank 12; phi3 F = 768 (2.7H), gemma2
+# a wider MLP than any traced (5H: no norm charge left at that point), gemma3 4.5H
+_BASE30 = dict(hidden_size=288, intermediate_size=768, num_hidden_layers=3, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=32, vocab_size=896, tie_word_embeddings=False)
+FAMILIES30 = {
+    "phi3": dict(_BASE30, model_type="phi3", sliding_window=None, pad_token_id=0),
+    "gemma2": dict(_BASE30, model_type="gemma2", intermediate_size=1440, query_pre_attn_scalar=32,
+                   sliding_window=384, tie_word_embeddings=True),
+    "gemma3_text": dict(_BASE30, model_type="gemma3_text", intermediate_size=1296,
+                        query_pre_attn_scalar=32, sliding_window=384, tie_word_embeddings=True),
+}
+SETS[30] = (FAMILIES30, [(320, 192, 112, 64), (544,)], 12)
 # set 25 (fsdpflash3): the MoE families under flash_attention_2 (flash's terms beside the MoE
 # points), set 6's shapes: what the flash-specific terms were checked on, not held out
 SETS[25] = (FAMILIES6, WAVES6, LORA_RANK6)
@@ -333,6 +347,7 @@ FSDPFLASH_CLASSES = {
          ("mistral", False, "flash", 4), ("phi3", True, "flash", 4), ("qwen3", False, "flash", 4),
          ("gemma3_text", True, "flash", 2), ("gemma3_text", True, "flash", 1)],
     27: [("gemma3_text", True, "flash", 2), ("gemma2", True, "flash", 2)],
+    30: [("phi3", False, "flash", 2), ("gemma2", True, "flash", 2), ("gemma3_text", True, "flash", 2)],
     25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
          ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }
@@ -439,7 +454,8 @@ def table() -> str:
                         ("set 26 (dense masked GQA recompute: tuned on)", lambda c: c.startswith("set26:")),
                         ("set 24 (flash: held out but Gemma ckpt)", lambda c: c.startswith("set24:")),
                         ("set 25 (MoE with flash)", lambda c: c.startswith("set25:")),
-                        ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:"))):
+                        ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:")),
+                        ("set 30 (flash phi3, Gemma ckpt: held out)", lambda c: c.startswith("set30:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -475,7 +491,8 @@ def scatter() -> None:
                                   ("set 26 (GQA recompute: tuned on)", "set26:", "2"),
                                   ("set 24 (flash: held out but Gemma ckpt)", "set24:", "3"),
                                   ("set 25 (MoE with flash)", "set25:", "H"),
-                                  ("set 27 (flash Gemma ckpt: held out)", "set27:", "4")):
+                                  ("set 27 (flash Gemma ckpt: held out)", "set27:", "4"),
+                                  ("set 30 (flash phi3, Gemma ckpt: held out)", "set30:", "+")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

@@ -83,10 +83,11 @@ MOE_FP32_WEIGHTS = frozenset({"mixtral"})
 # replaced by their allocation model (`measure/hf_flash.py`; bench/fsdp_validation.py sets 10,
 # 11 and 15 tuned the terms, set 24 held them out, #fsdp-attention). (model_type, checkpointing)
 # classes whose held-out flash class meets the target (0 under, median <= 3%, worst <= 10%) are
-# evidence, at any shard group (set 24 held out FSDP1, 2 and 4; set 27 Gemma with checkpointing)
+# evidence, at any shard group (set 24 held out FSDP1, 2 and 4; sets 27 and 30 Gemma with
+# checkpointing; set 30 phi3 without it, for a step priced whole with every call packed)
 FLASH_EVIDENCE: frozenset[tuple[str, bool]] = frozenset({
     ("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", True),
-    ("qwen3", False), ("mistral", True), ("mistral", False), ("phi3", True), ("gemma2", False),
+    ("qwen3", False), ("mistral", True), ("mistral", False), ("phi3", True), ("gemma2", True), ("gemma2", False),
     ("gemma3", True), ("gemma3_text", True), ("gemma3", False), ("gemma3_text", False)})
 FLASH_UNTRACED = ("flash_attention_2 priced by its allocation model (flash-attn 2 source); no "
                   "flash trace of this family")
@@ -100,12 +101,10 @@ FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model
                  "source); the Ulysses tracer runs sdpa/eager")
 # traced classes off the target or without a held-out set (never under): the reason shown
 FLASH_GAPS: dict[tuple[str, bool], str] = {
-    ("phi3", False): ("flash_attention_2 for phi3 without checkpointing: never under its CPU traces "
-                      "but up to 8% above them, median above 3% (its fused q/k/v output is charged "
-                      "as kept by every layer, which flash keeps on one-sequence rows only, and a "
-                      "wave may be one sequence)"),
-    ("gemma2", True): ("flash_attention_2 with checkpointing for Gemma 2: never under its CPU traces "
-                       "but up to 4.3% above them on held-out set 27, median above 3%")}
+    ("phi3", False): ("flash_attention_2 for phi3 without checkpointing in a plan: a planned wave "
+                      "may be one sequence, whose fused q/k/v output flash keeps, so every wave is "
+                      "charged it (packed waves up to 7.2% above their CPU traces; a step priced "
+                      "whole with every call packed is evidence, held-out set 30)")}
 # veRL's FSDP options no trace covers, each priced by a bound (docs/memory-model.md#fsdp-verl-options)
 PADDED_GAP = ("veRL use_remove_padding=False: padded [B, S] rows with an attention mask, every "
               "sequence priced at the step's longest (a wave runs B x its longest); packed rows "
@@ -117,12 +116,13 @@ LIGER_GAP = ("veRL use_liger: Liger's Triton RMSNorm, SwiGLU and RoPE priced as 
              "modules, which keep more (fp32 norm copies, SiLU output); no trace")
 
 
-def flash_gap(mt: str, checkpointing: bool, fsdp: int) -> str:
+def flash_gap(mt: str, checkpointing: bool, fsdp: int, *, packed: bool = False) -> str:
     """The reason a flash class is priced conservatively, or '' for an evidence class
-    (`FLASH_EVIDENCE`, any shard group `fsdp`). O(1)."""
+    (`FLASH_EVIDENCE`, any shard group `fsdp`; a fused q/k/v family without checkpointing when
+    every call is `packed`, `FsdpPricingModel.packed_calls`). O(1)."""
     if mt in FLASH_MOE_FAMILIES:
         return FLASH_MOE
-    if (mt, checkpointing) in FLASH_EVIDENCE:
+    if (mt, checkpointing) in FLASH_EVIDENCE or (packed and mt in FLASH_FUSED_QKV and not checkpointing):
         return ""
     return FLASH_GAPS.get((mt, checkpointing), FLASH_UNTRACED)
 
@@ -153,6 +153,11 @@ class FsdpPricingModel(PricingModel):
     """Every forward call holds one sequence (a step of one request, `for_step`): transformers'
     sdpa then builds no mask and runs `is_causal` (`maskless_sdpa`), so no packed-row S x S
     terms; no effect on eager (its mask is always built) or flash."""
+    packed_calls: bool = False
+    """Every forward call holds two sequences or more (a step priced as one wave whose every
+    (slot, grad) class holds two requests or more, `for_step` without a budget): flash's varlen
+    path then copies a fused q/k/v projection's value and keeps no fused output
+    (`terms.flash_fused_qkv_per_row`); no effect on other families or sdpa/eager."""
 
     def __post_init__(self) -> None:
         import math
@@ -194,7 +199,8 @@ class FsdpPricingModel(PricingModel):
         if mt in FITTED_GAPS and not ((mt, lay.checkpointing, lay.attn) in MOE_EVIDENCE and lay.fsdp > 1):
             gaps.append(FITTED_GAPS[mt])
         if self.fsdp_layout.attn == "flash":
-            why = FLASH_ULYSSES if lay.ulysses > 1 else flash_gap(mt, lay.checkpointing, lay.fsdp)
+            why = (FLASH_ULYSSES if lay.ulysses > 1
+                   else flash_gap(mt, lay.checkpointing, lay.fsdp, packed=self.packed_calls))
             if why:
                 gaps.append(why)
         head_gap = verl_head.head_gap(self.fsdp_layout.head, gpu=verl_head.gpu_dtypes(self.table))
@@ -272,7 +278,8 @@ class FsdpPricingModel(PricingModel):
         add = (terms.family_adds(g, w, checkpointing=ckpt, attn=lay.attn)
                if fitted else terms.FamilyAdds())
         if lay.attn == "flash" and model_type_of(g) in FLASH_FUSED_QKV:
-            kept, back = terms.flash_fused_qkv_per_row(w, checkpointing=ckpt)
+            kept, back = terms.flash_fused_qkv_per_row(w, checkpointing=ckpt,
+                                                        packed=self.packed_calls)
             add = replace(add, retained=add.retained + kept, backward=add.backward + back)
         fa = fac["fsdp_attention"]
         held *= add.masks
@@ -521,6 +528,8 @@ class FsdpPricingModel(PricingModel):
             doc["attn_rows"] = self.attn_rows
         if self.one_sequence:
             doc["one_sequence"] = True
+        if self.packed_calls:
+            doc["packed_calls"] = True
         return doc
 
     @classmethod
@@ -531,7 +540,8 @@ class FsdpPricingModel(PricingModel):
         fields["geometry"] = replace(g, extra={**(g.extra or {}), "model_type": data.get("model_type", "")})
         return cls(**fields, fsdp_layout=FsdpLayout.from_dict(data["fsdp"]),
                    attn_rows=int(data.get("attn_rows", 0)),
-                   one_sequence=bool(data.get("one_sequence", False)))
+                   one_sequence=bool(data.get("one_sequence", False)),
+                   packed_calls=bool(data.get("packed_calls", False)))
 
     def with_attn_rows(self, rows: int) -> FsdpPricingModel:
         """This model with the S x S terms priced at `rows` (sdpa/eager; flash: itself)."""
@@ -648,7 +658,25 @@ def for_step(model, step, budget_bytes: float | None = None):
         one = maskless_sdpa(model, step)
         if one != model.one_sequence:
             model = replace(model, one_sequence=one)
+    packed = budget_bytes is None and packed_flash_calls(model, step)
+    if packed != model.packed_calls:
+        model = replace(model, packed_calls=packed)
     return model, step
+
+
+def packed_flash_calls(model: FsdpPricingModel, step) -> bool:
+    """Whether every forward call of `step`, priced as one wave, holds two sequences or more
+    under flash_attention_2 (docs/memory-model.md#fsdp-flash-steps): transformers then takes
+    flash's varlen path (position ids restart), which copies a fused projection's q/k/v views.
+    A wave runs one call per (slot, grad) class of its requests; a planned wave may hold one
+    request, so only a step priced whole (`waveplan price`) qualifies. O(n)."""
+    if model.fsdp_layout.attn != "flash" or model.fsdp_layout.ulysses != 1:
+        return False
+    counts: dict[tuple[str, bool], int] = {}
+    for r in step.requests:
+        key = (r.slot, bool(r.grad))
+        counts[key] = counts.get(key, 0) + 1
+    return bool(counts) and min(counts.values()) >= 2
 
 
 def maskless_sdpa(model: FsdpPricingModel, step) -> bool:

@@ -208,28 +208,34 @@ def sandwich_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
     return 6 * w.H if checkpointing else 0.0
 
 
-def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool) -> tuple[float, float]:
+def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool,
+                            packed: bool = False) -> tuple[float, float]:
     """(kept per layer, at a layer's backward) per row for a fused q/k/v projection (phi3) under
     flash_attention_2 (#fsdp-attention): on a one-sequence row transformers hands flash-attn the
     value as a strided view of the fused output, which flash-attn saves, keeping the whole
-    output (2Q + 2KV above the value); with checkpointing 4Q + 4KV at the backward points,
-    fitted: set 10's and set 15's one-sequence phi3 cells needed 728 bytes a row (4Q + 4KV =
-    768) once flash's accumulator rows left the MLP's point. Docs: docs/memory-model.md#fsdp-attention."""
+    output (2Q + 2KV above the value), none on packed rows (`packed`: varlen copies the value);
+    without checkpointing less the three LoRA A outputs `layer_retained_per_row` counts that
+    phi3's four adapters (fused qkv and gate_up) do not make (6r; set 24's anatomy); with
+    checkpointing 4Q + 4KV at the backward points, fitted: set 10's and set 15's one-sequence
+    phi3 cells needed 728 bytes a row (4Q + 4KV = 768) once flash's accumulator rows left the
+    MLP's point. Docs: docs/memory-model.md#fsdp-flash-steps."""
     if checkpointing:
         return 0.0, 4 * w.Q + 4 * w.KV
-    return 2 * w.Q + 2 * w.KV, 0.0
+    return (0.0 if packed else 2 * w.Q + 2 * w.KV) - 6 * w.r, 0.0
 
 
 def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
     """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: what its fp32
-    backward holds at the MLP's backward point above `sandwich_backward_per_row`, per row.
-    Formula: 2H + max(0, 12H - 4F). Its backward is the MLP's first: its fp32 products and
-    temporaries (anatomies of sets 15 and 24: 20H above its kept input) run beside the
-    recomputed MLP's kept tensors (8F) before the MLP's gradients (4F more, which the MLP's
-    charge counts) exist, so that moment binds above the MLP's charge by 12H - 4F where the MLP
-    is narrow (F < 3H); 2H fitted (set 15's gemma3 cells needed 0.5H once flash's accumulator
-    rows left the MLP's point). Docs: docs/memory-model.md#fsdp-flash-steps."""
-    return 2 * w.H + max(0.0, 12 * w.H - 4 * w.F) if checkpointing else 0.0
+    backward holds at the MLP's backward point above `sandwich_backward_per_row` (negative:
+    less), per row. Formula: max(0, 20H - 4F) - 6H. Its backward is the MLP's first: its fp32
+    products and temporaries (20H above its kept input, anatomies of sets 15, 24 and 27) run
+    beside the recomputed MLP's kept tensors (8F) before the MLP's gradients (4F more, which
+    the MLP's charge counts) exist, and are freed before those gradients are made; so the
+    point holds the larger of the two moments: 20H - 4F above the MLP's charge, or nothing
+    (set 27's gemma2, F = 4H: its peak at that norm's backward, 4H above the MLP's charge).
+    Docs: docs/memory-model.md#fsdp-flash-steps."""
+    return max(0.0, 20 * w.H - 4 * w.F) - sandwich_backward_per_row(w, checkpointing=True) \
+        if checkpointing else 0.0
 
 
 def moe_per_row(w: Widths) -> float:

@@ -108,14 +108,19 @@ def test_flash_basis_follows_the_held_out_classes():
     phi3 = dict(BASE, model_type="phi3", sliding_window=None, pad_token_id=0)
     assert _model(phi3, ckpt=True).basis == "evidence"
     off = _model(phi3, ckpt=False)
-    assert off.basis == "conservative" and any("one-sequence rows" in r for r in off.gaps)
+    assert off.basis == "conservative" and any("may be one sequence" in r for r in off.gaps)
+    # a step priced whole with every call packed: held out on set 30
+    from waveplan.pricing.fsdp.model import for_step
+    from waveplan.pricing.step import Step
+
+    assert for_step(off, Step.from_lengths([0, 0], [96, 64]))[0].basis == "evidence"
     gemma3 = dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
                   tie_word_embeddings=True)
     assert _model(gemma3, ckpt=False, fsdp=1).basis == "evidence"
     assert _model(gemma3, ckpt=True).basis == "evidence"
     gemma2 = dict(gemma3, model_type="gemma2")
-    on = _model(gemma2, ckpt=True)
-    assert on.basis == "conservative" and any("held-out set 27" in r for r in on.gaps)
+    # gemma2 with checkpointing: held out on set 30 (F = 5H) after its MLP point's norm term
+    assert _model(gemma2, ckpt=True).basis == "evidence"
     moe = dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
     assert any("MoE family traced" in r for r in _model(moe).gaps)
     assert _model(moe).basis == "conservative"
@@ -151,13 +156,49 @@ def test_accumulator_rows_sit_at_the_attention_backward_point_only():
 
 
 def test_gemma_post_feedforward_norm_at_the_mlp_backward_point():
-    """2H, and 12H - 4F more where the MLP is narrow (F < 3H): set 24's shape."""
+    """max(0, 20H - 4F) at the MLP's backward point in all, of which `sandwich_backward_per_row`
+    holds 6H: set 10's shape (F = 3.5H), set 24's narrow MLP and set 27's wide gemma2 (F = 4H)."""
     w = terms.widths(load_hf_config(dict(BASE, model_type="gemma2", query_pre_attn_scalar=32,
                                          sliding_window=256, tie_word_embeddings=True)), 8)
-    assert terms.flash_sandwich_mlp_per_row(w, checkpointing=True) == 2 * 128   # F = 3.5H
+    six = terms.sandwich_backward_per_row(w, checkpointing=True)
+    assert six == 6 * 128
+    assert terms.flash_sandwich_mlp_per_row(w, checkpointing=True) + six == 20 * 128 - 4 * 448
     assert terms.flash_sandwich_mlp_per_row(w, checkpointing=False) == 0.0
     narrow = dataclasses.replace(w, H=240.0, F=576.0)
-    assert terms.flash_sandwich_mlp_per_row(narrow, checkpointing=True) == 2 * 240 + 12 * 240 - 4 * 576
+    assert terms.flash_sandwich_mlp_per_row(narrow, checkpointing=True) == 14 * 240 - 4 * 576
+    wide = dataclasses.replace(w, H=256.0, F=1024.0)
+    assert terms.flash_sandwich_mlp_per_row(wide, checkpointing=True) == -2 * 256
+    wider = dataclasses.replace(w, H=256.0, F=2048.0)
+    assert terms.flash_sandwich_mlp_per_row(wider, checkpointing=True) == -6 * 256
+
+
+def test_phi3_fused_output_kept_unless_every_call_is_packed():
+    """A step priced whole whose every (slot, grad) class holds two requests or more runs
+    flash's varlen path, which keeps no fused q/k/v output (`terms.flash_fused_qkv_per_row`);
+    a planned step (a wave may hold one request), a one-request class, sdpa and Ulysses keep
+    the one-sequence charge."""
+    from waveplan.pricing.fsdp.model import for_step
+    from waveplan.pricing.step import Request, Step
+
+    phi3 = dict(BASE, model_type="phi3", sliding_window=None, pad_token_id=0)
+    off = _model(phi3, ckpt=False)
+    w = terms.widths(off.geometry, 8)
+    two = Step.from_lengths([0, 0], [96, 64])
+    packed, _ = for_step(off, two)
+    assert packed.packed_calls
+    kept = 2 * w.Q + 2 * w.KV
+    assert np.allclose(off.charges.walk.retained - packed.charges.walk.retained, kept)
+    assert not for_step(off, two, 1e9)[0].packed_calls
+    assert not for_step(off, Step.from_lengths([0], [96]))[0].packed_calls
+    lone = Step.from_requests([Request(id="a", num_tokens=96), Request(id="b", num_tokens=64),
+                               Request(id="c", num_tokens=32, grad=False)])
+    assert not for_step(off, lone)[0].packed_calls
+    assert not for_step(_model(phi3, attn="sdpa", ckpt=False), two)[0].packed_calls
+    # with checkpointing the charge is at the backward points, the same either way
+    on = _model(phi3, ckpt=True)
+    assert np.array_equal(for_step(on, two)[0].charges.walk.retained, on.charges.walk.retained)
+    # the flag travels with the model's dict
+    assert type(packed).from_dict(packed.to_dict()).packed_calls
 
 
 def test_the_accumulator_is_head_size_rounded():
