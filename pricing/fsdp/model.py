@@ -316,7 +316,7 @@ class FsdpPricingModel(PricingModel):
         # eager's softmax backward runs after the sandwich norms' backward (their temporaries
         # at the MLP's point only)
         ws_att = scale * (b_att + (0.0 if eager else add.backward)) + b_quad
-        if eager and not ckpt and g.moe is None:
+        if eager and not ckpt:
             # without checkpointing the layer's MLP, norms and output projection have released
             # what they kept before its softmax backward: the point holds the attention's kept
             # tensors (`terms.eager_attention_kept_per_row`), the larger of the softmax
@@ -331,7 +331,7 @@ class FsdpPricingModel(PricingModel):
             # released (`terms.qk_norm_backward_per_row`; without checkpointing beside the
             # layer's kept tensors, less what eager's point finds released)
             qk_point = terms.qk_norm_backward_per_row(w, checkpointing=ckpt)
-            if eager and not ckpt and g.moe is None:
+            if eager and not ckpt:
                 qk_point -= released
             ws_att = max(ws_att, scale * qk_point)
         rc_q = fa * (terms.recompute_kept_quadratic(w, attn=lay.attn, checkpointing=ckpt) + add.recompute_q)
