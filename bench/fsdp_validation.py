@@ -347,7 +347,8 @@ FSDPFLASH_CLASSES = {
          ("gemma3_text", True, "flash", 2), ("gemma3_text", True, "flash", 1)],
     27: [("gemma3_text", True, "flash", 2), ("gemma2", True, "flash", 2)],
     29: [("qwen3_moe", False, "eager", 2), ("mixtral", False, "eager", 2), ("qwen3_moe", False, "sdpa", 2),
-         ("mixtral", False, "sdpa", 4), ("qwen3_moe", False, "eager", 4), ("mixtral", False, "sdpa", 1)],
+         ("mixtral", False, "sdpa", 4), ("qwen3_moe", False, "eager", 4), ("mixtral", False, "sdpa", 1),
+         ("qwen3_moe", False, "eager", 1), ("mixtral", False, "eager", 1)],
     25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
          ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }

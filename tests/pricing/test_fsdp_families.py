@@ -249,7 +249,7 @@ def test_no_reshard_after_forward_is_priced_on_evidence():
 
 def test_moe_basis_is_evidence_only_for_held_out_classes_on_target():
     # mixtral with checkpointing and sdpa at a shard group of 2 or more met the target on its
-    # held-out set-22 class (MOE_EVIDENCE); FSDP1, Ulysses, checkpointed eager, Mixtral's sdpa
+    # held-out set-22 class (MOE_EVIDENCE); its FSDP1, Ulysses, checkpointed eager, Mixtral's sdpa
     # without checkpointing and Qwen3-MoE with checkpointing stay conservative with the reason
     mixtral = load_hf_config(dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                                   tie_word_embeddings=False, sliding_window=None))
@@ -259,10 +259,12 @@ def test_moe_basis_is_evidence_only_for_held_out_classes_on_target():
         return build_fsdp_model(g, attn_rows=64, **dict(dict(fsdp=2, attn="sdpa", checkpointing=True), **kw))
 
     assert basis(mixtral).basis == "evidence" and basis(mixtral, fsdp=4).basis == "evidence"
-    # without checkpointing (held-out set 29): eager for both families, sdpa for Qwen3-MoE at
-    # FSDP2 or more
+    # without checkpointing (held-out set 29): eager for both families at any shard group, sdpa
+    # for Qwen3-MoE at FSDP2 or more
     for on in (basis(qwen, checkpointing=False, attn="eager"), basis(mixtral, checkpointing=False, attn="eager"),
-               basis(qwen, checkpointing=False), basis(qwen, checkpointing=False, attn="eager", fsdp=4)):
+               basis(qwen, checkpointing=False), basis(qwen, checkpointing=False, attn="eager", fsdp=4),
+               basis(qwen, checkpointing=False, attn="eager", fsdp=1),
+               basis(mixtral, checkpointing=False, attn="eager", fsdp=1)):
         assert on.basis == "evidence"
     for off in (basis(mixtral, fsdp=1), basis(mixtral, attn="eager"), basis(mixtral, checkpointing=False),
                 basis(qwen), basis(qwen, checkpointing=False, fsdp=1), basis(mixtral, ulysses=2)):
