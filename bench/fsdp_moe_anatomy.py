@@ -177,7 +177,7 @@ if __name__ == "__main__":
             for k, v in sorted(j["regions"].items(), key=lambda kv: -kv[1][0])[:40]:
                 print(f"   {v[0]:>10} polled {v[1]:>9}  {k}")
             print("  top live at peak:")
-            for k, v in j["top"][:45]:
+            for k, v in j["top"][:400]:
                 print(f"   {v:>10}  {k}")
             print("  timeline of the named regions (op, first output, total above rest after it):")
             for lab, op, shape, tot in j["timeline"]:

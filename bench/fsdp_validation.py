@@ -30,7 +30,7 @@ sdpa/eager terms (docs/memory-model.md#fsdp-dense-points).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-27|30] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-27|29|30] [--classes N]
 """
 
 from __future__ import annotations
@@ -239,6 +239,19 @@ FAMILIES22 = {
 WAVES22 = [(152, 104, 72, 40), (336,)]
 LORA_RANK22 = 8
 SETS[22] = (FAMILIES22, WAVES22, LORA_RANK22)
+# set 29 (fsdpeager): the MoE classes without checkpointing, held out after eager's kept-backward
+# attention point (#fsdp-dense-points) was applied to MoE layers: hidden 288, 3 layers, 9 heads
+# over 3 kv heads, vocabulary 1280, rank 8; qwen3_moe 10 experts top-3, mixtral 6 experts top-2;
+# three packed sequences and one long row; FSDP 1, 2 and 4, sdpa and eager
+_BASE29 = dict(hidden_size=288, intermediate_size=640, num_hidden_layers=3, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=32, vocab_size=1280, tie_word_embeddings=False)
+FAMILIES29 = {
+    "qwen3_moe": dict(_BASE29, model_type="qwen3_moe", num_experts=10, num_experts_per_tok=3,
+                      moe_intermediate_size=96),
+    "mixtral": dict(_BASE29, model_type="mixtral", num_local_experts=6, num_experts_per_tok=2,
+                    intermediate_size=256, sliding_window=None),
+}
+SETS[29] = (FAMILIES29, [(176, 120, 64), (360,)], 8)
 # set 21 (fsdpdense): veRL's padded rows (use_remove_padding=False: [B, longest] with an attention
 # mask), priced with every sequence at the step's longest (#fsdp-verl-options); set 1's shapes
 SETS[21] = (FAMILIES, [(160, 96, 64)], LORA_RANK)
@@ -348,6 +361,9 @@ FSDPFLASH_CLASSES = {
          ("gemma3_text", True, "flash", 2), ("gemma3_text", True, "flash", 1)],
     27: [("gemma3_text", True, "flash", 2), ("gemma2", True, "flash", 2)],
     30: [("phi3", False, "flash", 2), ("gemma2", True, "flash", 2), ("gemma3_text", True, "flash", 2)],
+    29: [("qwen3_moe", False, "eager", 2), ("mixtral", False, "eager", 2), ("qwen3_moe", False, "sdpa", 2),
+         ("mixtral", False, "sdpa", 4), ("qwen3_moe", False, "eager", 4), ("mixtral", False, "sdpa", 1),
+         ("qwen3_moe", False, "eager", 1), ("mixtral", False, "eager", 1)],
     25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
          ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }
@@ -455,7 +471,8 @@ def table() -> str:
                         ("set 24 (flash: held out but Gemma ckpt)", lambda c: c.startswith("set24:")),
                         ("set 25 (MoE with flash)", lambda c: c.startswith("set25:")),
                         ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:")),
-                        ("set 30 (flash phi3, Gemma ckpt: held out)", lambda c: c.startswith("set30:"))):
+                        ("set 30 (flash phi3, Gemma ckpt: held out)", lambda c: c.startswith("set30:")),
+                        ("set 29 (MoE without ckpt: held out)", lambda c: c.startswith("set29:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -492,7 +509,8 @@ def scatter() -> None:
                                   ("set 24 (flash: held out but Gemma ckpt)", "set24:", "3"),
                                   ("set 25 (MoE with flash)", "set25:", "H"),
                                   ("set 27 (flash Gemma ckpt: held out)", "set27:", "4"),
-                                  ("set 30 (flash phi3, Gemma ckpt: held out)", "set30:", "+")):
+                                  ("set 30 (flash phi3, Gemma ckpt: held out)", "set30:", "+"),
+                                  ("set 29 (MoE without ckpt: held out)", "set29:", "X")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

@@ -64,13 +64,14 @@ def layer_retained_per_row(w: Widths, *, checkpointing: bool, qk_norm: bool, att
     product (4 x 2F), and the seven LoRA adapters' A outputs (7 x 2r) with the norms' fp32
     rsqrt (8); qk-norm adds the fp32 copies of q and k its norms keep (4Q + 4KV); eager keeps
     the key and value repeated to every query head (4Q) in place of the rotated key and the value
-    (4KV). Docs: docs/memory-model.md#fsdp-layer."""
+    (4KV), but for one key/value head, whose repeat is a view (set 7's qwen3_moe anatomy).
+    Docs: docs/memory-model.md#fsdp-layer."""
     if checkpointing:
         return BF16 * w.H
     out = 8 * w.F + 12 * w.H + 4 * w.Q + 4 * w.KV + 14 * w.r + FP32 * w.nh + 8
     if qk_norm:
         out += 4 * w.Q + 4 * w.KV
-    if attn == "eager":
+    if attn == "eager" and w.KV > w.hd:
         out += 4 * w.Q - 4 * w.KV
     if w.experts:
         out += moe_per_row(w)
@@ -438,10 +439,11 @@ def eager_attention_kept_per_row(w: Widths, *, qk_norm: bool) -> float:
     backward runs (#fsdp-attention): its MLP, pre-MLP norm, output projection and sandwich norms
     have run their backward and released theirs; left are the input norm's fp32 input, bf16
     output and rsqrt (6H + 4), the rotated query and the repeated key the scores' matmul saved
-    (2Q + 2Q), the q/k/v LoRA A outputs (6r) and, with qk-norm, its fp32 inputs and rsqrt
-    (4Q + 4KV + 4 nh + 4 kv heads); its fp32 softmax output is in `attention_quadratic`'s kept
-    term (set 4's gemma3_text anatomy). Docs: docs/memory-model.md#fsdp-attention."""
-    out = 6 * w.H + FP32 + 4 * w.Q + 6 * w.r
+    (2Q + 2Q; one key/value head repeats as a view, 2Q + 2KV), the q/k/v LoRA A outputs (6r)
+    and, with qk-norm, its fp32 inputs and rsqrt (4Q + 4KV + 4 nh + 4 kv heads); its fp32
+    softmax output is in `attention_quadratic`'s kept term (set 4's gemma3_text anatomy).
+    Docs: docs/memory-model.md#fsdp-attention."""
+    out = 6 * w.H + FP32 + 2 * w.Q + (2 * w.Q if w.KV > w.hd else 2 * w.KV) + 6 * w.r
     if qk_norm:
         out += 4 * w.Q + 4 * w.KV + FP32 * (w.nh + w.KV / w.hd)
     return out

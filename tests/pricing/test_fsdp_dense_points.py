@@ -109,3 +109,19 @@ def test_set26_traces_are_priced_at_or_above(cls):
     assert len(recs) == 2
     for rec in recs:
         assert price_record(rec).raw_bytes >= rec["peak_bytes"]
+
+
+def test_eager_one_key_value_head_keeps_no_repeats():
+    # one key/value head: eager's repeated key and value are views of the rotated key and the
+    # value (set 7's qwen3_moe anatomy), so a layer keeps 4KV for them, not 4Q; with more key/value
+    # heads the repeats are copies (4Q)
+    one = _w(dict(GQA, num_attention_heads=8, num_key_value_heads=1))
+    two = _w(dict(GQA, num_attention_heads=8, num_key_value_heads=2))
+    for w, extra in ((one, 0.0), (two, 4 * two.Q - 4 * two.KV)):
+        sdpa = terms.layer_retained_per_row(w, checkpointing=False, qk_norm=False, attn="sdpa")
+        eager = terms.layer_retained_per_row(w, checkpointing=False, qk_norm=False, attn="eager")
+        assert eager - sdpa == extra
+    # the softmax backward's kept tensors: the rotated query and the key the scores' matmul saved
+    base = terms.eager_attention_kept_per_row(one, qk_norm=False) - 2 * one.Q
+    assert base == 6 * one.H + 4 + 2 * one.KV + 6 * one.r
+    assert terms.eager_attention_kept_per_row(two, qk_norm=False) - 2 * two.Q == 6 * two.H + 4 + 2 * two.Q + 6 * two.r
