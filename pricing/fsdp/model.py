@@ -35,7 +35,6 @@ from ..walk import (
     MLP_RECOMPUTE_CONST,
     MLP_ROWS,
     MLP_WORKSPACE,
-    NO_MLP_POINTS,
     WalkCharges,
 )
 from . import terms, ulysses, verl_head
@@ -340,18 +339,15 @@ class FsdpPricingModel(PricingModel):
         ws_mlp = scale * (b_mlp + add.backward + add.mlp_backward) + rc_q * s
         moe = g.moe is not None
         flash = lay.attn == "flash"
-        # a MoE model's layers are priced at the two points apart (`walk.WalkCharges.mlp_points`):
-        # the MLP's carry the folded expert stacks (below); so are flash's, whose backward
-        # constants differ between the two points (`flash_layer_backward`, `flash_mlp_backward`)
-        split = moe or flash
-        if split:
-            nograd, workspace = np.full(n, ng_att), np.full(n, ws_att)
-            mlp_points = np.zeros((MLP_ROWS, n))
-            mlp_points[MLP_NOGRAD], mlp_points[MLP_WORKSPACE] = ng_mlp, ws_mlp
-            if flash and g.features.sandwich_norms and fitted:
-                mlp_points[MLP_WORKSPACE] += scale * terms.flash_sandwich_mlp_per_row(w, checkpointing=ckpt)
-        else:
-            nograd, workspace = np.full(n, max(ng_mlp, ng_att)), np.full(n, max(ws_mlp, ws_att))
+        # every layer is priced at its attention and MLP points apart (`walk.WalkCharges.mlp_points`):
+        # both carry the reduce-scatter steps (`reduce_scatter_steps`, every attention); a MoE
+        # MLP's the folded expert stacks (below); flash's MLP backward no attention gradients
+        # (`flash_mlp_backward`)
+        nograd, workspace = np.full(n, ng_att), np.full(n, ws_att)
+        mlp_points = np.zeros((MLP_ROWS, n))
+        mlp_points[MLP_NOGRAD], mlp_points[MLP_WORKSPACE] = ng_mlp, ws_mlp
+        if flash and g.features.sandwich_norms and fitted:
+            mlp_points[MLP_WORKSPACE] += scale * terms.flash_sandwich_mlp_per_row(w, checkpointing=ckpt)
         # the rotary tables and the packed-row mask are made once per forward and kept to the end
         # of its backward: charged with layer 0's kept rows (every later point) and at its forward
         once = fac["fsdp_layer"] * terms.rotary_per_row(w) + held * s
@@ -359,12 +355,10 @@ class FsdpPricingModel(PricingModel):
             # the mask at the decoder's forward points only (`terms.sdpa_mask_held_to_backward`)
             once -= held * s
             nograd += held * s
-            if moe:
-                mlp_points[MLP_NOGRAD] += held * s
+            mlp_points[MLP_NOGRAD] += held * s
         retained[0] += once
         nograd[0] += once
-        if split:
-            mlp_points[MLP_NOGRAD, 0] += once
+        mlp_points[MLP_NOGRAD, 0] += once
         head = terms.head_per_row(w, final_softcap=bool(g.features.final_softcap) and not fitted)
         if fitted and g.features.final_softcap:
             head = tuple(a + b for a, b in zip(head, terms.final_softcap_per_row(w), strict=True))
@@ -426,11 +420,6 @@ class FsdpPricingModel(PricingModel):
             # earlier layer's reduce-scatter buffers at the first layer it runs (#fsdp-moe-points)
             if lay.reshard_after_forward:
                 mlp_points[LAYER_BACKWARD, 0] -= prefetch * float(layer_gathered.max())
-            mlp_points[LAYER_BACKWARD, n - 1] -= reduce_buffers
-            # before a layer's reduce-scatter its own output shard is not yet allocated and the
-            # previous layer's is its pending gradient (or, accumulating, already freed): the
-            # reduce buffers' shard is not live at any of a layer's backward points (#fsdp-moe-points)
-            mlp_points[LAYER_BACKWARD, :n - 1] -= terms.FP32 * terms.shard(top, lay.fsdp)
             fp32_weights = model_type_of(g) in MOE_FP32_WEIGHTS
             # at the MLP's backward point none of the layer's bf16 LoRA gradients is made; the down
             # stack's adapters' follow the down stack's gradient (charged here: the gate-up
@@ -461,12 +450,13 @@ class FsdpPricingModel(PricingModel):
                 backward = terms.moe_backward_per_row(w, fp32_weights=fp32_weights)
                 mlp_points[MLP_WORKSPACE] = ws_mlp + scale * (is_moe * (backward - dense) + rkv)
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
-            mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
+        # FSDP2's reduce-scatter steps at every layer's backward points, whatever the attention
+        mlp_points[LAYER_BACKWARD] += reduce_scatter_steps(n, top, lay.fsdp)
+        mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         if flash:
             resident += terms.flash_scalars(n)
         if flash and not moe:
             mlp_points[MLP_BACKWARD] += flash_mlp_backward(g, max(ranks)) * fac["fsdp_constants"]
-            mlp_points[LAYER_BACKWARD] += flash_layer_backward(n, top, lay.fsdp) * fac["fsdp_constants"]
         head_const += verl_const
         start = 2.0 * (root + float(layer_gathered.max()))
         start_row = fac["fsdp_layer"] * terms.input_gradient_per_row(w) + once
@@ -494,9 +484,9 @@ class FsdpPricingModel(PricingModel):
             caller=fac["fsdp_head"] * (ulysses.caller_per_row(float(terms.CALLER_PER_ROW), sp) if sp > 1
                                        else float(terms.CALLER_PER_ROW)),
             pad_retained=zeros.copy(), pad_point=zeros.copy(), chunk=0.0, head_forward=head_fwd,
-            mlp_points=mlp_points if split else NO_MLP_POINTS)
+            mlp_points=mlp_points)
         if sp > 1:   # the ceil(S / N) row a rank may hold above S / N (either point of a layer)
-            bound = walk if not split else walk._replace(
+            bound = walk._replace(
                 nograd=np.maximum(walk.nograd, mlp_points[MLP_NOGRAD]),
                 workspace=np.maximum(walk.workspace, np.maximum(mlp_points[MLP_WORKSPACE],
                                                                  mlp_points[MLP_RECOMPUTE])))
@@ -549,8 +539,8 @@ def flash_mlp_backward(geometry, rank: int) -> float:
     return -terms.BF16 * terms.attention_lora_count(geometry, fused_qkv=fused) * rank
 
 
-def flash_layer_backward(n: int, top: float, fsdp: int) -> np.ndarray:
-    """flash_attention_2 (#fsdp-flash-steps): what FSDP2's reduce-scatter buffers hold below the
+def reduce_scatter_steps(n: int, top: float, fsdp: int) -> np.ndarray:
+    """Every attention and MLP kind (#fsdp-constants): what FSDP2's reduce-scatter buffers hold below the
     `resident` charge at a layer's backward points, per layer (negative). The fp32 output shard
     is the sharded gradient the pending gradients carry (FSDP2's `foreach_reduce` makes it the
     gradient, or adds it to the one there and drops it): its bytes at every layer; at the first
