@@ -35,6 +35,7 @@ from ..walk import (
     MLP_RECOMPUTE_CONST,
     MLP_ROWS,
     MLP_WORKSPACE,
+    OWN_PENDING_LATE,
     WalkCharges,
 )
 from . import terms, ulysses, verl_head
@@ -95,6 +96,11 @@ FLASH_MOE = ("flash_attention_2 with a MoE family traced on the CPU (set 25: nev
 FLASH_MOE_FAMILIES = frozenset({"qwen3_moe", "mixtral"})
 # families whose q/k/v projection is one fused linear (flash keeps its output on one-sequence rows)
 FLASH_FUSED_QKV = frozenset({"phi3"})
+# Gemma 2/3 (sandwich norms) and phi3 (fused q/k/v) with checkpointing: their layer points were
+# read beside the layer constants' slack and lean on it (#fsdp-own-shard: set 8 gemma2 [288]'s
+# post-feedforward norm backward holds more than its MLP point charges); they keep their own
+# gradient shard at their backward points and, under sdpa/eager, the reduce buffers' output shard
+CONSTANT_SLACK_FAMILIES = frozenset({"gemma2", "gemma3", "gemma3_text", "phi3"})
 FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model (flash-attn 2 "
                  "source); the Ulysses tracer runs sdpa/eager")
 # traced classes off the target or without a held-out set (never under): the reason shown
@@ -452,6 +458,13 @@ class FsdpPricingModel(PricingModel):
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
         # FSDP2's reduce-scatter steps at every layer's backward points, whatever the attention
         mlp_points[LAYER_BACKWARD] += reduce_scatter_steps(n, top, lay.fsdp)
+        # a layer's own sharded gradient is its reduce-scatter's output, made after the layer's
+        # backward: not live at its backward points unless an earlier call of its slot made it
+        # (the walk credits a slot's lone gradient call only, #fsdp-own-shard)
+        slack = ckpt and model_type_of(g) in CONSTANT_SLACK_FAMILIES
+        mlp_points[OWN_PENDING_LATE] = 0.0 if slack else 1.0
+        if slack and not flash:   # the output shard kept (`CONSTANT_SLACK_FAMILIES`)
+            mlp_points[LAYER_BACKWARD] += terms.FP32 * terms.shard(top, lay.fsdp)
         mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         if flash:
             resident += terms.flash_scalars(n)
