@@ -137,7 +137,7 @@ def test_moe_folded_expert_stacks_are_charged_at_the_mlp_points():
     # a dense family is priced at two points per layer too, its MLP's without MoE constants
     dense = build_fsdp_model(load_hf_config(dict(BASE, model_type="llama")), fsdp=2, attn="sdpa",
                              attn_rows=64).charges.walk.mlp_points
-    assert dense.shape[1] == 3 and not dense[MLP_FORWARD].any() and not dense[MLP_BACKWARD].any()
+    assert dense.shape[1] == 2 and not dense[MLP_FORWARD].any() and not dense[MLP_BACKWARD].any()
     # PEFT's expert adapters: A 2E x H and B 2F_e x 2E (gate_up), A E x F_e and B H x E (down), router
     assert terms.moe_lora_param_count(g) == 2 * 8 * (128 + 2 * 96) + 8 * (96 + 128) + (128 + 8)
 
