@@ -30,7 +30,7 @@ sdpa/eager terms (docs/memory-model.md#fsdp-dense-points).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-27] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-28] [--classes N]
 """
 
 from __future__ import annotations
@@ -299,6 +299,22 @@ _BASE27 = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_
 FAMILIES27 = {"gemma3_text": dict(_BASE27, model_type="gemma3_text"),
               "gemma2": dict(_BASE27, model_type="gemma2", intermediate_size=1024)}
 SETS[27] = (FAMILIES27, [(288, 160, 96, 48), (512,)], 8)
+# set 28 (fsdpgrads): held out, traced after the layer constants were final (the reduce-scatter
+# steps under every attention, a layer's own gradient shard off its backward points): dense and
+# MoE checkpointed sdpa at FSDP1 and 2; hidden 192, 3 layers, 6 heads over 2 kv heads (qwen3 8:2),
+# vocabulary 640, rank 8; qwen3_moe 8 experts top-2, mixtral 4 experts top-2
+_BASE28 = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2, head_dim=32, vocab_size=640, tie_word_embeddings=False)
+FAMILIES28 = {
+    "llama": dict(_BASE28, model_type="llama"),
+    "qwen2": dict(_BASE28, model_type="qwen2", intermediate_size=480),
+    "qwen3": dict(_BASE28, model_type="qwen3", num_attention_heads=8),
+    "qwen3_moe": dict(_BASE28, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=96),
+    "mixtral": dict(_BASE28, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=256, sliding_window=None),
+}
+SETS[28] = (FAMILIES28, [(184, 112, 64), (360,)], 8)
 # set 25 (fsdpflash3): the MoE families under flash_attention_2 (flash's terms beside the MoE
 # points), set 6's shapes: what the flash-specific terms were checked on, not held out
 SETS[25] = (FAMILIES6, WAVES6, LORA_RANK6)
@@ -333,6 +349,8 @@ FSDPFLASH_CLASSES = {
          ("mistral", False, "flash", 4), ("phi3", True, "flash", 4), ("qwen3", False, "flash", 4),
          ("gemma3_text", True, "flash", 2), ("gemma3_text", True, "flash", 1)],
     27: [("gemma3_text", True, "flash", 2), ("gemma2", True, "flash", 2)],
+    28: [("llama", True, "sdpa", 1), ("qwen3_moe", True, "sdpa", 1), ("qwen3", True, "sdpa", 2),
+         ("mixtral", True, "sdpa", 2), ("qwen2", True, "sdpa", 2), ("llama", True, "eager", 2)],
     25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
          ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }
@@ -439,7 +457,8 @@ def table() -> str:
                         ("set 26 (dense masked GQA recompute: tuned on)", lambda c: c.startswith("set26:")),
                         ("set 24 (flash: held out but Gemma ckpt)", lambda c: c.startswith("set24:")),
                         ("set 25 (MoE with flash)", lambda c: c.startswith("set25:")),
-                        ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:"))):
+                        ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:")),
+                        ("set 28 (layer constants: held out)", lambda c: c.startswith("set28:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -475,7 +494,8 @@ def scatter() -> None:
                                   ("set 26 (GQA recompute: tuned on)", "set26:", "2"),
                                   ("set 24 (flash: held out but Gemma ckpt)", "set24:", "3"),
                                   ("set 25 (MoE with flash)", "set25:", "H"),
-                                  ("set 27 (flash Gemma ckpt: held out)", "set27:", "4")):
+                                  ("set 27 (flash Gemma ckpt: held out)", "set27:", "4"),
+                                  ("set 28 (layer constants: held out)", "set28:", "+")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)
