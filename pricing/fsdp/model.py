@@ -62,9 +62,8 @@ FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.0, "gemma3_text"
 # fitted families whose traces stay off the validation target (median <= 3%, worst <= 10% over):
 # priced on their terms, basis conservative with the reason
 _MOE_OVER = ("priced at each layer's attention, MLP and recomputed-MLP points apart (0 under its "
-             "CPU traces) but up to {} above them on 2-3 layer shapes: a layer's MLP points charge "
-             "its own pending gradient shard before its reduce-scatter makes it, and eager "
-             "attention's backward point without checkpointing its S x S terms beside the kept "
+             "CPU traces) but up to {} above them on 2-3 layer shapes: eager attention's "
+             "backward point without checkpointing charges its S x S terms beside the kept "
              "ones (#fsdp-moe-points)")
 FITTED_GAPS: dict[str, str] = {"qwen3_moe": "Qwen3-MoE under FSDP: " + _MOE_OVER.format("12%"),
                                "mixtral": "Mixtral under FSDP: " + _MOE_OVER.format("7%")}
