@@ -26,7 +26,9 @@ pricing had one cell under, fixed from its anatomies with one more, so it is hel
 rest only (docs/memory-model.md#fsdp-moe-points). Set 26 (fsdpdense2) traced the masked GQA
 recompute of checkpointed sdpa layers (its packed cell priced 9% under before
 `sdpa_recompute_backward_per_row`; tuned on); set 23 holds out fsdpdense2's final dense
-sdpa/eager terms (docs/memory-model.md#fsdp-dense-points).
+sdpa/eager terms (docs/memory-model.md#fsdp-dense-points). Set 28 (fsdpgrads) holds out the
+layer constants at the backward points: the reduce-scatter steps under every attention and a
+layer's own gradient shard off them (docs/memory-model.md#fsdp-own-shard).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
