@@ -314,7 +314,7 @@ class FsdpPricingModel(PricingModel):
             f_quad = fa * (terms.eager_forward_quadratic(w) + add.kept_q) * s
         # a layer's points: its attention's (with the S x S terms) and its MLP's, which under
         # checkpointing also holds what the recomputed attention keeps for its backward
-        # (#fsdp-moe-points); a dense layer is charged the larger of the two at one point
+        # (#fsdp-moe-points); every layer is priced at both apart (#fsdp-own-shard)
         ng_att = scale * (f_att + add.forward) + f_quad
         ng_mlp = scale * (f_mlp + add.forward)
         # eager's softmax backward runs after the sandwich norms' backward (their temporaries
