@@ -98,7 +98,8 @@ FLASH_FUSED_QKV = frozenset({"phi3"})
 # Gemma 2/3 (sandwich norms) and phi3 (fused q/k/v) with checkpointing: their layer points were
 # read beside the layer constants' slack and lean on it (#fsdp-own-shard: set 8 gemma2 [288]'s
 # post-feedforward norm backward holds more than its MLP point charges); they keep their own
-# gradient shard at their backward points and, under sdpa/eager, the reduce buffers' output shard
+# gradient shard at their backward points and, under sdpa/eager, both reduce buffers (their
+# prices as before the steps were shared)
 CONSTANT_SLACK_FAMILIES = frozenset({"gemma2", "gemma3", "gemma3_text", "phi3"})
 FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model (flash-attn 2 "
                  "source); the Ulysses tracer runs sdpa/eager")
@@ -456,14 +457,14 @@ class FsdpPricingModel(PricingModel):
                 mlp_points[MLP_WORKSPACE] = ws_mlp + scale * (is_moe * (backward - dense) + rkv)
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
         # FSDP2's reduce-scatter steps at every layer's backward points, whatever the attention
-        mlp_points[LAYER_BACKWARD] += reduce_scatter_steps(n, top, lay.fsdp)
+        # (`CONSTANT_SLACK_FAMILIES` under sdpa/eager: none)
+        slack = ckpt and model_type_of(g) in CONSTANT_SLACK_FAMILIES
+        if flash or not slack:
+            mlp_points[LAYER_BACKWARD] += reduce_scatter_steps(n, top, lay.fsdp)
         # a layer's own sharded gradient is its reduce-scatter's output, made after the layer's
         # backward: not live at its backward points unless an earlier call of its slot made it
         # (the walk credits a slot's lone gradient call only, #fsdp-own-shard)
-        slack = ckpt and model_type_of(g) in CONSTANT_SLACK_FAMILIES
         mlp_points[OWN_PENDING_LATE] = 0.0 if slack else 1.0
-        if slack and not flash:   # the output shard kept (`CONSTANT_SLACK_FAMILIES`)
-            mlp_points[LAYER_BACKWARD] += terms.FP32 * terms.shard(top, lay.fsdp)
         mlp_points[LAYER_BACKWARD] *= fac["fsdp_constants"]
         if flash:
             resident += terms.flash_scalars(n)
