@@ -26,11 +26,13 @@ pricing had one cell under, fixed from its anatomies with one more, so it is hel
 rest only (docs/memory-model.md#fsdp-moe-points). Set 26 (fsdpdense2) traced the masked GQA
 recompute of checkpointed sdpa layers (its packed cell priced 9% under before
 `sdpa_recompute_backward_per_row`; tuned on); set 23 holds out fsdpdense2's final dense
-sdpa/eager terms (docs/memory-model.md#fsdp-dense-points).
+sdpa/eager terms (docs/memory-model.md#fsdp-dense-points). Set 28 (fsdpgrads) holds out the
+layer constants at the backward points: the reduce-scatter steps under every attention and a
+layer's own gradient shard off them (docs/memory-model.md#fsdp-own-shard).
 Writes bench/results/fsdp_traces.jsonl (resumable: a class already there is not traced again)
 and bench/results/fsdp_validation.txt.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-27|29|30] [--classes N]
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_validation.py [--set 1-8|10|11|12|15|20-30] [--classes N]
 """
 
 from __future__ import annotations
@@ -326,6 +328,22 @@ FAMILIES30 = {
                         query_pre_attn_scalar=32, sliding_window=384, tie_word_embeddings=True),
 }
 SETS[30] = (FAMILIES30, [(320, 192, 112, 64), (544,)], 12)
+# set 28 (fsdpgrads): held out, traced after the layer constants were final (the reduce-scatter
+# steps under every attention, a layer's own gradient shard off its backward points): dense and
+# MoE checkpointed sdpa at FSDP1 and 2; hidden 192, 3 layers, 6 heads over 2 kv heads (qwen3 8:2),
+# vocabulary 640, rank 8; qwen3_moe 8 experts top-2, mixtral 4 experts top-2
+_BASE28 = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2, head_dim=32, vocab_size=640, tie_word_embeddings=False)
+FAMILIES28 = {
+    "llama": dict(_BASE28, model_type="llama"),
+    "qwen2": dict(_BASE28, model_type="qwen2", intermediate_size=480),
+    "qwen3": dict(_BASE28, model_type="qwen3", num_attention_heads=8),
+    "qwen3_moe": dict(_BASE28, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=96),
+    "mixtral": dict(_BASE28, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=256, sliding_window=None),
+}
+SETS[28] = (FAMILIES28, [(184, 112, 64), (360,)], 8)
 # set 25 (fsdpflash3): the MoE families under flash_attention_2 (flash's terms beside the MoE
 # points), set 6's shapes: what the flash-specific terms were checked on, not held out
 SETS[25] = (FAMILIES6, WAVES6, LORA_RANK6)
@@ -364,6 +382,8 @@ FSDPFLASH_CLASSES = {
     29: [("qwen3_moe", False, "eager", 2), ("mixtral", False, "eager", 2), ("qwen3_moe", False, "sdpa", 2),
          ("mixtral", False, "sdpa", 4), ("qwen3_moe", False, "eager", 4), ("mixtral", False, "sdpa", 1),
          ("qwen3_moe", False, "eager", 1), ("mixtral", False, "eager", 1)],
+    28: [("llama", True, "sdpa", 1), ("qwen3_moe", True, "sdpa", 1), ("qwen3", True, "sdpa", 2),
+         ("mixtral", True, "sdpa", 2), ("qwen2", True, "sdpa", 2), ("llama", True, "eager", 2)],
     25: [("qwen3_moe", True, "flash", 2), ("mixtral", True, "flash", 2), ("qwen3_moe", False, "flash", 2),
          ("mixtral", False, "flash", 1), ("qwen3_moe", True, "flash", 1)],
 }
@@ -472,7 +492,8 @@ def table() -> str:
                         ("set 25 (MoE with flash)", lambda c: c.startswith("set25:")),
                         ("set 27 (flash Gemma ckpt: held out)", lambda c: c.startswith("set27:")),
                         ("set 30 (flash phi3, Gemma ckpt: held out)", lambda c: c.startswith("set30:")),
-                        ("set 29 (MoE without ckpt: held out)", lambda c: c.startswith("set29:"))):
+                        ("set 29 (MoE without ckpt: held out)", lambda c: c.startswith("set29:")),
+                        ("set 28 (layer constants: held out)", lambda c: c.startswith("set28:"))):
         part = [r for c, v in ratios.items() if pick(c) for r in v]
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
@@ -510,7 +531,8 @@ def scatter() -> None:
                                   ("set 25 (MoE with flash)", "set25:", "H"),
                                   ("set 27 (flash Gemma ckpt: held out)", "set27:", "4"),
                                   ("set 30 (flash phi3, Gemma ckpt: held out)", "set30:", "+"),
-                                  ("set 29 (MoE without ckpt: held out)", "set29:", "X")):
+                                  ("set 29 (MoE without ckpt: held out)", "set29:", "X"),
+                                  ("set 28 (layer constants: held out)", "set28:", "P")):
         xs, ys = [], []
         for line in TRACES.read_text().splitlines():
             rec = json.loads(line)

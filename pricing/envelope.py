@@ -25,6 +25,7 @@ from .walk import (
     MLP_RECOMPUTE,
     MLP_RECOMPUTE_CONST,
     MLP_WORKSPACE,
+    OWN_PENDING_LATE,
 )
 
 
@@ -115,6 +116,8 @@ def build_envelope(model: PricingModel, class_grad: Sequence[bool], class_slot: 
                                         [head_c + most_pad * total_pad + total_kept] * 2]))
         grads = a.pending[model.slot_index(class_slot[g])]
         suffix = np.cumsum(grads[::-1])[::-1] if grads.size else np.zeros(n)
+        if split:   # a lone call's own layer's not yet made (`walk.WalkCharges.mlp_points`)
+            suffix = suffix - mlp[OWN_PENDING_LATE] * grads
         pend_own.append(np.concatenate([np.zeros(n), suffix, [0.0, 0.0]]))
         if split:   # each layer's MLP points (`walk.WalkCharges.mlp_points`)
             row_own.append(np.concatenate([cum - ret + mlp[MLP_NOGRAD], cum + mlp[MLP_WORKSPACE] + ig,

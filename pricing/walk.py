@@ -31,9 +31,9 @@ POINT_NAMES = ("backward", "head-backward", "forward", "head-forward", "nograd-f
  POINT_EMPTY) = range(len(POINT_NAMES))
 
 # Rows of `WalkCharges.mlp_points`, float64[MLP_ROWS, L] (L = 0: the layer points are not split).
-MLP_ROWS = 9
+MLP_ROWS = 10
 (MLP_NOGRAD, MLP_WORKSPACE, MLP_KEPT, MLP_FORWARD, MLP_BACKWARD, LAYER_BACKWARD, MLP_RECOMPUTE,
- MLP_RECOMPUTE_CONST, ATTN_BACKWARD_SEGMENT) = range(MLP_ROWS)
+ MLP_RECOMPUTE_CONST, ATTN_BACKWARD_SEGMENT, OWN_PENDING_LATE) = range(MLP_ROWS)
 NO_MLP_POINTS = np.zeros((MLP_ROWS, 0))
 """The default `mlp_points`: every layer priced at one point per pass (Megatron-core)."""
 
@@ -73,7 +73,10 @@ class WalkCharges(NamedTuple):
     #   MLP_RECOMPUTE (per row) and MLP_RECOMPUTE_CONST price a third backward point, the
     #   recomputed MLP's forward before its backward (all zero: below the attention's point);
     #   ATTN_BACKWARD_SEGMENT bytes per segment at layer i's attention backward point only
-    #   (flash-attn's accumulator rows, #fsdp-flash-steps; gdn_state is at every point)
+    #   (flash-attn's accumulator rows, #fsdp-flash-steps; gdn_state is at every point);
+    #   OWN_PENDING_LATE the share of layer i's own pending gradients not yet made at its
+    #   backward points (FSDP2's reduce-scatter makes them after), credited where the call is
+    #   its slot's only gradient call (#fsdp-own-shard)
     #   (docs/memory-model.md#fsdp-moe-points)
 
 
@@ -292,6 +295,8 @@ def walk(charges, first_exec, groups):
             point[TERM_INPUT_GRADIENT] = rows[g] * input_grad
             if carries[g]:
                 point[TERM_PENDING_GRADIENTS] = suffix[s, 0] if shared_slot else suffix[s, i]
+                if split and not shared_slot:   # its own not yet made (`OWN_PENDING_LATE`)
+                    point[TERM_PENDING_GRADIENTS] -= mlp[OWN_PENDING_LATE, i] * pending[s, i]
             point[TERM_GDN_STATES] = segments[g] * gdn_state[i]
             if split:   # the MLP's backward first, then the attention's without its constants
                 point[TERM_WORKSPACE] += mlp[LAYER_BACKWARD, i]

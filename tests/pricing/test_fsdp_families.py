@@ -134,9 +134,10 @@ def test_moe_folded_expert_stacks_are_charged_at_the_mlp_points():
     # without checkpointing the head holds every layer's copies, with it none
     head_no = _price(MOE, ckpt=False, lens=(8,))
     assert no.walk.mlp_points.shape[1] == g.num_layers and head_no.raw_bytes > 0
-    # a dense family keeps one point per layer and pass (the walk as before)
-    assert build_fsdp_model(load_hf_config(dict(BASE, model_type="llama")), fsdp=2, attn="sdpa",
-                            attn_rows=64).charges.walk.mlp_points.shape[1] == 0
+    # a dense family is priced at two points per layer too, its MLP's without MoE constants
+    dense = build_fsdp_model(load_hf_config(dict(BASE, model_type="llama")), fsdp=2, attn="sdpa",
+                             attn_rows=64).charges.walk.mlp_points
+    assert dense.shape[1] == 2 and not dense[MLP_FORWARD].any() and not dense[MLP_BACKWARD].any()
     # PEFT's expert adapters: A 2E x H and B 2F_e x 2E (gate_up), A E x F_e and B H x E (down), router
     assert terms.moe_lora_param_count(g) == 2 * 8 * (128 + 2 * 96) + 8 * (96 + 128) + (128 + 8)
 
@@ -249,8 +250,9 @@ def test_no_reshard_after_forward_is_priced_on_evidence():
 
 def test_moe_basis_is_evidence_only_for_held_out_classes_on_target():
     # mixtral with checkpointing and sdpa at a shard group of 2 or more met the target on its
-    # held-out set-22 class (MOE_EVIDENCE); its FSDP1, Ulysses, checkpointed eager, Mixtral's sdpa
-    # without checkpointing and Qwen3-MoE with checkpointing stay conservative with the reason
+    # held-out set-22 class (MOE_EVIDENCE), Qwen3-MoE with checkpointing and sdpa at any shard group
+    # (sets 22/28); FSDP1 mixtral, Ulysses, checkpointed eager and Mixtral's sdpa without
+    # checkpointing stay conservative with the reason
     mixtral = load_hf_config(dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                                   tie_word_embeddings=False, sliding_window=None))
     qwen = load_hf_config(dict(MOE))
@@ -259,15 +261,16 @@ def test_moe_basis_is_evidence_only_for_held_out_classes_on_target():
         return build_fsdp_model(g, attn_rows=64, **dict(dict(fsdp=2, attn="sdpa", checkpointing=True), **kw))
 
     assert basis(mixtral).basis == "evidence" and basis(mixtral, fsdp=4).basis == "evidence"
-    # without checkpointing (held-out set 29): eager for both families at any shard group, sdpa
-    # for Qwen3-MoE at FSDP2 or more
+    assert basis(qwen).basis == basis(qwen, fsdp=1).basis == "evidence"
+    # without checkpointing (held-out sets 29 and 22): eager for both families and sdpa for
+    # Qwen3-MoE at any shard group
     for on in (basis(qwen, checkpointing=False, attn="eager"), basis(mixtral, checkpointing=False, attn="eager"),
                basis(qwen, checkpointing=False), basis(qwen, checkpointing=False, attn="eager", fsdp=4),
-               basis(qwen, checkpointing=False, attn="eager", fsdp=1),
+               basis(qwen, checkpointing=False, attn="eager", fsdp=1), basis(qwen, checkpointing=False, fsdp=1),
                basis(mixtral, checkpointing=False, attn="eager", fsdp=1)):
         assert on.basis == "evidence"
     for off in (basis(mixtral, fsdp=1), basis(mixtral, attn="eager"), basis(mixtral, checkpointing=False),
-                basis(qwen), basis(qwen, checkpointing=False, fsdp=1), basis(mixtral, ulysses=2)):
+                basis(qwen, attn="eager"), basis(mixtral, ulysses=2)):
         assert off.basis == "conservative"
         assert any("under FSDP" in r and "#fsdp-moe-points" in r for r in off.gaps)
 

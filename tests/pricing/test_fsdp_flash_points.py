@@ -15,7 +15,7 @@ import pytest
 
 from waveplan.pricing.fsdp import build_fsdp_model, terms
 from waveplan.pricing.fsdp.check import price_record
-from waveplan.pricing.fsdp.model import FITTED_FAMILIES, flash_layer_backward, flash_mlp_backward
+from waveplan.pricing.fsdp.model import FITTED_FAMILIES, flash_mlp_backward, reduce_scatter_steps
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.walk import (
     ATTN_BACKWARD_SEGMENT,
@@ -43,11 +43,11 @@ def _model(cfg, attn="flash", fsdp=2, ckpt=True, rank=8):
                             lora=LoraConfig(slots=(LoraSlot(rank=rank),)))
 
 
-def test_dense_flash_is_priced_at_two_points_and_sdpa_at_one():
+def test_every_attention_is_priced_at_two_points():
     flash = _model(dict(BASE, model_type="llama")).charges.walk
     sdpa = _model(dict(BASE, model_type="llama"), attn="sdpa").charges.walk
     assert flash.mlp_points.shape == (MLP_ROWS, 3)
-    assert sdpa.mlp_points.shape == (MLP_ROWS, 0)
+    assert sdpa.mlp_points.shape == (MLP_ROWS, 3)
     # the MLP's backward (checkpointed: the recomputed MLP's tensors) is the larger workspace
     assert np.all(flash.mlp_points[MLP_WORKSPACE] > flash.workspace)
 
@@ -55,7 +55,7 @@ def test_dense_flash_is_priced_at_two_points_and_sdpa_at_one():
 def test_reduce_scatter_steps_and_the_attention_adapters_gradients():
     g = load_hf_config(dict(BASE, model_type="llama"))
     top = 60000.0
-    steps = flash_layer_backward(3, top, 2)
+    steps = reduce_scatter_steps(3, top, 2)
     assert steps[0] == steps[1] == -4 * terms.shard(top, 2)
     assert steps[2] == -4 * terms.shard(top, 2) - 4 * top
     # q, k, v, o adapters, A and B: (H + Q) + 2 (H + KV) + (Q + H) per unit of rank, bf16
@@ -141,7 +141,7 @@ def test_accumulator_rows_sit_at_the_attention_backward_point_only():
                             slot=np.array([0]), carries=np.array([True]), longest=np.array([rows]))
         return walk(ch, 0.0, groups)
 
-    base, _ = peak(charges._replace(mlp_points=charges.mlp_points * np.array([[1.0]] * 8 + [[0.0]])), 40)
+    base, _ = peak(charges._replace(mlp_points=charges.mlp_points * (np.arange(MLP_ROWS) != ATTN_BACKWARD_SEGMENT)[:, None]), 40)
     # a per-segment charge so large that its point binds: an attention backward point, whose
     # workspace is the attention's (not the MLP's), carrying the segments' bytes
     big = charges.mlp_points.copy()

@@ -93,7 +93,7 @@ def test_the_envelope_never_prices_a_wave_below_the_walk(model, lens, prompt, da
     assert envelope + pricer.pending_bytes("default") >= carried
 
 
-# split layer points (`walk.WalkCharges.mlp_points`): FSDP MoE models, several classes a wave
+# split layer points (`walk.WalkCharges.mlp_points`): FSDP MoE and dense models, several classes a wave
 _MOE_CFG = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, vocab_size=1024, model_type="qwen3_moe",
                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
@@ -101,21 +101,22 @@ _MOE_CFG = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num
 _fsdp_models: dict = {}
 
 
-def _fsdp_moe(ckpt, attn, fsdp):
+def _fsdp_moe(ckpt, attn, fsdp, family="qwen3_moe"):
     from waveplan.pricing.fsdp import build_fsdp_model
     from waveplan.pricing.hf_config import load_hf_config
 
-    key = (ckpt, attn, fsdp)
+    key = (ckpt, attn, fsdp, family)
+    cfg = dict(_MOE_CFG) if family == "qwen3_moe" else dict(_MOE_CFG, model_type=family)
     if key not in _fsdp_models:
         lora = LoraConfig(slots=(LoraSlot(name="a", rank=8), LoraSlot(name="b", rank=16)))
-        _fsdp_models[key] = build_fsdp_model(load_hf_config(dict(_MOE_CFG)), fsdp=fsdp, attn=attn,
+        _fsdp_models[key] = build_fsdp_model(load_hf_config(cfg), fsdp=fsdp, attn=attn,
                                              checkpointing=ckpt, lora=lora, attn_rows=512)
     return _fsdp_models[key]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=st.builds(_fsdp_moe, st.booleans(), st.sampled_from(("sdpa", "eager", "flash")),
-                       st.sampled_from((1, 2, 4))),
+                       st.sampled_from((1, 2, 4)), st.sampled_from(("qwen3_moe", "llama"))),
        lens=st.lists(st.integers(2, 200), min_size=1, max_size=8), data=st.data())
 def test_split_layer_points_agree_in_every_form(model, lens, data):
     from waveplan.pricing.envelope import build_envelope
