@@ -21,7 +21,7 @@ are flash_attention_2 (set 15 held out). Set 20 holds out the sdpa terms of pack
 checkpointing, traced without transformers' KV cache (bench/results/fsdp_validation.txt lists
 the cells of earlier sets re-traced without it). Set 21 is veRL's padded rows
 (`use_remove_padding=False`), priced by a bound (every sequence at the step's longest). Set 22
-(fsdpmoe3) holds out the MoE points read from bench/fsdp_moe_anatomy.py's timelines: its first
+(fsdpmoe3) holds out the MoE points read from bench/fsdp_timeline.py's timelines: its first
 pricing had one cell under, fixed from its anatomies with one more, so it is held out for the
 rest only (docs/memory-model.md#fsdp-moe-points). Set 26 (fsdpdense2) traced the masked GQA
 recompute of checkpointed sdpa layers (its packed cell priced 9% under before
@@ -227,7 +227,7 @@ WAVES20 = [(176, 112, 48, 24)]
 LORA_RANK20 = 8
 SETS[20] = (FAMILIES20, WAVES20, LORA_RANK20)
 # set 22 (fsdpmoe3): the MoE classes held out after their MLP backward points were read from a
-# live-storage anatomy (bench/fsdp_moe_anatomy.py, #fsdp-moe-points): hidden 320, 3 layers, 10
+# live-storage anatomy (bench/fsdp_timeline.py, #fsdp-moe-points): hidden 320, 3 layers, 10
 # heads over 2 kv heads, vocabulary 1024, rank 8; qwen3_moe 12 experts top-4, mixtral 8 experts
 # top-2; four packed sequences and one long row; FSDP 1, 2 and 4, sdpa and eager, ckpt and not
 _BASE22 = dict(hidden_size=320, intermediate_size=768, num_hidden_layers=3, num_attention_heads=10,

@@ -1,19 +1,23 @@
-"""Timeline anatomy of one MoE FSDP cell of bench/fsdp_validation.py (the evidence of the MoE
-points in waveplan.pricing.fsdp.terms, docs/memory-model.md#fsdp-moe-points): the cell traced as
-`fsdp_trace` traces it (same model build, warm-up, rest and inputs, `use_cache=False`), every
-storage labelled with the module region that made it (fwd: forward, bwdrc: the checkpoint's
-recompute, bwdpost: after the recompute stops, bwd: a module's backward; labels cleared when a
-storage dies; the recompute bracketed through torch's `_recomputation_hook`). Prints the busiest
-rank's peak above rest, where it fell, each region's own peak, and the live set at the peak and
-at the named regions' peaks, largest first.
+"""Timeline anatomy of one FSDP cell of bench/fsdp_validation.py, dense or MoE (the evidence of
+the points in waveplan.pricing.fsdp.terms: docs/memory-model.md#fsdp-dense-points,
+#fsdp-moe-points): the cell traced as `fsdp_trace` traces it (same model build, warm-up, rest and
+inputs, `use_cache=False`), every storage labelled with the module region that made it (fwd:
+forward, bwdrc: the checkpoint's recompute, bwdpost: after the recompute stops, bwd: a module's
+backward; labels cleared when a storage dies; the recompute bracketed through torch's
+`_recomputation_hook`). Prints the busiest rank's peak above rest, where it fell, each region's
+own peak, the live set at the peak and at the named regions' peaks, largest first, and the named
+regions' op timeline.
 
-    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_moe_anatomy.py SET FAMILY ckpt|nockpt ATTN FSDP \
+    TORCHDYNAMO_DISABLE=1 nice python bench/fsdp_timeline.py SET FAMILY ckpt|nockpt ATTN FSDP \
         [REGION,REGION...] [WAVE_INDEX] [skew]
 
-`skew` routes every row to the first top_k experts (the most uneven routing the router can give)
-in place of the router's choice, the scores kept.
+`skew` (MoE) routes every row to the first top_k experts (the most uneven routing the router can
+give) in place of the router's choice, the scores kept.
 
-e.g. `bench/fsdp_moe_anatomy.py 4 qwen3_moe ckpt sdpa 2 "" 0` (set 4's 160 + 96 + 64 tokens).
+e.g. `bench/fsdp_timeline.py 4 qwen3_moe ckpt sdpa 2 "" 0` (set 4's 160 + 96 + 64 tokens),
+`bench/fsdp_timeline.py 26 qwen3 ckpt sdpa 2 bwd:layers.1.self_attn 1`. The runs behind the terms:
+bench/results/fsdp_dense_timelines.txt, fsdp_moe_eager_anatomy.txt (made by the two scripts this
+one replaces, fsdp_dense_timeline.py and fsdp_moe_anatomy.py, with the same tracker).
 """
 import gc
 import sys
