@@ -498,6 +498,18 @@ def table() -> str:
         if part:
             lines.append(f"{label:<44} {len(part):>5} {sum(x < 1 for x in part):>5} "
                          f"{100 * (statistics.median(part) - 1):+7.1f}% {100 * (max(part) - 1):+7.1f}%")
+    pooled: dict[str, list[float]] = {}
+    for c, v in ratios.items():
+        pooled.setdefault(c.split(":", 1)[-1], []).extend(v)
+    off = [c for c, v in pooled.items()
+           if min(v) < 1 or statistics.median(v) > 1.03 or max(v) > 1.10]
+    lines += ["", "# per class over every set (family/checkpointing/attention/shard group[/variant]); "
+              f"{len(pooled) - len(off)} of {len(pooled)} meet the target (0 under, median <= 3%, worst <= 10%)",
+              f"{'class':<44} {'cells':>5} {'under':>5} {'median':>8} {'worst':>8}"]
+    for c, v in sorted(pooled.items()):
+        lines.append(f"{c:<44} {len(v):>5} {sum(x < 1 for x in v):>5} "
+                     f"{100 * (statistics.median(v) - 1):+7.1f}% {100 * (max(v) - 1):+7.1f}%"
+                     + ("  off target" if c in off else ""))
     return "\n".join(lines) + "\n"
 
 
