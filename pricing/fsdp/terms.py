@@ -605,8 +605,8 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     temporaries die before its softmax, within the base terms), and the recomputed tanh output
     kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
     checkpointing the post-feedforward norm's fp32 backward temporaries beside the recomputed
-    MLP at its backward point (`sandwich_backward_per_row`'s 6H: the attention's S x S
-    point no longer covers that moment), under flash at both of a layer's backward points
+    MLP at its backward point (`sandwich_mlp_backward_per_row`: the attention's S x S point no
+    longer covers that moment), under flash 6H at both of a layer's backward points
     (#fsdp-attention). Docs: docs/memory-model.md#fsdp-families."""
     f = geometry.features
     retained = forward = backward = 0.0
