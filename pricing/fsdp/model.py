@@ -102,12 +102,11 @@ FLASH_MOE = ("flash_attention_2 with a MoE family traced on the CPU (set 25: nev
 FLASH_MOE_FAMILIES = frozenset({"qwen3_moe", "mixtral"})
 # families whose q/k/v projection is one fused linear (flash keeps its output on one-sequence rows)
 FLASH_FUSED_QKV = frozenset({"phi3"})
-# Gemma 2/3 (sandwich norms) and phi3 (fused q/k/v) with checkpointing: their layer points were
-# read beside the layer constants' slack and lean on it (#fsdp-own-shard: set 8 gemma2 [288]'s
-# post-feedforward norm backward holds more than its MLP point charges); they keep their own
-# gradient shard at their backward points and, under sdpa/eager, both reduce buffers (their
-# prices as before the steps were shared)
-CONSTANT_SLACK_FAMILIES = frozenset({"gemma2", "gemma3", "gemma3_text", "phi3"})
+# phi3 (fused q/k/v) with checkpointing under flash_attention_2: its fitted backward term
+# (`terms.flash_fused_qkv_per_row`) was read beside the layer constants' slack and leans on it
+# (#fsdp-own-shard: its one-sequence cells price up to 0.5% under with the own-shard credit);
+# it keeps its own gradient shard at its backward points (its prices as before)
+CONSTANT_SLACK_FAMILIES = frozenset({"phi3"})
 FLASH_ULYSSES = ("flash_attention_2 under Ulysses priced by its allocation model (flash-attn 2 "
                  "source); the Ulysses tracer runs sdpa/eager")
 # traced classes off the target or without a held-out set (never under): the reason shown
@@ -315,6 +314,10 @@ class FsdpPricingModel(PricingModel):
             b_att = max(b_att, terms.sdpa_recompute_backward_per_row(w, masked=masked, qk_norm=qk))
             if g.moe is None:
                 b_mlp += terms.sdpa_recompute_repeats_per_row(w, masked=masked)
+        if lay.attn == "eager" and ckpt and sp == 1 and g.moe is None:
+            # the recomputed eager attention's k/v repeated per query head, kept through a dense
+            # layer's MLP backward (`terms.recompute_repeated_kv_per_row`; #fsdp-own-shard)
+            b_mlp += terms.recompute_repeated_kv_per_row(w, attn="eager")
         # veRL's all-to-all around the attention kernel, both passes: what is live beside the
         # S x S terms, and what only instead of them (`ulysses.attention_points`)
         (f_a2a, f_alone), (b_a2a, b_alone) = ulysses.attention_points(w, sp, lay.attn)
@@ -471,10 +474,8 @@ class FsdpPricingModel(PricingModel):
                 mlp_points[MLP_WORKSPACE] = ws_mlp + scale * (is_moe * (backward - dense) + rkv)
                 mlp_points[MLP_RECOMPUTE_CONST] = (is_moe * (up + down) - terms.BF16 * top) * fac["fsdp_constants"]
         # FSDP2's reduce-scatter steps at every layer's backward points, whatever the attention
-        # (`CONSTANT_SLACK_FAMILIES` under sdpa/eager: none)
-        slack = ckpt and model_type_of(g) in CONSTANT_SLACK_FAMILIES
-        if flash or not slack:
-            mlp_points[LAYER_BACKWARD] += reduce_scatter_steps(n, top, lay.fsdp)
+        slack = ckpt and flash and model_type_of(g) in CONSTANT_SLACK_FAMILIES
+        mlp_points[LAYER_BACKWARD] += reduce_scatter_steps(n, top, lay.fsdp)
         # a layer's own sharded gradient is its reduce-scatter's output, made after the layer's
         # backward: not live at its backward points unless an earlier call of its slot made it
         # (the walk credits a slot's lone gradient call only, #fsdp-own-shard)

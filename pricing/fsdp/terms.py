@@ -225,6 +225,15 @@ def flash_fused_qkv_per_row(w: Widths, *, checkpointing: bool,
     return (0.0 if packed else 2 * w.Q + 2 * w.KV) - 6 * w.r, 0.0
 
 
+def sandwich_mlp_backward_per_row(w: Widths, *, checkpointing: bool) -> float:
+    """Gemma's post-feedforward norm with checkpointing under flash_attention_2 or eager: what its
+    fp32 backward holds at the MLP's backward point above the MLP's charge, per row. Formula:
+    max(0, 20H - 4F): its fp32 products and temporaries (20H above its kept input) run beside the
+    recomputed MLP's kept tensors (8F) before the MLP's gradients (4F more, in the MLP's charge)
+    exist (anatomies of sets 8, 15, 24 and 27). Docs: docs/memory-model.md#fsdp-own-shard."""
+    return max(0.0, 20 * w.H - 4 * w.F) if checkpointing else 0.0
+
+
 def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
     """Gemma's post-feedforward norm under flash_attention_2 with checkpointing: what its fp32
     backward holds at the MLP's backward point above `sandwich_backward_per_row` (negative:
@@ -235,8 +244,8 @@ def flash_sandwich_mlp_per_row(w: Widths, *, checkpointing: bool) -> float:
     point holds the larger of the two moments: 20H - 4F above the MLP's charge, or nothing
     (set 27's gemma2, F = 4H: its peak at that norm's backward, 4H above the MLP's charge).
     Docs: docs/memory-model.md#fsdp-flash-steps."""
-    return max(0.0, 20 * w.H - 4 * w.F) - sandwich_backward_per_row(w, checkpointing=True) \
-        if checkpointing else 0.0
+    return (sandwich_mlp_backward_per_row(w, checkpointing=True)
+            - sandwich_backward_per_row(w, checkpointing=True)) if checkpointing else 0.0
 
 
 def moe_per_row(w: Widths) -> float:
@@ -596,8 +605,8 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
     temporaries die before its softmax, within the base terms), and the recomputed tanh output
     kept through the MLP's backward beside `recompute_kept_quadratic`'s, 2 nh; under eager with
     checkpointing the post-feedforward norm's fp32 backward temporaries beside the recomputed
-    MLP at its backward point (`sandwich_backward_per_row`'s 6H: the attention's S x S
-    point no longer covers that moment), under flash at both of a layer's backward points
+    MLP at its backward point (`sandwich_mlp_backward_per_row`: the attention's S x S point no
+    longer covers that moment), under flash 6H at both of a layer's backward points
     (#fsdp-attention). Docs: docs/memory-model.md#fsdp-families."""
     f = geometry.features
     retained = forward = backward = 0.0
@@ -609,7 +618,7 @@ def family_adds(geometry: ModelGeometry, w: Widths, *, checkpointing: bool, attn
         forward += norms
         backward += norms
         if attn == "eager":
-            mlp_backward += sandwich_backward_per_row(w, checkpointing=checkpointing)
+            mlp_backward += sandwich_mlp_backward_per_row(w, checkpointing=checkpointing)
         elif attn == "flash":
             backward += sandwich_backward_per_row(w, checkpointing=checkpointing)
     kinds = set(f.sliding_layers(geometry.num_layers)) if attn != "flash" else {False}

@@ -2,12 +2,13 @@
 the reduce-scatter steps are the same under every attention and MLP kind; a layer's own sharded
 gradient (its reduce-scatter's output) is not live at its own backward points when the wave's
 call is its slot's only gradient call, and is when another call of the slot may have made it;
-the lower envelope takes the same credit and stays below the exact price; Gemma/phi3 with
-checkpointing keep the constants' slack; Megatron models carry no such row."""
+the lower envelope takes the same credit and stays below the exact price; phi3 with
+checkpointing under flash keeps its own shard; Megatron models carry no such row."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.lora import LoraConfig, LoraSlot
 from waveplan.pricing.walk import (
     LAYER_BACKWARD,
+    MLP_WORKSPACE,
     OWN_PENDING_LATE,
     PEAK_LAYER,
     PEAK_POINT,
@@ -89,16 +91,51 @@ def test_own_shard_is_credited_to_a_slots_lone_gradient_call_only():
     assert _peak_at_layer0(w._replace(mlp_points=late), 1) == own.sum()
 
 
-def test_gemma_and_phi3_with_checkpointing_keep_the_constants_slack():
+def test_only_phi3_flash_with_checkpointing_keeps_its_own_shard():
+    """Gemma 2/3 and phi3 take every family's constants under sdpa/eager (and Gemma under
+    flash); phi3 with checkpointing under flash keeps its own gradient shard (its fitted fused
+    q/k/v term leans on it)."""
     for family in ("gemma2", "phi3"):
         cfg = dict(BASE, model_type=family, sliding_window=64 if family == "gemma2" else None, pad_token_id=0)
-        ck, no = _walk(cfg, "eager", 2, True), _walk(cfg, "eager", 2, False)
-        assert np.all(ck.mlp_points[OWN_PENDING_LATE] == 0.0)
-        assert np.all(no.mlp_points[OWN_PENDING_LATE] == 1.0)
-        # both reduce buffers kept under sdpa/eager (their prices as before), not without ckpt
-        assert not ck.mlp_points[LAYER_BACKWARD].any() and no.mlp_points[LAYER_BACKWARD, 0] < 0.0
-        # under flash the steps are every kind's
-        assert _walk(cfg, "flash", 2, True).mlp_points[LAYER_BACKWARD, 0] < 0.0
+        for attn in ("sdpa", "eager"):
+            for ckpt in (True, False):
+                w = _walk(cfg, attn, 2, ckpt)
+                assert np.all(w.mlp_points[OWN_PENDING_LATE] == 1.0)
+                assert w.mlp_points[LAYER_BACKWARD, 0] < 0.0
+        flash = _walk(cfg, "flash", 2, True)
+        assert flash.mlp_points[LAYER_BACKWARD, 0] < 0.0
+        assert np.all(flash.mlp_points[OWN_PENDING_LATE] == (0.0 if family == "phi3" else 1.0))
+
+
+def test_eager_checkpointed_mlp_point_holds_the_repeats_and_gemmas_norm_backward():
+    """At a checkpointed eager layer's MLP backward point: k/v repeated per query head (4Q - 4KV,
+    none for one key/value head) for every dense family; Gemma's post-feedforward norm backward
+    max(0, 20H - 4F), the same term flash's MLP point holds."""
+    w = terms.widths(load_hf_config(dict(BASE, model_type="llama")), 8)
+    assert terms.sandwich_mlp_backward_per_row(w, checkpointing=True) == max(0.0, 20 * 128 - 4 * 448)
+    assert terms.sandwich_mlp_backward_per_row(w, checkpointing=False) == 0.0
+    narrow = replace(w, F=320.0)
+    assert terms.sandwich_mlp_backward_per_row(narrow, checkpointing=True) == 20 * 128 - 4 * 320
+    assert (terms.flash_sandwich_mlp_per_row(narrow, checkpointing=True)
+            + terms.sandwich_backward_per_row(narrow, checkpointing=True)
+            == terms.sandwich_mlp_backward_per_row(narrow, checkpointing=True))
+    llama = dict(BASE, model_type="llama")
+    one_kv = dict(llama, num_key_value_heads=1)
+    for cfg, repeats in ((llama, 4 * 128 - 4 * 64), (one_kv, 0.0)):
+        wc = terms.widths(load_hf_config(dict(cfg)), 8)
+        assert terms.recompute_repeated_kv_per_row(wc, attn="eager") == repeats
+        b_mlp, _ = terms.layer_backward_per_row(wc, checkpointing=True, qk_norm=False, attn="eager")
+        kept_q = terms.recompute_kept_quadratic(wc, attn="eager", checkpointing=True) * 64
+        np.testing.assert_allclose(_walk(cfg, "eager", 2, True).mlp_points[MLP_WORKSPACE],
+                                   b_mlp + repeats + kept_q)
+    # set 8 gemma2/gemma3 ckpt eager [288] (the MLP point binds in the trace): priced in [0, 1%)
+    recs = [json.loads(line) for line in TRACES.read_text().splitlines() if line.strip()]
+    cells = [r for r in recs if r["class"] in ("set8:gemma2/ckpt/eager/fsdp2", "set8:gemma3_text/ckpt/eager/fsdp2",
+                                               "set3:phi3/ckpt/eager/fsdp2")]
+    assert len(cells) == 5
+    for rec in cells:
+        over = price_record(rec).raw_bytes / rec["peak_bytes"] - 1.0
+        assert 0.0 <= over < 0.01, (rec["class"], over)
 
 
 def test_dense_checkpointed_sdpa_cells_price_their_constants_exactly():
