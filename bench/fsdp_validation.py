@@ -71,8 +71,8 @@ WAVES2 = [(200, 120, 40, 40), (320,)]
 LORA_RANK2 = 16
 
 
-# sets 3 and 4: the families priced on Llama's terms with their own additions and a fitted
-# factor (pricing/fsdp/model.py FITTED_FAMILIES). Set 3 fits the factors (and showed what the
+# sets 3 and 4: the families priced on Llama's terms with their own additions and, then, a fitted
+# factor (pricing/fsdp/model.py TRACED_FAMILIES, no factor since). Set 3 fitted the factors (and showed what the
 # terms missed: the LoRA-folded expert stacks); set 4 was traced after they were final.
 _BASE3 = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, vocab_size=1024)

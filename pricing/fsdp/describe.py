@@ -28,13 +28,13 @@ def lora_targets(geometry) -> tuple[str, ...]:
 
 
 def family_words(model) -> str:
-    """How the model's family is priced: tensor by tensor, with a fitted factor, or bounded."""
+    """How the model's family is priced: tensor by tensor, with its additions, or bounded."""
     mt = fsdp_model.model_type_of(model.geometry) or "unknown"
     if mt in fsdp_model.EVIDENCE_FAMILIES:
         return f"{mt}: Llama-shaped terms, tensor by tensor (CPU traces, sets 1-2)"
-    if mt in fsdp_model.FITTED_FAMILIES:
+    if mt in fsdp_model.TRACED_FAMILIES:
         return (f"{mt}: Llama-shaped terms with the family's additions (#fsdp-families), layer terms "
-                f"x {model.bound_scale:g} (fitted on CPU traces, set 3; held out: set 4)")
+                f"x {model.bound_scale:g} (CPU traces, sets 3-30)")
     return f"{mt}: no FSDP trace, layer terms x {model.bound_scale:g} (a bound)"
 
 

@@ -46,19 +46,16 @@ from .layout import FsdpLayout
 # the sliding window, which sdpa/eager masks carry in the same S x S tensor)
 EVIDENCE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 # a family no trace covers: the same terms, layer terms x BOUND_SCALE, basis conservative
-# (gemma2, gemma3, phi3, qwen3_moe and mixtral were here until traced: FITTED_FAMILIES)
+# (gemma2, gemma3, phi3, qwen3_moe and mixtral were here until traced: TRACED_FAMILIES)
 BOUND_FAMILIES: dict[str, str] = {}
 BOUND_SCALE = 1.25
 # families priced on the terms above with what they hold beyond Llama's shape counted (MoE: the
-# LoRA-folded expert stacks and their adapters, #fsdp-families) and their layer terms times a
-# factor fitted to their own CPU traces (bench/fsdp_validation.py set 3: the least factor that
-# covers every cell with a 0.5% margin, never below 1), held out on set 4
-# (bench/results/fsdp_validation.txt)
-FITTED_FAMILIES: dict[str, float] = {"gemma2": 1.0, "gemma3": 1.0, "gemma3_text": 1.0, "phi3": 1.0,
-                                     "qwen3_moe": 1.0, "mixtral": 1.0}
-# Gemma 3 carried 1.086 for its set-3 eager cell with checkpointing at the attention's forward
-# S x S point; eager's points read from set 4's anatomies (`terms.eager_forward_quadratic`,
-# #fsdp-attention) price every Gemma 3 cell at or above its trace at 1 (set 23 held out)
+# LoRA-folded expert stacks and their adapters, `terms.family_adds`, #fsdp-families), traced on
+# their own CPU sets (bench/fsdp_validation.py sets 3-30, bench/results/fsdp_validation.txt);
+# their layer terms carry no factor: Gemma 3's fitted 1.086, the last, covered its set-3 eager
+# cell's forward S x S point, which eager's points read from set 4's anatomies now count
+# (`terms.eager_forward_quadratic`; set 23 held out)
+TRACED_FAMILIES = frozenset({"gemma2", "gemma3", "gemma3_text", "phi3", "qwen3_moe", "mixtral"})
 # fitted families whose traces stay off the validation target (median <= 3%, worst <= 10% over):
 # priced on their terms, basis conservative with the reason
 _MOE_OVER = ("priced at each layer's attention, MLP and recomputed-MLP points apart (0 under its "
@@ -202,7 +199,7 @@ class FsdpPricingModel(PricingModel):
                       "under FSDP the head is transformers' loss on all logits: full-native")
         mt = model_type_of(g)
         gaps = []
-        if mt not in EVIDENCE_FAMILIES and mt not in FITTED_FAMILIES:
+        if mt not in EVIDENCE_FAMILIES and mt not in TRACED_FAMILIES:
             gaps.append(BOUND_FAMILIES.get(mt, f"model_type {mt or 'unknown'}: no FSDP trace; "
                                                 f"layer terms x {BOUND_SCALE:g}"))
         lay = self.fsdp_layout
@@ -253,13 +250,10 @@ class FsdpPricingModel(PricingModel):
 
     @property
     def bound_scale(self) -> float:
-        """The factor on the layer terms: 1 for the families the terms count tensor by tensor,
-        the fitted factor of a `FITTED_FAMILIES` family, `BOUND_SCALE` for a family no trace
-        covers."""
+        """The factor on the layer terms: 1 for the families the terms count tensor by tensor
+        (`EVIDENCE_FAMILIES`, `TRACED_FAMILIES`), `BOUND_SCALE` for a family no trace covers."""
         mt = model_type_of(self.geometry)
-        if mt in EVIDENCE_FAMILIES:
-            return 1.0
-        return FITTED_FAMILIES.get(mt, BOUND_SCALE)
+        return 1.0 if mt in EVIDENCE_FAMILIES or mt in TRACED_FAMILIES else BOUND_SCALE
 
     def _build_charges(self) -> Charges:
         """The walk's charges (`Charges`) from `fsdp.terms`. O(layers x slots)."""
@@ -271,7 +265,7 @@ class FsdpPricingModel(PricingModel):
         qk = g.qk_norm
         # a calibrated table's factors (`fsdp.calibrate`; 1 for a table without them)
         fac = terms.calibration_factors(self.table)
-        fitted = model_type_of(g) in FITTED_FAMILIES
+        fitted = model_type_of(g) in TRACED_FAMILIES
         scale = self.bound_scale * fac["fsdp_layer"]
         held, kept_q, point_q = (fac["fsdp_attention"] * x for x in
                                  terms.attention_quadratic(w, attn=lay.attn, checkpointing=ckpt))

@@ -27,7 +27,7 @@ from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.fsdp import build_fsdp_model, terms
 from waveplan.pricing.fsdp import calibrate as fc
 from waveplan.pricing.fsdp.check import price_record
-from waveplan.pricing.fsdp.model import FITTED_FAMILIES, for_step
+from waveplan.pricing.fsdp.model import TRACED_FAMILIES, for_step
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.step import Step
 from waveplan.pricing.walk import (
@@ -150,7 +150,7 @@ def test_gemma_masks_and_final_softcap():
     one_kind = load_hf_config(dict(GEMMA2, model_type="gemma3_text", num_hidden_layers=2))
     assert terms.family_adds(one_kind, terms.widths(one_kind, 8), checkpointing=True, attn="sdpa").masks == 1
     assert terms.final_softcap_per_row(w) == (2 * 1024, 0.0, 4 * 1024)   # bf16, not fp32 copies
-    assert "gemma2" in FITTED_FAMILIES and _price(GEMMA2).basis in ("evidence", "conservative")
+    assert "gemma2" in TRACED_FAMILIES and _price(GEMMA2).basis in ("evidence", "conservative")
 
 
 def test_factors_default_to_the_derived_terms_and_raise_what_they_scale():

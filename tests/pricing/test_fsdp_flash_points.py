@@ -15,7 +15,7 @@ import pytest
 
 from waveplan.pricing.fsdp import build_fsdp_model, terms
 from waveplan.pricing.fsdp.check import price_record
-from waveplan.pricing.fsdp.model import FITTED_FAMILIES, flash_mlp_backward, reduce_scatter_steps
+from waveplan.pricing.fsdp.model import TRACED_FAMILIES, flash_mlp_backward, reduce_scatter_steps
 from waveplan.pricing.hf_config import load_hf_config
 from waveplan.pricing.walk import (
     ATTN_BACKWARD_SEGMENT,
@@ -85,7 +85,7 @@ def test_gemma3_carries_no_factor():
     cfg = dict(BASE, model_type="gemma3_text", query_pre_attn_scalar=32, sliding_window=256,
                tie_word_embeddings=True)
     for attn in ("flash", "sdpa", "eager"):
-        assert _model(cfg, attn=attn).bound_scale == FITTED_FAMILIES["gemma3_text"] == 1.0
+        assert "gemma3_text" in TRACED_FAMILIES and _model(cfg, attn=attn).bound_scale == 1.0
 
 
 @pytest.mark.parametrize("attn", ["flash"])
