@@ -28,9 +28,8 @@ def rank(spec: dict) -> list[dict]:
     import torch
 
     from waveplan.pricing.measure.fsdp_trace import (
-        _fsdp_params,
-        _live_storages,
         build_fsdp_model,
+        rest_storages,
         wave_inputs,
     )
     from waveplan.pricing.measure.live_anatomy import anatomy_tracker_class, module_stack
@@ -53,9 +52,7 @@ def rank(spec: dict) -> list[dict]:
     opt.step()
     opt.zero_grad(set_to_none=True)
     gc.collect()
-    polled = [t.untyped_storage() for fp in _fsdp_params(model) for t in fp.all_gather_outputs]
-    polled_ids = {id(st) for st in polled}
-    live = _live_storages(torch)
+    polled, others = rest_storages(model, torch)
 
     class Tracker(anatomy_tracker_class()):
         def __init__(self) -> None:
@@ -92,8 +89,8 @@ def rank(spec: dict) -> list[dict]:
             return out
 
     tracker = Tracker()
-    tracker.ignore([o for k, o in live.items() if k not in polled_ids])
-    del live
+    tracker.ignore(others)
+    del others
     stack: list[str] = []
     tracker.stack = stack
     with module_stack(model, stack), tracker:

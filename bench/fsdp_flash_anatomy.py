@@ -74,14 +74,10 @@ def _rank(rank: int, spec: dict, out: str) -> None:
         opt.zero_grad(set_to_none=True)
         for lens in spec["jobs"]:
             gc.collect()
-            polled = []
-            for fp in ft._fsdp_params(model):
-                polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
-            live = ft._live_storages(torch)
-            pid = {id(s) for s in polled}
+            polled, others = ft.rest_storages(model, torch)
             tr = Tracker(polled)
-            tr.ignore([o for k, o in live.items() if k not in pid])
-            del live
+            tr.ignore(others)
+            del others
             with module_stack(model, tr.stack), tr:
                 tr.reset_peak()
                 tr.top = tr.current + sum(st.nbytes() for st in polled)

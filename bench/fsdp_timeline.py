@@ -138,14 +138,10 @@ def rank_entry(spec):
     for lens in spec["jobs"]:
         opt.zero_grad(set_to_none=True)
         gc.collect()
-        polled = []
-        for fp in ft._fsdp_params(model):
-            polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
-        live = ft._live_storages(torch)
-        pid = {id(s) for s in polled}
+        polled, others = ft.rest_storages(model, torch)
         tr = T(polled)
-        tr.ignore([o for k, o in live.items() if k not in pid])
-        del live
+        tr.ignore(others)
+        del others
         with tr:
             tr.reset_peak()
             base = tr.current + tr.polled_now

@@ -328,6 +328,16 @@ def _live_storages(torch):
     return seen
 
 
+def rest_storages(model, torch):
+    """The rank at rest, split for a tracker: FSDP2's all-gather outputs (`polled`: resized
+    outside aten, read by nbytes) and every other live storage (`others`: to ignore, counted in
+    rest). O(live objects)."""
+    polled = [t.untyped_storage() for fp in _fsdp_params(model) for t in fp.all_gather_outputs]
+    ids = {id(st) for st in polled}
+    others = [o for k, o in _live_storages(torch).items() if k not in ids]
+    return polled, others
+
+
 def trace_rank(spec: dict) -> list[dict]:
     """This rank's result for every job: peak above rest, rest, forward peak."""
 
@@ -389,16 +399,12 @@ def measure_waves(model, opt, jobs, run, dev: str) -> list[dict]:
             peak = torch.cuda.max_memory_allocated() - rest
             record = {"peak": int(peak), "rest": int(rest), "forward_peak": int(fwd["p"] - rest)}
         else:
-            polled = []
-            for fp in _fsdp_params(model):
-                polled.extend(t.untyped_storage() for t in fp.all_gather_outputs)
-            live = _live_storages(torch)
-            polled_ids = {id(st) for st in polled}
-            rest = sum(o.untyped_storage().nbytes() for k, o in live.items() if k not in polled_ids)
+            polled, others = rest_storages(model, torch)
+            rest = sum(o.untyped_storage().nbytes() for o in others)
             rest += sum(st.nbytes() for st in polled)
             tracker = _polled_tracker()(polled)
-            tracker.ignore([o for k, o in live.items() if k not in polled_ids])
-            del live
+            tracker.ignore(others)
+            del others
             fwd = {}
             with tracker:
                 tracker.reset_peak()
