@@ -22,7 +22,9 @@ DEFAULT_BACKEND = "te-gpu"   # Transformer Engine on GPU: the shipped table a mo
 
 # Widths a per-row coefficient may multiply (see `pricing.model.layer_widths`).
 WIDTHS = ("H", "F", "qkv", "core", "in_proj", "conv", "value", "expert_ffn", "shared_ffn",
-          "experts", "vocab", "rank")
+          "experts", "vocab", "rank",
+          # multi-latent attention's own widths (`layers.mla.mla_widths`, `fused_mla_layer` only)
+          "qk", "heads", "qk_acc", "latent", "rope")
 
 REQUIRED_TERMS = entries.REQUIRED
 # The optional entries a table fitted on plain CPU kernels adds (the fused GPU table omits them

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import feature_terms, gdn_terms, layout_terms, terms
 from .geometry import LayerSpec, MixerKind, MlpKind
-from .layers import pricer_for
+from .layers import mla, pricer_for
 from .layers.context import LayerContext, RetainedBy, charged_unsharded, layer_context
 from .parallel import RecomputeMode
 from .pipeline import rope_cache_per_row
@@ -108,12 +108,13 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     # residual of the class without SP
     # with the fused kernels' point (te-gpu, full recompute) only the layers it prices take the
     # residual fitted beside it; every other layer the one fitted without it (`bare`)
+    # (and the MLA layers the fused kernels' MLA terms price, `mla.on_kernels`)
     beside_models = ctx.kernels.fused
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
         sequence_parallel=c.sequence_parallel and not charged_unsharded(ctx, layer),
-        bare=not (ctx.fused_point or ctx.kernel_retained if beside_models
-                  else pricer_for(g, layer).residual_covered(ctx, layer)))
+        bare=not (ctx.fused_point or ctx.kernel_retained or mla.on_kernels(ctx, layer)
+                  if beside_models else pricer_for(g, layer).residual_covered(ctx, layer)))
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
 
@@ -134,9 +135,13 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
         # (the fused kernels' point at any TP: the entry's rows once per wave)
-        rope += entry if ctx.fused_point or ctx.kernel_retained else layout_terms.sp_rope_entry_per_row(
-            ctx.table, rope_per_row=entry, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1,
-            at_tp1=ctx.tp1_structural)
+        rope += entry if ctx.fused_point or ctx.kernel_retained or ctx.fused_mla else \
+            layout_terms.sp_rope_entry_per_row(ctx.table, rope_per_row=entry, tp=ctx.tp,
+                                               sequence_parallel=ctx.sp_div > 1,
+                                               at_tp1=ctx.tp1_structural)
+    elif ctx.fused_mla:
+        # beside the fused kernels' MLA terms (their points hold no entry) in a MoE model too
+        rope += entry
     return rope
 
 

@@ -18,7 +18,7 @@ from .charges import Charges, ForwardParts, HeadParts
 from .coefficients import DEFAULT_BACKEND, CoefficientTable, load_table, table_from_dict
 from .coverage import Coverage, assess, dtype_scale
 from .errors import ConfigError, bad
-from .geometry import ModelGeometry
+from .geometry import MlpKind, ModelGeometry
 from .kernel_set import Framework
 from .layer_arrays import layer_arrays
 from .layers.context import LayerContext, layer_context
@@ -193,6 +193,10 @@ class PricingModel:
         if ctx.fused_moe_retained:
             lines.append(f"kernel-model: the retained MoE layers' tensors and own forward peaks "
                          f"({names}; fused_retained_layer moe_ keys)")
+        if ctx.fused_mla and any(layer.mlp == MlpKind.DENSE for layer in self.geometry.layers):
+            lines.append(f"kernel-model: the multi-latent-attention layers with a dense MLP, "
+                         f"retained or recomputed ({names}; fused_mla_layer; flash-attn's model, "
+                         f"where TE runs cuDNN's fused attention for MLA)")
         if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
             lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
                          "(te-rmsnorm; sp_head_forward)")
@@ -310,7 +314,7 @@ class PricingModel:
         # hidden-wide part is whole and the vocabulary the rank's share)
         head_fwd = (layout_terms.sp_head_forward_per_row(
             t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.kernel_retained)
+            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.kernel_retained or ctx.fused_mla)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope

@@ -107,6 +107,12 @@ class LayerContext:
     and under CP without SP; they take the layout residual fitted beside it, every other layer of the
     table the one fitted without it (docs/memory-model.md#gpu-kernel-allocation-models)."""
 
+    fused_mla: bool = False
+    """A multi-latent-attention model's layers with a dense MLP priced by what the fused kernels
+    keep and hold at their points (`KernelSet.fused_mla`; retained and recomputed), on a TP1 CP1
+    layout without EP; MLA layers with a MoE MLP keep the fitted terms
+    (docs/memory-model.md#mla-kernel-models)."""
+
     @property
     def mode(self) -> RecomputeMode:
         """The recompute mode (`recompute.mode`)."""
@@ -189,6 +195,10 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                           and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
+    # MLA's dense layers at TP1 CP1 without EP (the te-gpu traces' layout), any recompute
+    fused_mla = (kernels.fused and kernels.fused_mla and g.attention is not None
+                 and g.attention.mla is not None and g.gdn is None and p.tp == 1 and width_tp == 1
+                 and rows_cp == 1 and p.ep == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -197,7 +207,7 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
         fused_point=fused_point, fused_retained=fused_retained,
-        fused_moe_retained=fused_moe_retained)
+        fused_moe_retained=fused_moe_retained, fused_mla=fused_mla)
 
 
 def plain_moe(g: ModelGeometry) -> bool:

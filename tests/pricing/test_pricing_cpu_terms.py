@@ -22,9 +22,9 @@ def test_te_gpu_carries_none_of_the_optional_terms():
     # (docs/memory-model.md#gpu-kernel-allocation-models)
     assert set(OPTIONAL_TERMS) & set(table.terms) == {
         "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer",
-        "kernel_models"}
+        "fused_mla_layer", "kernel_models"}
     cpu = load_table("torch-cpu")
-    fused = {"kernel_models", "fused_retained_layer"}   # the fused kernels' entries only
+    fused = {"kernel_models", "fused_retained_layer", "fused_mla_layer"}   # the fused kernels' entries only
     fsdp = {e.name for e in ENTRIES if e.anchor == "fsdp-calibration"}   # fitted by users, per GPU
     plain = set(OPTIONAL_TERMS) - fused - fsdp
     assert plain <= set(cpu.terms) and not fused & set(cpu.terms)
@@ -33,7 +33,8 @@ def test_te_gpu_carries_none_of_the_optional_terms():
                for name in plain)
     # te-gpu's say which rest on the kernels' allocation models
     assert all("kernel-model" in table.source(name) for name in (
-        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer"))
+        "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer",
+        "fused_mla_layer"))
 
 
 def test_qk_norm_follows_the_geometry():
