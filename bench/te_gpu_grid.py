@@ -63,7 +63,31 @@ MOE_HELDOUT = {"name": "grid-moe-h768", "hidden": 768, "ffn": 0, "vocab": 3072, 
                "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
                "attention": {"num_heads": 12, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
                "gdn": None, "moe": {"num_experts": 32, "top_k": 6, "expert_ffn": 384, "shared_expert_ffn": 0}}
-SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT)}
+# multi-latent attention with dense MLPs (so no MoE layer binds): a tuning shape (no query latent,
+# as deepseek-v2-lite) and a held-out one (a query latent, other head widths, rope width and
+# vocabulary), priced by the fused kernels' MLA terms (docs/memory-model.md#mla-kernel-models)
+MLA_DENSE = {"name": "grid-mla-h1024", "hidden": 1024, "ffn": 2816, "vocab": 4096, "dtype": "bf16",
+             "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+             "attention": {"num_heads": 8, "num_kv_groups": 8, "head_dim": 96, "output_gate": False,
+                           "mla": {"kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                                   "v_head_dim": 64, "q_lora_rank": 0}},
+             "gdn": None, "moe": None}
+MLA_HELDOUT = {"name": "grid-mla-h768", "hidden": 768, "ffn": 2048, "vocab": 3072, "dtype": "bf16",
+               "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+               "attention": {"num_heads": 12, "num_kv_groups": 12, "head_dim": 64, "output_gate": False,
+                             "mla": {"kv_lora_rank": 192, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16,
+                                     "v_head_dim": 80, "q_lora_rank": 384}},
+               "gdn": None, "moe": None}
+# deepseek-v2-lite's dense first layer twice (its MLA widths: 16 heads, qk 128 + 64 rope, v 128,
+# kv latent 512; FFN 10944), a small vocabulary so the layers bind: held out
+MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096, "dtype": "bf16",
+            "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+            "attention": {"num_heads": 16, "num_kv_groups": 16, "head_dim": 192, "output_gate": False,
+                          "mla": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                  "v_head_dim": 128, "q_lora_rank": 0}},
+            "gdn": None, "moe": None}
+SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
+                                 MLA_HELDOUT, MLA_DSV2)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -128,6 +152,11 @@ def planned_heldout() -> list[dict]:
     # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE2["name"], {"tp": 2, "cp": 2}, rc, wave=HELDOUT_WAVE))
+    # traced after the MLA layers' kernel-model terms (fused_mla_layer) were final: the held-out
+    # MLA shape (a query latent) and deepseek-v2-lite's dense-MLA layer, at the held-out wave
+    for model in (MLA_HELDOUT["name"], MLA_DSV2["name"]):
+        for rc in RECOMPUTES:
+            cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
@@ -159,6 +188,9 @@ def planned() -> list[dict]:
             cells.append(_cell(MOE["name"], lay, rc))
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE["name"], {"tp": 2, "cp": 2}, rc))
+    # multi-latent attention with dense MLPs (the MLA layers' kernel-model terms were written on these)
+    for rc in RECOMPUTES:
+        cells.append(_cell(MLA_DENSE["name"], {}, rc))
     return cells
 
 
@@ -252,6 +284,11 @@ def has_moe(cell: dict) -> bool:
     return any(s.mlp == MlpKind.MOE for s in geometry_of(cell["model"]).layers[:cell["num_layers"]])
 
 
+def has_mla(cell: dict) -> bool:
+    att = geometry_of(cell["model"]).attention
+    return att is not None and att.mla is not None
+
+
 def multi_rank(cell: dict) -> bool:
     """Whether the cell runs on the multi-rank tracer: CP or EP > 1, or MoE at TP > 1 (the
     one-rank tracer's fake process group runs MoE at TP = EP = 1 only)."""
@@ -273,6 +310,8 @@ def class_of(cell: dict) -> str:
         return "MoE EP2 " + kept
     if tp > 1 and has_moe(cell):
         return "MoE TP2+SP " + kept
+    if tp == 1 and has_mla(cell) and not has_moe(cell):
+        return "MLA TP1 dense MLP " + ("full" if cell["recompute"] == "full" else "selective/none")
     if cell["recompute"] == "full":
         if tp == 1 and has_moe(cell):
             return "MoE TP1 full (fitted)"
