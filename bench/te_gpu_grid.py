@@ -76,7 +76,7 @@ MLA_HELDOUT = {"name": "grid-mla-h768", "hidden": 768, "ffn": 2048, "vocab": 307
                "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
                "attention": {"num_heads": 12, "num_kv_groups": 12, "head_dim": 64, "output_gate": False,
                              "mla": {"kv_lora_rank": 192, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16,
-                                     "v_head_dim": 80, "q_lora_rank": 384}},
+                                     "v_head_dim": 48, "q_lora_rank": 384}},
                "gdn": None, "moe": None}
 # deepseek-v2-lite's dense first layer twice (its MLA widths: 16 heads, qk 128 + 64 rope, v 128,
 # kv latent 512; FFN 10944), a small vocabulary so the layers bind: held out
