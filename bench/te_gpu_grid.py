@@ -23,7 +23,8 @@ and EP2, TP2 under CP2).
 Model kinds: the layout grid's dense shapes (hidden 1024 and the Qwen3-shaped 1536), the GDN
 hybrid of bench/gdn_grid.py, and presets at 2 layers: qwen3-8b, llama-3.1-8b, qwen2.5-7b
 (dense), qwen3-30b-a3b (MoE), deepseek-v2-lite (MLA, dense then MoE), qwen3.8-27b (the seed's
-GDN hybrid), gemma-2-9b (GeGLU, sandwich norms, soft-capping). One wave of 2048 tokens (1024, 640, 384).
+GDN hybrid), gemma-2-9b (GeGLU, sandwich norms, soft-capping), and two-layer dense-MLP MLA shapes
+(grid-mla-h1024; held out grid-mla-h768 and grid-mla-dsv2). One wave of 2048 tokens (1024, 640, 384).
 """
 
 from __future__ import annotations
