@@ -130,6 +130,13 @@ class LayerContext:
         return self.rows_cp > 1 and self.mode == RecomputeMode.NONE
 
     @property
+    def mla_on_kernels(self) -> bool:
+        """Whether every layer is priced by the fused kernels' MLA terms (`fused_mla`, dense MLPs
+        only): the head's forward point and the RoPE entry are then charged as beside the plain
+        kernel-model layers; a model with fitted MoE-MLP layers keeps the fitted layers' margins."""
+        return self.fused_mla and all(layer.mlp == MlpKind.DENSE for layer in self.geometry.layers)
+
+    @property
     def full(self) -> bool:
         """Whether layers are recomputed (full recompute) rather than retained."""
         return self.mode == RecomputeMode.FULL
