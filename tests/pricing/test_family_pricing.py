@@ -116,11 +116,18 @@ def test_mla_stage_by_its_true_widths(monkeypatch):
     assert feature_terms.mla_stage_per_row(att, tp=4) == 2 * 32 * (4 * 192 + 128) + 6 * (1536 + 512)
     widths = layer_widths(v3, tp=4)
     assert widths["qkv"] == att.qkv_width_per_rank(4) and widths["core"] == 128 * 128 / 4
-    # the recomputed layer's workspace carries the MLA stage in place of the fused-QKV one
+    # the recomputed layer's workspace carries the MLA stage in place of the fused-QKV one; on
+    # te-gpu at TP1 the dense-MLP MLA layers (deepseek-v3's first three) are priced by the fused
+    # kernels' MLA terms instead (docs/memory-model.md#mla-kernel-models), the MoE ones keep it
+    from waveplan.pricing.geometry import MlpKind
+
     with_mla = PricingModel.build(v3).charges.walk.workspace
     monkeypatch.setattr(feature_terms, "mla_stage_per_row", lambda attention, tp: 0.0)
     without = PricingModel.build(v3).charges.walk.workspace
-    np.testing.assert_allclose(with_mla - without, expected)
+    moe = np.array([layer.mlp == MlpKind.MOE for layer in v3.layers])
+    assert 0 < (~moe).sum() < moe.sum()
+    np.testing.assert_allclose((with_mla - without)[moe], expected)
+    np.testing.assert_allclose((with_mla - without)[~moe], 0.0)
 
 
 def test_moe_features_are_charged_per_routed_row():
