@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gdn_grid import GDN  # noqa: E402
+from gdn_grid import HELDOUT as GDN_HELDOUT  # noqa: E402
 from multirank_grid import DENSE, DENSE2, DENSE3, MOE, MOE_WIDE, current_estimate  # noqa: E402
 
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
@@ -63,7 +64,7 @@ MOE_HELDOUT = {"name": "grid-moe-h768", "hidden": 768, "ffn": 0, "vocab": 3072, 
                "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
                "attention": {"num_heads": 12, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
                "gdn": None, "moe": {"num_experts": 32, "top_k": 6, "expert_ffn": 384, "shared_expert_ffn": 0}}
-SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT)}
+SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, GDN_HELDOUT)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -128,6 +129,12 @@ def planned_heldout() -> list[dict]:
     # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE2["name"], {"tp": 2, "cp": 2}, rc, wave=HELDOUT_WAVE))
+    # GDN hybrids: traced after the retained GDN and gated attention layers took the kernel-model
+    # terms (fused_gdn_layer, TP1 CP1): bench/gdn_grid.py's held-out shape (hidden 768, 4 key and 8
+    # value heads, multi-head gated attention), never traced with the te-gpu kernels before
+    for rc in ("none", "selective", "full"):
+        cells.append(_cell(GDN_HELDOUT["name"], {}, rc, wave=HELDOUT_WAVE))
+    cells.append(_cell(GDN_HELDOUT["name"], {"tp": 2, "sequence_parallel": True}, "full", wave=HELDOUT_WAVE))
     return cells
 
 

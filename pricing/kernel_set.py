@@ -74,6 +74,9 @@ class KernelSet:
     """A plain dense layer retained (selective, none; under CP without SP too) or a plain-attention
     MoE layer retained at TP1 without EP priced by what the fused kernels keep
     (`fused_retained_layer`), with its backward transient and own forward peak."""
+    fused_gdn: bool = False
+    """A GDN hybrid's retained layers (dense MLPs, TP1 CP1) priced by what FLA's kernels and the
+    fused kernels keep (`fused_gdn_layer`)."""
     kernel_models: tuple[str, ...] = ()
     """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
     table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).
@@ -94,6 +97,7 @@ class KernelSet:
                    moe_nograd=h(table, "moe_nograd"),
                    moe_expert_backward=h(table, "moe_expert_backward"),
                    fused_retained=h(table, "fused_retained_layer"),
+                   fused_gdn=h(table, "fused_gdn_layer"),
                    kernel_models=tuple(entries.entry(table, "kernel_models", {}).get("kernels", ())))
 
     @property
