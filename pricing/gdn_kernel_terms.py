@@ -18,10 +18,16 @@ ENTRY = "fused_gdn_layer"
 
 
 def gdn_widths(widths: dict, gdn: GdnSpec, *, tp: int) -> dict:
-    """`widths` with the GDN mixer's per-rank key width (`key` = key heads x key width / TP),
-    value heads (`value_heads`) and key heads (`key_heads`). O(1)."""
-    return dict(widths, key=gdn.num_key_heads * gdn.key_head_dim / tp,
-                value_heads=gdn.num_value_heads / tp, key_heads=gdn.num_key_heads / tp)
+    """`widths` with the GDN mixer's per-rank widths: `key` (key heads x key width), `key_value`
+    (value heads x key width: q and k repeated to every value head, as FLA's rule takes them),
+    `key_repeated` (`key_value` where the repeat copies, more value than key heads; else 0),
+    `state` (value heads x key width x value width: one chunk state per 64 rows at 1/64),
+    `value_heads` and `key_heads`, each / TP. O(1)."""
+    hk, hv = gdn.num_key_heads / tp, gdn.num_value_heads / tp
+    dk, dv = gdn.key_head_dim, gdn.value_head_dim
+    return dict(widths, key=hk * dk, key_value=hv * dk,
+                key_repeated=hv * dk if gdn.num_value_heads > gdn.num_key_heads else 0.0,
+                state=hv * dk * dv, value_heads=hv, key_heads=hk)
 
 
 def fused_gdn_layer_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec, *,
@@ -30,13 +36,13 @@ def fused_gdn_layer_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec,
     (`part` "kept"), its backward transient beside everything kept ("backward") or its own forward
     peak over the layers below it ("forward", its kept tensors included).
 
-    Formula: entry `fused_gdn_layer` `per_row` (kept), `backward` or `forward` + `per_row` over
+    Formula: entry `fused_gdn_layer` `kept`, or `backward`, or `forward` + `kept` over
     `gdn_widths`. 0 without the entry. See docs/memory-model.md#te-gpu-gdn. O(1).
     """
     if not table.kernels.fused_gdn:
         return 0.0
     w = gdn_widths(widths, gdn, tp=1)
-    kept = table.per_row(ENTRY, w)
+    kept = table.per_row(ENTRY, w, key="kept")
     if part == "kept":
         return kept
     if part == "backward":
