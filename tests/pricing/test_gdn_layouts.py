@@ -386,8 +386,9 @@ def test_tp1_structural_gdn_layer_on_torch_cpu_only_and_at_cp1():
         assert cpu.charges.walk.retained[gdn] == pytest.approx(
             gdn_terms.tp_retained_gdn_layer_per_row(widths, g.gdn, tp=1, sp_div=1))
         # te-gpu: FLA's and the fused kernels' kept tensors (docs/memory-model.md#te-gpu-gdn)
+        # (with the layout residual fitted beside the kernel-model terms, 0.125 H)
         assert te.charges.walk.retained[gdn] == pytest.approx(
-            gdn_kernel_terms.fused_gdn_layer_per_row(te.table, widths, g.gdn))
+            gdn_kernel_terms.fused_gdn_layer_per_row(te.table, widths, g.gdn) + 0.125 * g.hidden)
         te_cp2 = PricingModel.build(g, parallel=ParallelLayout(cp=2), recompute=Recompute(mode=mode),
                                     backend="te-gpu")
         fitted = terms.retained_layer_per_row(te.table, widths, MixerKind.GDN, MlpKind.DENSE, sp_div=1,
