@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gdn_grid import GDN  # noqa: E402
+from gdn_grid import HELDOUT as GDN_HELDOUT  # noqa: E402
 from multirank_grid import DENSE, DENSE2, DENSE3, MOE, MOE_WIDE, current_estimate  # noqa: E402
 
 from waveplan.pricing.atomic_io import write_text_atomic  # noqa: E402
@@ -88,7 +89,7 @@ MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096
                                   "v_head_dim": 128, "q_lora_rank": 0}},
             "gdn": None, "moe": None}
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
-                                 MLA_HELDOUT, MLA_DSV2)}
+                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -158,6 +159,12 @@ def planned_heldout() -> list[dict]:
     for model in (MLA_HELDOUT["name"], MLA_DSV2["name"]):
         for rc in RECOMPUTES:
             cells.append(_cell(model, {}, rc, wave=HELDOUT_WAVE))
+    # GDN hybrids: traced after the retained GDN and gated attention layers took the kernel-model
+    # terms (fused_gdn_layer, TP1 CP1): bench/gdn_grid.py's held-out shape (hidden 768, 4 key and 8
+    # value heads, multi-head gated attention), never traced with the te-gpu kernels before
+    for rc in ("none", "selective", "full"):
+        cells.append(_cell(GDN_HELDOUT["name"], {}, rc, wave=HELDOUT_WAVE))
+    cells.append(_cell(GDN_HELDOUT["name"], {"tp": 2, "sequence_parallel": True}, "full", wave=HELDOUT_WAVE))
     return cells
 
 
@@ -299,10 +306,13 @@ def multi_rank(cell: dict) -> bool:
 
 
 def class_of(cell: dict) -> str:
-    """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model)."""
-    if has_gdn(cell):
-        return "GDN hybrids (FLA model)"
+    """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model; retained
+    at TP1 CP1 they are priced by the kernel models, elsewhere by the fitted terms)."""
     lay = cell["layout"]
+    if has_gdn(cell):
+        kernel = (cell["recompute"] != "full" and lay.get("tp", 1) == 1 and lay.get("cp", 1) == 1
+                  and not has_moe(cell))
+        return "GDN hybrids " + ("TP1 retained (kernel models)" if kernel else "(fitted)")
     tp = lay.get("tp", 1)
     if lay.get("cp", 1) > 1:
         return "TP1 under CP2/4 (multi-rank)" if tp == 1 else "TP2 under CP2 (multi-rank)"

@@ -105,6 +105,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("fused_mla_layer", _ROW + " (multi-latent attention's widths: `layers.mla.mla_widths`)",
           "mla-kernel-models",
           "the fitted MLA layer (multi-latent attention with a dense MLP on the fused kernels)"),
+    Entry("fused_gdn_layer", _ROW + " (GDN widths: key, value_heads), kept, backward and forward parts",
+          "gpu-kernel-allocation-models",
+          "the fitted GDN terms (GDN hybrids retained on the fused kernels)"),
     Entry("kernel_models", "names of the fused GPU kernels (`kernels`)", "gpu-kernel-allocation-models",
           "none: the structural terms hold plain PyTorch's tensors (fp32 norm inputs, rotary copies)"),
     # the fsdp framework's calibration factors (`waveplan calibrate` on `trace --framework fsdp`

@@ -77,6 +77,9 @@ class KernelSet:
     fused_mla: bool = False
     """A multi-latent-attention layer with a dense MLP at TP1 CP1 priced by what the fused kernels
     keep and hold at its points (`fused_mla_layer`), retained or recomputed."""
+    fused_gdn: bool = False
+    """A GDN hybrid's retained layers (dense MLPs, TP1 CP1) priced by what FLA's kernels and the
+    fused kernels keep (`fused_gdn_layer`)."""
     kernel_models: tuple[str, ...] = ()
     """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
     table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).
@@ -98,6 +101,7 @@ class KernelSet:
                    moe_expert_backward=h(table, "moe_expert_backward"),
                    fused_retained=h(table, "fused_retained_layer"),
                    fused_mla=h(table, "fused_mla_layer"),
+                   fused_gdn=h(table, "fused_gdn_layer"),
                    kernel_models=tuple(entries.entry(table, "kernel_models", {}).get("kernels", ())))
 
     @property

@@ -197,6 +197,9 @@ class PricingModel:
             lines.append(f"kernel-model: the multi-latent-attention layers with a dense MLP, "
                          f"retained or recomputed ({names}; fused_mla_layer; flash-attn's model, "
                          f"where TE runs cuDNN's fused attention for MLA)")
+        if ctx.fused_gdn_retained:
+            lines.append(f"kernel-model: the retained GDN and gated attention layers' tensors, backward "
+                         f"and own forward peaks (FLA's gated delta rule and L2 norm, {names}; fused_gdn_layer)")
         if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
             lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
                          "(te-rmsnorm; sp_head_forward)")
@@ -281,9 +284,11 @@ class PricingModel:
         # the head and caller priced by what the kernels hold, or with the seeds' margins beside
         # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet); MoE layers
         # retained by the kernel models (`LayerContext.fused_moe_retained`) keep no fitted term
-        margins = not t.kernels.priced_by_models(has_gdn=g.gdn is not None)
+        # (GDN layers retained by FLA's and the fused kernels' models, `fused_gdn_retained`, too)
+        fitted_gdn = g.gdn is not None and not ctx.fused_gdn_retained
+        margins = not t.kernels.priced_by_models(has_gdn=fitted_gdn)
         fitted_moe = g.moe is not None and not ctx.fused_moe_retained
-        every_head = not t.kernels.caller_by_heads(fitted_layers=g.gdn is not None or fitted_moe)
+        every_head = not t.kernels.caller_by_heads(fitted_layers=fitted_gdn or fitted_moe)
         logits_ret, logits_tr = terms.head_per_row(t, widths, self.head if kind != "chunked" else "chunked",
                                                    margins=margins)
         head_const = terms.head_chunk_bytes(t, widths, chunk) if kind == "chunked" else 0.0

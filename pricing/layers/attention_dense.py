@@ -6,7 +6,7 @@ layer) (docs/memory-model.md#sp-fc2-point, #sp-retained-layer, #tp1-structural).
 
 from __future__ import annotations
 
-from .. import layout_terms
+from .. import gdn_kernel_terms, layout_terms
 from ..geometry import LayerSpec
 from ..pipeline import rope_cache_per_row
 from .common import (
@@ -33,6 +33,12 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
                                                    tp=ctx.tp, sequence_parallel=ctx.sp_div > 1)
         ring = (ring_points(ctx, widths) if ctx.fused_point else 0.0)
         return max(point, ring) + ctx.qk_structural_per_row - ctx.cp_release_per_row, False
+    if ctx.fused_gdn_retained:
+        # a GDN hybrid's attention layer retained on the fused kernels: the dense layer's
+        # backward transient, or its output gate's where larger (gdn_kernel_terms)
+        back = layout_terms.fused_retained_layer_per_row(t, widths, tp=1, sequence_parallel=False,
+                                                         backward=True)
+        return max(back, gdn_kernel_terms.fused_gated_attention_per_row(t, widths, part="backward")), False
     if ctx.fused_retained:
         # a retained layer's backward transient on the fused kernels (under CP at least the ring's)
         back = layout_terms.fused_retained_layer_per_row(
@@ -84,8 +90,9 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
              moe_extra: float) -> tuple[float, float]:
     """The layer's retained activations per row and its own structural forward peak (0 without
     one); under full recompute what a multi-layer chunk re-materialises."""
-    if ctx.fused_retained:
-        # what the fused kernels keep, and the layer's own forward peak: its recomputed point
+    if ctx.fused_retained or ctx.fused_gdn_retained:
+        # what the fused kernels keep, and the layer's own forward peak: its recomputed point;
+        # a GDN hybrid's attention layer keeps its output gate's tensors too (gdn_kernel_terms)
         sp = ctx.sp_div > 1
         kept = layout_terms.fused_retained_layer_per_row(ctx.table, ctx.widths_r, tp=ctx.tp,
                                                           sequence_parallel=sp, ring=ctx.ring_saves)
@@ -94,6 +101,8 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                       layout_terms.ring_attention_point_per_row(ctx.table, ctx.widths_r,
                                                                 cp=ctx.rows_cp, backward=False))
         qk = ctx.qk_structural_per_row
+        if ctx.fused_gdn_retained:
+            qk += gdn_kernel_terms.fused_gated_attention_per_row(ctx.table, ctx.widths_r)
         return kept + qk + extra, max(kept, forward) + qk + extra
     if ctx.tp1_structural and not ctx.full:
         # the TP1 structural layer in place of the fitted one (layout_terms.structural_at_tp1)

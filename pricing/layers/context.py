@@ -101,6 +101,11 @@ class LayerContext:
     the fitted terms (under TP with SP the combine's fp32 tensors are not modelled: a held-out cell
     priced under; the EP2 trace binds at the head, not the layers)
     (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    fused_gdn_retained: bool = False
+    """A GDN hybrid's retained layers (selective, none; GDN and gated attention layers with dense
+    SwiGLU MLPs, `gdn_dense_hybrid`) priced by what FLA's kernels and the fused kernels keep
+    (`KernelSet.fused_gdn`, `gdn_kernel_terms`), on a TP1 CP1 layout (PP allowed); TP > 1 and CP
+    keep the fitted terms (no te-gpu trace) (docs/memory-model.md#te-gpu-gdn)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -121,7 +126,7 @@ class LayerContext:
     @property
     def kernel_retained(self) -> bool:
         """Whether the retained layers are priced by what the fused kernels keep (dense or MoE)."""
-        return self.fused_retained or self.fused_moe_retained
+        return self.fused_retained or self.fused_moe_retained or self.fused_gdn_retained
 
     @property
     def ring_saves(self) -> bool:
@@ -206,6 +211,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     fused_mla = (kernels.fused and kernels.fused_mla and g.attention is not None
                  and g.attention.mla is not None and g.gdn is None and p.tp == 1 and width_tp == 1
                  and rows_cp == 1 and p.ep == 1)
+    fused_gdn_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_gdn
+                          and gdn_dense_hybrid(g) and p.tp == 1 and rows_cp == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -214,7 +221,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         kernels=kernels, retained_by=retained_by, gdn_retained_structural=gdn_retained_structural,
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
         fused_point=fused_point, fused_retained=fused_retained,
-        fused_moe_retained=fused_moe_retained, fused_mla=fused_mla)
+        fused_moe_retained=fused_moe_retained, fused_mla=fused_mla,
+        fused_gdn_retained=fused_gdn_retained)
 
 
 def plain_moe(g: ModelGeometry) -> bool:
@@ -227,6 +235,16 @@ def plain_moe(g: ModelGeometry) -> bool:
             and g.moe is not None and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
             and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.MOE
                     for layer in g.layers))
+
+
+def gdn_dense_hybrid(g: ModelGeometry) -> bool:
+    """Whether the model is a GDN hybrid whose layers are GDN or gated or plain attention (no
+    multi-latent attention) each with a dense SwiGLU MLP without biases: the layers FLA's and the
+    fused kernels' retained terms were written for (`gdn_kernel_terms`). O(layers)."""
+    att, f = g.attention, g.features
+    return (g.gdn is not None and g.moe is None and (att is None or att.mla is None)
+            and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
+            and all(layer.mlp == MlpKind.DENSE for layer in g.layers))
 
 
 def table_discount(table: CoefficientTable, widths: dict) -> float:

@@ -1,12 +1,12 @@
 """A GDN layer with a dense MLP: its stage (full recompute at CP1 on the structural kernel set:
 its backward peak by what it holds; else the fitted stage sum) and its retained activations
-(by what it holds on the structural kernel set, else the fitted layer)
-(docs/memory-model.md#gdn-full-point, #gdn-sp-retained).
+(by what it holds on the structural kernel set or, at TP1 CP1, on the fused kernels; else the
+fitted layer) (docs/memory-model.md#gdn-full-point, #gdn-sp-retained, #te-gpu-gdn).
 """
 
 from __future__ import annotations
 
-from .. import gdn_terms, terms
+from .. import gdn_kernel_terms, gdn_terms, layout_terms, terms
 from ..geometry import LayerSpec, MixerKind
 from ..pipeline import rope_cache_per_row
 from .common import fitted_retained, mlp_stage, norms
@@ -22,6 +22,14 @@ def fitted_stage(ctx: LayerContext, layer: LayerSpec) -> float:
 def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:
     """The layer's stage workspace per row, and whether it is a structural point (no layout
     residual beside it)."""
+    if ctx.fused_gdn_retained:
+        # retained on the fused kernels: its backward transient (gdn_kernel_terms)
+        # (at least the fused dense layer's MLP backward, `layout_terms.fused_retained_layer_per_row`)
+        mixer = gdn_kernel_terms.fused_gdn_layer_per_row(ctx.table, ctx.widths_r, ctx.geometry.gdn,
+                                                         part="backward")
+        mlp = layout_terms.fused_retained_layer_per_row(ctx.table, ctx.widths_r, tp=1,
+                                                        sequence_parallel=False, backward=True)
+        return max(mixer, mlp), False
     if ctx.gdn_backward_point:
         g = ctx.geometry
         return gdn_terms.full_gdn_dense_point_per_row(
@@ -34,6 +42,11 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
              moe_extra: float) -> tuple[float, float]:
     """The layer's retained activations per row (no structural forward peak of its own);
     under full recompute what a multi-layer chunk re-materialises."""
+    if ctx.fused_gdn_retained:
+        # what FLA's and the fused kernels keep, and the layer's own forward peak (gdn_kernel_terms)
+        kw = dict(table=ctx.table, widths=ctx.widths_r, gdn=ctx.geometry.gdn)
+        return (gdn_kernel_terms.fused_gdn_layer_per_row(**kw) + extra,
+                gdn_kernel_terms.fused_gdn_layer_per_row(**kw, part="forward") + extra)
     if ctx.retained_by == RetainedBy.STRUCTURAL:
         # by what it holds: its hidden-wide inputs and the chunked kernel's per-head tensors
         kept = gdn_terms.tp_retained_gdn_layer_per_row(ctx.widths_r, ctx.geometry.gdn, tp=ctx.tp,

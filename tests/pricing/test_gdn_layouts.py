@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from pricing_fixtures import wave_raw
 
-from waveplan.pricing import gdn_terms
+from waveplan.pricing import gdn_kernel_terms, gdn_terms
 from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.lora import LoraConfig, LoraSlot
@@ -370,8 +370,8 @@ def test_tp1_retained_gdn_cells_of_both_geometries_are_at_or_over_their_trace():
 
 def test_tp1_structural_gdn_layer_on_torch_cpu_only_and_at_cp1():
     """The structural retained GDN layer replaces the fitted `retained_gdn_layer` at TP1 CP1 on
-    torch-cpu; te-gpu keeps its GPU-seed-fitted entry, and so does torch-cpu under CP (no CPU trace
-    of a GDN layer under CP)."""
+    torch-cpu; te-gpu takes its kernel-model term there (`fused_gdn_layer`) and keeps its
+    GPU-seed-fitted entry under CP, and so does torch-cpu (no CPU trace of a GDN layer under CP)."""
     from waveplan.pricing import terms
     from waveplan.pricing.geometry import MixerKind, MlpKind
     from waveplan.pricing.model import layer_widths
@@ -385,9 +385,15 @@ def test_tp1_structural_gdn_layer_on_torch_cpu_only_and_at_cp1():
         widths = dict(layer_widths(g, tp=1, etp=1), rank=float(max(s.rank for s in cpu.lora.slots)))
         assert cpu.charges.walk.retained[gdn] == pytest.approx(
             gdn_terms.tp_retained_gdn_layer_per_row(widths, g.gdn, tp=1, sp_div=1))
+        # te-gpu: FLA's and the fused kernels' kept tensors (docs/memory-model.md#te-gpu-gdn)
+        # (with the layout residual fitted beside the kernel-model terms, 0.125 H)
+        assert te.charges.walk.retained[gdn] == pytest.approx(
+            gdn_kernel_terms.fused_gdn_layer_per_row(te.table, widths, g.gdn) + 0.125 * g.hidden)
+        te_cp2 = PricingModel.build(g, parallel=ParallelLayout(cp=2), recompute=Recompute(mode=mode),
+                                    backend="te-gpu")
         fitted = terms.retained_layer_per_row(te.table, widths, MixerKind.GDN, MlpKind.DENSE, sp_div=1,
                                               selective=mode == "selective", ep_skew=1.0)
-        assert te.charges.walk.retained[gdn] == pytest.approx(fitted)
+        assert te_cp2.charges.walk.retained[gdn] == pytest.approx(fitted)
         cp2 = PricingModel.build(g, parallel=ParallelLayout(cp=2), recompute=Recompute(mode=mode), backend="torch-cpu")
         assert cp2.charges.walk.retained[gdn] == pytest.approx(terms.retained_layer_per_row(
             cp2.table, widths, MixerKind.GDN, MlpKind.DENSE, sp_div=1, selective=mode == "selective", ep_skew=1.0))

@@ -1,0 +1,63 @@
+"""Terms of a GDN hybrid's retained layers on the fused GPU kernels (te-gpu): a Gated DeltaNet layer
+with a dense MLP and the hybrid's gated attention layer, retained (selective and no recompute) at
+TP1 CP1, priced by what FLA's chunked gated delta rule and L2 norm, TE's RMSNorm, fused RoPE,
+flash attention and the fused SwiGLU keep, with the plain PyTorch tensors around them (the causal
+conv, the gate and beta, the output gate, the LoRA adapters) as Megatron-core allocates them.
+
+The coefficients are the table's `fused_gdn_layer` entry over the layer widths and the GDN widths
+`gdn_widths` adds (`key`: key heads x key width, `value_heads`, `key_heads`, per TP rank).
+Evidence: docs/memory-model.md#te-gpu-gdn. All functions are O(1) and torch-free.
+"""
+
+from __future__ import annotations
+
+from .coefficients import CoefficientTable
+from .geometry import GdnSpec
+
+ENTRY = "fused_gdn_layer"
+
+
+def gdn_widths(widths: dict, gdn: GdnSpec, *, tp: int) -> dict:
+    """`widths` with the GDN mixer's per-rank widths: `key` (key heads x key width), `key_value`
+    (value heads x key width: q and k repeated to every value head, as FLA's rule takes them),
+    `key_repeated` (`key_value` where the repeat copies, more value than key heads; else 0),
+    `state` (value heads x key width x value width: one chunk state per 64 rows at 1/64),
+    `value_heads` and `key_heads`, each / TP. O(1)."""
+    hk, hv = gdn.num_key_heads / tp, gdn.num_value_heads / tp
+    dk, dv = gdn.key_head_dim, gdn.value_head_dim
+    return dict(widths, key=hk * dk, key_value=hv * dk,
+                key_repeated=hv * dk if gdn.num_value_heads > gdn.num_key_heads else 0.0,
+                state=hv * dk * dv, value_heads=hv, key_heads=hk)
+
+
+def fused_gdn_layer_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec, *,
+                            part: str = "kept") -> float:
+    """A GDN layer with a dense MLP retained on the fused kernels at TP1, per row: what it keeps
+    (`part` "kept"), its backward transient beside everything kept ("backward") or its own forward
+    peak over the layers below it ("forward", its kept tensors included).
+
+    Formula: entry `fused_gdn_layer` `kept`, or `backward`, or `forward` + `kept` over
+    `gdn_widths`. 0 without the entry. See docs/memory-model.md#te-gpu-gdn. O(1).
+    """
+    if not table.kernels.fused_gdn:
+        return 0.0
+    w = gdn_widths(widths, gdn, tp=1)
+    kept = table.per_row(ENTRY, w, key="kept")
+    if part == "kept":
+        return kept
+    if part == "backward":
+        return table.per_row(ENTRY, w, key="backward")
+    return kept + table.per_row(ENTRY, w, key="forward")
+
+
+def fused_gated_attention_per_row(table: CoefficientTable, widths: dict, *, part: str = "kept") -> float:
+    """What a GDN hybrid's (gated) attention layer with a dense MLP holds on the fused kernels at
+    TP1 beyond a plain dense layer's fused terms (`layout_terms.fused_retained_layer_per_row`):
+    kept (`part` "kept") or at its backward ("backward").
+
+    Formula: entry `fused_gdn_layer` `gate_per_row` (kept) or `gate_backward` over the layer
+    widths. 0 without the entry. See docs/memory-model.md#te-gpu-gdn. O(1).
+    """
+    if not table.kernels.fused_gdn:
+        return 0.0
+    return table.per_row(ENTRY, widths, key="gate_per_row" if part == "kept" else "gate_backward")
