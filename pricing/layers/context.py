@@ -97,10 +97,9 @@ class LayerContext:
     fused_moe_retained: bool = False
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
-    experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout without EP; TP > 1 and EP keep
-    the fitted terms (under TP with SP the combine's fp32 tensors are not modelled: a held-out cell
-    priced under; the EP2 trace binds at the head, not the layers)
-    (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    experts, the dispatcher's plain PyTorch, under TP with SP the combine's fp32 tensors), on a
+    CP1 layout without EP at TP1 or under TP with SP (expert TP = TP); EP keeps the fitted terms
+    (its trace binds at the head, not the layers) (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -187,8 +186,12 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                    and g.plain_dense and kernel_layout)
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
+    # at TP1, and under TP with SP where the credited TP and expert TP are the layout's (the
+    # combine's fp32 tensors written from the multi-rank anatomy); EP keeps the fitted terms
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
+                          and plain_moe(g) and rows_cp == 1 and p.ep == 1
+                          and (p.tp == 1 or (sp_div > 1 and width_tp == p.tp
+                                             and coverage.width_etp == width_tp)))
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
