@@ -128,6 +128,11 @@ def planned_heldout() -> list[dict]:
     # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE2["name"], {"tp": 2, "cp": 2}, rc, wave=HELDOUT_WAVE))
+    # traced after retained plain-attention MoE layers under TP with SP took the kernel-model terms
+    # written from grid-moe-h768's anatomy at TP2+SP (fused_retained_layer moe_gathered,
+    # moe_sharded, moe_sp_*): the hidden-1024 MoE shape at TP2+SP (its layers bind)
+    for rc in ("none", "selective"):
+        cells.append(_cell(MOE_WIDE["name"], {"tp": 2, "sequence_parallel": True}, rc, wave=HELDOUT_WAVE))
     return cells
 
 

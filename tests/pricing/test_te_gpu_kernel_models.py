@@ -166,15 +166,14 @@ def test_ring_attention_prices_tp1_under_cp_by_what_it_keeps():
 def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     """A plain-attention MoE model retained at TP1 CP1 without EP: the grouped GEMM's saved input
     (2H), the fused weighted SwiGLU's saved FC1 output and its output (6 expert_ffn) per routed row,
-    beside the attention's tensors; not under EP, TP or CP, nor for MLA, GDN or biased experts."""
+    beside the attention's tensors; not under EP, CP or TP without SP, nor for MLA, GDN or biased
+    experts."""
     g = load_preset("qwen3-30b-a3b")
     none = PricingModel.build(g, recompute=Recompute(mode="none"))
     ctx = none.layer_context()
     assert ctx.fused_moe_retained and ctx.kernel_retained and not ctx.fused_retained
     assert any("moe_" in line for line in none.kernel_basis)
-    # not under TP: with SP the combine's fp32 tensors are not modelled (a held-out cell, grid-moe-h768
-    # at TP2+SP, priced under with the TP1 terms' hidden-wide part by layout)
-    for par in (ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=2, sequence_parallel=True)):
+    for par in (ParallelLayout(tp=2), ParallelLayout(cp=2)):
         assert not PricingModel.build(g, parallel=par, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
     # nor under EP: the EP2 trace binds at the head, so it does not show the layers' terms
     assert not PricingModel.build(g, parallel=ParallelLayout(ep=2, dp=2),
@@ -188,7 +187,41 @@ def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     one, two = (layout_terms.fused_retained_moe_layer_per_row(te, w, routed=r) for r in (1.0, 2.0))
     assert two - one == 2 * w["H"] + 6 * w["expert_ffn"]
     fwd = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, forward=True)
-    assert fwd - one == 4 * w["H"] + 2 * w["H"]   # FC2's output and the combine's; the dispatcher's sort copy
+    assert fwd - one == 4 * w["H"] + 2 * w["H"]   # FC2's output and the combine's; the permuted copy
+    # the permuted copy is freed after the forward: the backward's experts' form holds none of it
+    back = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, backward=True)
+    assert back == max(4 * w["H"] + 8 * w["experts"]
+                       + max(2 * w["H"] + 4 * w["expert_ffn"], 6 * w["expert_ffn"], 4 * w["H"]),
+                       te.per_row("fused_retained_layer", w, key="attention_backward"))
+
+
+def test_retained_moe_under_tp_with_sp_holds_the_combines_fp32_tensors():
+    """Under TP with SP (expert TP = TP) the retained MoE layer is priced by the kernel models with
+    its hidden-wide tensors by layout and the combine's fp32 tensors at its forward point: the
+    gathered output's fp32 copy (4H per gathered routed row), its reduce-scatter's fp32 output and
+    the permuted copy on the rank's own routed rows ((4H + 2H) / TP); not at another expert TP."""
+    g = load_preset("qwen3-30b-a3b")
+    for tp in (2, 4):
+        par = ParallelLayout(tp=tp, sequence_parallel=True)
+        for mode in ("none", "selective"):
+            ctx = PricingModel.build(g, parallel=par, recompute=Recompute(mode=mode)).layer_context()
+            assert ctx.fused_moe_retained and ctx.tp == tp and ctx.sp_div == tp, (tp, mode)
+        te = load_table("te-gpu")
+        w = ctx.widths
+        kept = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, tp=tp,
+                                                             sequence_parallel=True)
+        fwd = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, forward=True, tp=tp,
+                                                            sequence_parallel=True)
+        assert fwd - kept == 4 * w["H"] + 4 * w["H"] + (2 * w["H"] + 4 * w["H"]) / tp
+        tp1 = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0)
+        # the layer's input, residual sums and norm outputs: 8H at TP1, 2H gathered + 6H / TP with SP
+        assert tp1 - kept == (6 * w["H"] + 14 * w["experts"] + 16 * w["top_k"]) * (1 - 1 / tp)
+        back = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, backward=True, tp=tp,
+                                                             sequence_parallel=True)
+        assert back >= 4 * w["H"] + 6 * w["H"]
+    # another expert TP keeps the fitted terms
+    other = ParallelLayout(tp=2, sequence_parallel=True, etp=1)
+    assert not PricingModel.build(g, parallel=other, recompute=Recompute(mode="none")).layer_context().fused_moe_retained
 
 
 def _wave(model, rows):
