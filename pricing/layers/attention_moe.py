@@ -64,10 +64,11 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                                                              **lay)
         forward = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r,
                                                                 routed=routed, forward=True, **lay)
-        # its forward point charges the dispatcher's copies itself (the permuted rows); the
-        # routed rows' all-gather over TP (`moe_extra`) is freed before the combine
+        # its forward point charges the dispatcher's permuted rows itself; beside it under EP the
+        # combine's all-to-all output (`moe_extra` at TP1: 2H per routed row), while the routed
+        # rows' all-gather over TP (`moe_extra` under TP with SP) is freed before the combine
         qk = ctx.qk_structural_per_row
-        return kept + qk + extra, forward + qk + extra
+        return kept + qk + extra, forward + qk + extra + (moe_extra if ctx.tp == 1 else 0.0)
     if not ctx.full and ctx.sp_div > 1 and ctx.kernels.structural:
         g = ctx.geometry
         less = sp_layer_release(ctx, layer)

@@ -98,8 +98,8 @@ class LayerContext:
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
     experts, the dispatcher's plain PyTorch, under TP with SP the combine's fp32 tensors), on a
-    CP1 layout without EP at TP1 or under TP with SP (expert TP = TP); EP keeps the fitted terms
-    (its trace binds at the head, not the layers) (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    CP1 layout at TP1 (with or without EP) or under TP with SP without EP (expert TP = TP)
+    (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -186,11 +186,12 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                    and g.plain_dense and kernel_layout)
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
-    # at TP1, and under TP with SP where the credited TP and expert TP are the layout's (the
-    # combine's fp32 tensors written from the multi-rank anatomy); EP keeps the fitted terms
+    # at TP1 (with EP too: the busiest rank's routed rows, the combine's all-to-all output in
+    # `routed_extra`), and under TP with SP without EP where the credited TP and expert TP are the
+    # layout's (the combine's fp32 tensors); written from the multi-rank anatomies
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and plain_moe(g) and rows_cp == 1 and p.ep == 1
-                          and (p.tp == 1 or (sp_div > 1 and width_tp == p.tp
+                          and plain_moe(g) and rows_cp == 1
+                          and (p.tp == 1 or (sp_div > 1 and p.ep == 1 and width_tp == p.tp
                                              and coverage.width_etp == width_tp)))
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
