@@ -133,6 +133,9 @@ def planned_heldout() -> list[dict]:
     # moe_sharded, moe_sp_*): the hidden-1024 MoE shape at TP2+SP (its layers bind)
     for rc in ("none", "selective"):
         cells.append(_cell(MOE_WIDE["name"], {"tp": 2, "sequence_parallel": True}, rc, wave=HELDOUT_WAVE))
+    # traced after retained MoE layers under EP at TP1 took the kernel-model terms (written from
+    # grid-moe-h1024 EP2 none): the held-out MoE shape at EP2 (its layers bind)
+    cells.append(_cell(MOE_HELDOUT["name"], {"ep": 2}, "none", wave=HELDOUT_WAVE))
     return cells
 
 
@@ -164,6 +167,9 @@ def planned() -> list[dict]:
             cells.append(_cell(MOE["name"], lay, rc))
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE["name"], {"tp": 2, "cp": 2}, rc))
+    # retained MoE under EP whose layers bind (grid-moe-h512's EP2 cells bind at the head): the
+    # anatomy the EP kernel-model terms were written from (fused_moe_retained at TP1 with EP)
+    cells.append(_cell(MOE_WIDE["name"], {"ep": 2}, "none"))
     return cells
 
 
