@@ -322,7 +322,7 @@ def report_lines(records: list[dict]) -> list[str]:
         for t, r in ratios.items():
             by_class.setdefault(class_of(cell), {}).setdefault(t, []).append(r)
         name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "") + (
-            f"+CP{lay['cp']}" if lay["cp"] > 1 else "")
+            f"+CP{lay['cp']}" if lay["cp"] > 1 else "") + (f"+EP{lay['ep']}" if lay.get("ep", 1) > 1 else "")
         lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
