@@ -165,6 +165,14 @@ def planned_heldout() -> list[dict]:
     for rc in ("none", "selective", "full"):
         cells.append(_cell(GDN_HELDOUT["name"], {}, rc, wave=HELDOUT_WAVE))
     cells.append(_cell(GDN_HELDOUT["name"], {"tp": 2, "sequence_parallel": True}, "full", wave=HELDOUT_WAVE))
+    # traced after retained plain-attention MoE layers under TP with SP took the kernel-model terms
+    # written from grid-moe-h768's anatomy at TP2+SP (fused_retained_layer moe_gathered,
+    # moe_sharded, moe_sp_*): the hidden-1024 MoE shape at TP2+SP (its layers bind)
+    for rc in ("none", "selective"):
+        cells.append(_cell(MOE_WIDE["name"], {"tp": 2, "sequence_parallel": True}, rc, wave=HELDOUT_WAVE))
+    # traced after retained MoE layers under EP at TP1 took the kernel-model terms (written from
+    # grid-moe-h1024 EP2 none): the held-out MoE shape at EP2 (its layers bind)
+    cells.append(_cell(MOE_HELDOUT["name"], {"ep": 2}, "none", wave=HELDOUT_WAVE))
     return cells
 
 
@@ -199,6 +207,9 @@ def planned() -> list[dict]:
     # multi-latent attention with dense MLPs (the MLA layers' kernel-model terms were written on these)
     for rc in RECOMPUTES:
         cells.append(_cell(MLA_DENSE["name"], {}, rc))
+    # retained MoE under EP whose layers bind (grid-moe-h512's EP2 cells bind at the head): the
+    # anatomy the EP kernel-model terms were written from (fused_moe_retained at TP1 with EP)
+    cells.append(_cell(MOE_WIDE["name"], {"ep": 2}, "none"))
     return cells
 
 
@@ -361,7 +372,7 @@ def report_lines(records: list[dict]) -> list[str]:
         for t, r in ratios.items():
             by_class.setdefault(class_of(cell), {}).setdefault(t, []).append(r)
         name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "") + (
-            f"+CP{lay['cp']}" if lay["cp"] > 1 else "")
+            f"+CP{lay['cp']}" if lay["cp"] > 1 else "") + (f"+EP{lay['ep']}" if lay.get("ep", 1) > 1 else "")
         lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")

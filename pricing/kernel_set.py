@@ -72,7 +72,7 @@ class KernelSet:
     """The routed experts' backward (`moe_expert_backward`)."""
     fused_retained: bool = False
     """A plain dense layer retained (selective, none; under CP without SP too) or a plain-attention
-    MoE layer retained at TP1 without EP priced by what the fused kernels keep
+    MoE layer retained at TP1 (with EP too) or under TP with SP priced by what the fused kernels keep
     (`fused_retained_layer`), with its backward transient and own forward peak."""
     fused_mla: bool = False
     """A multi-latent-attention layer with a dense MLP at TP1 CP1 priced by what the fused kernels

@@ -299,41 +299,59 @@ def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: i
 
 
 def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, routed: float,
-                                     forward: bool = False, backward: bool = False) -> float:
+                                     forward: bool = False, backward: bool = False, tp: int = 1,
+                                     sequence_parallel: bool = False) -> float:
     """What an attention layer with a MoE MLP retained (selective or no recompute) keeps on the
-    fused kernels at TP1, or (`forward`) its own forward peak.
+    fused kernels, per gathered row, at TP1 or under TP with SP (expert TP = TP), or (`forward`)
+    its own forward peak, or (`backward`) its backward's transient.
 
     Formula: entry `fused_retained_layer`: `moe_per_row` (the attention's saved tensors 3 qkv +
     3.0625 core, as the dense layer's; the attention's two adapters' rank-wide outputs 4 rank; the
-    router's fp32 tensors 8 experts; the permuted probabilities fp32 4 top_k) + `moe_replicated`
-    (8H: the layer's input, residual sum and two norm outputs) + `routed` x `moe_per_routed_row`
-    (the grouped FC1's saved input 2H, the FC1 output the fused weighted SwiGLU saves 4 expert_ffn,
-    its output FC2 saves 2 expert_ffn); `forward` adds `routed` x `moe_forward_per_routed_row` (the
-    grouped FC2's output and the combine's copy, 4H); `backward`: the layer's backward transient, the
-    larger of the experts' (`moe_backward_per_row`: the layer output's and the combine's gradients
-    4H, the router's fp32 gradients 8 experts; + `routed` x the larger of
-    `moe_backward_per_routed_row`, FC1's input gradient beside the SwiGLU's input gradient, 2H +
-    4 expert_ffn, and `moe_backward_swiglu_per_routed_row`, the SwiGLU's incoming and input
-    gradients, 6 expert_ffn; FC2's output gradient, 2H + 2 expert_ffn beside its input gradient, is
-    freed before) and flash's (`attention_backward`, as the dense layer's).
-    `routed`: top_k x the busiest rank's load. 0 without the entry's keys. See
+    permuted probabilities fp32 4 top_k) + the part on the rank's own rows by layout,
+    `moe_replicated` at TP1 (8H: the layer's input, residual sum and two norm outputs; the router's
+    fp32 tensors and bool map, 14 experts; its int64 top-k and permutation indices, 16 top_k),
+    `moe_gathered` (2H: the QKV's gathered input) + `moe_sharded` / TP (the same less that input:
+    6H + 14 experts + 16 top_k) with SP; + `routed` x `moe_per_routed_row` (the grouped FC1's saved input 2H, the FC1 output the
+    fused weighted SwiGLU saves 4 expert_ffn, its output FC2 saves 2 expert_ffn). `forward` adds
+    `routed` x `moe_forward_per_routed_row` (the grouped FC2's output and the combine's copy, 4H)
+    and the dispatcher's permuted copy (`moe_dispatch_per_routed_row`, 2H, on the rank's own
+    routed rows: / TP with SP); with SP also the combine's fp32 copy of the gathered output
+    (`moe_sp_forward_per_routed_row`, 4H) and its reduce-scatter's fp32 output on the rank's rows
+    (`moe_sp_forward_sharded_per_routed_row`, 4H / TP). `backward`: the larger of the experts'
+    (`moe_backward_per_row`: the layer output's and the combine's gradients 4H, the router's fp32
+    gradients 8 experts; + `routed` x the largest of `moe_backward_per_routed_row`, FC1's input
+    gradient beside the SwiGLU's input gradient, 2H + 4 expert_ffn,
+    `moe_backward_swiglu_per_routed_row`, the SwiGLU's incoming and input gradients, 6 expert_ffn,
+    and `moe_backward_combine_per_routed_row`, the unpermute's gathered gradient beside its
+    unsorted copy, 4H; with SP `moe_sp_backward_per_routed_row`, the gathered gradient in fp32
+    beside its bf16 cast or its rank-row fp32 input, 6H) and flash's (`attention_backward`, as
+    the dense layer's). The permuted copy is freed after the forward. `routed`: top_k x the
+    busiest rank's load. 0 without the entry's keys. See
     docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if not table.kernels.fused_retained:
         return 0.0
-    # Megatron's all-to-all dispatcher's sort-by-local-expert copy of the routed rows, which the
-    # one-rank tracer's stand-in dispatcher does not make, beside either point
-    dispatch = routed * table.per_row(FUSED_RETAINED, widths, key="moe_dispatch_per_routed_row")
+    sp = sequence_parallel and tp > 1
+
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=key)
+
     if backward:
-        experts = max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_routed_row"),
-                      table.per_row(FUSED_RETAINED, widths, key="moe_backward_swiglu_per_routed_row"))
-        return max(table.per_row(FUSED_RETAINED, widths, key="moe_backward_per_row") + routed * experts
-                   + dispatch, table.per_row(FUSED_RETAINED, widths, key="attention_backward"))
-    out = (table.per_row(FUSED_RETAINED, widths, key="moe_per_row")
-           + table.per_row(FUSED_RETAINED, widths, key="moe_replicated")
-           + routed * table.per_row(FUSED_RETAINED, widths, key="moe_per_routed_row"))
+        experts = max(part("moe_backward_per_routed_row"), part("moe_backward_swiglu_per_routed_row"),
+                      part("moe_backward_combine_per_routed_row"))
+        if sp:
+            experts = max(experts, part("moe_sp_backward_per_routed_row"))
+        return max(part("moe_backward_per_row") + routed * experts, part("attention_backward"))
+    hidden = part("moe_gathered") + part("moe_sharded") / tp if sp else part("moe_replicated")
+    out = part("moe_per_row") + hidden + routed * part("moe_per_routed_row")
     if forward:
-        out += routed * table.per_row(FUSED_RETAINED, widths, key="moe_forward_per_routed_row") + dispatch
+        # Megatron's all-to-all dispatcher's permuted copy of the rank's own routed rows, which the
+        # one-rank tracer's stand-in dispatcher does not make; with SP the combine's fp32 tensors
+        out += routed * (part("moe_forward_per_routed_row")
+                         + part("moe_dispatch_per_routed_row") / (tp if sp else 1))
+        if sp:
+            out += routed * (part("moe_sp_forward_per_routed_row")
+                             + part("moe_sp_forward_sharded_per_routed_row") / tp)
     return out
 
 

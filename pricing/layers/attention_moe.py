@@ -1,7 +1,8 @@
 """An attention layer with a MoE MLP: its stage (full recompute under TP with SP: the MoE
 backward point; else the fitted stage sum, raised to the input norm's backward with replicated
 norms) and its retained activations (under TP with SP on the structural kernel set, the
-retained MoE layer) (docs/memory-model.md#moe-tp-point, #moe-sp-retained).
+retained MoE layer; on the fused kernels at TP1 and under TP with SP, what they keep)
+(docs/memory-model.md#moe-tp-point, #moe-sp-retained, #gpu-kernel-allocation-models).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     if ctx.fused_moe_retained:
         # a retained layer's backward transient on the fused kernels: the experts' or flash's
         routed = g.moe.top_k * ctx.ep_skew
-        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed,
-                                                             backward=True), False
+        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed, backward=True,
+                                                             **_fused_layout(ctx)), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     if ctx.full and ctx.sp_div > 1 and ctx.kernels.sp_point:
         # the MoE backward point under TP with SP (moe_terms); the attention's own backward
@@ -55,13 +56,19 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
     one; `index` 0 also holds the embedding's output); under full recompute what a multi-layer
     chunk re-materialises."""
     if ctx.fused_moe_retained:
-        # what the fused kernels keep (TE's grouped GEMM, the fused weighted SwiGLU), at TP1
+        # what the fused kernels keep (TE's grouped GEMM, the fused weighted SwiGLU), at TP1 and
+        # under TP with SP
         routed = ctx.geometry.moe.top_k * ctx.ep_skew
-        kept = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r, routed=routed)
+        lay = _fused_layout(ctx)
+        kept = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r, routed=routed,
+                                                             **lay)
         forward = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r,
-                                                                routed=routed, forward=True)
+                                                                routed=routed, forward=True, **lay)
+        # its forward point charges the dispatcher's permuted rows itself; beside it under EP the
+        # combine's all-to-all output (`moe_extra` at TP1: 2H per routed row), while the routed
+        # rows' all-gather over TP (`moe_extra` under TP with SP) is freed before the combine
         qk = ctx.qk_structural_per_row
-        return kept + qk + extra, forward + qk + extra + moe_extra
+        return kept + qk + extra, forward + qk + extra + (moe_extra if ctx.tp == 1 else 0.0)
     if not ctx.full and ctx.sp_div > 1 and ctx.kernels.structural:
         g = ctx.geometry
         less = sp_layer_release(ctx, layer)
@@ -73,6 +80,11 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                    - less + ctx.qk_structural_per_row + extra + moe_extra)
         return kept, forward
     return fitted_retained(ctx, layer, extra=extra), 0.0
+
+
+def _fused_layout(ctx: LayerContext) -> dict:
+    """The layout arguments of the fused MoE layer's terms: the credited TP and its SP."""
+    return {"tp": ctx.tp, "sequence_parallel": ctx.sp_div > 1}
 
 
 def residual_covered(ctx: LayerContext, layer: LayerSpec) -> bool:

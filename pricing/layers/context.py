@@ -97,9 +97,8 @@ class LayerContext:
     fused_moe_retained: bool = False
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
-    experts, the dispatcher's plain PyTorch), on a TP1 CP1 layout without EP; TP > 1 and EP keep
-    the fitted terms (under TP with SP the combine's fp32 tensors are not modelled: a held-out cell
-    priced under; the EP2 trace binds at the head, not the layers)
+    experts, the dispatcher's plain PyTorch, under TP with SP the combine's fp32 tensors), on a
+    CP1 layout at TP1 (with or without EP) or under TP with SP without EP (expert TP = TP)
     (docs/memory-model.md#gpu-kernel-allocation-models)."""
     fused_gdn_retained: bool = False
     """A GDN hybrid's retained layers (selective, none; GDN and gated attention layers with dense
@@ -205,8 +204,13 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                    and g.plain_dense and kernel_layout)
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and kernel_layout)
+    # at TP1 (with EP too: the busiest rank's routed rows, the combine's all-to-all output in
+    # `routed_extra`), and under TP with SP without EP where the credited TP and expert TP are the
+    # layout's (the combine's fp32 tensors); written from the multi-rank anatomies
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and plain_moe(g) and p.tp == 1 and rows_cp == 1 and p.ep == 1)
+                          and plain_moe(g) and rows_cp == 1
+                          and (p.tp == 1 or (sp_div > 1 and p.ep == 1 and width_tp == p.tp
+                                             and coverage.width_etp == width_tp)))
     # MLA's dense layers at TP1 CP1 without EP (the te-gpu traces' layout), any recompute
     fused_mla = (kernels.fused and kernels.fused_mla and g.attention is not None
                  and g.attention.mla is not None and g.gdn is None and p.tp == 1 and width_tp == 1

@@ -95,7 +95,13 @@ def test_qwen3_30b_a3b_under_cp_is_credited_as_its_layout(backend):
             else:
                 assert m.basis == "conservative"
             assert (c.tp, c.sequence_parallel, c.cp) == (tp, sp, cp), (tp, sp, cp, mode)
-            assert one_group_raw(m, 8192) <= one_group_raw(PricingModel.build(g, parallel=base, recompute=rc, backend=backend), 8192)
+            cp1 = PricingModel.build(g, parallel=base, recompute=rc, backend=backend)
+            if tp > 1 and cp1.layer_context().fused_moe_retained:
+                # TP with SP at CP1 is priced by the retained MoE kernel models (evidence), under CP
+                # by the fitted, conservative terms (no te-gpu trace of a retained MoE layer under
+                # CP): the conservative price may be the larger
+                continue
+            assert one_group_raw(m, 8192) <= one_group_raw(cp1, 8192)
 
 
 def test_the_retained_tp_sp_moe_layer_keeps_the_rope_cache_entry_once():
