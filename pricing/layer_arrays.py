@@ -20,7 +20,7 @@ from .geometry import LayerSpec, MixerKind, MlpKind
 from .layers import mla, pricer_for
 from .layers.context import LayerContext, RetainedBy, charged_unsharded, layer_context
 from .parallel import RecomputeMode
-from .pipeline import rope_cache_per_row
+from .pipeline import rope_cache_instances, rope_cache_per_row
 
 __all__ = ["LayerArrays", "LayerContext", "LayerRow", "RetainedBy", "layer_arrays",
            "layer_context", "layer_row"]
@@ -127,7 +127,12 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     fitted layers those terms replace absorbed (`gdn_terms.rope_cache_entry_per_row`,
     `layout_terms.sp_rope_entry_per_row`)."""
     entry = rope_cache_per_row(ctx.geometry, ctx.geometry.layers)
-    rope = layout_terms.cp_rope_cache_per_row(entry, cp=ctx.rows_cp)
+    instances = rope_cache_instances(ctx.geometry, ctx.geometry.layers)
+    # every instance's entry beyond the rank's rows under CP; with MLA the call's own entries
+    # beyond the one the fitted and structural terms carry (docs/memory-model.md#mla-rope-caches)
+    rope = layout_terms.cp_rope_cache_per_row(entry * instances, cp=ctx.rows_cp)
+    if instances > 1:
+        rope += entry * (instances - 1)
     if ctx.gdn_retained_structural:
         # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
         rope += gdn_terms.rope_cache_entry_per_row(entry)
@@ -235,7 +240,8 @@ def layer_arrays(ctx: LayerContext) -> LayerArrays:
     # wave, live from the first layer's forward on (layer 0's retained memory, and its
     # forward transient; under full recompute beside the full residual at every point)
     rope = wave_rope_cache_per_row(ctx)
-    entry = rope_cache_per_row(g, g.layers)   # one entry row (the walk's RoPE charges)
+    # a call's entry rows, every instance's (the walk's RoPE charges)
+    entry = rope_cache_per_row(g, g.layers) * rope_cache_instances(g, g.layers)
     if rope and mode == RecomputeMode.FULL:
         workspace += rope
         nograd += rope

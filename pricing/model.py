@@ -27,6 +27,7 @@ from .parallel import ParallelLayout, Recompute
 from .pipeline import (
     fold_stages,
     received_activation_per_row,
+    rope_cache_instances,
     rope_cache_per_row,
     stage_bounds,
     stage_charges,
@@ -353,7 +354,8 @@ class PricingModel:
             return Charges(walk=walk, **parts)
         # each stage's charges from every layer's, and their folded per-wave proxy
         boundary = f * terms.boundary_per_row(t, widths, sp_div=sp_div)
-        stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) for lo, hi in stage_bounds(n, p.pp)]
+        stage_rope = [rope_cache_per_row(g, g.layers[lo:hi]) * rope_cache_instances(g, g.layers[lo:hi])
+                      for lo, hi in stage_bounds(n, p.pp)]
         stages = stage_charges(walk, pp=p.pp, boundary_per_row=boundary,
                                received_per_row=received_activation_per_row(
                                    boundary, full_recompute=full),

@@ -91,6 +91,26 @@ def rope_cache_per_row(geometry, layers: Sequence) -> float:
     return 4.0 * dim
 
 
+ROPE_CACHE_ENTRIES = 32
+"""`RotaryEmbedding.forward` / `YarnRotaryEmbedding.forward`'s `lru_cache(maxsize=32)`: entries
+per process, over every instance."""
+
+
+def rope_cache_instances(geometry, layers: Sequence) -> int:
+    """How many RoPE cache entries a forward call fills for its longest sequence on a stage with
+    `layers`: 1 (the model's one `RotaryEmbedding`), or with multi-latent attention one per attention
+    layer, at most `ROPE_CACHE_ENTRIES` (each `MLASelfAttention` builds its own rotary embedding, and
+    the `lru_cache` on `forward` is keyed by the instance). See docs/memory-model.md#mla-rope-caches.
+    O(layers)."""
+    from .geometry import MixerKind
+
+    att = geometry.attention
+    if att is None or getattr(att, "mla", None) is None:
+        return 1
+    n = sum(1 for spec in layers if spec.mixer == MixerKind.ATTENTION)
+    return max(1, min(n, ROPE_CACHE_ENTRIES))
+
+
 def received_activation_per_row(boundary: float, *, full_recompute: bool) -> float:
     """What stage s > 0 keeps per row of an in-flight wave beside its layers' retained rows:
     the activation it received (Megatron's receive buffer, kept by the schedule in

@@ -28,39 +28,59 @@ def entry_rows(load: GroupLoad) -> int:
     return int(load.padded_rows if load.longest_rows is None else load.longest_rows)
 
 
-def earlier_wave_entries(entry_per_row: float, waves: Sequence[Sequence[GroupLoad]]) -> list[float]:
+def earlier_slots(instances: int) -> int:
+    """How many entries of earlier lengths the cache can hold beside a wave whose calls fill
+    `instances` entries each (`pipeline.rope_cache_instances`: 1, or one per MLA layer): 32 with
+    one instance (as before: the wave's own entry not taken off), else 32 - instances + 1.
+    See docs/memory-model.md#mla-rope-caches. O(1)."""
+    return CACHE_ENTRIES - max(1, min(instances, CACHE_ENTRIES)) + 1
+
+
+def earlier_wave_entries(entry_per_row: float, waves: Sequence[Sequence[GroupLoad]],
+                         instances: int = 1) -> list[float]:
     """Bytes of RoPE cache entries live beside each wave (in run order) that the step's
     earlier waves left: `entry_per_row` (4 x rotary dim) x the rows of every distinct length
     an earlier wave's call brought that none of the wave's own calls shares (a call whose
     length is cached reuses the entry its own terms already price), the `CACHE_ENTRIES`
     largest of them at most (the cache never holds more: keeping the largest, not the most
-    recent, bounds it from above). 0 for the first wave. O(calls x log calls)."""
+    recent, bounds it from above). With `instances` entries per length (MLA: one per layer),
+    each length brings up to that many, `earlier_slots(instances)` entries in all, the largest
+    lengths first. 0 for the first wave. O(calls x log calls)."""
     if entry_per_row <= 0.0:
         return [0.0] * len(waves)
     out = []
     seen: set[int] = set()
     for loads in waves:
         own = {entry_rows(g) for g in loads}
-        others = sorted((n for n in seen if n not in own), reverse=True)[:CACHE_ENTRIES]
-        out.append(entry_per_row * float(sum(others)))
+        others = sorted((n for n in seen if n not in own), reverse=True)
+        slots, held = earlier_slots(instances), 0.0
+        for n in others:
+            take = min(instances, slots)
+            if take <= 0:
+                break
+            held += take * float(n)
+            slots -= take
+        out.append(entry_per_row * held)
         seen |= own
     return out
 
 
-def reserve_bound(entry_per_row: float, longest_rows: int) -> float:
+def reserve_bound(entry_per_row: float, longest_rows: int, instances: int = 1) -> float:
     """The most the earlier waves' entries can hold beside any wave of a step whose forward
-    calls' longest sequence is at most `longest_rows`: a full cache of them. O(1)."""
-    return entry_per_row * CACHE_ENTRIES * float(longest_rows)
+    calls' longest sequence is at most `longest_rows`: `earlier_slots(instances)` entries of
+    it. O(1)."""
+    return entry_per_row * earlier_slots(instances) * float(longest_rows)
 
 
-def reserve_bytes(entry_per_row: float, step_loads: Sequence[GroupLoad], safety: float) -> int:
+def reserve_bytes(entry_per_row: float, step_loads: Sequence[GroupLoad], safety: float,
+                  instances: int = 1) -> int:
     """Admitted bytes that always cover the earlier waves' entries beside any wave of a step
     whose calls, run together as one wave, are `step_loads` (a call's longest sequence is at
     most the step's as one wave: its trees whole): `reserve_bound` of their longest, the
     rounding of `plus_earlier_entries` (ceil(extra) <= bound + 1) included, x `safety`,
     rounded up. O(loads)."""
     longest = max((entry_rows(g) for g in step_loads), default=0)
-    return math.ceil(safety * (reserve_bound(entry_per_row, longest) + 1.0))
+    return math.ceil(safety * (reserve_bound(entry_per_row, longest, instances) + 1.0))
 
 
 def plus_earlier_entries(price: Breakdown, extra: float, safety: float) -> Breakdown:

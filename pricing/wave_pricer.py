@@ -28,6 +28,7 @@ from .clique_bound import find_cliques, undominated_points
 from .envelope import Envelope, build_envelope
 from .layout import _tree_counts, layout
 from .model import PricingModel
+from .pipeline import rope_cache_instances
 from .price import Breakdown, GroupLoad, price_groups
 from .stage_price import StagePricer
 from .step import Step
@@ -277,17 +278,26 @@ class WavePricer:
         """Bytes of the RoPE cache entries the waves before each wave (in run order, given by
         their group loads) left beside it (`rope_cache.earlier_wave_entries`); 0 under PP > 1,
         whose stage walks charge them. O(calls x log calls)."""
-        return rope_cache.earlier_wave_entries(float(self.model.charges.walk.rope_entry), waves)
+        entry, instances = self.rope_entry_parts()
+        return rope_cache.earlier_wave_entries(entry, waves, instances)
+
+    def rope_entry_parts(self) -> tuple[float, int]:
+        """One RoPE cache entry per row and how many a call fills (`pipeline.rope_cache_instances`;
+        the walk's `rope_entry` is their product). O(layers)."""
+        g = self.model.geometry
+        instances = rope_cache_instances(g, g.layers)
+        return float(self.model.charges.walk.rope_entry) / instances, instances
 
     def earlier_reserve_bytes(self) -> int:
         """Admitted bytes that always cover them beside any wave of the step
         (`rope_cache.reserve_bytes` of the step's calls as one wave); 0 under PP > 1 or
         without rotary entries. O(requests)."""
-        entry = float(self.model.charges.walk.rope_entry)
+        entry, instances = self.rope_entry_parts()
         if entry <= 0.0:
             return 0
         every = np.arange(len(self.class_of), dtype=np.int64)
-        return rope_cache.reserve_bytes(entry, self.group_loads([every]), self.model.safety)
+        return rope_cache.reserve_bytes(entry, self.group_loads([every]), self.model.safety,
+                                        instances)
 
     def plus_earlier(self, price: Breakdown, extra: float) -> Breakdown:
         """`price` with `extra` bytes of earlier waves' entries (`rope_cache.plus_earlier_entries`)."""

@@ -276,11 +276,11 @@ def feasible_budget(planner: Planner, step: Step) -> int:
     if planner.model.parallel.pp > 1 and len(step.requests) > 1:
         alone = planner.plan(step, PIB, num_waves=len(step.requests), deterministic=True)
         worst = max([worst] + [s["peak_bytes"] for s in alone.stages])
-    entry = float(planner.model.charges.walk.rope_entry)
+    entry, instances = pricer.rope_entry_parts()
     if entry > 0 and len(step.requests) > 1:
         # PP1: the earlier waves' RoPE cache entries, at the planner's bound (Planner._with_earlier_rope)
         worst += rope_cache.reserve_bytes(entry, pricer.group_loads([np.arange(len(step.requests))]),
-                                          planner.model.safety)
+                                          planner.model.safety, instances)
     return worst
 
 
