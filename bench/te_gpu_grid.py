@@ -63,7 +63,14 @@ MOE_HELDOUT = {"name": "grid-moe-h768", "hidden": 768, "ffn": 0, "vocab": 3072, 
                "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
                "attention": {"num_heads": 12, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
                "gdn": None, "moe": {"num_experts": 32, "top_k": 6, "expert_ffn": 384, "shared_expert_ffn": 0}}
-SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT)}
+# a dense shape of its own for context parallelism, traced after the ring's flash-form terms were
+# final (held out): head width 80 (flash-attn's dq accumulator rounds it to 96), GQA 4, hidden 640
+DENSE_CP_HELDOUT = {"name": "grid-dense-h640", "hidden": 640, "ffn": 1792, "vocab": 3072, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+                    "attention": {"num_heads": 8, "num_kv_groups": 2, "head_dim": 80, "output_gate": False},
+                    "gdn": None, "moe": None}
+SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT,
+                                 DENSE_CP_HELDOUT)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -128,6 +135,11 @@ def planned_heldout() -> list[dict]:
     # fused_retained at any TP under CP; layout_residual tp2-cp2): another dense shape
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE2["name"], {"tp": 2, "cp": 2}, rc, wave=HELDOUT_WAVE))
+    # traced after the te-gpu ring model ran flash-attn's varlen kernel at each step and the ring's
+    # terms took its form (ring_backward_flash, ring_mlp_freed, ring_recomputed_release): a CP shape
+    # of its own
+    for rc in RECOMPUTES:
+        cells.append(_cell(DENSE_CP_HELDOUT["name"], {"cp": 2}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
