@@ -225,6 +225,21 @@ def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp, flas
     assert max(max(e) for e in errs) < 1e-12, errs
 
 
+def test_the_te_gpu_rings_backward_step_allocates_mha_varlen_bwds_workspace():
+    """`flash_workspace` (the te-gpu ring's backward step): softmax_d fp32 [h, rows + 128 b],
+    dq_accum fp32 [rows + 128 b, h, round32(d)], under GQA dk/dv expanded to every head."""
+    import torch
+
+    from waveplan.pricing.measure.ring_attention import flash_workspace
+
+    q = torch.empty(10, 8, 80, dtype=torch.bfloat16)
+    gqa = flash_workspace(10, 6, 3, q, torch.empty(6, 2, 80, dtype=torch.bfloat16))
+    assert [tuple(x.shape) for x in gqa] == [(8, 10 + 384), (10 + 384, 8, 96), (6, 8, 80), (6, 8, 80)]
+    assert [x.dtype for x in gqa] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    mha = flash_workspace(5, 10, 1, q[:5], torch.empty(10, 8, 80, dtype=torch.bfloat16))
+    assert [tuple(x.shape) for x in mha] == [(8, 5 + 128), (5 + 128, 8, 96)]
+
+
 def _gloo_group():
     """A one-rank gloo ProcessGroup (not the default group, so nothing else is touched)."""
     from datetime import timedelta

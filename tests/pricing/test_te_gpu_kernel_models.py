@@ -81,6 +81,18 @@ def test_no_te_gpu_price_is_under_a_committed_te_gpu_trace(grid, which):
             assert np.median(r) <= 1.03 and max(r) <= 1.10, (name, np.median(r), max(r))
 
 
+def test_the_held_out_cp_shape_ran_the_te_gpu_ring_with_flash_attn_steps(grid):
+    """The CP shape of its own (grid-dense-h640: head 80, GQA 4), held out of the ring's flash-form
+    terms, was traced with flash-attn's allocation model at each ring step (its trace note says
+    so) at full, selective and none (docs/memory-model.md#te-gpu-ring)."""
+    recs = [r for r in grid._load(RESULTS / "traces_te_gpu_heldout.jsonl")
+            if r["cell"]["model"] == grid.DENSE_CP_HELDOUT["name"]]
+    assert sorted(r["cell"]["recompute"] for r in recs) == ["full", "none", "selective"]
+    for r in recs:
+        assert r["cell"]["layout"]["cp"] == 2
+        assert any("CP ring's step kernel" in n for n in r["trace"]["notes"]), r["trace"]["notes"]
+
+
 def test_the_kernel_set_decides_the_pricing_path():
     """te-gpu's `kernel_models` entry makes the kernel set fused: plain dense layers recomputed at
     any TP are priced at the kernel-model point (no rotary copies, TE's q/k norms), the rest keep
