@@ -88,6 +88,14 @@ def test_the_held_out_cp_shape_ran_the_te_gpu_ring_with_flash_attn_steps(grid):
     recs = [r for r in grid._load(RESULTS / "traces_te_gpu_heldout.jsonl")
             if r["cell"]["model"] == grid.DENSE_CP_HELDOUT["name"]]
     assert sorted(r["cell"]["recompute"] for r in recs) == ["full", "none", "selective"]
+    # and re-traced on it: the grid's hidden-1024 cells at TP1 and TP2 under CP2, the hidden-768
+    # held-out cells at TP1 CP2
+    recs += [r for r in grid._load(RESULTS / "traces_te_gpu.jsonl")
+             if r["cell"]["model"] == "grid-dense-h1024" and r["cell"]["layout"].get("cp") == 2]
+    recs += [r for r in grid._load(RESULTS / "traces_te_gpu_heldout.jsonl")
+             if r["cell"]["model"] == "grid-dense-h768" and r["cell"]["layout"].get("cp") == 2
+             and r["cell"]["layout"].get("tp") == 1]
+    assert len(recs) == 12
     for r in recs:
         assert r["cell"]["layout"]["cp"] == 2
         assert any("CP ring's step kernel" in n for n in r["trace"]["notes"]), r["trace"]["notes"]
