@@ -65,6 +65,12 @@ MOE_HELDOUT = {"name": "grid-moe-h768", "hidden": 768, "ffn": 0, "vocab": 3072, 
                "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
                "attention": {"num_heads": 12, "num_kv_groups": 4, "head_dim": 64, "output_gate": False},
                "gdn": None, "moe": {"num_experts": 32, "top_k": 6, "expert_ffn": 384, "shared_expert_ffn": 0}}
+# a dense shape of its own for context parallelism, traced after the ring's flash-form terms were
+# final (held out): head width 80 (flash-attn's dq accumulator rounds it to 96), GQA 4, hidden 640
+DENSE_CP_HELDOUT = {"name": "grid-dense-h640", "hidden": 640, "ffn": 1792, "vocab": 3072, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "dense"]] * 2,
+                    "attention": {"num_heads": 8, "num_kv_groups": 2, "head_dim": 80, "output_gate": False},
+                    "gdn": None, "moe": None}
 # multi-latent attention with dense MLPs (so no MoE layer binds): a tuning shape (no query latent,
 # as deepseek-v2-lite) and a held-out one (a query latent, other head widths, rope width and
 # vocabulary), priced by the fused kernels' MLA terms (docs/memory-model.md#mla-kernel-models)
@@ -89,7 +95,7 @@ MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096
                                   "v_head_dim": 128, "q_lora_rank": 0}},
             "gdn": None, "moe": None}
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
-                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT)}
+                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -173,6 +179,11 @@ def planned_heldout() -> list[dict]:
     # traced after retained MoE layers under EP at TP1 took the kernel-model terms (written from
     # grid-moe-h1024 EP2 none): the held-out MoE shape at EP2 (its layers bind)
     cells.append(_cell(MOE_HELDOUT["name"], {"ep": 2}, "none", wave=HELDOUT_WAVE))
+    # traced after the te-gpu ring model ran flash-attn's varlen kernel at each step and the ring's
+    # terms took its form (ring_backward_flash, ring_mlp_freed, ring_recomputed_release): a CP shape
+    # of its own
+    for rc in RECOMPUTES:
+        cells.append(_cell(DENSE_CP_HELDOUT["name"], {"cp": 2}, rc, wave=HELDOUT_WAVE))
     return cells
 
 

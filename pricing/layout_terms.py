@@ -265,37 +265,52 @@ def fused_retained_layer_per_row(table: CoefficientTable, widths: dict, *, tp: i
 
 
 def ring_attention_point_per_row(table: CoefficientTable, widths: dict, *, cp: int,
-                                 backward: bool, kept: bool = False) -> float:
-    """A plain dense layer's ring attention (CP > 1, TE's P2P kernel as
-    `pricing/measure/ring_attention.py` allocates it) at its forward merge, or (`backward`) its
-    backward's transient.
+                                 backward: bool, kept: bool = False,
+                                 retained: bool = False) -> float:
+    """A plain dense layer's ring attention (CP > 1, TE's P2P kernel `AttnFuncWithCPAndKVP2P`
+    with flash-attn's varlen kernel at each step, as `pricing/measure/ring_attention.py` allocates
+    it with `flash`) at its forward merge, or (`backward`) its backward's transient.
 
     Formula: entry `fused_retained_layer`: forward `ring_forward` (its inputs, the qkv sum and the
     rotated q and k, 3 qkv + core; the merged output and log-sum-exp, 2.0625 core; the layer's input
     and norm output, 4H; the adapters' outputs, 6 rank) + CP x `ring_forward_per_cp` (every step's
     received k/v buffer, partial output and log-sum-exp, kept until the merge: 2 qkv + 0.0625 core);
-    backward `ring_backward` - `ring_backward_less` (the recomputed ring's saved tensors, 2 qkv +
-    2.0625 core; its dq, two k/v + gradient buffers, a step's dq/dk/dv and half copies and the
-    kernel's gradients, 13 qkv - 5 core; the output's and the residual path's gradients, 2H), or
-    where larger `ring_backward_flash` (the same with flash-attn's workspaces over the rank's rows
-    in place of the CPU kernel's gradients: 13 qkv + 1.925 core + 2H) + `ring_backward_gqa` under
-    GQA (qkv < 3 core: its dk/dv expanded to every head, 4 core), less `ring_saved` (2 qkv + 2.0625 core) where the layer keeps the ring's saved tensors (`kept`:
-    no recompute, already in its retained term); 0 at CP1 or without the keys. See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    backward `ring_backward_flash` (the causal step: the recomputed ring's saved tensors 2 qkv +
+    2.0625 core; dout, dq, two k/v + gradient buffers, the step's dq/dk/dv, 10 qkv - 4 core;
+    flash-attn's fp32 dq_accum, at most 4.8 core, and softmax_d, at most 0.0625 core, over the
+    rank's rows; the output's and the residual path's gradients, 2H: 12 qkv + 2.925 core + 2H)
+    + `ring_backward_gqa` under GQA (qkv < 3 core: dk/dv expanded to every head, 4 core), less
+    `ring_saved` (2 qkv + 2.0625 core) where the layer keeps the ring's saved tensors (`kept`: no
+    recompute, already in its retained term) and less `ring_mlp_freed` (6F, the MLP's saved FC1 sum
+    and SwiGLU output, freed by the MLP's backward before the attention's) where the layer's
+    retained term holds them (`retained`: selective or no recompute); 0 at CP1 or without the keys.
+    See docs/memory-model.md#gpu-kernel-allocation-models. O(1).
     """
     if cp <= 1 or not table.kernels.fused_retained:
         return 0.0
     if backward:
-        ring = (table.per_row(FUSED_RETAINED, widths, key="ring_backward")
-                - table.per_row(FUSED_RETAINED, widths, key="ring_backward_less"))
-        # on the GPU flash-attn's varlen backward runs each step over all the rank's rows: its
-        # fp32 workspaces (and under GQA its expanded dk/dv) in place of the CPU kernel's gradients
-        flash = table.per_row(FUSED_RETAINED, widths, key="ring_backward_flash")
+        ring = table.per_row(FUSED_RETAINED, widths, key="ring_backward_flash")
         if widths["qkv"] < 3 * widths["core"]:
-            flash += table.per_row(FUSED_RETAINED, widths, key="ring_backward_gqa")
-        less = table.per_row(FUSED_RETAINED, widths, key="ring_saved") if kept else 0.0
-        return max(0.0, max(ring, flash) - less)
+            ring += table.per_row(FUSED_RETAINED, widths, key="ring_backward_gqa")
+        if kept:
+            ring -= table.per_row(FUSED_RETAINED, widths, key="ring_saved")
+        if retained:
+            ring -= table.per_row(FUSED_RETAINED, widths, key="ring_mlp_freed")
+        return max(0.0, ring)
     return (table.per_row(FUSED_RETAINED, widths, key="ring_forward")
             + cp * table.per_row(FUSED_RETAINED, widths, key="ring_forward_per_cp"))
+
+
+def ring_recomputed_release_per_row(table: CoefficientTable, widths: dict, *, cp: int) -> float:
+    """What a recomputed layer's attention saves less under CP (full recompute: its recomputed
+    forward runs the ring, which saves its own k/v buffer, so the qkv projection sum and the
+    rotated k go, as without recompute), off the fused kernels' recomputed points.
+
+    Formula: entry `fused_retained_layer` `ring_release` (qkv + core) when cp > 1; 0 at CP1 or
+    without the key. See docs/memory-model.md#gpu-kernel-allocation-models. O(1)."""
+    if cp <= 1 or not table.kernels.fused_retained:
+        return 0.0
+    return table.per_row(FUSED_RETAINED, widths, key="ring_release")
 
 
 def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, routed: float,

@@ -31,6 +31,9 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
         # at least the ring attention's forward merge and backward (layout_terms.ring_attention_point_per_row)
         point = layout_terms.tp1_fc1_point_per_row(t, widths, rope_per_row=rope_rows, at_tp1=True,
                                                    tp=ctx.tp, sequence_parallel=ctx.sp_div > 1)
+        if ctx.fused_point:
+            # under CP the recomputed attention's saved tensors are the ring's (less qkv + core)
+            point -= layout_terms.ring_recomputed_release_per_row(t, widths, cp=ctx.rows_cp)
         ring = (ring_points(ctx, widths) if ctx.fused_point else 0.0)
         return max(point, ring) + ctx.qk_structural_per_row - ctx.cp_release_per_row, False
     if ctx.fused_gdn_retained:
@@ -40,11 +43,12 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
                                                          backward=True)
         return max(back, gdn_kernel_terms.fused_gated_attention_per_row(t, widths, part="backward")), False
     if ctx.fused_retained:
-        # a retained layer's backward transient on the fused kernels (under CP at least the ring's)
+        # a retained layer's backward transient on the fused kernels (under CP at least the ring's,
+        # after the MLP's backward has freed its saved tensors)
         back = layout_terms.fused_retained_layer_per_row(
             t, widths, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1, backward=True)
         return max(back, layout_terms.ring_attention_point_per_row(
-            t, widths, cp=ctx.rows_cp, backward=True, kept=ctx.ring_saves)), False
+            t, widths, cp=ctx.rows_cp, backward=True, kept=ctx.ring_saves, retained=True)), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     fitted = mixer + mlp_stage(ctx, layer) + norms(ctx)
     if not ctx.full:

@@ -535,8 +535,8 @@ def _flash_class():
 @contextlib.contextmanager
 def te_gpu_kernels(model):
     """Run `model` (from `build_gpt`) with the te-gpu allocation models: TE RMSNorm on every
-    `TorchRMSNorm`, flash attention in place of the SDPA stand-in (not of the CP ring, already
-    TE's model), fused RoPE (not under multi-latent attention, whose fused RoPE is a Triton
+    `TorchRMSNorm`, flash attention in place of the SDPA stand-in and as the CP ring's step
+    kernel (`ring_attention.RingAttention.flash`), fused RoPE (not under multi-latent attention, whose fused RoPE is a Triton
     kernel not modelled here), the fused bias-SwiGLU (SiLU-gated MLPs) and, with it, the
     experts' grouped GEMM in place of the `SequentialMLP` loop (experts without biases), or
     the fused bias-GeGLU (tanh-GELU-gated MLPs without experts); the clamped SwiGLU keeps
@@ -569,6 +569,13 @@ def te_gpu_kernels(model):
             swapped.append(core)
     if swapped:
         installed.append("flash attention (varlen)")
+    # the CP ring (`ring_attention.RingAttention`, TE's P2P ring): its steps' kernels flash-attn's
+    rings = [m.core_attention for m in model.modules()
+             if type(getattr(m, "core_attention", None)).__name__ == "RingAttention"]
+    for core in rings:
+        core.flash = True
+    if rings:
+        installed.append("flash attention in the CP ring's steps")
     saved = (config.apply_rope_fusion, config.bias_activation_fusion, config.activation_func,
              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
              mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl, mlp_mod.bias_geglu_impl)
@@ -609,6 +616,8 @@ def te_gpu_kernels(model):
          mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl, mlp_mod.bias_geglu_impl) = saved
         for core in swapped:
             core.__class__ = sdpa
+        for core in rings:
+            del core.flash
         for m in norms + grouped:
             del m.forward
         for m in gelu_mlps:

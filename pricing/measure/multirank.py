@@ -244,7 +244,7 @@ def trace_multirank_batch(geometry: ModelGeometry, *, layout: ParallelLayout, jo
     notes = []
     if kernels == "te-gpu":
         notes.append("te-gpu kernel set: allocation models of TE RMSNorm, flash attention "
-                     "(varlen), TE fused RoPE, the fused SwiGLU/GeGLU, the experts' grouped GEMM "
+                     "(varlen, also as the CP ring's step kernel), TE fused RoPE, the fused SwiGLU/GeGLU, the experts' grouped GEMM "
                      "and FLA's gated delta rule where the model has them "
                      "(pricing/measure/gpu_kernels.py)")
     if num_layers is not None and num_layers < geometry.num_layers:

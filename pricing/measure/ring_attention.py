@@ -1,16 +1,22 @@
 """Context parallelism on the CPU: Megatron's load-balanced THD split (`cp_split`) and a ring
 attention that allocates as Transformer Engine's `AttnFuncWithCPAndKVP2P` does (`RingAttention`).
-See docs/measurement.md#ring-attention.
+Each step's kernel is the CPU flash kernel, called once per sequence; with `flash` (the te-gpu
+kernel set) it is flash-attn's varlen kernel as TE's ring calls it on a GPU, once per step over
+all the rank's rows: the CPU kernel's own tensors uncounted, flash-attn's backward workspace
+allocated (`flash_workspace`). See docs/measurement.md#ring-attention and
+docs/memory-model.md#gpu-kernel-allocation-models.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, bad
+from .uncounted import uncounted
 
 BLOCK_ROWS = 256
 
@@ -100,7 +106,29 @@ def _lse_dtype(q):
     return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
 
 
-def _step_forward(kind: str, q, k, v, seqs, scale):
+def _kernel(flash: bool):
+    """Where a step's kernel runs: counted (the CPU flash kernel's own tensors) or, as flash-attn
+    on a GPU (`flash`), uncounted (its registers and shared memory)."""
+    return uncounted() if flash else contextlib.nullcontext()
+
+
+def flash_workspace(rows_q: int, rows_k: int, batch: int, q, k):
+    """What flash-attn's varlen backward allocates beside dq, dk and dv (csrc/flash_attn/
+    flash_api.cpp `mha_varlen_bwd`): softmax_d fp32 [h, rows_q + 128 b], dq_accum fp32
+    [rows_q + 128 b, h, round32(d)] and, under GQA, dk and dv expanded to every head
+    [rows_k, h, d] (q's dtype). O(1) tensors."""
+    from ..fsdp.terms import FLASH_ROW_PAD, flash_head_rounded
+
+    h, d = q.shape[1], q.shape[2]
+    acc = rows_q + FLASH_ROW_PAD * batch
+    work = [torch.empty((h, acc), dtype=torch.float32, device=q.device),
+            torch.empty((acc, h, flash_head_rounded(d)), dtype=torch.float32, device=q.device)]
+    if k.shape[1] != h:
+        work += [torch.empty((rows_k, h, d), dtype=q.dtype, device=q.device) for _ in range(2)]
+    return work
+
+
+def _step_forward(kind: str, q, k, v, seqs, scale, flash: bool = False):
     """One ring step's partial attention: ("causal" | "kv_half" | "q_half"). Returns the
     packed partial output [rows, h, d] (q's dtype) and log-sum-exp [h, rows] (fp32)."""
     fwd, _ = _ops()
@@ -119,17 +147,19 @@ def _step_forward(kind: str, q, k, v, seqs, scale):
     out = torch.empty((rows,) + tuple(q.shape[1:]), dtype=q.dtype)
     lse = torch.empty((h, rows), dtype=_lse_dtype(q))
     for (qa, qn), (ka, kn) in zip(qseq, kseq, strict=True):
-        o, m = fwd(_bhsd(src[qa:qa + qn]), _bhsd(k[ka:ka + kn]), _bhsd(v[ka:ka + kn]), 0.0,
-                   kind == "causal", scale=scale)
-        out[qa:qa + qn].copy_(o[0].transpose(0, 1))
-        lse[:, qa:qa + qn].copy_(m[0])
-        del o, m
+        with _kernel(flash):
+            o, m = fwd(_bhsd(src[qa:qa + qn]), _bhsd(k[ka:ka + kn]), _bhsd(v[ka:ka + kn]), 0.0,
+                       kind == "causal", scale=scale)
+            out[qa:qa + qn].copy_(o[0].transpose(0, 1))
+            lse[:, qa:qa + qn].copy_(m[0])
+            del o, m
     return out, lse
 
 
-def _merge(q, outs, lses, kinds, seqs):
+def _merge(q, outs, lses, kinds, seqs, flash: bool = False):
     """The merged output (q's dtype, [t, h, d]) and log-sum-exp (fp32, [h, t]) of the steps,
-    corrected block by block (fp32 scratch of BLOCK_ROWS rows)."""
+    corrected block by block (fp32 scratch of BLOCK_ROWS rows; `flash`: TE's correction
+    kernels, `thd_out_correction`, whose scratch is uncounted)."""
     t, h = q.shape[0], q.shape[1]
     out = torch.zeros_like(q)
     lse = torch.empty((h, t), dtype=_lse_dtype(q))
@@ -148,17 +178,18 @@ def _merge(q, outs, lses, kinds, seqs):
                     else:
                         at = base + lo
                     parts.append((o[at:at + n], m[:, at:at + n]))
-                total = parts[0][1]
-                for _, m in parts[1:]:
-                    total = torch.logaddexp(total, m)
-                acc = None
-                for o, m in parts:
-                    w = torch.exp(m - total).transpose(0, 1).unsqueeze(-1)  # [n, h, 1]
-                    term = o.to(w.dtype) * w
-                    acc = term if acc is None else acc + term
-                out[base + lo:base + lo + n].copy_(acc)
-                lse[:, base + lo:base + lo + n].copy_(total)
-                del parts, total, acc
+                with _kernel(flash):
+                    total = parts[0][1]
+                    for _, m in parts[1:]:
+                        total = torch.logaddexp(total, m)
+                    acc = None
+                    for o, m in parts:
+                        w = torch.exp(m - total).transpose(0, 1).unsqueeze(-1)  # [n, h, 1]
+                        term = o.to(w.dtype) * w
+                        acc = term if acc is None else acc + term
+                    out[base + lo:base + lo + n].copy_(acc)
+                    lse[:, base + lo:base + lo + n].copy_(total)
+                    del parts, total, acc
     return out, lse
 
 
@@ -176,7 +207,7 @@ def _step_kind(step: int, cp_rank: int) -> str:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seqs, group, ranks, scale):
+    def forward(ctx, q, k, v, seqs, group, ranks, scale, flash):
         cp = len(ranks)
         r = dist.get_rank(group)
         nxt, prv = ranks[(r + 1) % cp], ranks[(r - 1) % cp]
@@ -194,14 +225,14 @@ class _Ring(torch.autograd.Function):
             kv = bufs[i]
             kind = _step_kind(i, r)
             o, m = _step_forward(kind, q, kv[:n_k].view(k.shape), kv[n_k:].view(v.shape), seqs,
-                                 scale)
+                                 scale, flash)
             outs.append(o)
             lses.append(m)
             kinds.append(kind)
-        out, lse = _merge(q, outs, lses, kinds, seqs)
+        out, lse = _merge(q, outs, lses, kinds, seqs, flash)
         del outs, lses
         ctx.save_for_backward(q, bufs[-1], out, lse)
-        ctx.seqs, ctx.group, ctx.ranks, ctx.scale = seqs, group, ranks, scale
+        ctx.seqs, ctx.group, ctx.ranks, ctx.scale, ctx.flash = seqs, group, ranks, scale, flash
         ctx.k_shape, ctx.v_shape = k.shape, v.shape
         return out
 
@@ -248,14 +279,18 @@ class _Ring(torch.autograd.Function):
                 qseq, kseq = full, full
             dq_ = torch.empty_like(q_)
             dk_, dv_ = torch.empty_like(k), torch.empty_like(v)
+            # flash-attn's varlen backward over every local sequence at once: its workspace
+            work = flash_workspace(q_.shape[0], k.shape[0], len(seqs), q_, k) if ctx.flash else []
             for (qa, qn), (ka, kn) in zip(qseq, kseq, strict=True):
-                g = bwd(_bhsd(dout_[qa:qa + qn]), _bhsd(q_[qa:qa + qn]), _bhsd(k[ka:ka + kn]),
-                        _bhsd(v[ka:ka + kn]), _bhsd(out_[qa:qa + qn]),
-                        lse_[:, qa:qa + qn].unsqueeze(0), 0.0, kind == "causal", scale=scale)
-                dq_[qa:qa + qn].copy_(g[0][0].transpose(0, 1))
-                dk_[ka:ka + kn].copy_(g[1][0].transpose(0, 1))
-                dv_[ka:ka + kn].copy_(g[2][0].transpose(0, 1))
-                del g
+                with _kernel(ctx.flash):
+                    g = bwd(_bhsd(dout_[qa:qa + qn]), _bhsd(q_[qa:qa + qn]), _bhsd(k[ka:ka + kn]),
+                            _bhsd(v[ka:ka + kn]), _bhsd(out_[qa:qa + qn]),
+                            lse_[:, qa:qa + qn].unsqueeze(0), 0.0, kind == "causal", scale=scale)
+                    dq_[qa:qa + qn].copy_(g[0][0].transpose(0, 1))
+                    dk_[ka:ka + kn].copy_(g[1][0].transpose(0, 1))
+                    dv_[ka:ka + kn].copy_(g[2][0].transpose(0, 1))
+                    del g
+            del work
             if kind == "q_half":
                 for (a, c), (ha, _) in zip(seqs, half, strict=True):
                     dq[a + c:a + 2 * c].add_(dq_[ha:ha + c])
@@ -279,13 +314,15 @@ class _Ring(torch.autograd.Function):
                 dv.add_(dv_)
             del dk_, dv_, k, v
         dkv = bufs[cp % 2][1]
-        return dq, dkv[:n_k].view(ctx.k_shape), dkv[n_k:].view(ctx.v_shape), None, None, None, None
+        return (dq, dkv[:n_k].view(ctx.k_shape), dkv[n_k:].view(ctx.v_shape), None, None, None,
+                None, None)
 
 
-def ring_attention(q, k, v, bounds, group, ranks, scale=None):
+def ring_attention(q, k, v, bounds, group, ranks, scale=None, flash: bool = False):
     """Causal attention of THD q [t, h, d], k, v [t, g, d] (this CP rank's rows of sequences
     whose global padded cu_seqlens are `bounds`) over the CP group `group` (global `ranks`,
-    in group order). Returns [t, h, d]."""
+    in group order); `flash`: each step's kernel allocates as flash-attn varlen's on a GPU.
+    Returns [t, h, d]."""
     cp = len(ranks)
     seqs, at = [], 0
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=False):
@@ -295,7 +332,7 @@ def ring_attention(q, k, v, bounds, group, ranks, scale=None):
     if at != q.shape[0]:
         raise bad(ConfigError, "cu_seqlens", list(bounds),
                   f"hold {at * cp} rows over CP={cp}, but this rank has {q.shape[0]}")
-    return _Ring.apply(q, k, v, tuple(seqs), group, tuple(ranks), scale)
+    return _Ring.apply(q, k, v, tuple(seqs), group, tuple(ranks), scale, bool(flash))
 
 
 def ring_attention_class():
@@ -307,7 +344,10 @@ def ring_attention_class():
     from .thd import bounds_of
 
     class RingAttention(MegatronModule):
-        """Causal core attention over the context-parallel ring (THD input only)."""
+        """Causal core attention over the context-parallel ring (THD input only); `flash`
+        (set by `gpu_kernels.te_gpu_kernels`): its steps' kernels are flash-attn's."""
+
+        flash = False
 
         def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None,
                      attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -326,7 +366,7 @@ def ring_attention_class():
             out = ring_attention(query, key, value, bounds_of(cu),
                                  parallel_state.get_context_parallel_group(),
                                  parallel_state.get_context_parallel_global_ranks(),
-                                 self.softmax_scale)
+                                 self.softmax_scale, flash=self.flash)
             return out.reshape(out.shape[0], -1)
 
     return RingAttention

@@ -175,7 +175,7 @@ def test_cp2_loss_equals_one_rank_and_rows_halve():
     assert cp2.peak_bytes < one.peak_bytes
 
 
-def _ring_worker(rank, cp, init, lens, out):  # pragma: no cover - runs in a spawned process
+def _ring_worker(rank, cp, init, lens, out, flash=False):  # pragma: no cover - spawned process
     import torch
     import torch.distributed as dist
 
@@ -199,7 +199,7 @@ def _ring_worker(rank, cp, init, lens, out):  # pragma: no cover - runs in a spa
     split = cp_split(lens, cp, rank)
     idx = torch.tensor(split.global_index)
     local = [x[idx].clone().requires_grad_() for x in (q, k, v)]
-    got = ring_attention(*local, split.bounds, dist.group.WORLD, list(range(cp)))
+    got = ring_attention(*local, split.bounds, dist.group.WORLD, list(range(cp)), flash=flash)
     (got * go[idx]).sum().backward()
     errs = [(got - ref[idx]).abs().max().item()]
     errs += [(mine.grad - theirs.grad[idx]).abs().max().item()
@@ -211,16 +211,33 @@ def _ring_worker(rank, cp, init, lens, out):  # pragma: no cover - runs in a spa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp):
+@pytest.mark.parametrize(("cp", "flash"), [(2, False), (4, False), (2, True)])
+def test_ring_attention_equals_causal_attention_over_the_whole_sequence(cp, flash):
+    """The CPU ring, and with `flash` (te-gpu: flash-attn's allocations, values uncounted),
+    gives causal attention's output and gradients."""
     import torch.multiprocessing as mp
 
     lens = [8 * cp * 3, 2 * cp, 2 * cp * 5]  # chunks of 12, 1 and 5 rows (cp 2)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_ring_worker, args=(cp, os.path.join(tmp, "init"), lens, tmp),
+        mp.start_processes(_ring_worker, args=(cp, os.path.join(tmp, "init"), lens, tmp, flash),
                            nprocs=cp, start_method="spawn")
         errs = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(cp)]
     assert max(max(e) for e in errs) < 1e-12, errs
+
+
+def test_the_te_gpu_rings_backward_step_allocates_mha_varlen_bwds_workspace():
+    """`flash_workspace` (the te-gpu ring's backward step): softmax_d fp32 [h, rows + 128 b],
+    dq_accum fp32 [rows + 128 b, h, round32(d)], under GQA dk/dv expanded to every head."""
+    import torch
+
+    from waveplan.pricing.measure.ring_attention import flash_workspace
+
+    q = torch.empty(10, 8, 80, dtype=torch.bfloat16)
+    gqa = flash_workspace(10, 6, 3, q, torch.empty(6, 2, 80, dtype=torch.bfloat16))
+    assert [tuple(x.shape) for x in gqa] == [(8, 10 + 384), (10 + 384, 8, 96), (6, 8, 80), (6, 8, 80)]
+    assert [x.dtype for x in gqa] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    mha = flash_workspace(5, 10, 1, q[:5], torch.empty(10, 8, 80, dtype=torch.bfloat16))
+    assert [tuple(x.shape) for x in mha] == [(8, 5 + 128), (5 + 128, 8, 96)]
 
 
 def _gloo_group():
