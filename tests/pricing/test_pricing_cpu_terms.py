@@ -10,8 +10,9 @@ from waveplan.pricing import layout_terms, terms
 from waveplan.pricing.coefficients import OPTIONAL_TERMS, load_table
 from waveplan.pricing.entries import ENTRIES
 from waveplan.pricing.geometry import MixerKind
+from waveplan.pricing.lora import LoraConfig
 from waveplan.pricing.model import PricingModel, has_qk_norm, layer_widths
-from waveplan.pricing.parallel import Recompute
+from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.pipeline import rope_cache_per_row
 from waveplan.pricing.presets import load_preset
 
@@ -22,9 +23,10 @@ def test_te_gpu_carries_none_of_the_optional_terms():
     # (docs/memory-model.md#gpu-kernel-allocation-models)
     assert set(OPTIONAL_TERMS) & set(table.terms) == {
         "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer",
-        "fused_mla_layer", "kernel_models"}
+        "fused_mla_layer", "fused_gdn_layer", "kernel_models"}
     cpu = load_table("torch-cpu")
-    fused = {"kernel_models", "fused_retained_layer", "fused_mla_layer"}   # the fused kernels' entries only
+    # the fused kernels' entries only
+    fused = {"kernel_models", "fused_retained_layer", "fused_mla_layer", "fused_gdn_layer"}
     fsdp = {e.name for e in ENTRIES if e.anchor == "fsdp-calibration"}   # fitted by users, per GPU
     plain = set(OPTIONAL_TERMS) - fused - fsdp
     assert plain <= set(cpu.terms) and not fused & set(cpu.terms)
@@ -119,9 +121,12 @@ def test_te_gpu_prices_retained_layers_as_before():
     forward, the head terms alone."""
     geometry = load_preset("qwen3.8-27b")
     t = load_table("te-gpu")
+    # the retained GDN hybrid's kernel-model entry (docs/memory-model.md#te-gpu-gdn) left out
+    fitted = dataclasses.replace(t, terms={k: v for k, v in t.terms.items() if k != "fused_gdn_layer"})
     widths = layer_widths(geometry, tp=1)
     for mode in ("selective", "none"):
-        a = PricingModel.build(geometry, recompute=Recompute(mode=mode)).charges.walk
+        a = PricingModel(geometry=geometry, parallel=ParallelLayout(), recompute=Recompute(mode=mode),
+                         lora=LoraConfig(), table=fitted).charges.walk
         for i, layer in enumerate(geometry.layers):
             stage = (terms.mixer_stage_per_row(t, widths, layer.mixer)
                      + terms.mlp_stage_per_row(t, widths, layer.mlp, ep_skew=1.0)
