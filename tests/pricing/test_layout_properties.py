@@ -47,9 +47,15 @@ def test_more_tp_with_sp_never_prices_higher(name, recompute, wave):
        tp=st.sampled_from((1, 2, 4)))
 def test_more_cp_never_prices_higher(name, recompute, wave, tp):
     rows, extra, segments = wave
-    prices = [_raw(name, ParallelLayout(tp=tp, sequence_parallel=tp > 1, cp=cp), recompute,
-                   rows, rows + extra, segments) for cp in (1, 2, 4)]
-    assert all(b <= a for a, b in zip(prices[:-1], prices[1:], strict=True)), prices
+    layouts = [ParallelLayout(tp=tp, sequence_parallel=tp > 1, cp=cp) for cp in (1, 2, 4)]
+    prices = [_raw(name, p, recompute, rows, rows + extra, segments) for p in layouts]
+    # retained MoE under TP with SP is on the te-gpu kernel models at CP1 only (CP keeps the
+    # fitted terms, which price above them: docs/memory-model.md#te-gpu-moe-retained), so a pair
+    # is compared where both layouts take the same path
+    paths = [PricingModel.build(load_preset(name), parallel=p, recompute=Recompute(mode=recompute))
+             .layer_context().fused_moe_retained for p in layouts]
+    assert all(b <= a for a, b, pa, pb in zip(prices[:-1], prices[1:], paths[:-1], paths[1:], strict=True)
+               if pa == pb), prices
 
 
 @settings(max_examples=60, deadline=None)
