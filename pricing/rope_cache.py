@@ -16,9 +16,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from .pipeline import ROPE_CACHE_ENTRIES
 from .price import Breakdown, GroupLoad
 
-CACHE_ENTRIES = 32   # Megatron's lru_cache(maxsize=32) on RotaryEmbedding.forward
+CACHE_ENTRIES = ROPE_CACHE_ENTRIES   # Megatron's lru_cache(maxsize=32) on RotaryEmbedding.forward
 TERM = "rope_cache_earlier_waves"   # the breakdown's term for them
 
 
