@@ -181,11 +181,12 @@ def class_of(cell: dict) -> str:
 
 
 def current_estimate(cell: dict, *, table: str = "torch-cpu", head: str = "full-native",
-                     geometry=None) -> dict:
+                     geometry=None, moe_load: float | None = None) -> dict:
     """Today's raw estimate of a cell's busiest rank: `WavePricer` prices the cell's
     sequences as one first gradient wave (the `table`, default torch-cpu; `head`, default
     full-native; 2-byte adapter gradients, safety 1.0, no first-execution allowance) of
-    `geometry` (default the cell's inline one). Returns raw bytes, basis and reasons."""
+    `geometry` (default the cell's inline one), under EP at the default worst-case routing load
+    or the `moe_load` given. Returns raw bytes, basis and reasons."""
     import dataclasses
 
     import numpy as np
@@ -204,7 +205,7 @@ def current_estimate(cell: dict, *, table: str = "torch-cpu", head: str = "full-
     layout = ParallelLayout(**lay)
     model = PricingModel(geometry=g, parallel=layout, recompute=Recompute(mode=cell["recompute"]),
                          lora=LoraConfig(slots=(LoraSlot(rank=cell["lora_rank"]),), grad_bytes=2),
-                         table=load_table(table), head=head, safety=1.0)
+                         table=load_table(table), head=head, safety=1.0, moe_load=moe_load)
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n))
                                for i, n in enumerate(cell["seq_lens"])])
     pricer = WavePricer.build(step, model, profiled=True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -363,8 +364,14 @@ def estimates(cell: dict) -> dict:
 
 def _summary(v: list[float]) -> str:
     v = sorted(v)
-    return (f"{len(v):>3} {sum(1 for x in v if x < 1):>5}  {v[0]:.3f}  {v[len(v) // 2]:.3f}  "
+    return (f"{len(v):>3} {sum(1 for x in v if x < 1):>5}  {v[0]:.3f}  {statistics.median(v):.3f}  "
             f"{v[-1]:.3f}")
+
+
+# EP cells priced at the routing the trace ran (balanced: moe_load 1) as well as at the default
+# worst-case load: the first checks the layer terms, the second is the load bound
+# (docs/memory-model.md#expert-parallel)
+AT_TRACED_LOAD = " at the trace's load"
 
 
 def report_lines(records: list[dict]) -> list[str]:
@@ -382,16 +389,23 @@ def report_lines(records: list[dict]) -> list[str]:
         ratios = {t: e["raw_bytes"] / tr["peak_bytes"] for t, e in est.items()}
         for t, r in ratios.items():
             by_class.setdefault(class_of(cell), {}).setdefault(t, []).append(r)
+        if lay.get("ep", 1) > 1:
+            for t in est:
+                at_load = current_estimate(cell, table=t, head=cell["head"],
+                                           geometry=geometry_of(cell["model"]), moe_load=1.0)
+                by_class.setdefault(class_of(cell) + AT_TRACED_LOAD, {}).setdefault(t, []).append(
+                    at_load["raw_bytes"] / tr["peak_bytes"])
         name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "") + (
             f"+CP{lay['cp']}" if lay["cp"] > 1 else "") + (f"+EP{lay['ep']}" if lay.get("ep", 1) > 1 else "")
         lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "
                      f"{tr['peak_bytes'] / 2**20:>10.1f} {ratios['te-gpu']:>7.3f} "
                      f"{ratios['torch-cpu']:>7.3f}  {est['te-gpu']['basis']}")
+    width = max(len(name) for name in by_class)
     lines += ["", "per class, estimate / traced: cells, under, min, median, max",
-              f"  {'class':<36} {'te-gpu table':<36} torch-cpu table"]
+              f"  {'class':<{width}} {'te-gpu table':<36} torch-cpu table"]
     for name in sorted(by_class):
         c = by_class[name]
-        lines.append(f"  {name:<36} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
+        lines.append(f"  {name:<{width}} {_summary(c['te-gpu']):<36} {_summary(c['torch-cpu'])}")
     return lines
 
 
