@@ -108,6 +108,12 @@ GDN_HELDOUT2 = {"name": "grid-gdn-h1280", "hidden": 1280, "ffn": 4352, "vocab": 
                         "conv_kernel": 4},
                 "moe": None}
 SHAPES[GDN_HELDOUT2["name"]] = GDN_HELDOUT2
+# and one with as many key as value heads (FLA's rule takes the L2 norm's outputs: no repeated q and k
+# copies), multi-head gated attention with 7 heads of 128, FFN 3 H; defined after the terms were final
+GDN_HELDOUT3 = dict(GDN_HELDOUT2, name="grid-gdn-h896", hidden=896, ffn=2688, vocab=1024,
+                    attention=dict(GDN_HELDOUT2["attention"], num_heads=7, num_kv_groups=7),
+                    gdn=dict(GDN_HELDOUT2["gdn"], num_key_heads=8, num_value_heads=8))
+SHAPES[GDN_HELDOUT3["name"]] = GDN_HELDOUT3
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -202,6 +208,8 @@ def planned_heldout() -> list[dict]:
     # its own at TP1 (its layers bind)
     for rc in ("none", "selective"):
         cells.append(_cell(GDN_HELDOUT2["name"], {}, rc, wave=HELDOUT_WAVE))
+    for rc in ("none", "selective"):
+        cells.append(_cell(GDN_HELDOUT3["name"], {}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
