@@ -97,6 +97,24 @@ MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096
             "gdn": None, "moe": None}
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
                                  MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT)}
+# a GDN hybrid of its own, held out for the retained GDN kernel-model terms (fused_gdn_layer) after
+# grid-gdn-h768 became a tuning shape (its walk points were read while they were tightened): hidden
+# 1280; GDN with 8 key and 16 value heads of 128 (1:2; key width 0.8 H, value width 1.6 H); gated
+# attention with 10 heads of 128 in 2 KV groups (GQA 5); FFN 4352 (3.4 H); a small vocabulary (its
+# layers bind); traced at TP1 none and selective after the terms were final
+GDN_HELDOUT2 = {"name": "grid-gdn-h1280", "hidden": 1280, "ffn": 4352, "vocab": 1536, "dtype": "bf16",
+                "gated_mlp": True, "tied_embeddings": False, "layers": [["gdn", "dense"], ["attention", "dense"]],
+                "attention": {"num_heads": 10, "num_kv_groups": 2, "head_dim": 128, "output_gate": True},
+                "gdn": {"num_key_heads": 8, "num_value_heads": 16, "key_head_dim": 128, "value_head_dim": 128,
+                        "conv_kernel": 4},
+                "moe": None}
+SHAPES[GDN_HELDOUT2["name"]] = GDN_HELDOUT2
+# and one with as many key as value heads (FLA's rule takes the L2 norm's outputs: no repeated q and k
+# copies), multi-head gated attention with 7 heads of 128, FFN 3 H; defined after the terms were final
+GDN_HELDOUT3 = dict(GDN_HELDOUT2, name="grid-gdn-h896", hidden=896, ffn=2688, vocab=1024,
+                    attention=dict(GDN_HELDOUT2["attention"], num_heads=7, num_kv_groups=7),
+                    gdn=dict(GDN_HELDOUT2["gdn"], num_key_heads=8, num_value_heads=8))
+SHAPES[GDN_HELDOUT3["name"]] = GDN_HELDOUT3
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -169,8 +187,9 @@ def planned_heldout() -> list[dict]:
     # GDN hybrids: traced after the retained GDN and gated attention layers took the kernel-model
     # terms (fused_gdn_layer, TP1 CP1): bench/gdn_grid.py's held-out shape (hidden 768, 4 key and 8
     # value heads, multi-head gated attention), never traced with the te-gpu kernels before
-    for rc in ("none", "selective", "full"):
-        cells.append(_cell(GDN_HELDOUT["name"], {}, rc, wave=HELDOUT_WAVE))
+    # (its TP1 none and selective cells are tuning cells since the terms were tightened on their
+    # walk points: `planned`)
+    cells.append(_cell(GDN_HELDOUT["name"], {}, "full", wave=HELDOUT_WAVE))
     cells.append(_cell(GDN_HELDOUT["name"], {"tp": 2, "sequence_parallel": True}, "full", wave=HELDOUT_WAVE))
     # traced after retained plain-attention MoE layers under TP with SP took the kernel-model terms
     # written from grid-moe-h768's anatomy at TP2+SP (fused_retained_layer moe_gathered,
@@ -185,6 +204,13 @@ def planned_heldout() -> list[dict]:
     # of its own
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE_CP_HELDOUT["name"], {"cp": 2}, rc, wave=HELDOUT_WAVE))
+    # traced after the retained GDN hybrid's terms were tightened on grid-gdn-h1024's window anatomy
+    # (fused_gdn_layer attention_forward, mlp_output_freed, mlp_freed, gate_per_row): a GDN shape of
+    # its own at TP1 (its layers bind)
+    for rc in ("none", "selective"):
+        cells.append(_cell(GDN_HELDOUT2["name"], {}, rc, wave=HELDOUT_WAVE))
+    for rc in ("none", "selective"):
+        cells.append(_cell(GDN_HELDOUT3["name"], {}, rc, wave=HELDOUT_WAVE))
     return cells
 
 
@@ -222,6 +248,10 @@ def planned() -> list[dict]:
     # retained MoE under EP whose layers bind (grid-moe-h512's EP2 cells bind at the head): the
     # anatomy the EP kernel-model terms were written from (fused_moe_retained at TP1 with EP)
     cells.append(_cell(MOE_WIDE["name"], {"ep": 2}, "none"))
+    # grid-gdn-h768 retained at TP1 (held out until its walk points were read while the retained
+    # GDN terms were tightened; traced at the held-out wave)
+    for rc in ("none", "selective"):
+        cells.append(_cell(GDN_HELDOUT["name"], {}, rc, wave=HELDOUT_WAVE))
     return cells
 
 

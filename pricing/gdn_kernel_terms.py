@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .coefficients import CoefficientTable
 from .geometry import GdnSpec
+from .layout_terms import FUSED_RETAINED
 
 ENTRY = "fused_gdn_layer"
 
@@ -30,14 +31,29 @@ def gdn_widths(widths: dict, gdn: GdnSpec, *, tp: int) -> dict:
                 state=hv * dk * dv, value_heads=hv, key_heads=hk)
 
 
+def mlp_backward_per_row(table: CoefficientTable, widths: dict) -> float:
+    """The fused dense MLP's backward transient in a retained GDN hybrid layer, beside what the
+    layer keeps less the SwiGLU output FC2's backward has freed.
+
+    Formula: max(`fused_retained_layer` `backward_per_row` + `backward_replicated` - entry
+    `mlp_output_freed` (2F), `fc2_backward`). See docs/memory-model.md#te-gpu-gdn. O(1).
+    """
+    mlp = (table.per_row(FUSED_RETAINED, widths, key="backward_per_row")
+           + table.per_row(FUSED_RETAINED, widths, key="backward_replicated")
+           - table.per_row(ENTRY, widths, key="mlp_output_freed"))
+    return max(mlp, table.per_row(FUSED_RETAINED, widths, key="fc2_backward"))
+
+
 def fused_gdn_layer_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec, *,
                             part: str = "kept") -> float:
     """A GDN layer with a dense MLP retained on the fused kernels at TP1, per row: what it keeps
     (`part` "kept"), its backward transient beside everything kept ("backward") or its own forward
     peak over the layers below it ("forward", its kept tensors included).
 
-    Formula: entry `fused_gdn_layer` `kept`, or `backward`, or `forward` + `kept` over
-    `gdn_widths`. 0 without the entry. See docs/memory-model.md#te-gpu-gdn. O(1).
+    Formula: entry `fused_gdn_layer` `kept`; "backward": max(`backward` - `mlp_freed` (FLA's
+    backward runs after the MLP's has freed its saved tensors), `mlp_backward_per_row`);
+    "forward": `forward` + `kept`; over `gdn_widths`. 0 without the entry. See
+    docs/memory-model.md#te-gpu-gdn. O(1).
     """
     if not table.kernels.fused_gdn:
         return 0.0
@@ -46,18 +62,29 @@ def fused_gdn_layer_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec,
     if part == "kept":
         return kept
     if part == "backward":
-        return table.per_row(ENTRY, w, key="backward")
+        return max(table.per_row(ENTRY, w, key="backward") - table.per_row(ENTRY, w, key="mlp_freed"),
+                   mlp_backward_per_row(table, w))
     return kept + table.per_row(ENTRY, w, key="forward")
 
 
 def fused_gated_attention_per_row(table: CoefficientTable, widths: dict, *, part: str = "kept") -> float:
     """What a GDN hybrid's (gated) attention layer with a dense MLP holds on the fused kernels at
     TP1 beyond a plain dense layer's fused terms (`layout_terms.fused_retained_layer_per_row`):
-    kept (`part` "kept") or at its backward ("backward").
+    kept (`part` "kept"), beside its FC1 forward point ("forward"), or its whole backward
+    transient ("backward").
 
-    Formula: entry `fused_gdn_layer` `gate_per_row` (kept) or `gate_backward` over the layer
-    widths. 0 without the entry. See docs/memory-model.md#te-gpu-gdn. O(1).
+    Formula: entry `fused_gdn_layer` `gate_per_row` (kept); `attention_forward` (forward);
+    "backward": max(`mlp_backward_per_row`, `fused_retained_layer` `attention_backward` and
+    `gate_backward` each less `mlp_freed`: the MLP's backward runs first). 0 without the entry.
+    See docs/memory-model.md#te-gpu-gdn. O(1).
     """
     if not table.kernels.fused_gdn:
         return 0.0
-    return table.per_row(ENTRY, widths, key="gate_per_row" if part == "kept" else "gate_backward")
+    if part == "kept":
+        return table.per_row(ENTRY, widths, key="gate_per_row")
+    if part == "forward":
+        return table.per_row(ENTRY, widths, key="attention_forward")
+    freed = table.per_row(ENTRY, widths, key="mlp_freed")
+    return max(mlp_backward_per_row(table, widths),
+               table.per_row(FUSED_RETAINED, widths, key="attention_backward") - freed,
+               table.per_row(ENTRY, widths, key="gate_backward") - freed)

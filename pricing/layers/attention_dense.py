@@ -37,11 +37,9 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
         ring = (ring_points(ctx, widths) if ctx.fused_point else 0.0)
         return max(point, ring) + ctx.qk_structural_per_row - ctx.cp_release_per_row, False
     if ctx.fused_gdn_retained:
-        # a GDN hybrid's attention layer retained on the fused kernels: the dense layer's
-        # backward transient, or its output gate's where larger (gdn_kernel_terms)
-        back = layout_terms.fused_retained_layer_per_row(t, widths, tp=1, sequence_parallel=False,
-                                                         backward=True)
-        return max(back, gdn_kernel_terms.fused_gated_attention_per_row(t, widths, part="backward")), False
+        # a GDN hybrid's attention layer retained on the fused kernels: its MLP's backward
+        # transient, or its attention's or output gate's where larger (gdn_kernel_terms)
+        return gdn_kernel_terms.fused_gated_attention_per_row(t, widths, part="backward"), False
     if ctx.fused_retained:
         # a retained layer's backward transient on the fused kernels (under CP at least the ring's,
         # after the MLP's backward has freed its saved tensors)
@@ -106,7 +104,10 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
                                                                 cp=ctx.rows_cp, backward=False))
         qk = ctx.qk_structural_per_row
         if ctx.fused_gdn_retained:
+            # the output gate's tensors, and the layer's input beside its FC1 forward point
             qk += gdn_kernel_terms.fused_gated_attention_per_row(ctx.table, ctx.widths_r)
+            forward += gdn_kernel_terms.fused_gated_attention_per_row(ctx.table, ctx.widths_r,
+                                                                      part="forward")
         return kept + qk + extra, max(kept, forward) + qk + extra
     if ctx.tp1_structural and not ctx.full:
         # the TP1 structural layer in place of the fitted one (layout_terms.structural_at_tp1)

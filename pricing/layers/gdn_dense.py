@@ -6,7 +6,7 @@ fitted layer) (docs/memory-model.md#gdn-full-point, #gdn-sp-retained, #te-gpu-gd
 
 from __future__ import annotations
 
-from .. import gdn_kernel_terms, gdn_terms, layout_terms, terms
+from .. import gdn_kernel_terms, gdn_terms, terms
 from ..geometry import LayerSpec, MixerKind
 from ..pipeline import rope_cache_per_row
 from .common import fitted_retained, mlp_stage, norms
@@ -23,13 +23,10 @@ def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:
     """The layer's stage workspace per row, and whether it is a structural point (no layout
     residual beside it)."""
     if ctx.fused_gdn_retained:
-        # retained on the fused kernels: its backward transient (gdn_kernel_terms)
-        # (at least the fused dense layer's MLP backward, `layout_terms.fused_retained_layer_per_row`)
-        mixer = gdn_kernel_terms.fused_gdn_layer_per_row(ctx.table, ctx.widths_r, ctx.geometry.gdn,
-                                                         part="backward")
-        mlp = layout_terms.fused_retained_layer_per_row(ctx.table, ctx.widths_r, tp=1,
-                                                        sequence_parallel=False, backward=True)
-        return max(mixer, mlp), False
+        # retained on the fused kernels: its backward transient, FLA's or its fused MLP's
+        # (gdn_kernel_terms)
+        return gdn_kernel_terms.fused_gdn_layer_per_row(ctx.table, ctx.widths_r, ctx.geometry.gdn,
+                                                        part="backward"), False
     if ctx.gdn_backward_point:
         g = ctx.geometry
         return gdn_terms.full_gdn_dense_point_per_row(
