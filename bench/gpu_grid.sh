@@ -56,5 +56,52 @@ for model in qwen3-8b llama-3.1-8b; do
       >> "$OUT/gpu_megatron_traces.jsonl"
   done
 done
+
+# The default te-gpu table's classes on the device (issue 33): dense retained and full, retained MoE,
+# MLA, a GDN hybrid, and the seed's MoE full-recompute cell (qwen3-30b-a3b, 8 layers, 16,384 tokens
+# in 32 sequences: the wave whose 8.8 KB/token no kernel model explains, docs/memory-model.md#moe-full-seed-gap).
+# Each cell is priced on te-gpu beside its peak; a cell whose kernels are missing on the device
+# (flash-attn, FLA, Transformer Engine) is reported as failed and the script goes on.
+"$PY" - "$STEPS" <<'PYEOF'
+import json, sys
+with open(f"{sys.argv[1]}/seed.jsonl", "w") as fh:
+    for i in range(32):
+        fh.write(json.dumps({"id": f"s{i}", "completion_tokens": 512}) + "\n")
+PYEOF
+: > "$OUT/gpu_te_gpu_traces.jsonl"
+te_cell() {  # model layers recompute step
+  "$WAVEPLAN" trace "$STEPS/$4.jsonl" --model "$1" --layers "$2" --recompute "$3" --device cuda --json \
+    >> "$OUT/gpu_te_gpu_traces.jsonl" || echo "failed: $*" >&2
+}
+for mode in none selective full; do te_cell qwen3-8b 4 "$mode" short; done
+te_cell qwen3-30b-a3b 8 full seed
+te_cell qwen3-30b-a3b 4 none short
+te_cell deepseek-v2-lite 4 none short
+te_cell qwen3.8-27b 4 none short
+te_cell qwen3.8-27b 4 full short
+"$PY" - "$OUT/gpu_te_gpu_traces.jsonl" <<'PYEOF'
+import dataclasses, json, sys
+import numpy as np
+from waveplan.pricing.geometry import ModelGeometry
+from waveplan.pricing.lora import LoraConfig, LoraSlot
+from waveplan.pricing.model import PricingModel
+from waveplan.pricing.coefficients import load_table
+from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.step import Request, Step
+from waveplan.pricing.wave_pricer import WavePricer
+for line in open(sys.argv[1], encoding="utf-8"):
+    rec = json.loads(line)
+    g = ModelGeometry.from_dict(rec["geometry"])
+    g = dataclasses.replace(g, layers=g.layers[:rec["num_layers"]])
+    model = PricingModel(geometry=g, parallel=ParallelLayout(), recompute=Recompute(mode=rec["recompute"]["mode"]),
+                         lora=LoraConfig(slots=(LoraSlot(rank=rec["lora_rank"] or 16),), grad_bytes=2),
+                         table=load_table("te-gpu"), head=rec["head"], safety=1.0)
+    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(rec["seq_lens"])])
+    price = WavePricer.build(step, model, profiled=True).price([np.arange(len(step.requests))],
+                                                             first_slots=frozenset({"default"}))
+    print(f"te-gpu {rec['model']} {rec['num_layers']} layers {rec['recompute']['mode']} {rec['tokens']} tokens: "
+          f"peak {rec['peak_bytes']:,d} B, priced {price.raw_bytes:,.0f} B, "
+          f"{price.raw_bytes / rec['peak_bytes']:.3f} ({price.basis})", flush=True)
+PYEOF
 rm -rf "$STEPS"
-echo "wrote $OUT/gpu_fsdp_traces.jsonl and $OUT/gpu_megatron_traces.jsonl"
+echo "wrote $OUT/gpu_fsdp_traces.jsonl, $OUT/gpu_megatron_traces.jsonl and $OUT/gpu_te_gpu_traces.jsonl"
