@@ -143,9 +143,10 @@ def sp_head_forward_per_row(table: CoefficientTable, widths: dict, *, tp: int,
                             sequence_parallel: bool, at_tp1: bool = False) -> float:
     """What the full-native head holds at its forward under TP with SP, per gathered row.
 
-    Formula: `per_row` (6 vocab: bf16 logits and the loss's fp32 copy) + `sharded` (8 H: the final
-    norm's fp32 input and bf16 output, the embedding's output) / TP of entry `sp_head_forward`, when
-    `sequence_parallel` and TP > 1 or `at_tp1` and TP = 1; 0 otherwise or without the entry (te-gpu).
+    Formula: `per_row` (6 vocab: bf16 logits and the loss's fp32 copy) + `sharded` / TP of entry
+    `sp_head_forward` (torch-cpu 8 H: the final norm's fp32 input and bf16 output, the embedding's
+    output; te-gpu 4 H: TE's RMSNorm keeps no fp32 copy), when `sequence_parallel` and TP > 1 or
+    `at_tp1` and TP = 1; 0 otherwise or without the entry.
     With SP the head's backward holds less than its forward, so the forward binds; the walk charges the
     larger of this and the head's retained bytes. See docs/memory-model.md#sp-head-forward and
     docs/memory-model.md#tp1-structural. O(1).
@@ -326,7 +327,9 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
     `moe_replicated` at TP1 (8H: the layer's input, residual sum and two norm outputs; the router's
     fp32 tensors and bool map, 14 experts; its int64 top-k and permutation indices, 16 top_k),
     `moe_gathered` (2H: the QKV's gathered input) + `moe_sharded` / TP (the same less that input:
-    6H + 14 experts + 16 top_k) with SP; + `routed` x `moe_per_routed_row` (the grouped FC1's saved input 2H, the FC1 output the
+    6H + 14 experts + 16 top_k) with SP; + `moe_gpu_router` on the rank's own rows (12 experts:
+    TE's fused-permute row_id_map and the aux loss's fp32 scores, which a GPU run may keep and the
+    CPU traces do not); + `routed` x `moe_per_routed_row` (the grouped FC1's saved input 2H, the FC1 output the
     fused weighted SwiGLU saves 4 expert_ffn, its output FC2 saves 2 expert_ffn). `forward` adds
     `routed` x `moe_forward_per_routed_row` (the grouped FC2's output and the combine's copy, 4H)
     and the dispatcher's permuted copy (`moe_dispatch_per_routed_row`, 2H, on the rank's own
@@ -358,6 +361,8 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
             experts = max(experts, part("moe_sp_backward_per_routed_row"))
         return max(part("moe_backward_per_row") + routed * experts, part("attention_backward"))
     hidden = part("moe_gathered") + part("moe_sharded") / tp if sp else part("moe_replicated")
+    # what a GPU run may keep that the CPU traces do not (fused permute's map, aux-loss scores)
+    hidden += part("moe_gpu_router") / (tp if sp else 1)
     out = part("moe_per_row") + hidden + routed * part("moe_per_routed_row")
     if forward:
         # Megatron's all-to-all dispatcher's permuted copy of the rank's own routed rows, which the

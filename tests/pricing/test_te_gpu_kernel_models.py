@@ -292,8 +292,9 @@ def test_retained_moe_under_tp_with_sp_holds_the_combines_fp32_tensors():
                                                             sequence_parallel=True)
         assert fwd - kept == 4 * w["H"] + 4 * w["H"] + (2 * w["H"] + 4 * w["H"]) / tp
         tp1 = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0)
-        # the layer's input, residual sums and norm outputs: 8H at TP1, 2H gathered + 6H / TP with SP
-        assert tp1 - kept == (6 * w["H"] + 14 * w["experts"] + 16 * w["top_k"]) * (1 - 1 / tp)
+        # the layer's input, residual sums and norm outputs: 8H at TP1, 2H gathered + 6H / TP with SP;
+        # the router's tensors, and what a GPU run's may add (12 experts), on the rank's own rows
+        assert tp1 - kept == (6 * w["H"] + (14 + 12) * w["experts"] + 16 * w["top_k"]) * (1 - 1 / tp)
         back = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, backward=True, tp=tp,
                                                              sequence_parallel=True)
         assert back >= 4 * w["H"] + 6 * w["H"]
@@ -346,3 +347,39 @@ def test_the_seed_gpu_measurements_stay_covered():
     assert b.raw_bytes >= 7.13e9 and b.basis == "evidence"
     from waveplan.pricing.price import rank_rows
     assert rank_rows(model, 25_728) * model.charges.walk.retained.sum() == 4_215_275_520
+
+
+@pytest.mark.parametrize("head_dim,on_kernels", [(48, False), (64, True), (72, False), (80, True),
+                                                 (104, False), (128, True), (200, False), (256, True)])
+def test_flash_fp32_bounds_decide_the_kernel_path(head_dim, on_kernels):
+    """The fused terms bound flash-attn's fp32 dq_accum by 4.8 core and softmax_d by 0.0625 core
+    (4 x rounded(d) / d and 4 / d): a plain-attention head dim outside them (d < 64, or rounded(d)
+    above 1.2 d) keeps the fitted terms, dense and MoE, retained and recomputed."""
+    from waveplan.pricing.layers.context import flash_bounds_hold
+
+    for name in ("qwen3-8b", "qwen3-30b-a3b"):
+        g = load_preset(name)
+        g = dataclasses.replace(g, attention=dataclasses.replace(g.attention, head_dim=head_dim))
+        assert flash_bounds_hold(g) == on_kernels
+        for mode in ("none", "full"):
+            ctx = PricingModel.build(g, recompute=Recompute(mode=mode)).layer_context()
+            assert ctx.kernel_retained == (on_kernels and mode == "none"), (name, mode)
+            if name == "qwen3-8b" and mode == "full":
+                assert ctx.fused_point == on_kernels
+
+
+def test_retained_moe_charges_what_a_gpu_runs_router_may_keep():
+    """TE's fused-permute row_id_map (int32 [rows, 2E + 1]) and the aux loss's fp32 scores [rows, E]
+    are kept per MoE layer when the run turns them on; the CPU traces turn neither on, so the kept
+    term charges them whatever the settings (12 experts per row of the rank's own rows)."""
+    te = load_table("te-gpu")
+    w = PricingModel.build(load_preset("qwen3-30b-a3b"), recompute=Recompute(mode="none")).layer_context().widths
+    without = dataclasses.replace(te, terms={
+        k: ({kk: vv for kk, vv in v.items() if kk != "moe_gpu_router"} if k == "fused_retained_layer" else v)
+        for k, v in te.terms.items()})
+    for tp, sp in ((1, False), (2, True)):
+        kept = layout_terms.fused_retained_moe_layer_per_row(te, w, routed=1.0, tp=tp, sequence_parallel=sp)
+        less = layout_terms.fused_retained_moe_layer_per_row(without, w, routed=1.0, tp=tp, sequence_parallel=sp)
+        row_id_map, aux_scores = 4 * (2 * w["experts"] + 1), 4 * w["experts"]
+        # the map's 4 constant bytes are covered by the unfused indices still charged beside it
+        assert kept - less == 12 * w["experts"] / tp >= (row_id_map + aux_scores - 8 * w["top_k"]) / tp
