@@ -140,7 +140,7 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
         # (the fused kernels' point at any TP: the entry's rows once per wave)
-        rope += entry if ctx.fused_point or ctx.kernel_retained or ctx.mla_on_kernels else \
+        rope += entry if ctx.on_kernel_models else \
             layout_terms.sp_rope_entry_per_row(ctx.table, rope_per_row=entry, tp=ctx.tp,
                                                sequence_parallel=ctx.sp_div > 1,
                                                at_tp1=ctx.tp1_structural)

@@ -320,7 +320,7 @@ class PricingModel:
         # hidden-wide part is whole and the vocabulary the rank's share)
         head_fwd = (layout_terms.sp_head_forward_per_row(
             t, widths, tp=sp_div, sequence_parallel=sp_div > 1,
-            at_tp1=ctx.tp1_structural or ctx.fused_point or ctx.kernel_retained or ctx.mla_on_kernels)
+            at_tp1=ctx.tp1_structural or ctx.on_kernel_models)
                     if kind == "full-native" else 0.0)
         if head_fwd and full:
             head_fwd += decoder.rope

@@ -141,6 +141,14 @@ class LayerContext:
         return self.fused_mla and all(layer.mlp == MlpKind.DENSE for layer in self.geometry.layers)
 
     @property
+    def on_kernel_models(self) -> bool:
+        """Whether the model's layers are priced by what the fused kernels keep and hold (the
+        recomputed point, the retained terms, or MLA's): the head's forward point and the wave's
+        RoPE entry are then charged as beside them, one place for that decision
+        (docs/memory-model.md#gpu-kernel-allocation-models)."""
+        return self.fused_point or self.kernel_retained or self.mla_on_kernels
+
+    @property
     def full(self) -> bool:
         """Whether layers are recomputed (full recompute) rather than retained."""
         return self.mode == RecomputeMode.FULL
