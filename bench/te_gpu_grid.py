@@ -94,8 +94,16 @@ MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096
                           "mla": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                   "v_head_dim": 128, "q_lora_rank": 0}},
             "gdn": None, "moe": None}
+# a GDN hybrid of its own for full recompute, traced after the recomputed GDN layers' kernel-model
+# point (fused_gdn_point) was final (held out): hidden 896, 2 key and 8 value heads of 128 (1:4,
+# against 1:3 and 1:2), gated attention with 4 heads of 128 in 2 KV groups, FFN 2560 (2.86 H),
+# vocabulary 1024 (its layers bind)
+GDN_FULL_HELDOUT = dict(GDN, name="grid-gdn-h896", hidden=896, ffn=2560, vocab=1024,
+                        attention=dict(GDN["attention"], num_heads=4, num_kv_groups=2),
+                        gdn=dict(GDN["gdn"], num_key_heads=2, num_value_heads=8))
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
-                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT)}
+                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT,
+                                 GDN_FULL_HELDOUT)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -184,6 +192,9 @@ def planned_heldout() -> list[dict]:
     # of its own
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE_CP_HELDOUT["name"], {"cp": 2}, rc, wave=HELDOUT_WAVE))
+    # traced after GDN hybrids under full recompute took the kernel-model point (fused_gdn_point,
+    # written from grid-gdn-h1024's anatomy): a GDN shape of its own
+    cells.append(_cell(GDN_FULL_HELDOUT["name"], {}, "full", wave=HELDOUT_WAVE))
     return cells
 
 
