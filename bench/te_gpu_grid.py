@@ -340,11 +340,13 @@ def multi_rank(cell: dict) -> bool:
 
 def class_of(cell: dict) -> str:
     """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model; retained
-    at TP1 CP1 they are priced by the kernel models, elsewhere by the fitted terms)."""
+    at TP1 CP1 they are priced by the kernel models, recomputed at TP1 CP1 by the kernel models'
+    point, elsewhere by the fitted terms)."""
     lay = cell["layout"]
     if has_gdn(cell):
-        kernel = (cell["recompute"] != "full" and lay.get("tp", 1) == 1 and lay.get("cp", 1) == 1
-                  and not has_moe(cell))
+        kernel = lay.get("tp", 1) == 1 and lay.get("cp", 1) == 1 and not has_moe(cell)
+        if kernel and cell["recompute"] == "full":
+            return "GDN hybrids TP1 full (kernel models)"
         return "GDN hybrids " + ("TP1 retained (kernel models)" if kernel else "(fitted)")
     tp = lay.get("tp", 1)
     if lay.get("cp", 1) > 1:
