@@ -65,45 +65,29 @@ def fused_gated_attention_per_row(table: CoefficientTable, widths: dict, *, part
 
 
 POINT_ENTRY = "fused_gdn_point"
-POINT_PARTS = ("point", "backward", "forward")
 
 
-def _point_part(table: CoefficientTable, widths: dict, key: str, *, tp: int, sp: bool) -> float:
-    """One part of `fused_gdn_point` per row: its per-rank tensors (`key`) and its hidden-wide
-    ones by layout (`key_replicated` without SP; `key_gathered` + `key_sharded` / TP with it)."""
-    if sp and tp > 1:
-        hidden = (table.per_row(POINT_ENTRY, widths, key=key + "_gathered")
-                  + table.per_row(POINT_ENTRY, widths, key=key + "_sharded") / tp)
-    else:
-        hidden = table.per_row(POINT_ENTRY, widths, key=key + "_replicated")
-    return table.per_row(POINT_ENTRY, widths, key=key) + hidden
+def fused_gdn_point_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec, *,
+                            part: str = "point") -> float:
+    """A GDN layer with a dense MLP recomputed under full recompute on the fused kernels at TP1,
+    per row: its largest point (`part` "point": the recomputed FC1's forward, FLA's backward or
+    its recomputed forward) or its checkpointed first forward ("nograd").
 
-
-def fused_gdn_point_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec, *, tp: int = 1,
-                            sequence_parallel: bool = False, part: str = "point") -> float:
-    """A GDN layer with a dense MLP recomputed under full recompute on the fused kernels (TP1, or
-    TP with SP), per row on one rank: its largest point (`part` "point": the recomputed FC1's
-    forward, FLA's backward or its recomputed forward) or its checkpointed first forward
-    ("nograd"). `widths` are the rank's (`model.layer_widths` at `tp`).
-
-    Formula: entry `fused_gdn_point` max over `point`, `backward`, `forward` (or `nograd`) of the
-    part's per-rank tensors over `gdn_widths` + its hidden-wide ones by layout (`_replicated`
-    without SP, `_gathered` + `_sharded` / TP with it). 0 without the entry. See
-    docs/memory-model.md#te-gpu-gdn-full. O(1).
+    Formula: entry `fused_gdn_point` max(`point`, `backward`, `forward`), or `nograd`, over
+    `gdn_widths`. 0 without the entry. See docs/memory-model.md#te-gpu-gdn-full. O(1).
     """
     if not table.kernels.fused_gdn_point:
         return 0.0
-    w = gdn_widths(widths, gdn, tp=tp)
-    keys = ("nograd",) if part == "nograd" else POINT_PARTS
-    return max(_point_part(table, w, k, tp=tp, sp=sequence_parallel) for k in keys)
+    w = gdn_widths(widths, gdn, tp=1)
+    keys = ("nograd",) if part == "nograd" else ("point", "backward", "forward")
+    return max(table.per_row(POINT_ENTRY, w, key=k) for k in keys)
 
 
-def fused_gated_attention_point_per_row(table: CoefficientTable, widths: dict, *, tp: int = 1,
-                                        sequence_parallel: bool = False) -> float:
+def fused_gated_attention_point_per_row(table: CoefficientTable, widths: dict) -> float:
     """A GDN hybrid's (gated) attention layer with a dense MLP recomputed under full recompute on
-    the fused kernels (TP1, or TP with SP), per row on one rank: the fused dense layer's point
-    (`layout_terms.tp1_fc1_point_per_row`) with the output gate's kept tensors, or the gate's
-    backward beside the retained layer's tensors, whichever is larger.
+    the fused kernels at TP1, per row: the fused dense layer's point
+    (`layout_terms.tp1_fc1_point_per_row`) or the output gate's backward beside the retained
+    layer's tensors, whichever is larger, with the gate's kept tensors.
 
     Formula: max(tp1_fc1_point, fused_retained_layer + `gate_backward`) + `gate_per_row` (entry
     `fused_gdn_layer`'s gate keys). 0 without `fused_gdn_point`. See
@@ -112,7 +96,6 @@ def fused_gated_attention_point_per_row(table: CoefficientTable, widths: dict, *
     if not table.kernels.fused_gdn_point:
         return 0.0
     gate = table.per_row(ENTRY, widths, key="gate_per_row")
-    point = tp1_fc1_point_per_row(table, widths, rope_per_row=0.0, at_tp1=True, tp=tp,
-                                  sequence_parallel=sequence_parallel)
-    kept = fused_retained_layer_per_row(table, widths, tp=tp, sequence_parallel=sequence_parallel)
+    point = tp1_fc1_point_per_row(table, widths, rope_per_row=0.0, at_tp1=True)
+    kept = fused_retained_layer_per_row(table, widths, tp=1, sequence_parallel=False)
     return max(point, kept + table.per_row(ENTRY, widths, key="gate_backward")) + gate

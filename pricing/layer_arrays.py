@@ -55,8 +55,8 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
                                         local_experts=ctx.local_experts)
     if ctx.fused_gdn_point and layer.mixer == MixerKind.GDN:
         # the checkpointed first forward at FLA's forward (gdn_kernel_terms), where it holds more
-        nograd = max(nograd, gdn_kernel_terms.fused_gdn_point_per_row(
-            t, ctx.widths_r, g.gdn, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1, part="nograd"))
+        nograd = max(nograd, gdn_kernel_terms.fused_gdn_point_per_row(t, ctx.widths_r, g.gdn,
+                                                                      part="nograd"))
     moe_extra = ctx.routed_extra if layer.mlp == MlpKind.MOE else 0.0
     if moe_extra:
         workspace += moe_extra

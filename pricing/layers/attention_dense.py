@@ -39,8 +39,7 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     if ctx.fused_gdn_point:
         # a GDN hybrid's attention layer recomputed on the fused kernels: the fused dense layer's
         # point with its output gate's tensors, or the gate's backward (gdn_kernel_terms)
-        point = gdn_kernel_terms.fused_gated_attention_point_per_row(
-            t, ctx.widths_r, tp=ctx.tp, sequence_parallel=ctx.sp_div > 1)
+        point = gdn_kernel_terms.fused_gated_attention_point_per_row(t, ctx.widths_r)
         return point + ctx.qk_structural_per_row, False
     if ctx.fused_gdn_retained:
         # a GDN hybrid's attention layer retained on the fused kernels: the dense layer's

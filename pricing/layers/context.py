@@ -230,6 +230,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                  and rows_cp == 1 and p.ep == 1)
     fused_gdn_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_gdn
                           and gdn_dense_hybrid(g) and p.tp == 1 and rows_cp == 1)
+    # at TP1 only: under TP with SP the point prices the seed's 27B TP4+SP GPU wave 7.2% over
+    # its measurement (docs/memory-model.md#te-gpu-gdn-full), so TP > 1 keeps the fitted terms
     fused_gdn_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.fused_gdn_point
                        and gdn_dense_hybrid(g) and p.tp == 1 and width_tp == 1 and rows_cp == 1)
     return LayerContext(

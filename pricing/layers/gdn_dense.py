@@ -33,9 +33,7 @@ def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:
         return max(mixer, mlp), False
     if ctx.fused_gdn_point:
         # recomputed on the fused kernels: its largest point (gdn_kernel_terms)
-        return gdn_kernel_terms.fused_gdn_point_per_row(
-            ctx.table, ctx.widths_r, ctx.geometry.gdn, tp=ctx.tp,
-            sequence_parallel=ctx.sp_div > 1), False
+        return gdn_kernel_terms.fused_gdn_point_per_row(ctx.table, ctx.widths_r, ctx.geometry.gdn), False
     if ctx.gdn_backward_point:
         g = ctx.geometry
         return gdn_terms.full_gdn_dense_point_per_row(
