@@ -100,6 +100,8 @@ def test_the_recomputed_gdn_layer_point_on_the_anatomy_shape(grid):
     point = 6 * h + 12 * f + 6 * 16 + mixer
     assert gdn_kernel_terms.fused_gdn_point_per_row(t, w, g.gdn) == point == 92_504
     assert abs(point / 92_471.5 - 1) < 0.001
+    # the checkpointed first forward: the anatomy's forward peak holds 47,808 B per row in the layer
+    assert gdn_kernel_terms.fused_gdn_point_per_row(t, w, g.gdn, part="nograd") >= 47_808
     assert gdn_kernel_terms.fused_gdn_point_per_row(load_table("torch-cpu"), w, g.gdn) == 0.0
 
 
