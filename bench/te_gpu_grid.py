@@ -193,8 +193,10 @@ def planned_heldout() -> list[dict]:
     for rc in RECOMPUTES:
         cells.append(_cell(DENSE_CP_HELDOUT["name"], {"cp": 2}, rc, wave=HELDOUT_WAVE))
     # traced after GDN hybrids under full recompute took the kernel-model point (fused_gdn_point,
-    # written from grid-gdn-h1024's anatomy): a GDN shape of its own
+    # written from grid-gdn-h1024's anatomy): a GDN shape of its own, and the 27B at the held-out
+    # wave (it binds at the head, which dropped the seeds' GDN margin)
     cells.append(_cell(GDN_FULL_HELDOUT["name"], {}, "full", wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3.8-27b", {}, "full", wave=HELDOUT_WAVE))
     return cells
 
 
