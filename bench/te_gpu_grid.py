@@ -95,6 +95,13 @@ MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096
                           "mla": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                   "v_head_dim": 128, "q_lora_rank": 0}},
             "gdn": None, "moe": None}
+# a GDN hybrid of its own for full recompute (grid-gdn-h896b: not tegdn2's grid-gdn-h896), traced after the recomputed GDN layers' kernel-model
+# point (fused_gdn_point) was final (held out): hidden 896, 2 key and 8 value heads of 128 (1:4,
+# against 1:3 and 1:2), gated attention with 4 heads of 128 in 2 KV groups, FFN 2560 (2.86 H),
+# vocabulary 1024 (its layers bind)
+GDN_FULL_HELDOUT = dict(GDN, name="grid-gdn-h896b", hidden=896, ffn=2560, vocab=1024,
+                        attention=dict(GDN["attention"], num_heads=4, num_kv_groups=2),
+                        gdn=dict(GDN["gdn"], num_key_heads=2, num_value_heads=8))
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
                                  MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT)}
 # a GDN hybrid of its own, held out for the retained GDN kernel-model terms (fused_gdn_layer) after
@@ -115,6 +122,7 @@ GDN_HELDOUT3 = dict(GDN_HELDOUT2, name="grid-gdn-h896", hidden=896, ffn=2688, vo
                     attention=dict(GDN_HELDOUT2["attention"], num_heads=7, num_kv_groups=7),
                     gdn=dict(GDN_HELDOUT2["gdn"], num_key_heads=8, num_value_heads=8))
 SHAPES[GDN_HELDOUT3["name"]] = GDN_HELDOUT3
+SHAPES[GDN_FULL_HELDOUT["name"]] = GDN_FULL_HELDOUT
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
@@ -211,6 +219,11 @@ def planned_heldout() -> list[dict]:
         cells.append(_cell(GDN_HELDOUT2["name"], {}, rc, wave=HELDOUT_WAVE))
     for rc in ("none", "selective"):
         cells.append(_cell(GDN_HELDOUT3["name"], {}, rc, wave=HELDOUT_WAVE))
+    # traced after GDN hybrids under full recompute took the kernel-model point (fused_gdn_point,
+    # written from grid-gdn-h1024's anatomy): a GDN shape of its own, and the 27B at the held-out
+    # wave (it binds at the head, which dropped the seeds' GDN margin)
+    cells.append(_cell(GDN_FULL_HELDOUT["name"], {}, "full", wave=HELDOUT_WAVE))
+    cells.append(_cell("qwen3.8-27b", {}, "full", wave=HELDOUT_WAVE))
     return cells
 
 
@@ -360,11 +373,13 @@ def multi_rank(cell: dict) -> bool:
 
 def class_of(cell: dict) -> str:
     """The cell's class (GDN hybrids apart: their GDN layers run FLA's allocation model; retained
-    at TP1 CP1 they are priced by the kernel models, elsewhere by the fitted terms)."""
+    at TP1 CP1 they are priced by the kernel models, recomputed at TP1 CP1 by the kernel models'
+    point, elsewhere by the fitted terms)."""
     lay = cell["layout"]
     if has_gdn(cell):
-        kernel = (cell["recompute"] != "full" and lay.get("tp", 1) == 1 and lay.get("cp", 1) == 1
-                  and not has_moe(cell))
+        kernel = lay.get("tp", 1) == 1 and lay.get("cp", 1) == 1 and not has_moe(cell)
+        if kernel and cell["recompute"] == "full":
+            return "GDN hybrids TP1 full (kernel models)"
         return "GDN hybrids " + ("TP1 retained (kernel models)" if kernel else "(fitted)")
     tp = lay.get("tp", 1)
     if lay.get("cp", 1) > 1:

@@ -108,6 +108,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("fused_gdn_layer", _ROW + " (GDN widths: key, value_heads), kept, backward and forward parts",
           "gpu-kernel-allocation-models",
           "the fitted GDN terms (GDN hybrids retained on the fused kernels)"),
+    Entry("fused_gdn_point", _ROW + " (GDN widths: key, value_heads), point, backward, forward and nograd parts",
+          "te-gpu-gdn-full",
+          "the fitted GDN stage and the seeds' head margin (GDN hybrids under full recompute on the fused kernels)"),
     Entry("kernel_models", "names of the fused GPU kernels (`kernels`)", "gpu-kernel-allocation-models",
           "none: the structural terms hold plain PyTorch's tensors (fp32 norm inputs, rotary copies)"),
     # the fsdp framework's calibration factors (`waveplan calibrate` on `trace --framework fsdp`

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .coefficients import CoefficientTable
 from .geometry import GdnSpec
-from .layout_terms import FUSED_RETAINED
+from .layout_terms import FUSED_RETAINED, fused_retained_layer_per_row, tp1_fc1_point_per_row
 
 ENTRY = "fused_gdn_layer"
 
@@ -88,3 +88,40 @@ def fused_gated_attention_per_row(table: CoefficientTable, widths: dict, *, part
     return max(mlp_backward_per_row(table, widths),
                table.per_row(FUSED_RETAINED, widths, key="attention_backward") - freed,
                table.per_row(ENTRY, widths, key="gate_backward") - freed)
+
+
+POINT_ENTRY = "fused_gdn_point"
+
+
+def fused_gdn_point_per_row(table: CoefficientTable, widths: dict, gdn: GdnSpec, *,
+                            part: str = "point") -> float:
+    """A GDN layer with a dense MLP recomputed under full recompute on the fused kernels at TP1,
+    per row: its largest point (`part` "point": the recomputed FC1's forward, FLA's backward or
+    its recomputed forward) or its checkpointed first forward ("nograd").
+
+    Formula: entry `fused_gdn_point` max(`point`, `backward`, `forward`), or `nograd`, over
+    `gdn_widths`. 0 without the entry. See docs/memory-model.md#te-gpu-gdn-full. O(1).
+    """
+    if not table.kernels.fused_gdn_point:
+        return 0.0
+    w = gdn_widths(widths, gdn, tp=1)
+    keys = ("nograd",) if part == "nograd" else ("point", "backward", "forward")
+    return max(table.per_row(POINT_ENTRY, w, key=k) for k in keys)
+
+
+def fused_gated_attention_point_per_row(table: CoefficientTable, widths: dict) -> float:
+    """A GDN hybrid's (gated) attention layer with a dense MLP recomputed under full recompute on
+    the fused kernels at TP1, per row: the fused dense layer's point
+    (`layout_terms.tp1_fc1_point_per_row`) or the output gate's backward beside the retained
+    layer's tensors, whichever is larger, with the gate's kept tensors.
+
+    Formula: max(tp1_fc1_point, fused_retained_layer + `gate_backward`) + `gate_per_row` (entry
+    `fused_gdn_layer`'s gate keys). 0 without `fused_gdn_point`. See
+    docs/memory-model.md#te-gpu-gdn-full. O(1).
+    """
+    if not table.kernels.fused_gdn_point:
+        return 0.0
+    gate = table.per_row(ENTRY, widths, key="gate_per_row")
+    point = tp1_fc1_point_per_row(table, widths, rope_per_row=0.0, at_tp1=True)
+    kept = fused_retained_layer_per_row(table, widths, tp=1, sequence_parallel=False)
+    return max(point, kept + table.per_row(ENTRY, widths, key="gate_backward")) + gate

@@ -80,6 +80,9 @@ class KernelSet:
     fused_gdn: bool = False
     """A GDN hybrid's retained layers (dense MLPs, TP1 CP1) priced by what FLA's kernels and the
     fused kernels keep (`fused_gdn_layer`)."""
+    fused_gdn_point: bool = False
+    """A GDN hybrid's layers (dense MLPs, TP1 CP1) recomputed under full recompute priced at the
+    points FLA's kernels and the fused kernels hold (`fused_gdn_point`)."""
     kernel_models: tuple[str, ...] = ()
     """The fused GPU kernels whose allocation models (`pricing/measure/gpu_kernels.py`) the
     table's structural terms were written from (`kernel_models`; empty: plain PyTorch kernels).
@@ -102,6 +105,7 @@ class KernelSet:
                    fused_retained=h(table, "fused_retained_layer"),
                    fused_mla=h(table, "fused_mla_layer"),
                    fused_gdn=h(table, "fused_gdn_layer"),
+                   fused_gdn_point=h(table, "fused_gdn_point"),
                    kernel_models=tuple(entries.entry(table, "kernel_models", {}).get("kernels", ())))
 
     @property

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import feature_terms, gdn_terms, layout_terms, terms
+from . import feature_terms, gdn_kernel_terms, gdn_terms, layout_terms, terms
 from .geometry import LayerSpec, MixerKind, MlpKind
 from .layers import mla, pricer_for
 from .layers.context import LayerContext, RetainedBy, charged_unsharded, layer_context
@@ -53,6 +53,10 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     workspace, structural = pricer.stage(ctx, layer)
     nograd = terms.nograd_stage_per_row(t, widths, layer.mlp, ep_skew=ctx.ep_skew,
                                         local_experts=ctx.local_experts)
+    if ctx.fused_gdn_point and layer.mixer == MixerKind.GDN:
+        # the checkpointed first forward at FLA's forward (gdn_kernel_terms), where it holds more
+        nograd = max(nograd, gdn_kernel_terms.fused_gdn_point_per_row(t, ctx.widths_r, g.gdn,
+                                                                      part="nograd"))
     moe_extra = ctx.routed_extra if layer.mlp == MlpKind.MOE else 0.0
     if moe_extra:
         workspace += moe_extra
@@ -113,7 +117,8 @@ def layout_residual_per_layer(ctx: LayerContext) -> np.ndarray:
     return np.array([layout_terms.layout_residual_per_row(
         t, ctx.widths, tp=c.tp, cp=c.cp, retained=mode != RecomputeMode.FULL,
         sequence_parallel=c.sequence_parallel and not charged_unsharded(ctx, layer),
-        bare=not (ctx.fused_point or ctx.kernel_retained or mla.on_kernels(ctx, layer)
+        bare=not (ctx.fused_point or ctx.kernel_retained or ctx.fused_gdn_point
+                  or mla.on_kernels(ctx, layer)
                   if beside_models else pricer_for(g, layer).residual_covered(ctx, layer)))
         for layer in g.layers]) if g.num_layers else np.zeros(0)
 
@@ -136,7 +141,8 @@ def wave_rope_cache_per_row(ctx: LayerContext) -> float:
     if ctx.gdn_retained_structural:
         # the entry's own rows, which the fitted layer the GDN term replaces absorbed (gdn_terms)
         rope += gdn_terms.rope_cache_entry_per_row(entry)
-    elif ctx.mode != RecomputeMode.FULL or (ctx.geometry.moe is None and ctx.geometry.gdn is None):
+    elif (ctx.mode != RecomputeMode.FULL or ctx.fused_gdn_point
+          or (ctx.geometry.moe is None and ctx.geometry.gdn is None)):
         # ... and beside the SP structural terms (layout_terms; under full recompute the MoE and
         # GDN layers' structural points carry the entry's rows themselves)
         # (the fused kernels' point at any TP: the entry's rows once per wave)

@@ -201,6 +201,10 @@ class PricingModel:
         if ctx.fused_gdn_retained:
             lines.append(f"kernel-model: the retained GDN and gated attention layers' tensors, backward "
                          f"and own forward peaks (FLA's gated delta rule and L2 norm, {names}; fused_gdn_layer)")
+        if ctx.fused_gdn_point:
+            lines.append(f"kernel-model: the recomputed GDN and gated attention layers' points, FC1's "
+                         f"recomputed forward or FLA's backward (FLA's gated delta rule and L2 norm, "
+                         f"{names}; fused_gdn_point)")
         if parse_head(self.head)[0] == "full-native" and self.charges.walk.head_forward:
             lines.append("kernel-model: the head's forward beside the final norm's bf16 tensors "
                          "(te-rmsnorm; sp_head_forward)")
@@ -285,8 +289,9 @@ class PricingModel:
         # the head and caller priced by what the kernels hold, or with the seeds' margins beside
         # fitted GDN (head and caller) and MoE (caller) layers on te-gpu (KernelSet); MoE layers
         # retained by the kernel models (`LayerContext.fused_moe_retained`) keep no fitted term
-        # (GDN layers retained by FLA's and the fused kernels' models, `fused_gdn_retained`, too)
-        fitted_gdn = g.gdn is not None and not ctx.fused_gdn_retained
+        # (GDN layers retained or recomputed on FLA's and the fused kernels' models,
+        # `LayerContext.gdn_on_kernels`, too)
+        fitted_gdn = g.gdn is not None and not ctx.gdn_on_kernels
         margins = not t.kernels.priced_by_models(has_gdn=fitted_gdn)
         fitted_moe = g.moe is not None and not ctx.fused_moe_retained
         every_head = not t.kernels.caller_by_heads(fitted_layers=fitted_gdn or fitted_moe)

@@ -36,6 +36,11 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
             point -= layout_terms.ring_recomputed_release_per_row(t, widths, cp=ctx.rows_cp)
         ring = (ring_points(ctx, widths) if ctx.fused_point else 0.0)
         return max(point, ring) + ctx.qk_structural_per_row - ctx.cp_release_per_row, False
+    if ctx.fused_gdn_point:
+        # a GDN hybrid's attention layer recomputed on the fused kernels: the fused dense layer's
+        # point with its output gate's tensors, or the gate's backward (gdn_kernel_terms)
+        point = gdn_kernel_terms.fused_gated_attention_point_per_row(t, ctx.widths_r)
+        return point + ctx.qk_structural_per_row, False
     if ctx.fused_gdn_retained:
         # a GDN hybrid's attention layer retained on the fused kernels: its MLP's backward
         # transient, or its attention's or output gate's where larger (gdn_kernel_terms)

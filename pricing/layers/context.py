@@ -105,6 +105,12 @@ class LayerContext:
     SwiGLU MLPs, `gdn_dense_hybrid`) priced by what FLA's kernels and the fused kernels keep
     (`KernelSet.fused_gdn`, `gdn_kernel_terms`), on a TP1 CP1 layout (PP allowed); TP > 1 and CP
     keep the fitted terms (no te-gpu trace) (docs/memory-model.md#te-gpu-gdn)."""
+    fused_gdn_point: bool = False
+    """A GDN hybrid's layers (`gdn_dense_hybrid`) recomputed under full recompute priced at the
+    points FLA's kernels and the fused kernels hold (`KernelSet.fused_gdn_point`,
+    `gdn_kernel_terms.fused_gdn_point_per_row`; the gated attention layers at the fused dense
+    layer's point with their output gate), on a TP1 CP1 layout (PP allowed); TP > 1 and CP keep
+    the fitted terms (docs/memory-model.md#te-gpu-gdn-full)."""
     fused_point: bool = False
     """A plain dense model's recomputed layers priced at the point written from the fused
     kernels' allocation models (`KernelSet.fused` with `tp1_point`), at any credited TP with CP1
@@ -128,6 +134,13 @@ class LayerContext:
         return self.fused_retained or self.fused_moe_retained or self.fused_gdn_retained
 
     @property
+    def gdn_on_kernels(self) -> bool:
+        """Whether a GDN hybrid's layers are priced by FLA's and the fused kernels' models,
+        retained (`fused_gdn_retained`) or recomputed (`fused_gdn_point`): its head and caller then
+        drop the seeds' GDN margins."""
+        return self.fused_gdn_retained or self.fused_gdn_point
+
+    @property
     def ring_saves(self) -> bool:
         """Whether the attention's saved tensors are ring attention's (no recompute under CP):
         the ring keeps its own k/v buffer in place of the projection's output."""
@@ -146,7 +159,7 @@ class LayerContext:
         recomputed point, the retained terms, or MLA's): the head's forward point and the wave's
         RoPE entry are then charged as beside them, one place for that decision
         (docs/memory-model.md#gpu-kernel-allocation-models)."""
-        return self.fused_point or self.kernel_retained or self.mla_on_kernels
+        return self.fused_point or self.kernel_retained or self.mla_on_kernels or self.fused_gdn_point
 
     @property
     def full(self) -> bool:
@@ -227,6 +240,11 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                  and rows_cp == 1 and p.ep == 1)
     fused_gdn_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_gdn
                           and gdn_dense_hybrid(g) and p.tp == 1 and rows_cp == 1 and flash_bounded)
+    # at TP1 only: under TP with SP the point prices the seed's 27B TP4+SP GPU wave 7.2% over
+    # its measurement (docs/memory-model.md#te-gpu-gdn-full), so TP > 1 keeps the fitted terms
+    fused_gdn_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.fused_gdn_point
+                       and gdn_dense_hybrid(g) and p.tp == 1 and width_tp == 1 and rows_cp == 1
+                       and flash_bounded)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -236,7 +254,7 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         gdn_backward_point=gdn_backward_point, tp1_structural=tp1_structural,
         fused_point=fused_point, fused_retained=fused_retained,
         fused_moe_retained=fused_moe_retained, fused_mla=fused_mla,
-        fused_gdn_retained=fused_gdn_retained)
+        fused_gdn_retained=fused_gdn_retained, fused_gdn_point=fused_gdn_point)
 
 
 def flash_bounds_hold(g: ModelGeometry) -> bool:

@@ -1,7 +1,8 @@
 """A GDN layer with a dense MLP: its stage (full recompute at CP1 on the structural kernel set:
 its backward peak by what it holds; else the fitted stage sum) and its retained activations
 (by what it holds on the structural kernel set or, at TP1 CP1, on the fused kernels; else the
-fitted layer) (docs/memory-model.md#gdn-full-point, #gdn-sp-retained, #te-gpu-gdn).
+fitted layer); at TP1 CP1 under full recompute on the fused kernels its largest point
+(docs/memory-model.md#gdn-full-point, #gdn-sp-retained, #te-gpu-gdn, #te-gpu-gdn-full).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:
         # (gdn_kernel_terms)
         return gdn_kernel_terms.fused_gdn_layer_per_row(ctx.table, ctx.widths_r, ctx.geometry.gdn,
                                                         part="backward"), False
+    if ctx.fused_gdn_point:
+        # recomputed on the fused kernels: its largest point (gdn_kernel_terms)
+        return gdn_kernel_terms.fused_gdn_point_per_row(ctx.table, ctx.widths_r, ctx.geometry.gdn), False
     if ctx.gdn_backward_point:
         g = ctx.geometry
         return gdn_terms.full_gdn_dense_point_per_row(

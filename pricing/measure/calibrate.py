@@ -359,7 +359,8 @@ def scaled_table(base: CoefficientTable, scales: dict[str, float], *, note: str 
 
 # the entries a fused-kernel table (`KernelSet.fused`) writes from the kernels' allocation models
 KERNEL_MODEL_ENTRIES = ("kernel_models", "fused_retained_layer", "fused_mla_layer", "tp1_fc1_point",
-                        "sp_head_forward", "final_norm", "final_norm_backward", "fused_gdn_layer")
+                        "sp_head_forward", "final_norm", "final_norm_backward", "fused_gdn_layer",
+                        "fused_gdn_point")
 
 
 def fitted_base(base: CoefficientTable) -> CoefficientTable:

@@ -49,14 +49,17 @@ def test_kernel_sets_of_the_shipped_tables():
     gpu, cpu = load_table("te-gpu").kernels, load_table("torch-cpu").kernels
     # te-gpu: the TP1 point and head forward written from the fused kernels' allocation models,
     # nothing else structural (docs/memory-model.md#gpu-kernel-allocation-models)
-    # (and the GDN hybrids' retained layers from FLA's, `fused_gdn`)
-    on = {"tp1_point", "sp_head", "fused_retained", "fused_mla", "fused_gdn", "kernel_models"}
+    # (and the GDN hybrids' retained layers from FLA's, `fused_gdn`, and their recomputed ones,
+    # `fused_gdn_point`)
+    on = {"tp1_point", "sp_head", "fused_retained", "fused_mla", "fused_gdn", "fused_gdn_point",
+          "kernel_models"}
     assert gpu.name == "fused-gpu-models" and gpu.fused and gpu.rope_copies == 0.0
     assert {f.name for f in dataclasses.fields(KernelSet) if f.name != "framework"
             and getattr(gpu, f.name)} == on
     assert cpu.name == "plain-cpu" and not cpu.fused and cpu.rope_copies == 2.0 and all(
         getattr(cpu, f.name) for f in dataclasses.fields(KernelSet)
-        if f.name not in ("framework", "kernel_models", "fused_retained", "fused_mla", "fused_gdn"))
+        if f.name not in ("framework", "kernel_models", "fused_retained", "fused_mla", "fused_gdn",
+                          "fused_gdn_point"))
     assert gpu.framework == cpu.framework == Framework.MEGATRON and Framework.MEGATRON in FRAMEWORKS
     # a table with part of the optional entries gets exactly those
     table = load_table("torch-cpu")

@@ -23,10 +23,10 @@ def test_te_gpu_carries_none_of_the_optional_terms():
     # (docs/memory-model.md#gpu-kernel-allocation-models)
     assert set(OPTIONAL_TERMS) & set(table.terms) == {
         "final_norm", "final_norm_backward", "tp1_fc1_point", "sp_head_forward", "fused_retained_layer",
-        "fused_mla_layer", "fused_gdn_layer", "kernel_models"}
+        "fused_mla_layer", "fused_gdn_layer", "fused_gdn_point", "kernel_models"}
     cpu = load_table("torch-cpu")
     # the fused kernels' entries only
-    fused = {"kernel_models", "fused_retained_layer", "fused_mla_layer", "fused_gdn_layer"}
+    fused = {"kernel_models", "fused_retained_layer", "fused_mla_layer", "fused_gdn_layer", "fused_gdn_point"}
     fsdp = {e.name for e in ENTRIES if e.anchor == "fsdp-calibration"}   # fitted by users, per GPU
     plain = set(OPTIONAL_TERMS) - fused - fsdp
     assert plain <= set(cpu.terms) and not fused & set(cpu.terms)
@@ -137,9 +137,12 @@ def test_te_gpu_prices_retained_layers_as_before():
             if layer.mixer == MixerKind.ATTENTION:
                 assert terms.qk_norm_per_row(t, widths) == 0.0
     # a GDN hybrid keeps the seeds' full-native head (its `gdn` values) beside the final norm's
-    # kernel-model terms (TE RMSNorm: 2H saved, 2H in backward; KernelSet.priced_by_models)
+    # kernel-model terms (TE RMSNorm: 2H saved, 2H in backward; KernelSet.priced_by_models) where
+    # its layers keep fitted terms: here full recompute without the recomputed GDN layers'
+    # kernel-model entry (docs/memory-model.md#te-gpu-gdn-full)
     h = geometry.hidden
-    model = PricingModel.build(geometry, head="full-native")
+    no_point = dataclasses.replace(t, terms={k: v for k, v in t.terms.items() if k != "fused_gdn_point"})
+    model = dataclasses.replace(PricingModel.build(geometry, head="full-native"), table=no_point)
     a = model.charges.walk
     assert a.head_retained == pytest.approx(6 * geometry.vocab + 2 * h)
     # the norm's 2H backward within the logits' 2 x vocab transient, beside the full-recompute

@@ -311,13 +311,17 @@ def _wave(model, rows):
 
 def test_the_caller_goes_with_the_chunked_head_beside_kernel_model_layers():
     """te-gpu charges the caller's 6 KiB per logical token with the chunked head; with the full
-    heads only where layers keep fitted terms (MoE, GDN); torch-cpu never."""
+    heads only where layers keep fitted terms (MoE, GDN: the 27B at TP4+SP; at TP1 under full
+    recompute its layers are on the kernel models, docs/memory-model.md#te-gpu-gdn-full); torch-cpu
+    never."""
     lora = LoraConfig(slots=(LoraSlot(rank=16),))
-    for preset, head, caller in (("qwen3-8b", "chunked:512", 6144), ("qwen3-8b", "full-native", 0),
-                                 ("qwen3-8b", "full-te", 0), ("qwen3-30b-a3b", "full-native", 6144),
-                                 ("qwen3.8-27b", "full-native", 6144)):
-        model = PricingModel.build(load_preset(preset), head=head, lora=lora)
-        assert _wave(model, 4096).terms.get("caller", 0) == 4096 * caller, (preset, head)
+    sp4 = ParallelLayout(tp=4, sequence_parallel=True)
+    for preset, head, caller, parallel in (
+            ("qwen3-8b", "chunked:512", 6144, None), ("qwen3-8b", "full-native", 0, None),
+            ("qwen3-8b", "full-te", 0, None), ("qwen3-30b-a3b", "full-native", 6144, None),
+            ("qwen3.8-27b", "full-native", 6144, sp4), ("qwen3.8-27b", "full-native", 0, None)):
+        model = PricingModel.build(load_preset(preset), head=head, lora=lora, parallel=parallel)
+        assert _wave(model, 4096).terms.get("caller", 0) == 4096 * caller, (preset, head, parallel)
     cpu = PricingModel.build(load_preset("qwen3-8b"), backend="torch-cpu", lora=lora)
     assert _wave(cpu, 4096).terms.get("caller", 0) == 0
 
