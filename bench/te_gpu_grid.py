@@ -94,8 +94,25 @@ MLA_DSV2 = {"name": "grid-mla-dsv2", "hidden": 2048, "ffn": 10944, "vocab": 4096
                           "mla": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                   "v_head_dim": 128, "q_lora_rank": 0}},
             "gdn": None, "moe": None}
+# multi-latent attention with MoE MLPs (deepseek-v2-lite's layer kind): grid-mla-h768's MLA widths
+# with grid-moe-h768's experts and a shared expert, a small vocabulary (the layers bind); held out
+# for the composed MLA + retained MoE kernel terms (docs/memory-model.md#mla-moe-kernel-models)
+MLA_MOE_HELDOUT = {"name": "grid-mla-moe-h768", "hidden": 768, "ffn": 0, "vocab": 3072, "dtype": "bf16",
+                   "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                   "attention": dict(MLA_HELDOUT["attention"]), "gdn": None,
+                   "moe": {"num_experts": 32, "top_k": 6, "expert_ffn": 384, "shared_expert_ffn": 768}}
+# a second held-out MLA + MoE shape, traced after the shared expert's kept term was corrected on
+# grid-mla-moe-h768's anatomy (which is then no longer held out): other hidden, heads, MLA widths,
+# experts, top-k and shared expert, no query latent
+MLA_MOE_HELDOUT2 = {"name": "grid-mla-moe-h640", "hidden": 640, "ffn": 0, "vocab": 2560, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                    "attention": {"num_heads": 10, "num_kv_groups": 10, "head_dim": 48, "output_gate": False,
+                                  "mla": {"kv_lora_rank": 160, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                                          "v_head_dim": 32, "q_lora_rank": 0}},
+                    "gdn": None, "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 320, "shared_expert_ffn": 640}}
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
-                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT)}
+                                 MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT,
+                                 MLA_MOE_HELDOUT, MLA_MOE_HELDOUT2)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 

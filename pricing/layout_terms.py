@@ -352,11 +352,8 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
         return table.per_row(FUSED_RETAINED, widths, key=key)
 
     if backward:
-        experts = max(part("moe_backward_per_routed_row"), part("moe_backward_swiglu_per_routed_row"),
-                      part("moe_backward_combine_per_routed_row"))
-        if sp:
-            experts = max(experts, part("moe_sp_backward_per_routed_row"))
-        return max(part("moe_backward_per_row") + routed * experts, part("attention_backward"))
+        return max(fused_moe_experts_backward_per_row(table, widths, routed=routed, sp=sp),
+                   part("attention_backward"))
     hidden = part("moe_gathered") + part("moe_sharded") / tp if sp else part("moe_replicated")
     out = part("moe_per_row") + hidden + routed * part("moe_per_routed_row")
     if forward:
@@ -368,6 +365,25 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
             out += routed * (part("moe_sp_forward_per_routed_row")
                              + part("moe_sp_forward_sharded_per_routed_row") / tp)
     return out
+
+
+def fused_moe_experts_backward_per_row(table: CoefficientTable, widths: dict, *, routed: float,
+                                       sp: bool = False) -> float:
+    """A retained MoE layer's experts' backward transient on the fused kernels, per row.
+
+    Formula: `moe_backward_per_row` + `routed` x the largest of `moe_backward_per_routed_row`,
+    `moe_backward_swiglu_per_routed_row`, `moe_backward_combine_per_routed_row` (and with SP
+    `moe_sp_backward_per_routed_row`), as `fused_retained_moe_layer_per_row` charges it. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=key)
+
+    experts = max(part("moe_backward_per_routed_row"), part("moe_backward_swiglu_per_routed_row"),
+                  part("moe_backward_combine_per_routed_row"))
+    if sp:
+        experts = max(experts, part("moe_sp_backward_per_routed_row"))
+    return part("moe_backward_per_row") + routed * experts
 
 
 def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
