@@ -238,11 +238,13 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
 def plain_moe(g: ModelGeometry) -> bool:
     """Whether every layer is plain attention (no output gate, no multi-latent attention) with a
     MoE MLP whose experts run TE's grouped GEMM and the fused weighted SwiGLU (no biases, SwiGLU),
-    and the model has no GDN spec: the MoE layers the fused kernels' retained term was written for
-    (`layout_terms.fused_retained_moe_layer_per_row`). O(layers)."""
+    and the model has no GDN spec and no shared expert: the MoE layers the fused kernels' retained
+    term was written for (`layout_terms.fused_retained_moe_layer_per_row`, which charges no shared
+    expert). O(layers)."""
     att, f = g.attention, g.features
     return (att is not None and not att.output_gate and att.mla is None and g.gdn is None
-            and g.moe is not None and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
+            and g.moe is not None and not g.moe.shared_expert_ffn
+            and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
             and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.MOE
                     for layer in g.layers))
 

@@ -19,6 +19,8 @@ from waveplan.pricing.model import PricingModel
 from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 from waveplan.pricing.price import GroupLoad, price_groups
+from waveplan.pricing.step import load_step
+from waveplan.pricing.wave_pricer import WavePricer
 
 RESULTS = BENCH / "results"
 # the classes priced at the kernel-model point and head (bench/te_gpu_grid.py `class_of`)
@@ -250,6 +252,25 @@ def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
     assert back == max(4 * w["H"] + 8 * w["experts"]
                        + max(2 * w["H"] + 4 * w["expert_ffn"], 6 * w["expert_ffn"], 4 * w["H"]),
                        te.per_row("fused_retained_layer", w, key="attention_backward"))
+
+
+def test_a_shared_expert_keeps_plain_moe_layers_off_the_kernel_models():
+    """The retained MoE kernel term charges no shared expert, so a plain-attention MoE model with
+    one (Qwen2-MoE's kind) keeps the fitted terms, which charge it (`moe_shared_expert`): its
+    retained price is above the same model's without the shared expert, by at least the shared
+    expert's SwiGLU input and output per row of every layer."""
+    g = load_preset("qwen3-30b-a3b")
+    step = load_step("grpo-8x8")
+    shared = dataclasses.replace(g, moe=dataclasses.replace(g.moe, shared_expert_ffn=1024))
+    assert plain_moe(g) and not plain_moe(shared)
+    for mode in ("none", "selective"):
+        prices = []
+        for geometry in (g, shared):
+            model = PricingModel.build(geometry, recompute=Recompute(mode=mode))
+            assert model.layer_context().fused_moe_retained == (geometry is g)
+            prices.append(WavePricer(step, model).price([np.arange(len(step.requests))]).raw_bytes)
+        rows = sum(r.num_tokens for r in step.requests)
+        assert prices[1] - prices[0] >= len(g.layers) * rows * 6 * 1024, mode
 
 
 def test_retained_moe_under_tp_with_sp_holds_the_combines_fp32_tensors():
