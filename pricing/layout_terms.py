@@ -386,6 +386,32 @@ def fused_moe_experts_backward_per_row(table: CoefficientTable, widths: dict, *,
     return part("moe_backward_per_row") + routed * experts
 
 
+def fused_moe_shared_expert_per_row(table: CoefficientTable, widths: dict, *, routed: float,
+                                    point: str) -> float:
+    """A retained MoE layer's shared expert on the fused kernels at TP1, per row; 0 without one.
+
+    Formula: entry `fused_retained_layer`: "retained" `moe_shared_per_row` (FC1's output, which
+    the fused SwiGLU saves: 4 shared_ffn; frozen linears save no input); "forward" (beside the
+    retained) `moe_shared_forward_per_row` (its output, 2H, beside the routed experts' forward
+    point); "backward" `moe_backward_per_row` + `moe_shared_backward_per_row` (the SwiGLU's
+    incoming and input gradients, FC1's input gradient: 6 shared_ffn + 2H) + `routed` x
+    `moe_shared_backward_per_routed_row` (the permuted rows' gradient awaiting the dispatcher's
+    backward, 2H). See docs/memory-model.md#mla-moe-kernel-models. O(1).
+    """
+    if not widths["shared_ffn"]:
+        return 0.0
+
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=key)
+
+    if point == "retained":
+        return part("moe_shared_per_row")
+    if point == "forward":
+        return part("moe_shared_forward_per_row")
+    return (part("moe_backward_per_row") + part("moe_shared_backward_per_row")
+            + routed * part("moe_shared_backward_per_routed_row"))
+
+
 def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:
     """What an attention layer's query/key norms keep, beside the structural layer terms.
 

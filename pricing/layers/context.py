@@ -218,7 +218,8 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                           and ((plain_moe(g) and rows_cp == 1
                                 and (p.tp == 1 or (sp_div > 1 and p.ep == 1 and width_tp == p.tp
-                                                   and coverage.width_etp == width_tp)))
+                                                   and coverage.width_etp == width_tp
+                                                   and not g.moe.shared_expert_ffn)))
                                # MLA layers with MoE MLPs: at fused_mla's layout (TP1 CP1 EP1)
                                or (fused_mla and mla_moe(g))))
     fused_gdn_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_gdn
@@ -238,12 +239,12 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
 def plain_moe(g: ModelGeometry) -> bool:
     """Whether every layer is plain attention (no output gate, no multi-latent attention) with a
     MoE MLP whose experts run TE's grouped GEMM and the fused weighted SwiGLU (no biases, SwiGLU),
-    and the model has no GDN spec and no shared expert: the MoE layers the fused kernels' retained
-    term was written for (`layout_terms.fused_retained_moe_layer_per_row`, which charges no shared
-    expert). O(layers)."""
+    and the model has no GDN spec and no shared-expert gate: the MoE layers the fused kernels'
+    retained term was written for (`layout_terms.fused_retained_moe_layer_per_row`; a shared
+    expert's `fused_moe_shared_expert_per_row` at TP1 only, no term under TP with SP). O(layers)."""
     att, f = g.attention, g.features
     return (att is not None and not att.output_gate and att.mla is None and g.gdn is None
-            and g.moe is not None and not g.moe.shared_expert_ffn
+            and g.moe is not None and not f.shared_expert_gate
             and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
             and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.MOE
                     for layer in g.layers))

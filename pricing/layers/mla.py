@@ -90,36 +90,32 @@ def moe_kernel_layer_per_row(ctx: LayerContext, widths: dict, *, point: str) -> 
     "retained" `fused_retained_moe_layer_per_row` + (`kernel_layer_per_row` "retained" -
     `fused_retained_layer_per_row`: MLA's kept tensors and adapters in place of the plain
     attention's, the dense MLP's 6F + 4 rank cancelling) + the shared expert's
-    `moe_shared_per_row`; "forward" that + the MoE forward point's additions (the experts' output,
-    the combine's copy, the dispatcher's permuted copy) + `moe_shared_forward_per_row`;
-    "backward" (without the kept tensors) the larger of the experts'
-    (`fused_moe_experts_backward_per_row`), the shared expert's (`moe_backward_per_row` +
-    `moe_shared_backward_per_row` + routed x `moe_shared_backward_per_routed_row`) and MLA's
+    `fused_moe_shared_expert_per_row` "retained"; "forward" that + the MoE forward point's additions
+    (the experts' output, the combine's copy, the dispatcher's permuted copy) + the shared expert's
+    "forward"; "backward" (without the kept tensors) the larger of the experts'
+    (`fused_moe_experts_backward_per_row`), the shared expert's "backward" and MLA's
     (`attention_backward` + `retained_attention_backward`). `routed`: top_k x the busiest
     rank's load. See docs/memory-model.md#mla-moe-kernel-models. O(1).
     """
     t = ctx.table
     routed = ctx.geometry.moe.top_k * ctx.ep_skew
-    shared = bool(widths["shared_ffn"])
 
-    def part(key: str, entry: str = layout_terms.FUSED_RETAINED) -> float:
-        return t.per_row(entry, widths, key=key)
+    def shared(at: str) -> float:
+        return layout_terms.fused_moe_shared_expert_per_row(t, widths, routed=routed, point=at)
 
     if point == "backward":
-        out = max(layout_terms.fused_moe_experts_backward_per_row(t, widths, routed=routed),
-                  part("attention_backward", ENTRY) + part("retained_attention_backward", ENTRY))
-        if shared:
-            out = max(out, part("moe_backward_per_row") + part("moe_shared_backward_per_row")
-                      + routed * part("moe_shared_backward_per_routed_row"))
-        return out
+        return max(layout_terms.fused_moe_experts_backward_per_row(t, widths, routed=routed),
+                   t.per_row(ENTRY, widths, key="attention_backward")
+                   + t.per_row(ENTRY, widths, key="retained_attention_backward"),
+                   shared("backward"))
     moe_kept = layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed)
     kept = (moe_kept + kernel_layer_per_row(t, widths, point="retained")
             - layout_terms.fused_retained_layer_per_row(t, widths, tp=1, sequence_parallel=False)
-            + (part("moe_shared_per_row") if shared else 0.0))
+            + shared("retained"))
     if point == "retained":
         return kept
     forward = layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed, forward=True)
-    return kept + forward - moe_kept + (part("moe_shared_forward_per_row") if shared else 0.0)
+    return kept + forward - moe_kept + shared("forward")
 
 
 def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:

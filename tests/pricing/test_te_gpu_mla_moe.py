@@ -97,7 +97,7 @@ def test_composed_terms_by_their_formula():
     routed = 6
     attention = 4 * w["qk"] + 4 * w["core"] + 4 * w["heads"] + 4 * w["latent"] + 8 * w["rope"]
     kept = (attention + 10 * r + 8 * H + 4 * 6 + 14 * 64 + 16 * 6 + routed * (2 * H + 6 * ef)
-            + 8 * sf)
+            + 4 * sf)
     assert mla.moe_kernel_layer_per_row(ctx, w, point="retained") == pytest.approx(kept)
     assert mla.moe_kernel_layer_per_row(ctx, w, point="forward") == pytest.approx(
         kept + routed * (4 * H + 2 * H) + 2 * H)
