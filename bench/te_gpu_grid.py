@@ -110,9 +110,26 @@ MLA_MOE_HELDOUT2 = {"name": "grid-mla-moe-h640", "hidden": 640, "ffn": 0, "vocab
                                   "mla": {"kv_lora_rank": 160, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
                                           "v_head_dim": 32, "q_lora_rank": 0}},
                     "gdn": None, "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 320, "shared_expert_ffn": 640}}
+# grid-mla-moe-h768 and grid-mla-moe-h640 became tuning cells when the tracer's shared expert took
+# the fused SwiGLU (both re-traced); two held-out MLA + MoE shapes defined after the shared expert's
+# terms were final, each binding at a layer, not the head (small vocabulary): h896 at the last
+# layer's forward point (rope 32, a query latent, 24 experts top 4), h512 at its backward (the
+# routed experts' transient; a shared expert twice the hidden width)
+MLA_MOE_HELDOUT3 = {"name": "grid-mla-moe-h896", "hidden": 896, "ffn": 0, "vocab": 1792, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                    "attention": {"num_heads": 14, "num_kv_groups": 14, "head_dim": 64, "output_gate": False,
+                                  "mla": {"kv_lora_rank": 224, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                                          "v_head_dim": 64, "q_lora_rank": 448}},
+                    "gdn": None, "moe": {"num_experts": 24, "top_k": 4, "expert_ffn": 448, "shared_expert_ffn": 896}}
+MLA_MOE_HELDOUT4 = {"name": "grid-mla-moe-h512", "hidden": 512, "ffn": 0, "vocab": 1024, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                    "attention": {"num_heads": 8, "num_kv_groups": 8, "head_dim": 64, "output_gate": False,
+                                  "mla": {"kv_lora_rank": 128, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16,
+                                          "v_head_dim": 48, "q_lora_rank": 256}},
+                    "gdn": None, "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 512, "shared_expert_ffn": 1024}}
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
                                  MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT,
-                                 MLA_MOE_HELDOUT, MLA_MOE_HELDOUT2)}
+                                 MLA_MOE_HELDOUT, MLA_MOE_HELDOUT2, MLA_MOE_HELDOUT3, MLA_MOE_HELDOUT4)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
