@@ -127,9 +127,18 @@ MLA_MOE_HELDOUT4 = {"name": "grid-mla-moe-h512", "hidden": 512, "ffn": 0, "vocab
                                   "mla": {"kv_lora_rank": 128, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16,
                                           "v_head_dim": 48, "q_lora_rank": 256}},
                     "gdn": None, "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 512, "shared_expert_ffn": 1024}}
+# plain attention with MoE MLPs and a shared expert (Qwen2-MoE's kind without the gate: shared FFN
+# 4 x the experts'), held out for the shared expert's terms on the retained MoE kernel path at TP1,
+# defined after those terms were final; it binds at the last layer's backward (the shared expert's)
+MOE_SHARED_HELDOUT = {"name": "grid-moe-shared-h832", "hidden": 832, "ffn": 0, "vocab": 1664, "dtype": "bf16",
+                      "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                      "attention": {"num_heads": 13, "num_kv_groups": 13, "head_dim": 64, "output_gate": False},
+                      "gdn": None,
+                      "moe": {"num_experts": 20, "top_k": 4, "expert_ffn": 416, "shared_expert_ffn": 1664}}
 SHAPES = {s["name"]: s for s in (DENSE, DENSE2, DENSE3, GDN, MOE, MOE_WIDE, MOE_HELDOUT, MLA_DENSE,
                                  MLA_HELDOUT, MLA_DSV2, GDN_HELDOUT, DENSE_CP_HELDOUT,
-                                 MLA_MOE_HELDOUT, MLA_MOE_HELDOUT2, MLA_MOE_HELDOUT3, MLA_MOE_HELDOUT4)}
+                                 MLA_MOE_HELDOUT, MLA_MOE_HELDOUT2, MLA_MOE_HELDOUT3, MLA_MOE_HELDOUT4,
+                                 MOE_SHARED_HELDOUT)}
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 
