@@ -98,7 +98,8 @@ class LayerContext:
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
     experts, the dispatcher's plain PyTorch, under TP with SP the combine's fp32 tensors), on a
-    CP1 layout at TP1 (with or without EP) or under TP with SP without EP (expert TP = TP); and
+    CP1 layout at TP1 (with or without EP) or under TP with SP without EP (expert TP = TP; no
+    shared expert); and
     a multi-latent-attention model's MoE layers at `fused_mla`'s layout (TP1 CP1 EP1; `mla_moe`)
     (docs/memory-model.md#gpu-kernel-allocation-models, #mla-moe-kernel-models)."""
     fused_gdn_retained: bool = False

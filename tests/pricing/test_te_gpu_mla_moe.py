@@ -20,9 +20,12 @@ from waveplan.pricing.parallel import ParallelLayout, Recompute
 from waveplan.pricing.presets import load_preset
 
 RESULTS = BENCH / "results"
-# grid-mla-moe-h768: the shared expert's kept term was corrected on its anatomy (no longer held out);
-# grid-mla-moe-h640: traced after that, held out
-SHAPES = ("grid-mla-moe-h768", "grid-mla-moe-h640")
+# tuning: grid-mla-moe-h768 (its anatomy confirmed the shared expert's kept term once the tracer ran
+# its fused SwiGLU) and grid-mla-moe-h640 (traced before that change); held out, traced after the
+# terms were final: grid-mla-moe-h896 (binds at the layer's forward), grid-mla-moe-h512 (its backward);
+# and the plain-attention MoE shape with a shared expert, grid-moe-shared-h832 (its backward)
+SHAPES = ("grid-mla-moe-h768", "grid-mla-moe-h640", "grid-mla-moe-h896", "grid-mla-moe-h512",
+          "grid-moe-shared-h832")
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +55,9 @@ def _ratios(grid, which, model):
 
 @pytest.mark.parametrize("model", SHAPES)
 def test_mla_moe_cells_on_the_real_dispatcher_never_under(grid, model):
-    """The MLA + MoE shapes on the multi-rank tracer's real dispatcher (grid-mla-h768's MLA widths
-    with grid-moe-h768's experts and a shared expert; held out, another shape traced after the
-    terms were final): none and selective at or over their traces, within 10%."""
+    """The MoE shapes with a shared expert on the multi-rank tracer's real dispatcher (MLA ones
+    and a plain-attention one; tuning and held out): none and selective at or over their traces,
+    within 10%."""
     r = _ratios(grid, "traces_te_gpu_dispatcher.jsonl", model)
     assert set(r) == {"none", "selective"}, r
     assert all(1.0 <= v <= 1.10 for v in r.values()), r
