@@ -120,8 +120,9 @@ def test_composed_terms_by_their_formula():
 
 
 def test_the_composition_leaves_other_models_alone():
-    """Plain-attention MoE and dense models' layer arrays do not move with the shared-expert keys
-    (only MLA layers read them); full recompute of deepseek-v2-lite keeps its fitted MoE layer."""
+    """Plain-attention MoE and dense models without a shared expert: their layer arrays do not move
+    with the shared-expert keys (only a shared expert reads them); full recompute of
+    deepseek-v2-lite keeps its fitted MoE layer."""
     t = load_table("te-gpu")
     stripped = dataclasses.replace(t, terms={
         name: ({k: v for k, v in e.items() if not k.startswith("moe_shared_")}
