@@ -123,6 +123,50 @@ GDN_HELDOUT3 = dict(GDN_HELDOUT2, name="grid-gdn-h896", hidden=896, ffn=2688, vo
                     gdn=dict(GDN_HELDOUT2["gdn"], num_key_heads=8, num_value_heads=8))
 SHAPES[GDN_HELDOUT3["name"]] = GDN_HELDOUT3
 SHAPES[GDN_FULL_HELDOUT["name"]] = GDN_FULL_HELDOUT
+# multi-latent attention with MoE MLPs (deepseek-v2-lite's layer kind): grid-mla-h768's MLA widths
+# with grid-moe-h768's experts and a shared expert, a small vocabulary (the layers bind); held out
+# for the composed MLA + retained MoE kernel terms (docs/memory-model.md#mla-moe-kernel-models)
+MLA_MOE_HELDOUT = {"name": "grid-mla-moe-h768", "hidden": 768, "ffn": 0, "vocab": 3072, "dtype": "bf16",
+                   "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                   "attention": dict(MLA_HELDOUT["attention"]), "gdn": None,
+                   "moe": {"num_experts": 32, "top_k": 6, "expert_ffn": 384, "shared_expert_ffn": 768}}
+# a second held-out MLA + MoE shape, traced after the shared expert's kept term was corrected on
+# grid-mla-moe-h768's anatomy (which is then no longer held out): other hidden, heads, MLA widths,
+# experts, top-k and shared expert, no query latent
+MLA_MOE_HELDOUT2 = {"name": "grid-mla-moe-h640", "hidden": 640, "ffn": 0, "vocab": 2560, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                    "attention": {"num_heads": 10, "num_kv_groups": 10, "head_dim": 48, "output_gate": False,
+                                  "mla": {"kv_lora_rank": 160, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                                          "v_head_dim": 32, "q_lora_rank": 0}},
+                    "gdn": None, "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 320, "shared_expert_ffn": 640}}
+# grid-mla-moe-h768 and grid-mla-moe-h640 became tuning cells when the tracer's shared expert took
+# the fused SwiGLU (both re-traced); two held-out MLA + MoE shapes defined after the shared expert's
+# terms were final, each binding at a layer, not the head (small vocabulary): h896 at the last
+# layer's forward point (rope 32, a query latent, 24 experts top 4), h512 at its backward (the
+# routed experts' transient; a shared expert twice the hidden width)
+MLA_MOE_HELDOUT3 = {"name": "grid-mla-moe-h896", "hidden": 896, "ffn": 0, "vocab": 1792, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                    "attention": {"num_heads": 14, "num_kv_groups": 14, "head_dim": 64, "output_gate": False,
+                                  "mla": {"kv_lora_rank": 224, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                                          "v_head_dim": 64, "q_lora_rank": 448}},
+                    "gdn": None, "moe": {"num_experts": 24, "top_k": 4, "expert_ffn": 448, "shared_expert_ffn": 896}}
+MLA_MOE_HELDOUT4 = {"name": "grid-mla-moe-h512", "hidden": 512, "ffn": 0, "vocab": 1024, "dtype": "bf16",
+                    "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                    "attention": {"num_heads": 8, "num_kv_groups": 8, "head_dim": 64, "output_gate": False,
+                                  "mla": {"kv_lora_rank": 128, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16,
+                                          "v_head_dim": 48, "q_lora_rank": 256}},
+                    "gdn": None, "moe": {"num_experts": 16, "top_k": 4, "expert_ffn": 512, "shared_expert_ffn": 1024}}
+# plain attention with MoE MLPs and a shared expert (Qwen2-MoE's kind without the gate: shared FFN
+# 4 x the experts'), held out for the shared expert's terms on the retained MoE kernel path at TP1,
+# defined after those terms were final; it binds at the last layer's backward (the shared expert's)
+MOE_SHARED_HELDOUT = {"name": "grid-moe-shared-h832", "hidden": 832, "ffn": 0, "vocab": 1664, "dtype": "bf16",
+                      "gated_mlp": True, "tied_embeddings": False, "layers": [["attention", "moe"]] * 2,
+                      "attention": {"num_heads": 13, "num_kv_groups": 13, "head_dim": 64, "output_gate": False},
+                      "gdn": None,
+                      "moe": {"num_experts": 20, "top_k": 4, "expert_ffn": 416, "shared_expert_ffn": 1664}}
+for _shape in (MLA_MOE_HELDOUT, MLA_MOE_HELDOUT2, MLA_MOE_HELDOUT3, MLA_MOE_HELDOUT4,
+               MOE_SHARED_HELDOUT):
+    SHAPES[_shape["name"]] = _shape
 TP_LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 4},
               {"tp": 4, "sequence_parallel": True}, {"tp": 8}, {"tp": 8, "sequence_parallel": True})
 

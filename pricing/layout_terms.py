@@ -355,11 +355,8 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
         return table.per_row(FUSED_RETAINED, widths, key=key)
 
     if backward:
-        experts = max(part("moe_backward_per_routed_row"), part("moe_backward_swiglu_per_routed_row"),
-                      part("moe_backward_combine_per_routed_row"))
-        if sp:
-            experts = max(experts, part("moe_sp_backward_per_routed_row"))
-        return max(part("moe_backward_per_row") + routed * experts, part("attention_backward"))
+        return max(fused_moe_experts_backward_per_row(table, widths, routed=routed, sp=sp),
+                   part("attention_backward"))
     hidden = part("moe_gathered") + part("moe_sharded") / tp if sp else part("moe_replicated")
     # what a GPU run may keep that the CPU traces do not (fused permute's map, aux-loss scores)
     hidden += part("moe_gpu_router") / (tp if sp else 1)
@@ -373,6 +370,51 @@ def fused_retained_moe_layer_per_row(table: CoefficientTable, widths: dict, *, r
             out += routed * (part("moe_sp_forward_per_routed_row")
                              + part("moe_sp_forward_sharded_per_routed_row") / tp)
     return out
+
+
+def fused_moe_experts_backward_per_row(table: CoefficientTable, widths: dict, *, routed: float,
+                                       sp: bool = False) -> float:
+    """A retained MoE layer's experts' backward transient on the fused kernels, per row.
+
+    Formula: `moe_backward_per_row` + `routed` x the largest of `moe_backward_per_routed_row`,
+    `moe_backward_swiglu_per_routed_row`, `moe_backward_combine_per_routed_row` (and with SP
+    `moe_sp_backward_per_routed_row`), as `fused_retained_moe_layer_per_row` charges it. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=key)
+
+    experts = max(part("moe_backward_per_routed_row"), part("moe_backward_swiglu_per_routed_row"),
+                  part("moe_backward_combine_per_routed_row"))
+    if sp:
+        experts = max(experts, part("moe_sp_backward_per_routed_row"))
+    return part("moe_backward_per_row") + routed * experts
+
+
+def fused_moe_shared_expert_per_row(table: CoefficientTable, widths: dict, *, routed: float,
+                                    point: str) -> float:
+    """A retained MoE layer's shared expert on the fused kernels at TP1, per row; 0 without one.
+
+    Formula: entry `fused_retained_layer`: "retained" `moe_shared_per_row` (FC1's output, which
+    the fused SwiGLU saves: 4 shared_ffn; frozen linears save no input); "forward" (beside the
+    retained) `moe_shared_forward_per_row` (its output, 2H, beside the routed experts' forward
+    point); "backward" `moe_backward_per_row` + `moe_shared_backward_per_row` (the SwiGLU's
+    incoming and input gradients, FC1's input gradient: 6 shared_ffn + 2H) + `routed` x
+    `moe_shared_backward_per_routed_row` (the permuted rows' gradient awaiting the dispatcher's
+    backward, 2H). See docs/memory-model.md#mla-moe-kernel-models. O(1).
+    """
+    if not widths["shared_ffn"]:
+        return 0.0
+
+    def part(key: str) -> float:
+        return table.per_row(FUSED_RETAINED, widths, key=key)
+
+    if point == "retained":
+        return part("moe_shared_per_row")
+    if point == "forward":
+        return part("moe_shared_forward_per_row")
+    return (part("moe_backward_per_row") + part("moe_shared_backward_per_row")
+            + routed * part("moe_shared_backward_per_routed_row"))
 
 
 def structural_qk_norm_per_row(widths: dict, kernels: KernelSet) -> float:

@@ -198,6 +198,10 @@ class PricingModel:
             lines.append(f"kernel-model: the multi-latent-attention layers with a dense MLP, "
                          f"retained or recomputed ({names}; fused_mla_layer; flash-attn's model, "
                          f"where TE runs cuDNN's fused attention for MLA)")
+        if ctx.fused_mla and ctx.fused_moe_retained:
+            lines.append(f"kernel-model: the retained multi-latent-attention layers with a MoE MLP, MLA's "
+                         f"and the retained MoE layer's terms composed ({names}; fused_mla_layer, "
+                         f"fused_retained_layer moe_ keys)")
         if ctx.fused_gdn_retained:
             lines.append(f"kernel-model: the retained GDN and gated attention layers' tensors, backward "
                          f"and own forward peaks (FLA's gated delta rule and L2 norm, {names}; fused_gdn_layer)")

@@ -26,10 +26,13 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     attention's), and whether it is a structural point (no layout residual beside it)."""
     g, t, widths = ctx.geometry, ctx.table, ctx.widths
     if ctx.fused_moe_retained:
-        # a retained layer's backward transient on the fused kernels: the experts' or flash's
+        # a retained layer's backward transient on the fused kernels: the experts', flash's or
+        # (at TP1) the shared expert's
         routed = g.moe.top_k * ctx.ep_skew
-        return layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed, backward=True,
-                                                             **_fused_layout(ctx)), False
+        return max(layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed,
+                                                                 backward=True, **_fused_layout(ctx)),
+                   layout_terms.fused_moe_shared_expert_per_row(t, widths, routed=routed,
+                                                                point="backward")), False
     mixer = fused_attention_mixer(ctx) if mixer is None else mixer
     if ctx.full and ctx.sp_div > 1 and ctx.kernels.sp_point:
         # the MoE backward point under TP with SP (moe_terms); the attention's own backward
@@ -57,13 +60,17 @@ def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
     chunk re-materialises."""
     if ctx.fused_moe_retained:
         # what the fused kernels keep (TE's grouped GEMM, the fused weighted SwiGLU), at TP1 and
-        # under TP with SP
+        # under TP with SP; a shared expert's at TP1 (under TP with SP such a model keeps the fitted terms)
         routed = ctx.geometry.moe.top_k * ctx.ep_skew
         lay = _fused_layout(ctx)
+        shared = layout_terms.fused_moe_shared_expert_per_row(ctx.table, ctx.widths_r, routed=routed,
+                                                              point="retained")
         kept = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r, routed=routed,
-                                                             **lay)
-        forward = layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r,
-                                                                routed=routed, forward=True, **lay)
+                                                             **lay) + shared
+        forward = (layout_terms.fused_retained_moe_layer_per_row(ctx.table, ctx.widths_r,
+                                                                 routed=routed, forward=True, **lay)
+                   + shared + layout_terms.fused_moe_shared_expert_per_row(
+                       ctx.table, ctx.widths_r, routed=routed, point="forward"))
         # its forward point charges the dispatcher's permuted rows itself; beside it under EP the
         # combine's all-to-all output (`moe_extra` at TP1: 2H per routed row), while the routed
         # rows' all-gather over TP (`moe_extra` under TP with SP) is freed before the combine

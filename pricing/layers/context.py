@@ -98,8 +98,10 @@ class LayerContext:
     """A plain-attention MoE model's retained layers (selective, none) priced by what the fused
     kernels keep (`KernelSet.fused_retained`: TE's grouped GEMM and the fused weighted SwiGLU of the
     experts, the dispatcher's plain PyTorch, under TP with SP the combine's fp32 tensors), on a
-    CP1 layout at TP1 (with or without EP) or under TP with SP without EP (expert TP = TP)
-    (docs/memory-model.md#gpu-kernel-allocation-models)."""
+    CP1 layout at TP1 (with or without EP) or under TP with SP without EP (expert TP = TP; no
+    shared expert); and
+    a multi-latent-attention model's MoE layers at `fused_mla`'s layout (TP1 CP1 EP1; `mla_moe`)
+    (docs/memory-model.md#gpu-kernel-allocation-models, #mla-moe-kernel-models)."""
     fused_gdn_retained: bool = False
     """A GDN hybrid's retained layers (selective, none; GDN and gated attention layers with dense
     SwiGLU MLPs, `gdn_dense_hybrid`) priced by what FLA's kernels and the fused kernels keep
@@ -120,8 +122,9 @@ class LayerContext:
     fused_mla: bool = False
     """A multi-latent-attention model's layers with a dense MLP priced by what the fused kernels
     keep and hold at their points (`KernelSet.fused_mla`; retained and recomputed), on a TP1 CP1
-    layout without EP; MLA layers with a MoE MLP keep the fitted terms
-    (docs/memory-model.md#mla-kernel-models)."""
+    layout without EP; MLA layers with a MoE MLP take the composed terms where retained
+    (`fused_moe_retained`), the fitted ones under full recompute
+    (docs/memory-model.md#mla-kernel-models, #mla-moe-kernel-models)."""
 
     @property
     def mode(self) -> RecomputeMode:
@@ -148,10 +151,12 @@ class LayerContext:
 
     @property
     def mla_on_kernels(self) -> bool:
-        """Whether every layer is priced by the fused kernels' MLA terms (`fused_mla`, dense MLPs
-        only): the head's forward point and the RoPE entry are then charged as beside the plain
-        kernel-model layers; a model with fitted MoE-MLP layers keeps the fitted layers' margins."""
-        return self.fused_mla and all(layer.mlp == MlpKind.DENSE for layer in self.geometry.layers)
+        """Whether every layer is priced by the fused kernels' MLA terms (`fused_mla`: dense MLPs,
+        and MoE MLPs where `fused_moe_retained`): the head's forward point and the RoPE entry are
+        then charged as beside the plain kernel-model layers; a model with fitted MoE-MLP layers
+        keeps the fitted layers' margins."""
+        return self.fused_mla and all(layer.mlp == MlpKind.DENSE or self.fused_moe_retained
+                                      for layer in self.geometry.layers)
 
     @property
     def on_kernel_models(self) -> bool:
@@ -227,17 +232,20 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
                    and g.plain_dense and kernel_layout and flash_bounded)
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
                       and kernels.tp1_point and g.plain_dense and kernel_layout and flash_bounded)
-    # at TP1 (with EP too: the busiest rank's routed rows, the combine's all-to-all output in
-    # `routed_extra`), and under TP with SP without EP where the credited TP and expert TP are the
-    # layout's (the combine's fp32 tensors); written from the multi-rank anatomies
-    fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and plain_moe(g) and rows_cp == 1 and flash_bounded
-                          and (p.tp == 1 or (sp_div > 1 and p.ep == 1 and width_tp == p.tp
-                                             and coverage.width_etp == width_tp)))
     # MLA's dense layers at TP1 CP1 without EP (the te-gpu traces' layout), any recompute
     fused_mla = (kernels.fused and kernels.fused_mla and g.attention is not None
                  and g.attention.mla is not None and g.gdn is None and p.tp == 1 and width_tp == 1
                  and rows_cp == 1 and p.ep == 1)
+    # at TP1 (with EP too: the busiest rank's routed rows, the combine's all-to-all output in
+    # `routed_extra`), and under TP with SP without EP where the credited TP and expert TP are the
+    # layout's (the combine's fp32 tensors); written from the multi-rank anatomies
+    fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
+                          and ((plain_moe(g) and rows_cp == 1 and flash_bounded
+                                and (p.tp == 1 or (sp_div > 1 and p.ep == 1 and width_tp == p.tp
+                                                   and coverage.width_etp == width_tp
+                                                   and not g.moe.shared_expert_ffn)))
+                               # MLA layers with MoE MLPs: at fused_mla's layout (TP1 CP1 EP1)
+                               or (fused_mla and mla_moe(g))))
     fused_gdn_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_gdn
                           and gdn_dense_hybrid(g) and p.tp == 1 and rows_cp == 1 and flash_bounded)
     # at TP1 only: under TP with SP the point prices the seed's 27B TP4+SP GPU wave 7.2% over
@@ -274,15 +282,28 @@ def flash_bounds_hold(g: ModelGeometry) -> bool:
 def plain_moe(g: ModelGeometry) -> bool:
     """Whether every layer is plain attention (no output gate, no multi-latent attention) with a
     MoE MLP whose experts run TE's grouped GEMM and the fused weighted SwiGLU (no biases, SwiGLU),
-    and the model has no GDN spec and no shared expert: the MoE layers the fused kernels' retained
-    term was written for (`layout_terms.fused_retained_moe_layer_per_row`, which charges no shared
-    expert). O(layers)."""
+    and the model has no GDN spec and no shared-expert gate: the MoE layers the fused kernels'
+    retained term was written for (`layout_terms.fused_retained_moe_layer_per_row`; a shared
+    expert's `fused_moe_shared_expert_per_row` at TP1 only, no term under TP with SP). O(layers)."""
     att, f = g.attention, g.features
     return (att is not None and not att.output_gate and att.mla is None and g.gdn is None
-            and g.moe is not None and not g.moe.shared_expert_ffn
+            and g.moe is not None and not f.shared_expert_gate
             and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
             and all(layer.mixer == MixerKind.ATTENTION and layer.mlp == MlpKind.MOE
                     for layer in g.layers))
+
+
+def mla_moe(g: ModelGeometry) -> bool:
+    """Whether every layer is multi-latent attention (no output gate, no GDN spec) with a dense
+    MLP or a MoE MLP whose experts run TE's grouped GEMM and the fused weighted SwiGLU (no biases,
+    SwiGLU, no shared-expert gate), and some layer has a MoE MLP: the layers the composed MLA and
+    retained MoE kernel terms price (`layers.mla.moe_kernel_layer_per_row`). O(layers)."""
+    att, f = g.attention, g.features
+    return (att is not None and att.mla is not None and not att.output_gate and g.gdn is None
+            and g.moe is not None and not f.linear_bias and f.mlp_activation == MlpActivation.SWIGLU
+            and not f.shared_expert_gate
+            and all(layer.mixer == MixerKind.ATTENTION for layer in g.layers)
+            and any(layer.mlp == MlpKind.MOE for layer in g.layers))
 
 
 def gdn_dense_hybrid(g: ModelGeometry) -> bool:

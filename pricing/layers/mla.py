@@ -1,7 +1,9 @@
 """A multi-latent attention layer (dense or MoE MLP): its mixer's stage by its true widths with
 its norms' fp32 inputs, the rest as the attention layer with that MLP prices it
 (docs/memory-model.md#family-features); with the fused kernels (te-gpu) at TP1 CP1, a layer with
-a dense MLP by what the kernels keep and hold at its points (docs/memory-model.md#mla-kernel-models).
+a dense MLP by what the kernels keep and hold at its points (docs/memory-model.md#mla-kernel-models),
+a retained layer with a MoE MLP (EP1) by MLA's and the retained MoE layer's kernel terms composed
+(docs/memory-model.md#mla-moe-kernel-models).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def _with_mlp(layer: LayerSpec):
 
 
 def on_kernels(ctx: LayerContext, layer: LayerSpec) -> bool:
-    """Whether the layer is priced by the fused kernels' MLA terms (`LayerContext.fused_mla`,
-    a dense MLP)."""
-    return ctx.fused_mla and layer.mlp == MlpKind.DENSE
+    """Whether the layer is priced by the fused kernels' MLA terms (`LayerContext.fused_mla`:
+    a dense MLP, or a MoE MLP retained on the kernel models, `fused_moe_retained`)."""
+    return ctx.fused_mla and (layer.mlp == MlpKind.DENSE or ctx.fused_moe_retained)
 
 
 def mla_widths(ctx: LayerContext) -> dict:
@@ -81,8 +83,46 @@ def kernel_layer_per_row(table: CoefficientTable, widths: dict, *, point: str) -
     return saved + max(forward, part("attn_point") + flash)
 
 
+def moe_kernel_layer_per_row(ctx: LayerContext, widths: dict, *, point: str) -> float:
+    """A retained MLA layer with a MoE MLP on the fused kernels (TP1 CP1 EP1), bytes per row.
+
+    Formula: the retained plain-attention MoE layer with its attention swapped for MLA's:
+    "retained" `fused_retained_moe_layer_per_row` + (`kernel_layer_per_row` "retained" -
+    `fused_retained_layer_per_row`: MLA's kept tensors and adapters in place of the plain
+    attention's, the dense MLP's 6F + 4 rank cancelling) + the shared expert's
+    `fused_moe_shared_expert_per_row` "retained"; "forward" that + the MoE forward point's additions
+    (the experts' output, the combine's copy, the dispatcher's permuted copy) + the shared expert's
+    "forward"; "backward" (without the kept tensors) the larger of the experts'
+    (`fused_moe_experts_backward_per_row`), the shared expert's "backward" and MLA's
+    (`attention_backward` + `retained_attention_backward`). `routed`: top_k x the busiest
+    rank's load. See docs/memory-model.md#mla-moe-kernel-models. O(1).
+    """
+    t = ctx.table
+    routed = ctx.geometry.moe.top_k * ctx.ep_skew
+
+    def shared(at: str) -> float:
+        return layout_terms.fused_moe_shared_expert_per_row(t, widths, routed=routed, point=at)
+
+    if point == "backward":
+        return max(layout_terms.fused_moe_experts_backward_per_row(t, widths, routed=routed),
+                   t.per_row(ENTRY, widths, key="attention_backward")
+                   + t.per_row(ENTRY, widths, key="retained_attention_backward"),
+                   shared("backward"))
+    moe_kept = layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed)
+    kept = (moe_kept + kernel_layer_per_row(t, widths, point="retained")
+            - layout_terms.fused_retained_layer_per_row(t, widths, tp=1, sequence_parallel=False)
+            + shared("retained"))
+    if point == "retained":
+        return kept
+    forward = layout_terms.fused_retained_moe_layer_per_row(t, widths, routed=routed, forward=True)
+    return kept + forward - moe_kept + shared("forward")
+
+
 def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:
     """The layer's stage workspace per row, and whether it is a structural point."""
+    if on_kernels(ctx, layer) and layer.mlp == MlpKind.MOE:
+        # a retained layer's backward transient: the experts', the shared expert's or MLA's
+        return moe_kernel_layer_per_row(ctx, mla_widths(ctx), point="backward"), False
     if on_kernels(ctx, layer):
         # recomputed at its largest point, or a retained layer's backward transient
         point = "recomputed" if ctx.full else "backward"
@@ -93,6 +133,13 @@ def stage(ctx: LayerContext, layer: LayerSpec) -> tuple[float, bool]:
 def retained(ctx: LayerContext, index: int, layer: LayerSpec, *, extra: float,
              moe_extra: float) -> tuple[float, float]:
     """The layer's retained activations per row and its own structural forward peak."""
+    if on_kernels(ctx, layer) and layer.mlp == MlpKind.MOE:
+        # beside its forward point at TP1 the combine's all-to-all output (`moe_extra`), as the
+        # plain-attention MoE layer's
+        widths = mla_widths(ctx)
+        kept = moe_kernel_layer_per_row(ctx, widths, point="retained")
+        forward = moe_kernel_layer_per_row(ctx, widths, point="forward")
+        return kept + extra, forward + extra + moe_extra
     if on_kernels(ctx, layer):
         widths = mla_widths(ctx)
         kept = kernel_layer_per_row(ctx.table, widths, point="retained")

@@ -545,6 +545,7 @@ def te_gpu_kernels(model):
     from megatron.core.ssm import gated_delta_net as gdn_mod
     from megatron.core.transformer import mlp as mlp_mod
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from .megatron_build import TorchRMSNorm, gelu_tanh, sdpa_attention_class
 
@@ -576,17 +577,27 @@ def te_gpu_kernels(model):
         core.flash = True
     if rings:
         installed.append("flash attention in the CP ring's steps")
-    saved = (config.apply_rope_fusion, config.bias_activation_fusion, config.activation_func,
-             rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
+    # modules that copied the config at build (`SharedExpertMLP`, a `SequentialMLP` whose expert
+    # width differs from the dense one, a TP core attention's GQA copy) read their own copy: the
+    # fusion flags go on every copy, as a GPU run configured with them at build has them
+    configs = list({id(c): c for c in [config] + [getattr(m, "config", None) for m in model.modules()]
+                    if isinstance(c, TransformerConfig)}.values())
+    flags = [(c.apply_rope_fusion, c.bias_activation_fusion, c.activation_func) for c in configs]
+
+    def set_all(name, value):
+        for c in configs:
+            setattr(c, name, value)
+
+    saved = (rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
              mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl, mlp_mod.bias_geglu_impl)
     if not getattr(config, "multi_latent_attention", False):
-        config.apply_rope_fusion = True
+        set_all("apply_rope_fusion", True)
         rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
         rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_thd
         installed.append("TE fused RoPE")
     if config.gated_linear_unit and config.activation_func is F.silu \
             and getattr(config, "activation_func_clamp_value", None) is None:
-        config.bias_activation_fusion = True
+        set_all("bias_activation_fusion", True)
         mlp_mod.bias_swiglu_impl = bias_swiglu_impl
         mlp_mod.weighted_bias_swiglu_impl = weighted_bias_swiglu_impl
         installed.append("fused bias-SwiGLU")
@@ -600,20 +611,21 @@ def te_gpu_kernels(model):
     elif config.gated_linear_unit and config.activation_func is gelu_tanh \
             and not any(isinstance(m, SequentialMLP) for m in model.modules()):
         # Megatron's fused GeGLU branch is taken for F.gelu; its kernel is the tanh GELU
-        config.activation_func = F.gelu
+        set_all("activation_func", F.gelu)
         for m in model.modules():
             if isinstance(m, mlp_mod.MLP) and m.activation_func is gelu_tanh:
                 m.activation_func = F.gelu
                 gelu_mlps.append(m)
-        config.bias_activation_fusion = True
+        set_all("bias_activation_fusion", True)
         mlp_mod.bias_geglu_impl = bias_geglu_impl
         installed.append("fused bias-GeGLU")
     try:
         yield installed
     finally:
-        (config.apply_rope_fusion, config.bias_activation_fusion, config.activation_func,
-         rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
+        (rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
          mlp_mod.bias_swiglu_impl, mlp_mod.weighted_bias_swiglu_impl, mlp_mod.bias_geglu_impl) = saved
+        for c, (rope, fusion, act) in zip(configs, flags, strict=True):
+            c.apply_rope_fusion, c.bias_activation_fusion, c.activation_func = rope, fusion, act
         for core in swapped:
             core.__class__ = sdpa
         for core in rings:

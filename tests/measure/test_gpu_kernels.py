@@ -145,17 +145,18 @@ def test_flash_varlen_allocations_follow_mha_varlen_fwd_and_bwd():
         and gk._round_head(200) == 256
 
 
-def _tiny(dtype="fp32", moe=False, geglu=False):
+def _tiny(dtype="fp32", moe=False, geglu=False, shared=0):
     mlp = MlpKind.MOE if moe else MlpKind.DENSE
     act = MlpActivation.GEGLU if geglu else MlpActivation.SWIGLU
     return ModelGeometry(name="tiny", hidden=64, ffn=0 if moe else 192, vocab=256,
                          layers=((MixerKind.ATTENTION, mlp),) * 2,
                          attention=AttentionSpec(4, 2, 16), dtype=dtype,
-                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=48) if moe else None,
+                         moe=MoeSpec(num_experts=4, top_k=2, expert_ffn=48, shared_expert_ffn=shared)
+                         if moe else None,
                          features=ModelFeatures(mlp_activation=act))
 
 
-def _loss_and_grads(kernels: bool, mode: str, moe: bool = False, geglu: bool = False):
+def _loss_and_grads(kernels: bool, mode: str, moe: bool = False, geglu: bool = False, shared: int = 0):
     from waveplan.pricing.measure import thd
     from waveplan.pricing.measure.megatron_build import build_gpt
     from waveplan.pricing.measure.trace import _balanced_router, _install_balanced_dispatch
@@ -163,7 +164,7 @@ def _loss_and_grads(kernels: bool, mode: str, moe: bool = False, geglu: bool = F
 
     lens = [40, 24]
     torch.manual_seed(0)
-    model = build_gpt(_tiny(moe=moe, geglu=geglu), device="cpu", lora_rank=4, recompute=Recompute(mode=mode),
+    model = build_gpt(_tiny(moe=moe, geglu=geglu, shared=shared), device="cpu", lora_rank=4, recompute=Recompute(mode=mode),
                       seq_len=64, dtype=torch.float32)
     if moe:
         _install_balanced_dispatch(model, ParallelLayout())
@@ -185,20 +186,53 @@ def _loss_and_grads(kernels: bool, mode: str, moe: bool = False, geglu: bool = F
     return float(loss.detach()), [p.grad for p in model.parameters() if p.requires_grad], installed
 
 
-@pytest.mark.parametrize("mode,moe,geglu", [("none", False, False), ("full", False, False),
-                                           ("none", True, False), ("none", False, True)])
-def test_te_gpu_kernels_compute_the_same_loss_and_adapter_gradients(mode, moe, geglu):
+@pytest.mark.parametrize("mode,moe,geglu,shared", [("none", False, False, 0), ("full", False, False, 0),
+                                                  ("none", True, False, 0), ("none", False, True, 0),
+                                                  ("none", True, False, 32)])
+def test_te_gpu_kernels_compute_the_same_loss_and_adapter_gradients(mode, moe, geglu, shared):
     from waveplan.pricing.measure.megatron_shim import init_single_process
 
     with init_single_process(1):
-        ref_loss, ref_grads, _ = _loss_and_grads(False, mode, moe, geglu)
-        loss, grads, installed = _loss_and_grads(True, mode, moe, geglu)
+        ref_loss, ref_grads, _ = _loss_and_grads(False, mode, moe, geglu, shared)
+        loss, grads, installed = _loss_and_grads(True, mode, moe, geglu, shared)
     mlp = ["fused bias-GeGLU"] if geglu else ["fused bias-SwiGLU"] + (
         ["grouped GEMM experts"] if moe else [])
     assert installed == ["TE RMSNorm", "flash attention (varlen)", "TE fused RoPE"] + mlp
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for a, b in zip(grads, ref_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_shared_expert_runs_the_fused_swiglu_under_the_kernel_set():
+    """SharedExpertMLP copies the config at build (as SequentialMLP does for an expert width
+    other than the dense one): the kernel set switches the fusion on in every copy, and puts
+    each back after."""
+    from waveplan.pricing.measure.megatron_build import build_gpt
+    from waveplan.pricing.measure.megatron_shim import init_single_process
+
+    with init_single_process(1):
+        model = build_gpt(_tiny(moe=True, shared=32), device="cpu", lora_rank=4,
+                          recompute=Recompute(mode="none"), seq_len=64, dtype=torch.float32)
+        shared = [m for m in model.modules() if type(m).__name__ == "SharedExpertMLP"]
+        experts = [m for m in model.modules() if type(m).__name__ == "SequentialMLP"]
+        assert len(shared) == 2 and len(experts) == 2
+        copies = [m.config for m in shared + experts]
+        assert all(m.config is not model.config for m in shared)   # each reads its own copy
+        assert not any(c.bias_activation_fusion for c in copies + [model.config])
+        calls = []
+
+        def fused(*args, **kw):
+            calls.append(args[0].shape[-1])
+            return gk.bias_swiglu_impl(*args, **kw)
+
+        with gk.te_gpu_kernels(model):
+            assert all(c.bias_activation_fusion for c in copies + [model.config])
+            mlp_mod = __import__("megatron.core.transformer.mlp", fromlist=["mlp"])
+            mlp_mod.bias_swiglu_impl = fused
+            x = torch.randn(8, 1, 64)
+            shared[0](x)
+        assert calls == [2 * 32]   # the shared expert's FC1 output went through the fused SwiGLU
+        assert not any(c.bias_activation_fusion for c in copies + [model.config])
 
 
 def test_trace_wave_runs_the_kernel_set_and_it_holds_less_than_torch_ops():

@@ -254,23 +254,32 @@ def test_plain_attention_moe_layers_are_retained_by_the_kernel_models():
                        te.per_row("fused_retained_layer", w, key="attention_backward"))
 
 
-def test_a_shared_expert_keeps_plain_moe_layers_off_the_kernel_models():
-    """The retained MoE kernel term charges no shared expert, so a plain-attention MoE model with
-    one (Qwen2-MoE's kind) keeps the fitted terms, which charge it (`moe_shared_expert`): its
-    retained price is above the same model's without the shared expert, by at least the shared
-    expert's SwiGLU input and output per row of every layer."""
+def test_a_shared_expert_on_plain_moe_layers_is_charged_on_the_kernel_models_at_tp1():
+    """A plain-attention MoE model with a shared expert (Qwen2-MoE's kind, no gate) takes the
+    retained MoE kernel term at TP1 with the shared expert's (`fused_moe_shared_expert_per_row`):
+    every layer keeps the shared expert's FC1 output the fused SwiGLU saves (4 shared_ffn per row)
+    more than without it, and its price lies between the model's without a shared expert and the
+    fitted terms' (a gated shared expert keeps those); under TP with SP, where no shared-expert
+    term is written, it keeps the fitted terms."""
     g = load_preset("qwen3-30b-a3b")
     step = load_step("grpo-8x8")
     shared = dataclasses.replace(g, moe=dataclasses.replace(g.moe, shared_expert_ffn=1024))
-    assert plain_moe(g) and not plain_moe(shared)
+    gated = dataclasses.replace(shared, features=dataclasses.replace(shared.features,
+                                                                     shared_expert_gate=True))
+    assert plain_moe(g) and plain_moe(shared) and not plain_moe(gated)
     for mode in ("none", "selective"):
-        prices = []
-        for geometry in (g, shared):
+        prices, walks = [], []
+        for geometry in (g, shared, gated):
             model = PricingModel.build(geometry, recompute=Recompute(mode=mode))
-            assert model.layer_context().fused_moe_retained == (geometry is g)
+            assert model.layer_context().fused_moe_retained == (geometry is not gated)
+            walks.append(model.charges.walk)
             prices.append(WavePricer(step, model).price([np.arange(len(step.requests))]).raw_bytes)
-        rows = sum(r.num_tokens for r in step.requests)
-        assert prices[1] - prices[0] >= len(g.layers) * rows * 6 * 1024, mode
+        assert (walks[1].retained - walks[0].retained == 4 * 1024).all(), mode
+        assert prices[0] < prices[1] < prices[2], mode
+    sp = ParallelLayout(tp=2, sequence_parallel=True)
+    for geometry, on in ((g, True), (shared, False)):
+        model = PricingModel.build(geometry, recompute=Recompute(mode="none"), parallel=sp)
+        assert model.layer_context().fused_moe_retained == on
 
 
 def test_retained_moe_under_tp_with_sp_holds_the_combines_fp32_tensors():

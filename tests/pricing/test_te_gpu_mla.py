@@ -57,7 +57,8 @@ def test_mla_cells_on_target_and_never_under(grid, which, cells):
 
 def test_the_kernel_path_takes_dense_mla_layers_at_tp1_only(grid):
     """te-gpu at TP1 CP1: MLA layers with a dense MLP on the kernel terms, whatever the recompute;
-    torch-cpu, TP2 and CP2 keep the fitted terms; so does a MoE MLP's MLA layer in a mixed model."""
+    torch-cpu, TP2 and CP2 keep the fitted terms; so does a MoE MLP's MLA layer in a mixed model
+    under full recompute."""
     g = grid.geometry_of("grid-mla-h1024")
     for rc in ("full", "selective", "none"):
         ctx = _model(g, recompute=rc).layer_context()
@@ -65,7 +66,9 @@ def test_the_kernel_path_takes_dense_mla_layers_at_tp1_only(grid):
     assert not _model(g, table="torch-cpu").layer_context().fused_mla
     for par in (ParallelLayout(tp=2), ParallelLayout(cp=2)):
         assert not _model(g, parallel=par).layer_context().fused_mla, par
-    ds = _model(load_preset("deepseek-v2-lite")).layer_context()
+    # a MoE MLP's MLA layer keeps the fitted terms under full recompute (retained, it takes the
+    # composed MLA + MoE terms: tests/pricing/test_te_gpu_mla_moe.py)
+    ds = _model(load_preset("deepseek-v2-lite"), recompute="full").layer_context()
     dense, moe = ds.geometry.layers
     assert mla.on_kernels(ds, dense) and not mla.on_kernels(ds, moe)
     # the MoE-MLP layer keeps exactly what the fitted MLA path charged it

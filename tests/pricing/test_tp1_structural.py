@@ -52,10 +52,11 @@ def test_retained_tp1_layer_is_the_structural_term_at_tp1(preset, mode):
 
 def test_the_fitted_layer_stays_elsewhere():
     """Models that are not plain dense attention keep the TP1-fitted layer, no head-forward charge
-    and no TP1 residual (te-gpu too where layers keep fitted terms, MLA here: its plain dense and
-    plain-attention MoE layers are priced by the fused kernels' terms,
-    tests/pricing/test_te_gpu_kernel_models.py)."""
-    for preset, backend, mode in (("deepseek-v2-lite", "te-gpu", "none"),
+    and no TP1 residual (te-gpu too where layers keep fitted terms, MLA with MoE MLPs under full
+    recompute here: its plain dense and plain-attention MoE layers are priced by the fused kernels'
+    terms, tests/pricing/test_te_gpu_kernel_models.py, and so are its retained MLA layers,
+    tests/pricing/test_te_gpu_mla_moe.py)."""
+    for preset, backend, mode in (("deepseek-v2-lite", "te-gpu", "full"),
                                   ("qwen3-30b-a3b", "torch-cpu", "none"), ("deepseek-v2-lite", "torch-cpu", "none"),
                                   ("qwen3.8-27b", "torch-cpu", "selective")):
         g = load_preset(preset)
