@@ -60,8 +60,12 @@ done
 # The default te-gpu table's classes on the device (issue 33): dense retained and full, retained MoE,
 # MLA, a GDN hybrid, and the seed's MoE full-recompute cell (qwen3-30b-a3b, 8 layers, 16,384 tokens
 # in 32 sequences: the wave whose 8.8 KB/token no kernel model explains, docs/memory-model.md#moe-full-seed-gap).
-# Each cell is priced on te-gpu beside its peak; a cell whose kernels are missing on the device
-# (flash-attn, FLA, Transformer Engine) is reported as failed and the script goes on.
+# What this measures: the tracer builds Megatron's local spec (torch modules), with `--kernels
+# te-gpu` the fused kernels' allocation models in place of TE, flash-attn and FLA, now on the CUDA
+# caching allocator; so it checks what the CPU traces cannot (the allocator's rounding, cuBLAS
+# workspaces, what the device-side PyTorch ops keep), not the real TE kernels, which need a TE-spec
+# model on the device. Each cell is priced on the table its kernels name beside its peak; a cell
+# that fails on the device is reported and the script goes on.
 "$PY" - "$STEPS" <<'PYEOF'
 import json, sys
 with open(f"{sys.argv[1]}/seed.jsonl", "w") as fh:
@@ -70,7 +74,8 @@ with open(f"{sys.argv[1]}/seed.jsonl", "w") as fh:
 PYEOF
 : > "$OUT/gpu_te_gpu_traces.jsonl"
 te_cell() {  # model layers recompute step
-  "$WAVEPLAN" trace "$STEPS/$4.jsonl" --model "$1" --layers "$2" --recompute "$3" --device cuda --json \
+  "$WAVEPLAN" trace "$STEPS/$4.jsonl" --model "$1" --layers "$2" --recompute "$3" --device cuda \
+    --kernels te-gpu --json \
     >> "$OUT/gpu_te_gpu_traces.jsonl" || echo "failed: $*" >&2
 }
 for mode in none selective full; do te_cell qwen3-8b 4 "$mode" short; done
@@ -95,11 +100,11 @@ for line in open(sys.argv[1], encoding="utf-8"):
     g = dataclasses.replace(g, layers=g.layers[:rec["num_layers"]])
     model = PricingModel(geometry=g, parallel=ParallelLayout(), recompute=Recompute(mode=rec["recompute"]["mode"]),
                          lora=LoraConfig(slots=(LoraSlot(rank=rec["lora_rank"] or 16),), grad_bytes=2),
-                         table=load_table("te-gpu"), head=rec["head"], safety=1.0)
+                         table=load_table(rec.get("kernels", "torch-cpu")), head=rec["head"], safety=1.0)
     step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(rec["seq_lens"])])
     price = WavePricer.build(step, model, profiled=True).price([np.arange(len(step.requests))],
                                                              first_slots=frozenset({"default"}))
-    print(f"te-gpu {rec['model']} {rec['num_layers']} layers {rec['recompute']['mode']} {rec['tokens']} tokens: "
+    print(f"{rec.get('kernels', 'torch-cpu')} {rec['model']} {rec['num_layers']} layers {rec['recompute']['mode']} {rec['tokens']} tokens: "
           f"peak {rec['peak_bytes']:,d} B, priced {price.raw_bytes:,.0f} B, "
           f"{price.raw_bytes / rec['peak_bytes']:.3f} ({price.basis})", flush=True)
 PYEOF

@@ -12,7 +12,7 @@ Evidence: docs/memory-model.md#te-gpu-gdn. All functions are O(1) and torch-free
 from __future__ import annotations
 
 from .coefficients import CoefficientTable
-from .geometry import GdnSpec
+from .geometry import GdnSpec, MixerKind
 from .layout_terms import FUSED_RETAINED, fused_retained_layer_per_row, tp1_fc1_point_per_row
 
 ENTRY = "fused_gdn_layer"
@@ -125,3 +125,16 @@ def fused_gated_attention_point_per_row(table: CoefficientTable, widths: dict) -
     point = tp1_fc1_point_per_row(table, widths, rope_per_row=0.0, at_tp1=True)
     kept = fused_retained_layer_per_row(table, widths, tp=1, sequence_parallel=False)
     return max(point, kept + table.per_row(ENTRY, widths, key="gate_backward")) + gate
+
+
+def kernel_kept_per_row(ctx, layer) -> float:
+    """What a GDN hybrid's layer keeps on the fused kernels at TP1 (`fused_gdn_layer_per_row`
+    "kept" for a GDN layer; the fused dense layer's kept tensors with the output gate's for an
+    attention layer), per row: the floor of a multi-layer recompute chunk's re-materialised
+    layers on `LayerContext.fused_gdn_point`. See docs/memory-model.md#te-gpu-gdn-full. O(1).
+    """
+    t, w = ctx.table, ctx.widths_r
+    if layer.mixer == MixerKind.GDN:
+        return fused_gdn_layer_per_row(t, w, ctx.geometry.gdn)
+    return (fused_retained_layer_per_row(t, w, tp=1, sequence_parallel=False)
+            + fused_gated_attention_per_row(t, w) + ctx.qk_structural_per_row)

@@ -65,6 +65,13 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     # transient and (without full recompute) the retained activations alike
     extra = feature_terms.layer_extra_per_row(g, widths, layer, tp=ctx.tp,
                                               sp_div=ctx.sp_div, ep_skew=ctx.ep_skew)
+    if t.kernels.fused and layer.mixer == MixerKind.ATTENTION and g.attention.mla is None:
+        # flash-attn's fp32 log-sum-exp (kept) and dq accumulator and softmax_d (its backward)
+        # beyond the bounds the fused and fitted attention terms charge (layout_terms)
+        flash_kept, flash_backward = layout_terms.flash_fp32_excess_per_row(
+            widths, g.attention.head_dim)
+        extra += flash_kept
+        workspace += flash_backward - flash_kept
     if extra:
         workspace += extra
         nograd = nograd + extra
@@ -74,7 +81,10 @@ def layer_row(ctx: LayerContext, index: int, layer: LayerSpec) -> LayerRow:
     if mode == RecomputeMode.FULL:
         retained = terms.boundary_per_row(t, widths, sp_div=ctx.sp_div)
         if ctx.recompute.num_layers > 1 or ctx.recompute.method == "block":
-            # a multi-layer recompute chunk re-materialises num_layers layers at once
+            # a multi-layer recompute chunk re-materialises num_layers layers at once (a GDN
+            # hybrid's recomputed layers on the kernel models: at least what those keep)
+            if ctx.fused_gdn_point:
+                layer_retained = max(layer_retained, gdn_kernel_terms.kernel_kept_per_row(ctx, layer) + extra)
             workspace += (ctx.recompute.num_layers - 1) * layer_retained
         return LayerRow(retained=retained, workspace=workspace, nograd=nograd, nograd_plain=nograd,
                         retained_forward=0.0, gdn_state=gdn_state, structural_point=structural)

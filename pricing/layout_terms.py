@@ -462,3 +462,21 @@ def head_point_transient(logits_retained: float, logits_transient: float, norm_b
     if not released:
         return max(logits_transient, norm_backward)
     return max(logits_transient, norm_backward - logits_retained)
+
+
+def flash_fp32_excess_per_row(widths: dict, head_dim: int) -> tuple[float, float]:
+    """What flash-attn 2's fp32 tensors of a plain attention layer hold beyond the bounds the
+    fused kernel terms charge per row: (kept, backward transient).
+
+    Formula: kept = core x max(0, 4 / d - 1/16) (the log-sum-exp, 4 bytes per head, bounded by
+    0.0625 core); backward = the same for softmax_d + core x max(0, 4 x rounded(d) / d - 4.8)
+    (the dq accumulator, 4 x heads x rounded(d), bounded by 4.8 core; rounded:
+    `fsdp.terms.flash_head_rounded`); 0 for d >= 64 with rounded(d) <= 1.2 d. See
+    docs/memory-model.md#gpu-kernel-allocation-models. O(1).
+    """
+    from .fsdp.terms import flash_head_rounded
+
+    core, d = widths["core"], float(head_dim)
+    lse = core * max(0.0, 4.0 / d - 1.0 / 16.0)
+    acc = core * max(0.0, 4.0 * flash_head_rounded(head_dim) / d - 4.8)
+    return lse, lse + acc

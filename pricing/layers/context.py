@@ -226,12 +226,10 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     # under CP at any TP without SP (the multi-rank traces at TP1 and TP2 under CP); TP with SP
     # under CP has no te-gpu trace and keeps the fitted terms
     kernel_layout = rows_cp == 1 or sp_div == 1
-    # flash-attn's fp32 tensors within the bounds the fused terms charge (plain attention)
-    flash_bounded = flash_bounds_hold(g)
     fused_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.tp1_point
-                   and g.plain_dense and kernel_layout and flash_bounded)
+                   and g.plain_dense and kernel_layout)
     fused_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                      and kernels.tp1_point and g.plain_dense and kernel_layout and flash_bounded)
+                      and kernels.tp1_point and g.plain_dense and kernel_layout)
     # MLA's dense layers at TP1 CP1 without EP (the te-gpu traces' layout), any recompute
     fused_mla = (kernels.fused and kernels.fused_mla and g.attention is not None
                  and g.attention.mla is not None and g.gdn is None and p.tp == 1 and width_tp == 1
@@ -240,19 +238,18 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
     # `routed_extra`), and under TP with SP without EP where the credited TP and expert TP are the
     # layout's (the combine's fp32 tensors); written from the multi-rank anatomies
     fused_moe_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_retained
-                          and ((plain_moe(g) and rows_cp == 1 and flash_bounded
+                          and ((plain_moe(g) and rows_cp == 1
                                 and (p.tp == 1 or (sp_div > 1 and p.ep == 1 and width_tp == p.tp
                                                    and coverage.width_etp == width_tp
                                                    and not g.moe.shared_expert_ffn)))
                                # MLA layers with MoE MLPs: at fused_mla's layout (TP1 CP1 EP1)
                                or (fused_mla and mla_moe(g))))
     fused_gdn_retained = (mode != RecomputeMode.FULL and kernels.fused and kernels.fused_gdn
-                          and gdn_dense_hybrid(g) and p.tp == 1 and rows_cp == 1 and flash_bounded)
+                          and gdn_dense_hybrid(g) and p.tp == 1 and rows_cp == 1)
     # at TP1 only: under TP with SP the point prices the seed's 27B TP4+SP GPU wave 7.2% over
     # its measurement (docs/memory-model.md#te-gpu-gdn-full), so TP > 1 keeps the fitted terms
     fused_gdn_point = (mode == RecomputeMode.FULL and kernels.fused and kernels.fused_gdn_point
-                       and gdn_dense_hybrid(g) and p.tp == 1 and width_tp == 1 and rows_cp == 1
-                       and flash_bounded)
+                       and gdn_dense_hybrid(g) and p.tp == 1 and width_tp == 1 and rows_cp == 1)
     return LayerContext(
         geometry=g, table=t, recompute=recompute, credit=coverage.credit,
         widths=widths, widths_r=widths_r, tp=width_tp, etp=coverage.width_etp, sp_div=sp_div,
@@ -263,20 +260,6 @@ def layer_context(coverage: Coverage, *, geometry: ModelGeometry, table: Coeffic
         fused_point=fused_point, fused_retained=fused_retained,
         fused_moe_retained=fused_moe_retained, fused_mla=fused_mla,
         fused_gdn_retained=fused_gdn_retained, fused_gdn_point=fused_gdn_point)
-
-
-def flash_bounds_hold(g: ModelGeometry) -> bool:
-    """Whether flash-attn 2's fp32 backward tensors of the model's plain (non-MLA) attention fit
-    the bounds the fused layer terms charge per row: dq_accum 4 x rounded(d) / d <= 4.8 core and
-    softmax_d, log-sum-exp 4 / d <= 0.0625 core, so d >= 64 and rounded(d) <= 1.2 d
-    (`fsdp.terms.flash_head_rounded`); a head dim outside them keeps the fitted terms. MLA
-    charges the exact widths. See docs/memory-model.md#gpu-kernel-allocation-models. O(1)."""
-    from ..fsdp.terms import flash_head_rounded
-
-    att = g.attention
-    if att is None or att.mla is not None:
-        return True
-    return att.head_dim >= 64 and 5 * flash_head_rounded(att.head_dim) <= 6 * att.head_dim
 
 
 def plain_moe(g: ModelGeometry) -> bool:

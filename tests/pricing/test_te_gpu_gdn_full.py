@@ -119,3 +119,20 @@ def test_the_head_drops_the_seeds_gdn_margin_on_the_path():
 def test_the_basis_names_the_recomputed_gdn_kernel_models():
     assert any("fused_gdn_point" in line and "FLA" in line for line in _model("qwen3.8-27b").kernel_basis)
     assert not any("fused_gdn_point" in line for line in _model("qwen3.8-27b", recompute="none").kernel_basis)
+
+
+def test_a_multi_layer_recompute_chunk_re_materialises_at_least_the_kernel_kept_layers():
+    """A chunk of num_layers recomputed layers holds num_layers - 1 re-materialised layers beside
+    the recomputed one: on the GDN kernel-model path each at least what the kernel models keep
+    (`gdn_kernel_terms.kernel_kept_per_row`), not the fitted retained layer alone."""
+    from waveplan.pricing import layer_arrays
+
+    g = load_preset("qwen3.8-27b")
+    g = dataclasses.replace(g, layers=g.layers[:4])
+    one = PricingModel.build(g, recompute=Recompute(mode="full")).layer_context()
+    four = PricingModel.build(g, recompute=Recompute(mode="full", num_layers=4)).layer_context()
+    assert one.fused_gdn_point and four.fused_gdn_point
+    for i, layer in enumerate(g.layers):
+        kept = gdn_kernel_terms.kernel_kept_per_row(four, layer)
+        grown = layer_arrays.layer_row(four, i, layer).workspace - layer_arrays.layer_row(one, i, layer).workspace
+        assert grown >= 3 * kept - 1e-6, (i, layer.mixer)

@@ -362,23 +362,36 @@ def test_the_seed_gpu_measurements_stay_covered():
     assert rank_rows(model, 25_728) * model.charges.walk.retained.sum() == 4_215_275_520
 
 
-@pytest.mark.parametrize("head_dim,on_kernels", [(48, False), (64, True), (72, False), (80, True),
-                                                 (104, False), (128, True), (200, False), (256, True)])
-def test_flash_fp32_bounds_decide_the_kernel_path(head_dim, on_kernels):
-    """The fused terms bound flash-attn's fp32 dq_accum by 4.8 core and softmax_d by 0.0625 core
-    (4 x rounded(d) / d and 4 / d): a plain-attention head dim outside them (d < 64, or rounded(d)
-    above 1.2 d) keeps the fitted terms, dense and MoE, retained and recomputed."""
-    from waveplan.pricing.layers.context import flash_bounds_hold
+@pytest.mark.parametrize("head_dim", [40, 48, 64, 72, 80, 104, 128, 200, 256])
+def test_flash_fp32_tensors_beyond_the_bounds_are_charged(head_dim):
+    """The fused terms bound flash-attn's fp32 log-sum-exp / softmax_d by 0.0625 core and its dq
+    accumulator by 4.8 core (4 / d and 4 x rounded(d) / d); a head dim outside them (d < 64, or
+    rounded(d) above 1.2 d) stays on the kernel path and each attention layer is charged the
+    excess: the log-sum-exp kept, softmax_d and the accumulator in its backward."""
+    from waveplan.pricing import layer_arrays
+    from waveplan.pricing.fsdp.terms import flash_head_rounded
 
-    for name in ("qwen3-8b", "qwen3-30b-a3b"):
-        g = load_preset(name)
-        g = dataclasses.replace(g, attention=dataclasses.replace(g.attention, head_dim=head_dim))
-        assert flash_bounds_hold(g) == on_kernels
-        for mode in ("none", "full"):
-            ctx = PricingModel.build(g, recompute=Recompute(mode=mode)).layer_context()
-            assert ctx.kernel_retained == (on_kernels and mode == "none"), (name, mode)
-            if name == "qwen3-8b" and mode == "full":
-                assert ctx.fused_point == on_kernels
+    g = load_preset("qwen3-8b")
+    g = dataclasses.replace(g, attention=dataclasses.replace(g.attention, head_dim=head_dim),
+                            layers=g.layers[:2])
+    for mode in ("none", "full"):
+        ctx = PricingModel.build(g, recompute=Recompute(mode=mode)).layer_context()
+        assert ctx.on_kernel_models, mode
+        core = ctx.widths["core"]
+        lse = core * max(0.0, 4 / head_dim - 1 / 16)
+        acc = core * max(0.0, 4 * flash_head_rounded(head_dim) / head_dim - 4.8)
+        assert layout_terms.flash_fp32_excess_per_row(ctx.widths, head_dim) == (lse, lse + acc)
+        assert (lse + acc > 0) == (head_dim < 64 or 5 * flash_head_rounded(head_dim) > 6 * head_dim)
+        row = layer_arrays.layer_row(ctx, 1, g.layers[1])
+        zero = layout_terms.flash_fp32_excess_per_row
+        try:
+            layout_terms.flash_fp32_excess_per_row = lambda w, d: (0.0, 0.0)
+            bare = layer_arrays.layer_row(ctx, 1, g.layers[1])
+        finally:
+            layout_terms.flash_fp32_excess_per_row = zero
+        if mode == "none":
+            assert row.retained - bare.retained == pytest.approx(lse)
+        assert row.workspace - bare.workspace >= lse + acc - 1e-6
 
 
 def test_retained_moe_charges_what_a_gpu_runs_router_may_keep():
