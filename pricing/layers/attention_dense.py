@@ -25,6 +25,9 @@ def stage(ctx: LayerContext, layer: LayerSpec, *, mixer: float | None = None) ->
     attention's), and whether it is a structural point (no layout residual beside it)."""
     t, widths = ctx.table, ctx.widths
     rope_rows = rope_cache_per_row(ctx.geometry, [layer])
+    if ctx.fused_point or ctx.fused_retained or ctx.fused_gdn_retained:
+        # the fused kernels' points charge the adapters' rank-wide tensors (the LoRA rank's widths)
+        widths = ctx.widths_r
     if ctx.full and (ctx.tp1_structural or ctx.fused_point):
         # a plain dense model's TP1 layer at its FC1 backward, or with the fused kernels its
         # recomputed FC1's forward at any TP (layout_terms.tp1_fc1_point_per_row); under CP

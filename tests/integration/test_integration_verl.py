@@ -106,11 +106,14 @@ def test_micro_batches_cover_the_batch_once_and_verl_restores_the_order(planner,
 
 
 def verl_fits(planner, lengths, idx, free) -> bool:
-    """veRL's micro-batches, priced in veRL's run order (the first allocates the gradients)."""
+    """veRL's micro-batches, priced in veRL's run order (the first allocates the gradients),
+    each beside the RoPE cache entries the ones before it left, as waveplan's waves are."""
     step = Step.from_lengths(np.zeros(len(lengths), np.int64), lengths)
     pricer = planner.pricer(step)
-    return all(pricer.price([np.array(part)], first_slots=FIRST if k == 0 else frozenset()).admitted_bytes
-               <= free for k, part in enumerate(idx))
+    parts = [np.array(part) for part in idx]
+    earlier = pricer.earlier_entries([pricer.group_loads([part]) for part in parts])
+    return all(pricer.plus_earlier(pricer.price([part], first_slots=FIRST if k == 0 else frozenset()),
+                                   earlier[k]).admitted_bytes <= free for k, part in enumerate(parts))
 
 
 # (batch, free GiB) -> wave counts: the report quotes these (docs/integration.md)

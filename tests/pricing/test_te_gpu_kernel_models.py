@@ -409,3 +409,22 @@ def test_retained_moe_charges_what_a_gpu_runs_router_may_keep():
         row_id_map, aux_scores = 4 * (2 * w["experts"] + 1), 4 * w["experts"]
         # the map's 4 constant bytes are covered by the unfused indices still charged beside it
         assert kept - less == 12 * w["experts"] / tp >= (row_id_map + aux_scores - 8 * w["top_k"]) / tp
+
+
+def test_the_kernel_points_charge_the_adapters_rank_wide_tensors():
+    """The fused kernels' stage points (the recomputed FC1 point's 6 rank, the retained backward's
+    8 rank) are priced at the LoRA rank's widths, so a larger rank prices the stage higher."""
+    from waveplan.pricing import layer_arrays
+
+    g = load_preset("qwen3-8b")
+    g = dataclasses.replace(g, layers=g.layers[:2])
+    for mode, ranks in (("full", 6), ("none", 8)):
+        rows = []
+        for rank in (16, 256):
+            model = PricingModel(geometry=g, parallel=ParallelLayout(), recompute=Recompute(mode=mode),
+                                 lora=LoraConfig(slots=(LoraSlot(rank=rank),), grad_bytes=2),
+                                 table=load_table("te-gpu"), head="full-native", safety=1.0)
+            ctx = model.layer_context()
+            assert ctx.fused_point or ctx.fused_retained
+            rows.append(layer_arrays.layer_row(ctx, 1, g.layers[1]).workspace)
+        assert rows[1] - rows[0] >= ranks * (256 - 16), mode
