@@ -85,28 +85,19 @@ te_cell deepseek-v2-lite 4 none short
 te_cell qwen3.8-27b 4 none short
 te_cell qwen3.8-27b 4 full short
 "$PY" - "$OUT/gpu_te_gpu_traces.jsonl" <<'PYEOF'
-import dataclasses, json, sys
-import numpy as np
-from waveplan.pricing.geometry import ModelGeometry
-from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import PricingModel
-from waveplan.pricing.coefficients import load_table
-from waveplan.pricing.parallel import ParallelLayout, Recompute
-from waveplan.pricing.step import Request, Step
-from waveplan.pricing.wave_pricer import WavePricer
+import json, sys
+sys.path.insert(0, "bench")
+from multirank_grid import current_estimate
 for line in open(sys.argv[1], encoding="utf-8"):
     rec = json.loads(line)
-    g = ModelGeometry.from_dict(rec["geometry"])
-    g = dataclasses.replace(g, layers=g.layers[:rec["num_layers"]])
-    model = PricingModel(geometry=g, parallel=ParallelLayout(), recompute=Recompute(mode=rec["recompute"]["mode"]),
-                         lora=LoraConfig(slots=(LoraSlot(rank=rec["lora_rank"] or 16),), grad_bytes=2),
-                         table=load_table(rec.get("kernels", "torch-cpu")), head=rec["head"], safety=1.0)
-    step = Step.from_requests([Request(id=f"r{i}", num_tokens=int(n)) for i, n in enumerate(rec["seq_lens"])])
-    price = WavePricer.build(step, model, profiled=True).price([np.arange(len(step.requests))],
-                                                             first_slots=frozenset({"default"}))
-    print(f"{rec.get('kernels', 'torch-cpu')} {rec['model']} {rec['num_layers']} layers {rec['recompute']['mode']} {rec['tokens']} tokens: "
-          f"peak {rec['peak_bytes']:,d} B, priced {price.raw_bytes:,.0f} B, "
-          f"{price.raw_bytes / rec['peak_bytes']:.3f} ({price.basis})", flush=True)
+    table = rec.get("kernels", "torch-cpu")
+    cell = {"geometry": rec["geometry"], "num_layers": rec["num_layers"], "layout": {},
+            "recompute": rec["recompute"]["mode"], "lora_rank": rec["lora_rank"] or 16,
+            "seq_lens": rec["seq_lens"]}
+    price = current_estimate(cell, table=table, head=rec["head"])
+    print(f"{table} {rec['model']} {rec['num_layers']} layers {rec['recompute']['mode']} {rec['tokens']} tokens: "
+          f"peak {rec['peak_bytes']:,d} B, priced {price['raw_bytes']:,.0f} B, "
+          f"{price['raw_bytes'] / rec['peak_bytes']:.3f} ({price['basis']})", flush=True)
 PYEOF
 rm -rf "$STEPS"
 echo "wrote $OUT/gpu_fsdp_traces.jsonl, $OUT/gpu_megatron_traces.jsonl and $OUT/gpu_te_gpu_traces.jsonl"

@@ -35,11 +35,7 @@ def run(model: str, recompute: str, top: int = 30) -> list[str]:
     from waveplan.pricing.measure.live_anatomy import anatomy_tracker_class
     from waveplan.pricing.parallel import Recompute
 
-    cells = [c for c in grid.planned_heldout() + grid.planned()
-             if c["model"] == model and c["recompute"] == recompute and not c["layout"]]
-    if not cells:
-        raise SystemExit(f"model/recompute: no TP1 te-gpu grid cell {model} {recompute}")
-    cell = cells[0]
+    cell = grid.tp1_cell(model, recompute)
     base = anatomy_tracker_class()
     trackers: list = []
 

@@ -312,6 +312,15 @@ def planned() -> list[dict]:
     return cells
 
 
+def tp1_cell(model: str, recompute: str) -> dict:
+    """The first TP1 cell (held out, then the grid) of `model` at `recompute`; exits with a line
+    naming them when there is none (the anatomy scripts' cell)."""
+    for cell in planned_heldout() + planned():
+        if cell["model"] == model and cell["recompute"] == recompute and not cell["layout"]:
+            return cell
+    raise SystemExit(f"model/recompute: no TP1 te-gpu grid cell {model} {recompute}")
+
+
 def geometry_of(model: str):
     from waveplan.pricing.geometry import ModelGeometry
     from waveplan.pricing.presets import load_preset
@@ -444,10 +453,11 @@ def class_of(cell: dict) -> str:
     return ("TP1" if tp == 1 else "TP2/4/8") + " selective/none"
 
 
-def estimates(cell: dict) -> dict:
-    """te-gpu and torch-cpu raw estimates of a cell."""
+def estimates(cell: dict, moe_load: float | None = None) -> dict:
+    """te-gpu and torch-cpu raw estimates of a cell (under EP at the default worst-case routing
+    load, or `moe_load`)."""
     g = geometry_of(cell["model"])
-    return {t: current_estimate(cell, table=t, head=cell["head"], geometry=g)
+    return {t: current_estimate(cell, table=t, head=cell["head"], geometry=g, moe_load=moe_load)
             for t in ("te-gpu", "torch-cpu")}
 
 
@@ -479,11 +489,9 @@ def report_lines(records: list[dict]) -> list[str]:
         for t, r in ratios.items():
             by_class.setdefault(class_of(cell), {}).setdefault(t, []).append(r)
         if lay.get("ep", 1) > 1:
-            for t in est:
-                at_load = current_estimate(cell, table=t, head=cell["head"],
-                                           geometry=geometry_of(cell["model"]), moe_load=1.0)
+            for t, e in estimates(cell, moe_load=1.0).items():
                 by_class.setdefault(class_of(cell) + AT_TRACED_LOAD, {}).setdefault(t, []).append(
-                    at_load["raw_bytes"] / tr["peak_bytes"])
+                    e["raw_bytes"] / tr["peak_bytes"])
         name = f"TP{lay['tp']}" + ("+SP" if lay["sequence_parallel"] else "") + (
             f"+CP{lay['cp']}" if lay["cp"] > 1 else "") + (f"+EP{lay['ep']}" if lay.get("ep", 1) > 1 else "")
         lines.append(f"{cell['model']:<18} {name:<9} {cell['recompute']:<9} {cell['head']:<11} "

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 from bench_modules import BENCH, bench_module
+from pricing_fixtures import layers_model
 
 from waveplan.pricing import layout_terms
 from waveplan.pricing.coefficients import load_table
@@ -421,10 +422,7 @@ def test_the_kernel_points_charge_the_adapters_rank_wide_tensors():
     for mode, ranks in (("full", 6), ("none", 8)):
         rows = []
         for rank in (16, 256):
-            model = PricingModel(geometry=g, parallel=ParallelLayout(), recompute=Recompute(mode=mode),
-                                 lora=LoraConfig(slots=(LoraSlot(rank=rank),), grad_bytes=2),
-                                 table=load_table("te-gpu"), head="full-native", safety=1.0)
-            ctx = model.layer_context()
+            ctx = layers_model(g, recompute=mode, rank=rank).layer_context()
             assert ctx.fused_point or ctx.fused_retained
             rows.append(layer_arrays.layer_row(ctx, 1, g.layers[1]).workspace)
         assert rows[1] - rows[0] >= ranks * (256 - 16), mode

@@ -10,13 +10,12 @@ import dataclasses
 import numpy as np
 import pytest
 from bench_modules import BENCH, bench_module
+from pricing_fixtures import layers_model
 
 from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.geometry import ModelGeometry
 from waveplan.pricing.layers import mla
-from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import PricingModel
-from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.parallel import ParallelLayout
 from waveplan.pricing.presets import load_preset
 
 RESULTS = BENCH / "results"
@@ -26,14 +25,6 @@ CLASSES = ("MLA TP1 dense MLP full", "MLA TP1 dense MLP selective/none")
 @pytest.fixture(scope="module")
 def grid():
     return bench_module("te_gpu_grid")
-
-
-def _model(geometry, *, table="te-gpu", recompute="none", parallel=None, layers=2):
-    g = dataclasses.replace(geometry, layers=geometry.layers[:layers])
-    return PricingModel(geometry=g, parallel=parallel or ParallelLayout(),
-                        recompute=Recompute(mode=recompute),
-                        lora=LoraConfig(slots=(LoraSlot(rank=16),), grad_bytes=2),
-                        table=load_table(table), head="full-native", safety=1.0)
 
 
 @pytest.mark.parametrize("which,cells", [("traces_te_gpu.jsonl", 3), ("traces_te_gpu_heldout.jsonl", 6)])
@@ -61,14 +52,14 @@ def test_the_kernel_path_takes_dense_mla_layers_at_tp1_only(grid):
     under full recompute."""
     g = grid.geometry_of("grid-mla-h1024")
     for rc in ("full", "selective", "none"):
-        ctx = _model(g, recompute=rc).layer_context()
+        ctx = layers_model(g, recompute=rc).layer_context()
         assert ctx.fused_mla and all(mla.on_kernels(ctx, layer) for layer in ctx.geometry.layers)
-    assert not _model(g, table="torch-cpu").layer_context().fused_mla
+    assert not layers_model(g, table="torch-cpu").layer_context().fused_mla
     for par in (ParallelLayout(tp=2), ParallelLayout(cp=2)):
-        assert not _model(g, parallel=par).layer_context().fused_mla, par
+        assert not layers_model(g, parallel=par).layer_context().fused_mla, par
     # a MoE MLP's MLA layer keeps the fitted terms under full recompute (retained, it takes the
     # composed MLA + MoE terms: tests/pricing/test_te_gpu_mla_moe.py)
-    ds = _model(load_preset("deepseek-v2-lite"), recompute="full").layer_context()
+    ds = layers_model(load_preset("deepseek-v2-lite"), recompute="full").layer_context()
     dense, moe = ds.geometry.layers
     assert mla.on_kernels(ds, dense) and not mla.on_kernels(ds, moe)
     # the MoE-MLP layer keeps exactly what the fitted MLA path charged it
@@ -77,7 +68,7 @@ def test_the_kernel_path_takes_dense_mla_layers_at_tp1_only(grid):
         mla.retained(fitted, 1, moe, extra=0.0, moe_extra=0.0)
     assert mla.stage(ds, moe) == mla.stage(fitted, moe)
     # and the kernel path's basis line says so
-    assert any("fused_mla_layer" in line for line in _model(g).kernel_basis)
+    assert any("fused_mla_layer" in line for line in layers_model(g).kernel_basis)
 
 
 def test_mla_terms_by_their_formula():
@@ -85,7 +76,7 @@ def test_mla_terms_by_their_formula():
     layer, its backward and the recomputed point, as docs/memory-model.md#mla-kernel-models writes
     them (deepseek-v2-lite's widths: 16 heads, qk 192, v 128, kv latent 512, rope 64)."""
     g = load_preset("deepseek-v2-lite")
-    ctx = _model(g).layer_context()
+    ctx = layers_model(g).layer_context()
     w = mla.mla_widths(ctx)
     H, F, r = 2048, 10944, 16
     qk, core, heads, latent, rope = 16 * 192, 16 * 128, 16, 512, 64
@@ -103,7 +94,7 @@ def test_mla_terms_by_their_formula():
         fc1, fc2, 12 * r + 4 * H + flash)
     # a query latent counts in `latent`; flash's accumulator rounds the qk head to 32
     q = ModelGeometry.from_dict(dict(grid_shape("grid-mla-h768")))
-    wq = mla.mla_widths(_model(q).layer_context())
+    wq = mla.mla_widths(layers_model(q).layer_context())
     assert wq["latent"] == 384 + 192 and wq["qk_acc"] == 12 * 64
 
 
@@ -118,12 +109,12 @@ def test_mla_kernel_terms_lower_the_fitted_price_without_moving_other_models():
     te = load_table("te-gpu")
     bare = dataclasses.replace(te, terms={k: v for k, v in te.terms.items() if k != "fused_mla_layer"})
     for rc in ("full", "none"):
-        with_terms = _model(g, recompute=rc).charges.walk.retained.sum()
-        model = dataclasses.replace(_model(g, recompute=rc), table=bare)
+        with_terms = layers_model(g, recompute=rc).charges.walk.retained.sum()
+        model = dataclasses.replace(layers_model(g, recompute=rc), table=bare)
         assert not model.layer_context().fused_mla
         if rc == "none":
             assert with_terms < model.charges.walk.retained.sum()
     dense = load_preset("qwen3-8b")
-    a = _model(dense).charges.walk
-    b = dataclasses.replace(_model(dense), table=bare).charges.walk
+    a = layers_model(dense).charges.walk
+    b = dataclasses.replace(layers_model(dense), table=bare).charges.walk
     assert np.array_equal(a.retained, b.retained) and np.array_equal(a.workspace, b.workspace)

@@ -9,14 +9,13 @@ import dataclasses
 
 import pytest
 from bench_modules import BENCH, bench_module
+from pricing_fixtures import layers_model
 
 from waveplan.pricing import layout_terms
 from waveplan.pricing.coefficients import load_table
 from waveplan.pricing.geometry import MlpKind
 from waveplan.pricing.layers import mla
-from waveplan.pricing.lora import LoraConfig, LoraSlot
-from waveplan.pricing.model import PricingModel
-from waveplan.pricing.parallel import ParallelLayout, Recompute
+from waveplan.pricing.parallel import ParallelLayout
 from waveplan.pricing.presets import load_preset
 
 RESULTS = BENCH / "results"
@@ -31,14 +30,6 @@ SHAPES = ("grid-mla-moe-h768", "grid-mla-moe-h640", "grid-mla-moe-h896", "grid-m
 @pytest.fixture(scope="module")
 def grid():
     return bench_module("te_gpu_grid")
-
-
-def _model(geometry, *, table="te-gpu", recompute="none", parallel=None, layers=2):
-    g = dataclasses.replace(geometry, layers=geometry.layers[:layers])
-    return PricingModel(geometry=g, parallel=parallel or ParallelLayout(),
-                        recompute=Recompute(mode=recompute),
-                        lora=LoraConfig(slots=(LoraSlot(rank=16),), grad_bytes=2),
-                        table=load_table(table), head="full-native", safety=1.0)
 
 
 def _ratios(grid, which, model):
@@ -75,17 +66,17 @@ def test_the_composition_takes_retained_mla_moe_layers_at_tp1_cp1_ep1_only(grid)
     composed); full recompute, torch-cpu, TP2, CP2 and EP2 keep the fitted MoE-MLA layer."""
     ds = load_preset("deepseek-v2-lite")
     for rc in ("selective", "none"):
-        ctx = _model(ds, recompute=rc).layer_context()
+        ctx = layers_model(ds, recompute=rc).layer_context()
         assert ctx.fused_moe_retained and ctx.mla_on_kernels
         assert all(mla.on_kernels(ctx, layer) for layer in ctx.geometry.layers)
-    full = _model(ds, recompute="full").layer_context()
+    full = layers_model(ds, recompute="full").layer_context()
     assert not full.fused_moe_retained and not full.mla_on_kernels
     assert not mla.on_kernels(full, full.geometry.layers[1])
-    assert not _model(ds, table="torch-cpu").layer_context().fused_moe_retained
+    assert not layers_model(ds, table="torch-cpu").layer_context().fused_moe_retained
     for par in (ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(ep=2)):
-        ctx = _model(ds, parallel=par).layer_context()
+        ctx = layers_model(ds, parallel=par).layer_context()
         assert not (ctx.fused_mla and ctx.fused_moe_retained), par
-    assert any("MoE MLP" in line for line in _model(ds).kernel_basis)
+    assert any("MoE MLP" in line for line in layers_model(ds).kernel_basis)
 
 
 def test_composed_terms_by_their_formula():
@@ -94,7 +85,7 @@ def test_composed_terms_by_their_formula():
     point adds the MoE forward's additions and the shared expert's output; the backward is the
     largest of the experts', the shared expert's and MLA's."""
     ds = load_preset("deepseek-v2-lite")
-    ctx = _model(ds).layer_context()
+    ctx = layers_model(ds).layer_context()
     w = mla.mla_widths(ctx)
     H, r, ef, sf = w["H"], w["rank"], w["expert_ffn"], w["shared_ffn"]
     routed = 6
@@ -130,6 +121,6 @@ def test_the_composition_leaves_other_models_alone():
                if name == "fused_retained_layer" else e) for name, e in t.terms.items()})
     for name in ("qwen3-30b-a3b", "qwen3-8b"):
         g = load_preset(name)
-        a = _model(g).charges.walk
-        b = dataclasses.replace(_model(g), table=stripped).charges.walk
+        a = layers_model(g).charges.walk
+        b = dataclasses.replace(layers_model(g), table=stripped).charges.walk
         assert (a.retained == b.retained).all() and (a.workspace == b.workspace).all(), name
